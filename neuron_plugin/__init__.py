@@ -1,0 +1,83 @@
+"""vLLM platform plugin for AWS Neuron (entry point `vllm.platform_plugins: neuron`).
+
+`register()` decides whether this platform activates. It must never activate by accident
+on a plain CPU or GPU host, so it activates only when
+1. `VLLM_NEURON_BACKEND` is `nxd` or `reference` (explicit choice of backend), or
+2. Neuron devices exist (`/dev/neuron*`): the NxD Inference backend, or
+3. the command line says `--device neuron`: NxD on a Neuron host, otherwise the CPU
+   reference backend, with one log line saying so and how to choose otherwise.
+The decision is written to `VLLM_NEURON_BACKEND` so engine processes started later
+(vLLM spawns them) make the same one.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+
+
+def plugin_logger(name: str) -> logging.Logger:
+    """A logger under vLLM's `vllm` logger, so plugin lines share its format and level."""
+    return logging.getLogger(f"vllm.{name}")
+
+
+logger = plugin_logger(__name__)
+
+BACKENDS = ("nxd", "reference")
+
+BACKEND_ENV = "VLLM_NEURON_BACKEND"
+PLATFORM_QUALNAME = "neuron_plugin.platform.NeuronPlatform"
+
+
+def neuron_devices() -> list[str]:
+    return sorted(glob.glob("/dev/neuron[0-9]*"))
+
+
+def asks_for_neuron(argv: Sequence[str]) -> bool:
+    """True when the command line carries `--device neuron` or `--device=neuron`."""
+    for i, arg in enumerate(argv):
+        if arg == "--device=neuron":
+            return True
+        if arg == "--device" and i + 1 < len(argv) and argv[i + 1] == "neuron":
+            return True
+    return False
+
+
+def choose_backend(env: Mapping[str, str], argv: Sequence[str], devices: Sequence[str]) -> str | None:
+    """The backend to run, or None when this platform should stay inactive (pure)."""
+    chosen = env.get(BACKEND_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in BACKENDS:
+            raise ValueError(
+                f"{BACKEND_ENV}={env[BACKEND_ENV]!r} is not a Neuron backend; set it to "
+                f"'nxd' (NxD Inference on Neuron devices) or 'reference' (CPU), or unset "
+                f"it."
+            )
+        return chosen
+    if devices:
+        return "nxd"
+    if asks_for_neuron(argv):
+        return "reference"
+    return None
+
+
+def register() -> str | None:
+    """vLLM platform-plugin entry point: the platform's qualified name, or None."""
+    devices = neuron_devices()
+    explicit = os.environ.get(BACKEND_ENV)
+    backend = choose_backend(os.environ, sys.argv, devices)
+    if backend is None:
+        return None
+    if not explicit:
+        os.environ[BACKEND_ENV] = backend
+        if backend == "reference":
+            logger.warning(
+                "--device neuron on a host without Neuron devices: serving on the CPU "
+                "reference backend (same buckets, KV layouts and compile cache as NxD). "
+                "Set %s=nxd on an inf2/trn host, or drop --device neuron to use vLLM's "
+                "own platform.", BACKEND_ENV)
+    return PLATFORM_QUALNAME

@@ -1,0 +1,104 @@
+"""The NxD model contract every backend fulfils, written down once.
+
+A backend compiles one graph per bucket into a folder, loads a folder of graphs plus the
+checkpoint's weights, owns the KV cache, and runs `forward` with the contract's
+arguments (`neuron_plugin.inputs.ForwardInputs`), returning logits for the real rows.
+`nxd.py` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
+CPU, so everything above this seam is exercised without hardware.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from neuron_plugin.config import NeuronConfigError, NeuronSettings
+from neuron_plugin.inputs import CONTEXT_ENCODING, TOKEN_GENERATION, ForwardInputs
+
+GRAPHS_FILE = "graphs.json"
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One compiled graph: its phase and the static shape it was compiled for."""
+
+    phase: str
+    shape: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        dims = "x".join(str(d) for d in self.shape)
+        return f"{'cte' if self.phase == CONTEXT_ENCODING else 'tkg'}_{dims}"
+
+
+def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
+    """Every graph a configuration needs, in compile order."""
+    return ([GraphSpec(CONTEXT_ENCODING, s) for s in settings.context_encoding_shapes()]
+            + [GraphSpec(TOKEN_GENERATION, s) for s in settings.token_generation_shapes()])
+
+
+def artifact_record(settings: NeuronSettings, extra: dict[str, Any]) -> dict[str, Any]:
+    """What a compiled folder was built for: checked at load so a mismatch (e.g. a block
+    count) is an error naming both values, never an out-of-bounds crash at run time."""
+    return {
+        "format": 1,
+        "backend": settings.backend,
+        "kv_layout": settings.kv_layout,
+        "block_size": settings.block_size,
+        "num_blocks": settings.num_blocks,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "graphs": [g.name for g in graph_specs(settings)],
+        **extra,
+    }
+
+
+def write_artifact_record(folder: Path, record: dict[str, Any]) -> None:
+    (folder / GRAPHS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def check_artifact_record(folder: Path, expected: dict[str, Any]) -> None:
+    """Refuse artifacts compiled for another configuration."""
+    path = folder / GRAPHS_FILE
+    if not path.exists():
+        raise NeuronConfigError(
+            f"{folder} holds no {GRAPHS_FILE}: it is not a compiled-artifact folder of "
+            f"this plugin; remove it or point the compile cache elsewhere."
+        )
+    found = json.loads(path.read_text())
+    differing = sorted(k for k in expected if found.get(k) != expected[k])
+    if differing:
+        details = "; ".join(f"{k}: compiled {found.get(k)!r}, configured {expected[k]!r}"
+                            for k in differing)
+        raise NeuronConfigError(
+            f"compiled artifacts in {folder} do not match this configuration ({details}); "
+            f"recompile (remove the folder) or restore the settings they were built with."
+        )
+
+
+class Backend(Protocol):
+    """What the model runner and the loader need from a backend."""
+
+    name: str
+    settings: NeuronSettings
+
+    def cache_manifest_fields(self) -> dict[str, Any]:
+        """Everything besides the settings that changes the compiled graphs."""
+
+    def compile(self, folder: Path, progress: Progress | None = None) -> None:
+        """Write one graph per bucket (and the artifact record) into an empty folder."""
+
+    def load(self, folder: Path) -> None:
+        """Load compiled graphs and weights; allocate the KV cache."""
+
+    def warmup(self) -> None:
+        """Run every graph once on padding-only inputs."""
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [inputs.num_real, vocab] for the last real token of each real row."""

@@ -1,0 +1,203 @@
+"""The CPU reference backend: the NxD contract in PyTorch, same buckets, same KV layouts.
+
+Each bucket is exported with `torch.export` to a fixed-shape graph file at compile time and
+loaded from the folder at start, so compile, cache and load behave as on Neuron, and
+every call is padded to its bucket's shape, so cost follows the bucket as it does there.
+
+The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_dim]:
+- contiguous layout: slot = seq_id * max_model_len + position, i.e. a
+  (max_num_seqs + 1, max_model_len) grid of rows; the extra row takes padding writes;
+- block layout: slot = block * block_size + offset over vLLM's num_blocks blocks (block 0
+  is vLLM's null block and takes padding writes).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neuron_plugin.backends.base import (
+    GraphSpec,
+    Progress,
+    artifact_record,
+    check_artifact_record,
+    graph_specs,
+    write_artifact_record,
+)
+from neuron_plugin.backends.reference.decoder import (
+    DecoderGraph,
+    DecoderSpec,
+    load_weights,
+    read_hf_config,
+    rope_inv_freq,
+    weight_names,
+)
+from neuron_plugin.config import NeuronSettings
+from neuron_plugin.inputs import CONTEXT_ENCODING, PAD_SEQ_ID, ForwardInputs
+from neuron_plugin import plugin_logger
+
+logger = plugin_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Architecture-config keys that do not change the graph.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                         "bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype={name!r} is not supported by the reference backend; use --dtype "
+            f"float32, bfloat16 or float16."
+        )
+    return DTYPES[name]
+
+
+class ReferenceBackend:
+    """See the module docstring."""
+
+    name = "reference"
+
+    def __init__(self, settings: NeuronSettings, model_dir: str | Path):
+        self.settings = settings
+        self.model_dir = Path(model_dir)
+        self.hf_config = read_hf_config(model_dir)
+        self.spec = DecoderSpec.from_hf_config(self.hf_config)
+        self.dtype = torch_dtype(settings.dtype)
+        inv_freq, scaling = rope_inv_freq(self.hf_config, self.spec.head_dim)
+        self.module = DecoderGraph(self.spec, inv_freq, scaling)
+        self.graphs: dict[tuple[str, tuple[int, ...]], torch.nn.Module] = {}
+        self.weights: list[torch.Tensor] = []
+        self.k_cache = self.v_cache = None
+
+    # -- geometry ------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        s = self.settings
+        if s.is_block_layout:
+            return s.num_blocks * s.block_size
+        return (s.max_num_seqs + 1) * s.max_model_len
+
+    def _scratch_slot(self) -> int:
+        s = self.settings
+        return 0 if s.is_block_layout else s.max_num_seqs * s.max_model_len
+
+    def _record(self) -> dict[str, Any]:
+        return artifact_record(self.settings, {
+            "architecture": self.spec.architecture,
+            "dtype": self.settings.dtype,
+            "kv_slots": self.num_slots,
+            "torch": torch.__version__,
+        })
+
+    def cache_manifest_fields(self) -> dict[str, Any]:
+        model_config = {k: v for k, v in self.hf_config.items()
+                        if k not in _VOLATILE_CONFIG_KEYS}
+        return {
+            "model_config": model_config,
+            "target": {"device": "cpu", "machine": platform.machine()},
+            "versions": {"torch": torch.__version__},
+            "compiler_flags": [],
+            # Graphs take weights as inputs, so they do not depend on the checkpoint.
+            "weights_fingerprint": None,
+        }
+
+    # -- compile / load ------------------------------------------------------------
+    def _example_inputs(self, graph: GraphSpec, weights: list[torch.Tensor]) -> tuple:
+        if graph.phase == CONTEXT_ENCODING:
+            batch, active = 1, graph.shape[0]
+            width = active + (graph.shape[1] if len(graph.shape) > 1 else 0)
+        else:
+            batch, active, width = graph.shape[0], 1, graph.shape[1]
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64)  # noqa: E731
+        cache = torch.zeros(self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
+                            self.spec.head_dim, dtype=self.dtype)
+        return (weights, zeros(batch, active), zeros(batch, active), zeros(batch, active),
+                zeros(batch, width), zeros(batch), zeros(batch), cache, cache.clone())
+
+    def _weight_placeholders(self) -> list[torch.Tensor]:
+        """Shapes from the safetensors headers: compiling needs no weight data."""
+        from safetensors import safe_open
+
+        shapes: dict[str, list[int]] = {}
+        for path in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = f.get_slice(key).get_shape()
+        return [torch.zeros(shapes[n], dtype=self.dtype) for n in weight_names(self.spec)]
+
+    def compile(self, folder: Path, progress: Progress | None = None) -> None:
+        folder = Path(folder)
+        (folder / "graphs").mkdir(parents=True, exist_ok=True)
+        weights = self._weight_placeholders()
+        for graph in graph_specs(self.settings):
+            exported = torch.export.export(self.module, self._example_inputs(graph, weights))
+            torch.export.save(exported, str(folder / "graphs" / f"{graph.name}.pt2"))
+            if progress:
+                progress(graph.name)
+        write_artifact_record(folder, self._record())
+
+    def load(self, folder: Path) -> None:
+        folder = Path(folder)
+        check_artifact_record(folder, self._record())
+        self.graphs = {
+            (g.phase, g.shape): torch.export.load(str(folder / "graphs" / f"{g.name}.pt2")).module()
+            for g in graph_specs(self.settings)
+        }
+        self.weights = load_weights(self.model_dir, self.spec, self.dtype)
+        shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
+                 self.spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        logger.info("reference backend: loaded %d graphs from %s; KV cache %s layout, "
+                    "%d slots (%.1f MiB)", len(self.graphs), folder, self.settings.kv_layout,
+                    self.num_slots, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
+
+    def warmup(self) -> None:
+        for phase, shape in self.graphs:
+            args = self._example_inputs(GraphSpec(phase, shape), self.weights)
+            self._call(phase, shape, *args[1:7])
+
+    # -- run -------------------------------------------------------------------------
+    def _slots(self, inputs: ForwardInputs) -> tuple[np.ndarray, np.ndarray]:
+        """Contract arrays -> (write slots, read slots) for this cache layout."""
+        s = self.settings
+        if inputs.phase == CONTEXT_ENCODING:
+            width = sum(inputs.bucket)
+        else:
+            width = inputs.bucket[1]
+        key_pos = np.arange(width, dtype=np.int64)
+        scratch = self._scratch_slot()
+        if s.is_block_layout:
+            write = np.where(inputs.slot_mapping < 0, scratch, inputs.slot_mapping)
+            blocks = np.minimum(key_pos // s.block_size, inputs.block_table.shape[1] - 1)
+            read = inputs.block_table[:, blocks] * s.block_size + key_pos % s.block_size
+            return write, read
+        rows = np.where(inputs.seq_ids == PAD_SEQ_ID, s.max_num_seqs, inputs.seq_ids)
+        base = (rows * s.max_model_len)[:, None]
+        active = inputs.input_ids.shape[1]
+        real = np.arange(active)[None, :] < (inputs.full_context_lens
+                                             - inputs.computed_context_lens)[:, None]
+        write = np.where(real, base + inputs.position_ids, scratch)
+        read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
+        return write, read
+
+    def _call(self, phase, shape, input_ids, positions, write, read, full, last):
+        graph = self.graphs[(phase, shape)]
+        with torch.inference_mode():
+            return graph(self.weights, input_ids, positions, write, read, full, last,
+                         self.k_cache, self.v_cache)
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        write, read = self._slots(inputs)
+        last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
+        t = torch.from_numpy
+        logits = self._call(inputs.phase, inputs.bucket, t(inputs.input_ids),
+                            t(inputs.position_ids), t(np.ascontiguousarray(write)),
+                            t(np.ascontiguousarray(read)), t(inputs.full_context_lens),
+                            t(last))
+        return logits[: inputs.num_real]

@@ -1,0 +1,402 @@
+"""vLLM's settings + `override_neuron_config` -> one resolved, frozen `NeuronSettings`.
+
+Everything a backend needs is decided here, once, before anything compiles: the KV
+layout and why, block size and count (vLLM's count includes its null block and equals
+NxDI's `pa_num_blocks`), and every bucket grid. Users of vllm-neuron already write
+`override_neuron_config` keys; they keep their meaning. Contradictions raise
+`NeuronConfigError` naming both settings and the fix. This module is pure: no vLLM or
+NxDI imports, so it is unit-tested over plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketing.errors import BucketError
+from bucketing.grids import nxdi_buckets, validate_grid
+from neuron_plugin import BACKENDS
+
+CONTIGUOUS = "contiguous"
+BLOCK = "block"
+DEFAULT_BLOCK_SIZE = 32
+MIN_BUCKET = 128
+
+# Keys of override_neuron_config this module interprets; any other key is passed
+# through to NxDI's NeuronConfig unchanged.
+GRID_KEYS = (
+    "context_encoding_buckets",
+    "token_generation_buckets",
+    "prefix_buckets",
+    "token_generation_batches",
+)
+INTERPRETED_KEYS = frozenset(
+    GRID_KEYS
+    + (
+        "enable_bucketing",
+        "is_prefix_caching",
+        "is_block_kv_layout",
+        "is_chunked_prefill",
+        "pa_num_blocks",
+        "pa_block_size",
+        "skip_warmup",
+        "on_device_sampling_config",
+        "tp_degree",
+        "batch_size",
+        "tkg_batch_size",
+        "ctx_batch_size",
+        "max_context_length",
+        "seq_len",
+        "torch_dtype",
+    )
+)
+
+
+class NeuronConfigError(ValueError):
+    """A configuration that cannot work; the message names the settings and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The vLLM settings that shape the compiled graphs (after the platform's defaults)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int | None
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    dtype: str
+    tp_degree: int = 1
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass(frozen=True)
+class NeuronSettings:
+    """Everything a backend needs to compile, load and run one configuration."""
+
+    backend: str
+    architecture: str
+    dtype: str
+    tp_degree: int
+    max_model_len: int
+    max_context_length: int
+    max_num_seqs: int
+    ctx_batch_size: int
+    enable_bucketing: bool
+    context_encoding_buckets: tuple[int, ...]
+    prefix_buckets: tuple[int, ...]
+    token_generation_buckets: tuple[int, ...]
+    token_generation_batches: tuple[int, ...]
+    kv_layout: str
+    kv_layout_reason: str
+    block_size: int
+    num_blocks: int
+    is_prefix_caching: bool
+    is_chunked_prefill: bool
+    on_device_sampling: bool
+    skip_warmup: bool
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_block_layout(self) -> bool:
+        return self.kv_layout == BLOCK
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a padded block table (the NxD contract pads to this)."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def context_encoding_shapes(self) -> list[tuple[int, ...]]:
+        """(active tokens,) or, for the block layout, (active tokens, prefix length)."""
+        if self.is_block_layout:
+            return [(n, p) for n in self.context_encoding_buckets for p in self.prefix_buckets]
+        return [(n,) for n in self.context_encoding_buckets]
+
+    def token_generation_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context length) for every token-generation graph."""
+        return [(b, n) for b in self.token_generation_batches
+                for n in self.token_generation_buckets]
+
+    def graph_count(self) -> int:
+        return len(self.context_encoding_shapes()) + len(self.token_generation_shapes())
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["passthrough"] = dict(self.passthrough)
+        return json.loads(json.dumps(data))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
+        values = dict(data)
+        for key in GRID_KEYS:
+            values[key] = tuple(values[key])
+        return cls(**values)
+
+
+def _error(message: str) -> NeuronConfigError:
+    return NeuronConfigError(message)
+
+
+def _int_setting(override: Mapping[str, Any], key: str) -> int | None:
+    value = override.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _error(
+            f"override_neuron_config.{key}={value!r} must be a positive integer; "
+            f"fix the value or remove the key."
+        )
+    return value
+
+
+def _bool_setting(override: Mapping[str, Any], key: str) -> bool | None:
+    value = override.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _error(
+            f"override_neuron_config.{key}={value!r} must be true or false."
+        )
+    return value
+
+
+def _agree(override: Mapping[str, Any], key: str, vllm_name: str, vllm_value: Any) -> None:
+    """NxDI keys that duplicate a vLLM setting must match it: vLLM's value wins nowhere
+    silently, so a mismatch is an error rather than an overwrite."""
+    if key in override and override[key] != vllm_value:
+        raise _error(
+            f"override_neuron_config.{key}={override[key]!r} contradicts vLLM's "
+            f"{vllm_name}={vllm_value!r}; remove the key or set {vllm_name} to the same "
+            f"value."
+        )
+
+
+def resolve_kv_layout(limits: EngineLimits, override: Mapping[str, Any]) -> tuple[str, str]:
+    """Contiguous unless prefix caching or chunked prefill needs blocks (the findings:
+    block layout costs latency, so it is used only when a feature requires it)."""
+    block_kv = _bool_setting(override, "is_block_kv_layout")
+    prefix = _bool_setting(override, "is_prefix_caching")
+    if prefix is not None and prefix != limits.enable_prefix_caching:
+        flag = "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching"
+        raise _error(
+            f"override_neuron_config.is_prefix_caching={prefix} contradicts vLLM's "
+            f"enable_prefix_caching={limits.enable_prefix_caching}; pass {flag} or "
+            f"remove is_prefix_caching."
+        )
+    chunked = _bool_setting(override, "is_chunked_prefill")
+    if chunked is not None and chunked != limits.enable_chunked_prefill:
+        flag = "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"
+        raise _error(
+            f"override_neuron_config.is_chunked_prefill={chunked} contradicts vLLM's "
+            f"enable_chunked_prefill={limits.enable_chunked_prefill}; pass {flag} or "
+            f"remove is_chunked_prefill."
+        )
+    needs_blocks = [
+        name for name, on in (
+            ("prefix caching", limits.enable_prefix_caching),
+            ("chunked prefill", limits.enable_chunked_prefill),
+        ) if on
+    ]
+    if needs_blocks:
+        if block_kv is False:
+            raise _error(
+                f"override_neuron_config.is_block_kv_layout=false cannot serve "
+                f"{' and '.join(needs_blocks)}, which reads the KV cache through block "
+                f"tables; remove is_block_kv_layout or disable "
+                f"{' and '.join(needs_blocks)}."
+            )
+        return BLOCK, f"{' and '.join(needs_blocks)} on"
+    if block_kv:
+        return BLOCK, "override_neuron_config.is_block_kv_layout=true"
+    return CONTIGUOUS, "prefix caching and chunked prefill off"
+
+
+def required_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """Blocks for `max_num_seqs` full-length sequences plus vLLM's null block
+    (true ceiling division: a partial last block is still a block)."""
+    return max_num_seqs * math.ceil(max_model_len / block_size) + 1
+
+
+def resolve_blocks(limits: EngineLimits, override: Mapping[str, Any],
+                   kv_layout: str) -> tuple[int, int]:
+    """(block_size, num_blocks including the null block) for the chosen layout."""
+    pa_block_size = _int_setting(override, "pa_block_size")
+    pa_num_blocks = _int_setting(override, "pa_num_blocks")
+    if kv_layout == CONTIGUOUS:
+        for key in ("pa_block_size", "pa_num_blocks"):
+            if key in override:
+                raise _error(
+                    f"override_neuron_config.{key} applies to the block KV layout, but "
+                    f"the layout is contiguous (prefix caching and chunked prefill off); "
+                    f"remove {key} or enable --enable-prefix-caching."
+                )
+        # One vLLM block per sequence (block_size = max_model_len) and one per slot.
+        return limits.max_model_len, limits.max_num_seqs + 1
+
+    block_size = limits.block_size or DEFAULT_BLOCK_SIZE
+    if pa_block_size is not None and pa_block_size != block_size:
+        raise _error(
+            f"override_neuron_config.pa_block_size={pa_block_size} differs from vLLM's "
+            f"block_size={block_size}; pass --block-size {pa_block_size} or remove "
+            f"pa_block_size (it follows --block-size)."
+        )
+    override_blocks = limits.num_gpu_blocks_override
+    if (pa_num_blocks is not None and override_blocks is not None
+            and pa_num_blocks != override_blocks):
+        raise _error(
+            f"override_neuron_config.pa_num_blocks={pa_num_blocks} differs from vLLM's "
+            f"num_gpu_blocks_override={override_blocks}; both count the same blocks "
+            f"(including vLLM's null block), so set one of them."
+        )
+    needed = required_blocks(limits.max_num_seqs, limits.max_model_len, block_size)
+    given = pa_num_blocks if pa_num_blocks is not None else override_blocks
+    if given is None:
+        return block_size, needed
+    if given < needed:
+        per_seq = math.ceil(limits.max_model_len / block_size)
+        name = "pa_num_blocks" if pa_num_blocks is not None else "num_gpu_blocks_override"
+        raise _error(
+            f"{name}={given} is too small: max_num_seqs={limits.max_num_seqs} sequences "
+            f"of max_model_len={limits.max_model_len} tokens need "
+            f"{limits.max_num_seqs} x ceil({limits.max_model_len}/{block_size})="
+            f"{limits.max_num_seqs * per_seq} blocks plus vLLM's null block = {needed}; "
+            f"set {name} >= {needed} or lower max_num_seqs / max_model_len."
+        )
+    return block_size, given
+
+
+def _grid(override: Mapping[str, Any], key: str, default: list[int], *,
+          maximum: int, covers: int | None = None) -> tuple[int, ...]:
+    if key not in override:
+        return tuple(default)
+    try:
+        return validate_grid(override[key], name=f"override_neuron_config.{key}",
+                             maximum=maximum, covers=covers)
+    except BucketError as exc:
+        raise _error(str(exc)) from None
+
+
+def resolve_grids(limits: EngineLimits, override: Mapping[str, Any], kv_layout: str,
+                  max_context_length: int) -> dict[str, tuple[int, ...]]:
+    """Bucket grids: NxDI's powers of two by default (so existing configurations keep
+    their meaning), the user's lists when given, one full-size graph when bucketing is
+    off."""
+    enable = _bool_setting(override, "enable_bucketing")
+    enable = True if enable is None else enable
+    seq = limits.max_model_len
+    batch = limits.max_num_seqs
+    block = kv_layout == BLOCK
+    if not enable:
+        given = [key for key in GRID_KEYS if key in override]
+        if given:
+            raise _error(
+                f"override_neuron_config.enable_bucketing=false but {', '.join(given)} "
+                f"given; remove the bucket lists or set enable_bucketing=true."
+            )
+        return {
+            "context_encoding_buckets": (max_context_length,),
+            "token_generation_buckets": (seq,),
+            "prefix_buckets": (0, seq) if block else (),
+            "token_generation_batches": (batch,),
+        }
+    ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
+    tkg_default = nxdi_buckets(min(MIN_BUCKET, seq), seq)
+    grids = {
+        # With chunked prefill a chunk of up to max_num_batched_tokens must fit one graph.
+        "context_encoding_buckets": _grid(
+            override, "context_encoding_buckets", ctx_default, maximum=max_context_length,
+            covers=min(limits.max_num_batched_tokens, max_context_length)
+            if limits.enable_chunked_prefill else None),
+        # Decoding walks every position up to max_model_len, so the largest
+        # token-generation bucket must reach it or a long request would fail mid-way.
+        "token_generation_buckets": _grid(override, "token_generation_buckets",
+                                          tkg_default, maximum=seq, covers=seq),
+        "token_generation_batches": _grid(override, "token_generation_batches",
+                                          [batch], maximum=batch, covers=batch),
+    }
+    if block:
+        if "prefix_buckets" in override:
+            values = list(override["prefix_buckets"] or [])
+            # A cached prefix or earlier chunks can reach max_model_len - 1 tokens.
+            prefix = _grid({"prefix_buckets": [v for v in values if v != 0]},
+                           "prefix_buckets", [], maximum=seq, covers=seq - 1)
+            grids["prefix_buckets"] = (0,) + prefix
+        else:
+            grids["prefix_buckets"] = (0,) + tuple(tkg_default)
+    elif "prefix_buckets" in override:
+        raise _error(
+            "override_neuron_config.prefix_buckets applies to the block KV layout, but "
+            "prefix caching and chunked prefill are off; remove prefix_buckets or pass "
+            "--enable-prefix-caching."
+        )
+    else:
+        grids["prefix_buckets"] = ()
+    return grids
+
+
+def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *,
+                     backend: str, architecture: str) -> NeuronSettings:
+    """The single place where a configuration is decided (see the module docstring)."""
+    override = dict(override or {})
+    if backend not in BACKENDS:
+        raise _error(
+            f"backend {backend!r} is not known; set VLLM_NEURON_BACKEND to one of "
+            f"{', '.join(BACKENDS)}."
+        )
+    _agree(override, "tp_degree", "tensor_parallel_size", limits.tp_degree)
+    _agree(override, "batch_size", "max_num_seqs", limits.max_num_seqs)
+    _agree(override, "tkg_batch_size", "max_num_seqs", limits.max_num_seqs)
+    _agree(override, "seq_len", "max_model_len", limits.max_model_len)
+    _agree(override, "torch_dtype", "dtype", limits.dtype)
+    ctx_batch = _int_setting(override, "ctx_batch_size") or 1
+    if ctx_batch != 1:
+        raise _error(
+            f"override_neuron_config.ctx_batch_size={ctx_batch} is not supported: this "
+            f"plugin encodes one new prompt per context-encoding call; remove the key."
+        )
+    max_context = _int_setting(override, "max_context_length") or limits.max_model_len
+    if max_context > limits.max_model_len:
+        raise _error(
+            f"override_neuron_config.max_context_length={max_context} exceeds "
+            f"max_model_len={limits.max_model_len}; lower it or raise --max-model-len."
+        )
+    if backend == "reference" and limits.tp_degree != 1:
+        raise _error(
+            f"tensor_parallel_size={limits.tp_degree} needs NeuronCores; the reference "
+            f"backend runs on one CPU process: use --tensor-parallel-size 1 or "
+            f"VLLM_NEURON_BACKEND=nxd on a Neuron host."
+        )
+    kv_layout, reason = resolve_kv_layout(limits, override)
+    block_size, num_blocks = resolve_blocks(limits, override, kv_layout)
+    grids = resolve_grids(limits, override, kv_layout, max_context)
+    on_device = "on_device_sampling_config" in override and backend == "nxd"
+    passthrough = {k: v for k, v in override.items() if k not in INTERPRETED_KEYS}
+    if "on_device_sampling_config" in override:
+        passthrough["on_device_sampling_config"] = override["on_device_sampling_config"]
+    return NeuronSettings(
+        backend=backend,
+        architecture=architecture,
+        dtype=limits.dtype,
+        tp_degree=limits.tp_degree,
+        max_model_len=limits.max_model_len,
+        max_context_length=max_context,
+        max_num_seqs=limits.max_num_seqs,
+        ctx_batch_size=ctx_batch,
+        enable_bucketing=override.get("enable_bucketing", True),
+        context_encoding_buckets=grids["context_encoding_buckets"],
+        prefix_buckets=grids["prefix_buckets"],
+        token_generation_buckets=grids["token_generation_buckets"],
+        token_generation_batches=grids["token_generation_batches"],
+        kv_layout=kv_layout,
+        kv_layout_reason=reason,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        is_prefix_caching=limits.enable_prefix_caching,
+        is_chunked_prefill=limits.enable_chunked_prefill,
+        on_device_sampling=on_device,
+        skip_warmup=bool(override.get("skip_warmup", False)),
+        passthrough=passthrough,
+    )

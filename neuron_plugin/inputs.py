@@ -1,0 +1,142 @@
+"""Scheduler state -> the NxD forward contract, padded to the first bucket that fits.
+
+Pure numpy, vectorised over tokens: per-step host cost must not grow with
+`max_model_len` (the findings measured vLLM's host overhead at ~50 ms per batch).
+
+The contract (see NEURON_FINDINGS.md):
+- prefill of tokens [start, end): positions start..end-1, full_context_lens = end,
+  computed_context_lens = start (a prefix-cache hit or an earlier chunk; 0 otherwise);
+- decode at position p: one token, full = p + 1, computed = p;
+- block layout: slot = block_table[pos // block_size] * block_size + pos % block_size,
+  block tables padded with vLLM's null block (0) to ceil(max_model_len / block_size).
+
+Padding: pad tokens have slot -1 (write nothing) and id 0; pad batch rows have seq_id -1
+and full_context_len 0, so a backend can tell them apart without extra arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bucketing.fit import first_fit, fit_nd
+from neuron_plugin.config import NeuronSettings
+
+CONTEXT_ENCODING = "context_encoding"
+TOKEN_GENERATION = "token_generation"
+PAD_SLOT = -1
+PAD_SEQ_ID = -1
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """One backend call: arrays shaped by `bucket`, rows [0, num_real) are real."""
+
+    phase: str
+    bucket: tuple[int, ...]
+    input_ids: np.ndarray            # [batch, active] int64
+    position_ids: np.ndarray         # [batch, active] int64
+    seq_ids: np.ndarray              # [batch] int64
+    slot_mapping: np.ndarray | None  # [batch, active] int64, block layout only
+    block_table: np.ndarray | None   # [batch, max_blocks] int64, block layout only
+    full_context_lens: np.ndarray    # [batch] int64
+    computed_context_lens: np.ndarray  # [batch] int64
+    num_real: int
+
+    @property
+    def real_tokens(self) -> int:
+        return int((self.full_context_lens - self.computed_context_lens)[: self.num_real].sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token slots computed for nothing: the telemetry's waste measure."""
+        return int(self.input_ids.size) - self.real_tokens
+
+
+def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of every position: block_table[pos // bs] * bs + pos % bs (row-wise)."""
+    blocks = np.take_along_axis(block_table, positions // block_size, axis=1)
+    return blocks * block_size + positions % block_size
+
+
+def pad_block_tables(block_ids: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:
+    """[rows, width] table, each request's blocks then vLLM's null block (0)."""
+    table = np.zeros((rows, width), dtype=np.int64)
+    for row, ids in enumerate(block_ids):
+        if len(ids) > width:
+            raise ValueError(
+                f"a request holds {len(ids)} KV blocks but the block table has {width} "
+                f"columns (ceil(max_model_len / block_size)); this is a scheduler/plugin "
+                f"mismatch, report it with your --max-model-len and --block-size."
+            )
+        table[row, : len(ids)] = ids
+    return table
+
+
+def context_encoding_bucket(settings: NeuronSettings, num_tokens: int, start: int) -> tuple[int, ...]:
+    """First fit for a prefill of `num_tokens` new tokens after `start` computed ones."""
+    if settings.is_block_layout:
+        return fit_nd(settings.context_encoding_shapes(), (num_tokens, start),
+                      what="context-encoding (new tokens, prefix) shape")
+    return (first_fit(settings.context_encoding_buckets, num_tokens,
+                      what="context-encoding bucket (prompt tokens)"),)
+
+
+def token_generation_bucket(settings: NeuronSettings, batch: int, context_len: int) -> tuple[int, int]:
+    """First fit for a decode batch whose longest row needs `context_len` positions."""
+    return fit_nd(settings.token_generation_shapes(), (batch, context_len),
+                  what="token-generation (batch, context length) shape")
+
+
+def context_encoding_inputs(settings: NeuronSettings, token_ids: np.ndarray, start: int,
+                            seq_id: int, block_ids: Sequence[int] | None) -> ForwardInputs:
+    """One prefill (batch 1): tokens [start, start + len(token_ids)) of a request."""
+    count = int(token_ids.shape[0])
+    bucket = context_encoding_bucket(settings, count, start)
+    active = bucket[0]
+    ids = np.zeros((1, active), dtype=np.int64)
+    ids[0, :count] = token_ids
+    positions = np.zeros((1, active), dtype=np.int64)
+    positions[0, :count] = np.arange(start, start + count)
+    table = slots = None
+    if settings.is_block_layout:
+        table = pad_block_tables([block_ids or []], 1, settings.max_blocks_per_seq)
+        slots = np.full((1, active), PAD_SLOT, dtype=np.int64)
+        slots[:, :count] = slot_mapping(table, positions[:, :count], settings.block_size)
+    return ForwardInputs(
+        phase=CONTEXT_ENCODING, bucket=bucket, input_ids=ids, position_ids=positions,
+        seq_ids=np.array([seq_id], dtype=np.int64), slot_mapping=slots, block_table=table,
+        full_context_lens=np.array([start + count], dtype=np.int64),
+        computed_context_lens=np.array([start], dtype=np.int64), num_real=1,
+    )
+
+
+def token_generation_inputs(settings: NeuronSettings, token_ids: np.ndarray,
+                            positions: np.ndarray, seq_ids: np.ndarray,
+                            block_ids: Sequence[Sequence[int]] | None) -> ForwardInputs:
+    """One decode batch: row i generates from token_ids[i] at positions[i]."""
+    real = int(token_ids.shape[0])
+    bucket = token_generation_bucket(settings, real, int(positions.max()) + 1)
+    rows = bucket[0]
+    ids = np.zeros((rows, 1), dtype=np.int64)
+    ids[:real, 0] = token_ids
+    pos = np.zeros((rows, 1), dtype=np.int64)
+    pos[:real, 0] = positions
+    seq = np.full(rows, PAD_SEQ_ID, dtype=np.int64)
+    seq[:real] = seq_ids
+    full = np.zeros(rows, dtype=np.int64)
+    full[:real] = positions + 1
+    computed = np.zeros(rows, dtype=np.int64)
+    computed[:real] = positions
+    table = slots = None
+    if settings.is_block_layout:
+        table = pad_block_tables(block_ids or [], rows, settings.max_blocks_per_seq)
+        slots = np.full((rows, 1), PAD_SLOT, dtype=np.int64)
+        slots[:real] = slot_mapping(table[:real], pos[:real], settings.block_size)
+    return ForwardInputs(
+        phase=TOKEN_GENERATION, bucket=bucket, input_ids=ids, position_ids=pos,
+        seq_ids=seq, slot_mapping=slots, block_table=table, full_context_lens=full,
+        computed_context_lens=computed, num_real=real,
+    )

