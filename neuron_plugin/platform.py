@@ -97,8 +97,11 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
-        """Add `--device neuron` (vLLM 0.32 has no --device) and make prefix caching
-        opt-in on the command line (see PREFIX_CACHING_EVIDENCE)."""
+        """Add `--device neuron` (vLLM 0.32 has no --device) and make prefix caching and
+        chunked prefill opt-in on the command line: both switch NxDI to the block KV
+        layout (see PREFIX_CACHING_EVIDENCE). The Python `LLM` API resolves vLLM's
+        defaults before any platform hook sees them, so there the platform can only
+        warn (see check_and_update_config)."""
         if parser is None:
             return
         known = {opt for action in parser._actions for opt in action.option_strings}
@@ -108,7 +111,7 @@ class NeuronPlatform(Platform):
                 help="Run on AWS Neuron through the neuron_plugin platform (the "
                      f"reference CPU backend when no Neuron device exists; choose with "
                      f"{BACKEND_ENV}=nxd|reference).")
-        parser.set_defaults(enable_prefix_caching=False)
+        parser.set_defaults(enable_prefix_caching=False, enable_chunked_prefill=False)
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -136,11 +139,16 @@ class NeuronPlatform(Platform):
                     "distributed_executor_backend")
         if cache.enable_prefix_caching:
             logger.warning("neuron platform: prefix caching is on; %s. Pass "
-                           "--no-enable-prefix-caching unless prompts share long "
-                           "prefixes.", PREFIX_CACHING_EVIDENCE)
+                           "--no-enable-prefix-caching (LLM: enable_prefix_caching=False) "
+                           "unless prompts share long prefixes.", PREFIX_CACHING_EVIDENCE)
         else:
             logger.info("neuron platform: prefix caching off by default on Neuron (%s); "
                         "--enable-prefix-caching turns it on.", PREFIX_CACHING_EVIDENCE)
+        if sched.enable_chunked_prefill:
+            logger.warning("neuron platform: chunked prefill is on, which needs the block "
+                           "KV layout and 2-D (chunk x prefix) context-encoding graphs; "
+                           "pass --no-enable-chunked-prefill (LLM: "
+                           "enable_chunked_prefill=False) to encode whole prompts.")
         block_layout = cache.enable_prefix_caching or sched.enable_chunked_prefill
         if not block_layout:
             _change(sched, "max_num_batched_tokens",
@@ -174,24 +182,28 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        """Reject, with the limit and the fix, what no compiled graph can serve."""
+        """Reject, with the limit and the fix, what no compiled graph can serve. vLLM
+        answers a VLLMValidationError with HTTP 400 and keeps serving."""
+        from vllm.exceptions import VLLMValidationError
+
         settings = cls._settings
         if settings is None:
             return
         if getattr(params, "prompt_logprobs", None) is not None:
-            raise ValueError(
+            raise VLLMValidationError(
                 "prompt_logprobs is not supported on Neuron: the compiled graphs return "
-                "logits for the last prompt token only; remove prompt_logprobs.")
+                "logits for the last prompt token only; remove prompt_logprobs.",
+                parameter="prompt_logprobs", value=params.prompt_logprobs)
         token_ids = processed_inputs.get("prompt_token_ids") if isinstance(
             processed_inputs, dict) else None
         if token_ids is None or settings.is_chunked_prefill:
             return
         largest = max(settings.context_encoding_buckets)
         if len(token_ids) > largest:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"prompt has {len(token_ids)} tokens but the largest context-encoding "
                 f"bucket holds {largest} (context_encoding_buckets="
                 f"{list(settings.context_encoding_buckets)}); shorten the prompt or add a "
                 f"bucket >= {len(token_ids)} in override_neuron_config."
-                f"context_encoding_buckets (at most max_model_len={settings.max_model_len})."
-            )
+                f"context_encoding_buckets (at most max_model_len={settings.max_model_len}).",
+                parameter="input_tokens", value=len(token_ids))

@@ -88,6 +88,7 @@ def make_llm(model_dir: Path, **kwargs):
 
     defaults = dict(model=str(model_dir), dtype="float32", max_model_len=256,
                     max_num_seqs=4, seed=0, enable_prefix_caching=False,
+                    enable_chunked_prefill=False,
                     gpu_memory_utilization=0.1)
     defaults.update(kwargs)
     return LLM(**defaults)
