@@ -1,0 +1,93 @@
+"""Reading and writing the small YAML/JSON documents this package uses (bucket sets, cost
+tables, histograms), with errors that name the file and the key."""
+
+from __future__ import annotations
+
+import json
+from numbers import Integral, Real
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import BucketFileError, did_you_mean
+
+SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def load_document(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a .yaml/.yml/.json file (JSON is parsed as JSON so its
+    errors carry JSON line numbers)."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise BucketFileError(path, None, f"unknown file type {path.suffix!r}; name it "
+                                          f"*.yaml, *.yml or *.json")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise BucketFileError(path, None, f"cannot be read ({exc.strerror}); check the "
+                                          f"path") from None
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise BucketFileError(path, None, f"is not valid {path.suffix[1:].upper()}: "
+                                          f"{exc}") from None
+    if not isinstance(data, dict):
+        raise BucketFileError(path, None, f"must hold a mapping of keys at the top level, "
+                                          f"got {type(data).__name__}")
+    return data
+
+
+def check_keys(path: str | Path, data: Mapping[str, Any], allowed: tuple[str, ...],
+               required: tuple[str, ...] = (), where: str = "") -> None:
+    """Reject unknown keys (with a did-you-mean) and missing required ones."""
+    for key in data:
+        if key not in allowed:
+            raise BucketFileError(path, f"{where}{key}", f"unknown key{did_you_mean(str(key), allowed)}; "
+                                                         f"allowed keys: {', '.join(allowed)}")
+    for key in required:
+        if key not in data:
+            raise BucketFileError(path, f"{where}{key}", "is missing; it is required")
+
+
+def whole_number(path: str | Path, key: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= minimum, or an error naming file and key."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise BucketFileError(path, key, f"must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def positive_number(path: str | Path, key: str, value: Any) -> float:
+    """``value`` as a float > 0, or an error naming file and key."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+        raise BucketFileError(path, key, f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def dump_document(path: str | Path, data: Mapping[str, Any], comment: str = "") -> Path:
+    """Write ``data`` as JSON (for .json) or block-style YAML with lists kept on one line,
+    preceded by ``comment`` lines when given (YAML only: JSON has no comments)."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise BucketFileError(path, None, "name the output *.yaml, *.yml or *.json")
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return path
+    header = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
+    body = "".join(_yaml_entry(key, value) for key, value in data.items())
+    path.write_text(header + body)
+    return path
+
+
+def _yaml_entry(key: str, value: Any) -> str:
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return f"{key}:\n" + "".join(f"  - {_yaml_value(item)}\n" for item in value)
+    return f"{key}: {_yaml_value(value)}\n"
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)

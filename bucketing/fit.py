@@ -1,0 +1,116 @@
+"""The fit rule: which compiled bucket serves a need.
+
+This project's rule: a bucket fits when it is >= the need in every dimension; among the
+fitting buckets the least costly wins (for a 1-D grid: the smallest). What a phase needs:
+
+- context encoding: the tokens to compute (prompt tokens minus a prefix-cache hit);
+- token generation: ``full_context_len`` positions, i.e. position + 1, plus the
+  speculation length when speculating.
+
+NxDI's own rule (``strict_fit``) is kept for comparison: it picks the first bucket
+strictly greater than the need and uses the largest bucket only when the need equals
+it, so a 256-token prompt goes to the 512 bucket of [128, 256, 512] and pads 256 tokens
+for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import BucketError, NoFitError
+
+RULES = ("first_fit", "strict")
+
+
+def context_need(prompt_tokens, computed_tokens=0):
+    """Tokens a context encoding computes: the prompt minus the prefix already cached.
+    Works on ints and numpy arrays alike."""
+    return prompt_tokens - computed_tokens
+
+
+def decode_need(position, speculation_length=0):
+    """Positions a token-generation step attends: ``full_context_len`` = position + 1,
+    plus the speculated tokens. Works on ints and numpy arrays alike."""
+    return position + 1 + speculation_length
+
+
+def first_fit(grid: Sequence[int], need: int, *, what: str = "tokens") -> int:
+    """The smallest bucket >= need; NoFitError (naming need and largest) when none is."""
+    fitting = [bucket for bucket in grid if bucket >= need]
+    if not fitting:
+        raise NoFitError(need, _largest(grid, what), what)
+    return min(fitting)
+
+
+def strict_fit(grid: Sequence[int], need: int, *, what: str = "tokens") -> int:
+    """NxDI's ``get_target_bucket`` first_fit, exactly: scan the grid in order and take the
+    first bucket with need < bucket; if none, the last bucket when need equals it; else
+    fail (NxDI fails unless allow_input_truncation, which this library never assumes)."""
+    for bucket in grid:
+        if need < bucket:
+            return bucket
+    if need == _largest(grid, what) == grid[-1]:
+        return grid[-1]
+    raise NoFitError(need, max(grid), what)
+
+
+def _largest(grid: Sequence[int], what: str) -> int:
+    if not grid:
+        raise BucketError(f"the grid for {what} is empty; configure at least one bucket")
+    return max(grid)
+
+
+def fit_nd(grid: Sequence[tuple[int, ...]], need: tuple[int, ...], *,
+           cost: Callable[[tuple[int, ...]], float] | None = None,
+           what: str = "shape") -> tuple[int, ...]:
+    """The least-cost bucket that is >= need in every dimension.
+
+    ``cost`` maps a shape to a number (a ``cost.CostModel`` is callable); the default is
+    the product of the dimensions (padded cells). Ties go to the lexicographically
+    smallest shape, so the choice is deterministic.
+    """
+    need = tuple(need)
+    if not grid:
+        raise BucketError(f"the grid for {what} is empty; configure at least one bucket")
+    index = int(assign_nd(grid, [need], cost=cost)[0])
+    if index < 0:
+        largest = tuple(max(column) for column in zip(*grid))
+        raise NoFitError(need, largest, what)
+    return tuple(grid[index])
+
+
+def assign_nd(grid: Sequence[tuple[int, ...]], needs,
+              cost: Callable[[tuple[int, ...]], float] | None = None) -> np.ndarray:
+    """Vectorised N-D fit: for each row of ``needs`` the index into ``grid`` of its
+    least-cost fitting bucket (ties: lexicographically smallest), or -1."""
+    needs = np.atleast_2d(np.asarray(needs, dtype=np.int64))
+    for bucket in grid:
+        if len(bucket) != needs.shape[1]:
+            raise BucketError(f"bucket {tuple(bucket)} has {len(bucket)} dimensions but the "
+                              f"need {tuple(needs[0].tolist())} has {needs.shape[1]}; use a "
+                              f"grid of the need's rank")
+    shapes = np.asarray(grid, dtype=np.int64)
+    price = cost or math.prod
+    order = sorted(range(len(shapes)), key=lambda i: (price(tuple(int(v) for v in shapes[i])),
+                                                      tuple(shapes[i])))
+    ranked = shapes[order]
+    fits = np.all(ranked[None, :, :] >= needs[:, None, :], axis=2)
+    first = np.argmax(fits, axis=1)
+    return np.where(fits.any(axis=1), np.asarray(order)[first], -1)
+
+
+def assign(grid: Sequence[int], needs: np.ndarray, rule: str = "first_fit") -> np.ndarray:
+    """Vectorised 1-D fit for a whole workload: the index into the sorted ``grid`` of each
+    need's bucket under ``rule``, or -1 where no bucket fits."""
+    if rule not in RULES:
+        raise BucketError(f"unknown fit rule {rule!r}; choose one of {', '.join(RULES)}")
+    edges = np.asarray(grid, dtype=np.int64)
+    needs = np.asarray(needs, dtype=np.int64)
+    side = "left" if rule == "first_fit" else "right"
+    index = np.searchsorted(edges, needs, side=side)
+    if rule == "strict":
+        index = np.where((index == len(edges)) & (needs == edges[-1]), len(edges) - 1, index)
+    return np.where(index < len(edges), index, -1)
