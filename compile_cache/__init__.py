@@ -1,0 +1,7 @@
+"""Content-addressed cache of compiled Neuron artifacts, on a local directory or S3.
+
+A configuration is described by a canonical manifest (`manifest.make_manifest`); its
+digest is the cache key. `cache.CompileCache` looks entries up (verifying every file),
+builds missing ones once per key across processes and hosts, and publishes them
+atomically. This package imports neither vLLM, torch, NxDI nor `neuron_plugin`.
+"""
