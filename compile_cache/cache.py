@@ -100,8 +100,8 @@ class _Say:
     """Routes messages to a caller's callable, or to the `compile_cache` logger."""
 
     def __init__(self, log: Log | None):
-        self.info = log or logger.info
-        self.warning = log or logger.warning
+        self.info = logger.info if log is None else log
+        self.warning = logger.warning if log is None else log
 
 
 class CompileCache:
@@ -149,7 +149,7 @@ class CompileCache:
         write them into an empty folder only if no process has built them yet. At most
         one process per key builds at a time; the others wait up to `wait_timeout`
         seconds (LockTimeout after) and then load what it published."""
-        say = _Say(log or self._log)
+        say = _Say(self._log if log is None else log)
         key = cache_key(manifest)
         found = self._find(key)
         if found.entry is not None:

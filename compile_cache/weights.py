@@ -54,8 +54,7 @@ def _file_digest(path: Path, size: int, full: bool) -> tuple[str, str]:
         if path.suffix == ".safetensors":
             (header_len,) = struct.unpack("<Q", f.read(8))
             digest.update(f.read(min(header_len, _MAX_HEADER)))
-        step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
-        for i in range(SAMPLES):
-            f.seek(i * step)
+        for i in range(SAMPLES):  # the first and last samples touch both ends
+            f.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
             digest.update(f.read(SAMPLE_BYTES))
     return "sampled", digest.hexdigest()
