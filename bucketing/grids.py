@@ -133,6 +133,10 @@ def make_grid(generator: str, *, min_length: int = 128, max_length: int | None =
     if generator not in builders:
         raise BucketError(f"unknown generator {generator!r}; choose one of "
                           f"{', '.join(GENERATORS)}")
+    if align and max_length % align:
+        raise BucketError(f"max_length {max_length} is not a multiple of align {align}, so "
+                          f"an aligned grid cannot end at it; use {max_length // align * align} "
+                          f"or {-(-max_length // align) * align}")
     grid = builders[generator]()
     return align_up(grid, align) if align else grid
 
