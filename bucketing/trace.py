@@ -43,7 +43,7 @@ def read_lengths(path: str | Path) -> Workload:
         return _histogram_document(path)
     if not first:
         raise BucketFileError(path, None, "holds no requests; give one request per line")
-    if first.startswith("{"):
+    if first.startswith("{") or path.suffix.lower() == ".jsonl":
         return _records(path, _json_lines(path, text))
     if "," in first:
         return _records(path, _csv_rows(path, text))
