@@ -37,11 +37,13 @@ def push(src: Store, dst: Store, keys: list[str] | None = None, *,
             if record is None:
                 report.failed[key] = f"no entry {key} in {src.url}"
                 continue
-            copied = dst.import_entry(record, src.materialize(record))
+            # `dst` may already hold it now: an S3 source materialises into its read
+            # cache, which is the destination when pre-warming this host.
+            dst.import_entry(record, src.materialize(record))
         except EntryCorrupt as err:
             report.failed[key] = str(err)
             continue
-        (report.copied if copied else report.skipped).append(key)
+        report.copied.append(key)
     return report
 
 
