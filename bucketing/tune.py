@@ -210,7 +210,7 @@ def _solve(counts: np.ndarray, prices: np.ndarray, max_buckets: int,
             current[block] = (options[pick, np.arange(len(block))]
                               + np.einsum("ij,ij->i", prefix[block], price))
             parents[k - 1, block] = pick
-        if current[m] < best_total - 1e-9 * max(1.0, abs(current[m])):
+        if np.isfinite(current[m]) and current[m] < best_total - 1e-9 * max(1.0, current[m]):
             best_total, best_k = current[m], k
         previous = current
     if not np.isfinite(best_total):
