@@ -72,6 +72,9 @@ def register() -> str | None:
     backend = choose_backend(os.environ, sys.argv, devices)
     if backend is None:
         return None
+    # Forking after torch's OpenMP pool or the Neuron runtime has started hangs the
+    # child (seen here: an engine forked after a transformers forward never started).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if not explicit:
         os.environ[BACKEND_ENV] = backend
         if backend == "reference":

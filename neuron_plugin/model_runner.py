@@ -36,7 +36,7 @@ from neuron_plugin.inputs import (
     context_encoding_inputs,
     token_generation_inputs,
 )
-from neuron_plugin.telemetry import StepTelemetry
+from neuron_plugin.telemetry import RequestTrace, StepTelemetry
 from neuron_plugin import plugin_logger
 
 logger = plugin_logger(__name__)
@@ -78,6 +78,10 @@ class NeuronModelRunner:
         )
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
         self._pending: _PendingStep | None = None
+        self._step_start = 0.0
+        self._step_forward_s = 0.0
+        self.trace = RequestTrace.from_env()
+        self._traced: dict[str, dict] = {}
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -116,8 +120,10 @@ class NeuronModelRunner:
         """Apply finished / new / resumed / running requests to the persistent batch."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.trace is not None and state is not None:
+                self._write_trace(state)
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         scheduled = so.num_scheduled_tokens.keys()
         for req_id in batch.req_id_to_index.keys() - (scheduled - resumed):
@@ -154,6 +160,21 @@ class NeuronModelRunner:
         batch.condense()
         batch.refresh_metadata()
 
+    def _write_trace(self, state: CachedRequestState) -> None:
+        """One JSONL record per finished request, in the fields neuron-buckets reads."""
+        info = self._traced.pop(state.req_id, None)
+        if info is None:
+            return
+        started = info["started"]
+        self.trace.write({
+            "prompt_tokens": state.num_prompt_tokens,
+            "output_tokens": len(state.output_token_ids),
+            "prefix_hit_tokens": info["prefix_hit_tokens"],
+            "bucket": info["bucket"],
+            "ttft_ms": round(1000 * (info.get("first_token", started) - started), 3),
+            "duration_ms": round(1000 * (time.perf_counter() - started), 3),
+        })
+
     # -- one step --------------------------------------------------------------------
     def _seq_id(self, state: CachedRequestState, index: int) -> int:
         """Contiguous layout: one block per request (block_size == max_model_len) and
@@ -166,13 +187,14 @@ class NeuronModelRunner:
     def _run(self, inputs: ForwardInputs, host_start: float) -> torch.Tensor:
         forward_start = time.perf_counter()
         logits = self.backend.forward(inputs)
-        forward_end = time.perf_counter()
-        self.telemetry.record_call(inputs, forward_end - forward_start,
-                                   forward_start - host_start)
+        forward_s = time.perf_counter() - forward_start
+        self._step_forward_s += forward_s
+        self.telemetry.record_call(inputs, forward_s, forward_start - host_start)
         return logits
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        step_start = time.perf_counter()
+        self._step_start = time.perf_counter()
+        self._step_forward_s = 0.0
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -194,6 +216,10 @@ class NeuronModelRunner:
                 self.settings, batch.token_ids_cpu[index, start:start + count], start,
                 self._seq_id(state, int(index)), state.block_ids[0])
             logits[index] = self._run(inputs, host_start)[0]
+            if self.trace is not None:
+                self._traced.setdefault(state.req_id, {
+                    "prefix_hit_tokens": start, "bucket": list(inputs.bucket),
+                    "started": host_start})
 
         rows = np.flatnonzero(decoding)
         if rows.size:
@@ -207,14 +233,12 @@ class NeuronModelRunner:
             logits[rows] = self._run(inputs, host_start)
 
         self._pending = _PendingStep(so, logits, samples)
-        self.telemetry.record_step_host(time.perf_counter() - step_start)
         return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        start = time.perf_counter()
         batch = self.input_batch
         logits = pending.logits
         if grammar_output is not None:
@@ -238,6 +262,8 @@ class NeuronModelRunner:
             batch.num_tokens_no_spec[index] = end + 1
             self.requests[req_id].output_token_ids.append(token)
             tokens.append([token])
+            if self.trace is not None and req_id in self._traced:
+                self._traced[req_id].setdefault("first_token", time.perf_counter())
         logprobs = sampler_output.logprobs_tensors
         output = ModelRunnerOutput(
             req_ids=list(batch.req_ids),
@@ -245,5 +271,6 @@ class NeuronModelRunner:
             sampled_token_ids=tokens,
             logprobs=logprobs.tolists() if logprobs is not None else None,
         )
-        self.telemetry.record_step_host(time.perf_counter() - start)
+        self.telemetry.record_step_host(
+            time.perf_counter() - self._step_start - self._step_forward_s)
         return output

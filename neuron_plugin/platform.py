@@ -17,6 +17,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin.config import NeuronConfigError, NeuronSettings
 from neuron_plugin import plugin_logger
+from neuron_plugin.telemetry import install_metrics_collector
 from neuron_plugin.settings_store import (
     BACKEND_ENV,
     resolve_from_vllm_config,
@@ -170,6 +171,7 @@ class NeuronPlatform(Platform):
                 "num_gpu_blocks_override")
         store_settings(vllm_config, settings)
         cls._settings = settings
+        install_metrics_collector()
         logger.info(
             "neuron platform: backend=%s, KV layout %s (%s), block_size=%d, blocks=%d, "
             "context-encoding buckets %s%s, token-generation buckets %s x batches %s, "

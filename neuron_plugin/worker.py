@@ -99,4 +99,4 @@ class NeuronWorker(WorkerBase):
         return self.model_runner.backend.module
 
     def shutdown(self) -> None:
-        self.telemetry.log_summary()
+        self.telemetry.close()

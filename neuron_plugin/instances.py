@@ -1,0 +1,156 @@
+"""Neuron instance types, NeuronCores and device memory: what a host offers a model.
+
+The table follows AWS's Neuron architecture pages (Inf2, Trn1, Trn2): an Inferentia2 or
+Trainium chip has two NeuronCore-v2 and 32 GiB of HBM shared by them; a Trainium2 chip
+has eight NeuronCore-v3 and 96 GiB, exposed by default (LNC=2) as four logical cores.
+The number of cores a process may use is what `NEURON_RT_VISIBLE_CORES` names, or every
+core of every device in `/dev/neuron*`. Reading the host is separated from the pure
+arithmetic so both are tested here without a device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuron_plugin import neuron_devices
+from neuron_plugin.config import NeuronConfigError
+
+GIB = 1 << 30
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+PRODUCT_NAME_FILE = Path("/sys/devices/virtual/dmi/id/product_name")
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One Neuron device as the runtime sees it."""
+
+    name: str
+    target: str  # the compiler's platform target (neuronx-cc --target)
+    physical_cores: int
+    hbm_bytes: int
+    default_lnc: int = 1
+
+    def logical_cores(self, lnc: int | None = None) -> int:
+        return self.physical_cores // (lnc or self.default_lnc)
+
+
+INFERENTIA2 = Chip("Inferentia2", "inf2", 2, 32 * GIB)
+TRAINIUM = Chip("Trainium", "trn1", 2, 32 * GIB)
+TRAINIUM2 = Chip("Trainium2", "trn2", 8, 96 * GIB, default_lnc=2)
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    name: str
+    chip: Chip
+    chips: int
+
+    def cores(self, lnc: int | None = None) -> int:
+        return self.chips * self.chip.logical_cores(lnc)
+
+    def memory_per_core(self, lnc: int | None = None) -> int:
+        """HBM a logical NeuronCore can use: the chip's HBM shared by its cores."""
+        return self.chip.hbm_bytes // self.chip.logical_cores(lnc)
+
+
+INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
+    InstanceType("inf2.xlarge", INFERENTIA2, 1),
+    InstanceType("inf2.8xlarge", INFERENTIA2, 1),
+    InstanceType("inf2.24xlarge", INFERENTIA2, 6),
+    InstanceType("inf2.48xlarge", INFERENTIA2, 12),
+    InstanceType("trn1.2xlarge", TRAINIUM, 1),
+    InstanceType("trn1.32xlarge", TRAINIUM, 16),
+    InstanceType("trn1n.32xlarge", TRAINIUM, 16),
+    InstanceType("trn2.3xlarge", TRAINIUM2, 1),
+    InstanceType("trn2.48xlarge", TRAINIUM2, 16),
+    InstanceType("trn2u.48xlarge", TRAINIUM2, 16),
+)}
+
+
+def instance_type(name: str) -> InstanceType:
+    """The table entry for `name`, or an error listing the known types."""
+    if name not in INSTANCE_TYPES:
+        raise ValueError(
+            f"instance type {name!r} is not in the table; use one of "
+            f"{', '.join(INSTANCE_TYPES)}."
+        )
+    return INSTANCE_TYPES[name]
+
+
+def detect_instance_type(product_file: Path = PRODUCT_NAME_FILE) -> str | None:
+    """The EC2 instance type from DMI (no metadata service call), or None off EC2."""
+    try:
+        name = product_file.read_text().strip()
+    except OSError:
+        return None
+    return name if name in INSTANCE_TYPES else None
+
+
+def parse_core_list(value: str) -> list[int]:
+    """`NEURON_RT_VISIBLE_CORES` syntax: "3", "0-3" or "0,2,4-5" -> core ids."""
+    cores: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        low, sep, high = part.partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise ValueError(
+                f"{VISIBLE_CORES_ENV}={value!r} is not a core list; write core ids and "
+                f"ranges such as 0-1 or 0,2,4-5."
+            )
+        first, last = int(low), int(high) if sep else int(low)
+        if last < first:
+            raise ValueError(
+                f"{VISIBLE_CORES_ENV}={value!r}: range {part} runs backwards; write "
+                f"{last}-{first}."
+            )
+        cores.extend(range(first, last + 1))
+    return sorted(set(cores))
+
+
+def lnc(environ: Mapping[str, str] = os.environ) -> int | None:
+    value = environ.get(LNC_ENV)
+    return int(value) if value and value.isdigit() else None
+
+
+def visible_cores(environ: Mapping[str, str], devices: Sequence[str],
+                  instance: InstanceType | None) -> tuple[int | None, str]:
+    """(number of NeuronCores this process may use, where that number comes from);
+    None when neither the environment nor the host tells."""
+    value = environ.get(VISIBLE_CORES_ENV)
+    if value:
+        return len(parse_core_list(value)), f"{VISIBLE_CORES_ENV}={value}"
+    if devices and instance is not None:
+        return (len(devices) * instance.chip.logical_cores(lnc(environ)),
+                f"{len(devices)} device(s) of {instance.name}")
+    if devices:
+        return None, f"{len(devices)} device(s) of an unknown instance type"
+    return None, "no Neuron devices (/dev/neuron*)"
+
+
+def host_visible_cores(environ: Mapping[str, str] = os.environ) -> tuple[int | None, str]:
+    """`visible_cores` for this host."""
+    detected = detect_instance_type()
+    return visible_cores(environ, neuron_devices(),
+                         INSTANCE_TYPES[detected] if detected else None)
+
+
+def check_tp_fits(tp_degree: int, cores: int | None, source: str) -> None:
+    """A TP degree above the visible cores fails inside NxDI with a KeyError; say why
+    and how to fix it before anything compiles."""
+    if cores is None:
+        raise NeuronConfigError(
+            f"tensor_parallel_size={tp_degree} needs {tp_degree} NeuronCore(s) but "
+            f"none are visible ({source}); run on an inf2/trn host with the Neuron "
+            f"driver, or set VLLM_NEURON_BACKEND=reference to serve on the CPU."
+        )
+    if tp_degree > cores:
+        raise NeuronConfigError(
+            f"tensor_parallel_size={tp_degree} needs {tp_degree} NeuronCores but only "
+            f"{cores} are visible ({source}); lower --tensor-parallel-size to at most "
+            f"{cores} or make more cores visible (e.g. {VISIBLE_CORES_ENV}=0-"
+            f"{tp_degree - 1})."
+        )

@@ -1,0 +1,79 @@
+"""What every patch shares: the NxDI modules it works on, its record, and the marked
+method replacement that makes applying twice a no-op."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, ModuleType
+from typing import Any
+
+MARKER = "__neuron_plugin_patch__"
+
+
+@dataclass(frozen=True)
+class NxDIModules:
+    """The NxDI modules the patches touch (imported by `backends.nxd`)."""
+
+    model_base: ModuleType      # neuronx_distributed_inference.models.model_base
+    model_wrapper: ModuleType   # neuronx_distributed_inference.models.model_wrapper
+    hf_adapter: ModuleType      # neuronx_distributed_inference.utils.hf_adapter
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One defect: `probe` returns evidence that it is present (None: absent), `apply`
+    fixes it and returns False when it was already fixed by this plugin."""
+
+    name: str
+    defect: str
+    probe: Callable[[NxDIModules], str | None]
+    apply: Callable[[NxDIModules], bool]
+
+
+def unpatched(function: Callable) -> Callable:
+    """The function as NxDI defined it, under any wrappers of this package."""
+    while getattr(function, MARKER, None):
+        function = function.__wrapped__
+    return function
+
+
+def is_patched(function: Callable, name: str) -> bool:
+    while getattr(function, MARKER, None):
+        if getattr(function, MARKER) == name:
+            return True
+        function = function.__wrapped__
+    return False
+
+
+def replace_method(cls: type, attribute: str, name: str,
+                   make: Callable[[Callable], Callable]) -> bool:
+    """Set `cls.attribute = make(current)`, marked with `name`; False (and no change)
+    when a wrapper with that name is already in place."""
+    current = getattr(cls, attribute)
+    if is_patched(current, name):
+        return False
+    wrapper = functools.wraps(current)(make(current))
+    setattr(wrapper, MARKER, name)
+    setattr(cls, attribute, wrapper)
+    return True
+
+
+def code_mentions(code: CodeType, word: str) -> bool:
+    """Whether compiled code uses `word` as a name or a constant (dict keys of a
+    literal are a constant tuple), looking into nested functions too."""
+    if word in code.co_names:
+        return True
+    stack: list[Any] = list(code.co_consts)
+    while stack:
+        const = stack.pop()
+        if const == word:
+            return True
+        if isinstance(const, tuple):
+            stack.extend(const)
+        elif isinstance(const, CodeType):
+            if word in const.co_names:
+                return True
+            stack.extend(const.co_consts)
+    return False
