@@ -274,9 +274,13 @@ def _table(report: Report) -> str:
 
 
 def _comparison_line(comparison: dict, name: str) -> str:
+    def change(pct: float | None, less: str, more: str) -> str:
+        return "n/a" if pct is None else f"{abs(pct)}% {less if pct >= 0 else more}"
+
     return (f"vs {name}: padded tokens {comparison['padded_tokens']:,} vs "
-            f"{comparison['baseline_padded_tokens']:,} ({comparison['padded_tokens_saved_pct']}% "
-            f"fewer), expected cost {comparison['expected_cost_saved_pct']}% lower")
+            f"{comparison['baseline_padded_tokens']:,} "
+            f"({change(comparison['padded_tokens_saved_pct'], 'fewer', 'more')}), expected "
+            f"cost {change(comparison['expected_cost_saved_pct'], 'lower', 'higher')}")
 
 
 def _baseline_2d(pair: str, maximum: int, batch_max: int | None) -> list[tuple[int, int]]:
