@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from compile_cache.cache import CompileCache, EntryInfo
+from compile_cache.cache import CompileCache
 from compile_cache.errors import CacheError
 from compile_cache.neuronx_cc import COMPILER_CACHE_ENV, compiler_cache_url
 from compile_cache.settings import ENVIRONMENT_HELP
@@ -150,8 +150,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     cache = CompileCache(open_store(args.store))
     removed = {key: cache.remove(cache.resolve_key(key)) for key in args.keys}
-    _emit(args, removed, "\n".join(f"removed {k}" for k in removed))
-    return 0
+    _emit(args, removed, "\n".join(f"removed {k}" if gone else f"no entry {k}"
+                                    for k, gone in removed.items()))
+    return 0 if all(removed.values()) else 1
 
 
 def _transfer(args: argparse.Namespace, report: TransferReport) -> int:
@@ -221,7 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--max-age", type=_argument(parse_duration), metavar="AGE",
                        help="e.g. 30d (units s, m, h, d, w)")
     prune.add_argument("--dry-run", action="store_true", help="only list what would go")
-    verb("rm", cmd_rm, "remove entries").add_argument("keys", nargs="+", metavar="KEY")
+    verb("rm", cmd_rm, "remove entries (exit 1 if one did not exist)").add_argument(
+        "keys", nargs="+", metavar="KEY")
     push_cmd = verb("push", cmd_push, "copy entries that DST lacks from SRC to DST, e.g. "
                     "a build host's local store to s3://bucket/prefix", parents=(common,))
     push_cmd.add_argument("src", metavar="SRC", help="source store URL")

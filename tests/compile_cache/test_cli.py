@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cache_helpers import manifest_for, write_artifacts
+from .cache_helpers import manifest_for, write_artifacts
 
 from compile_cache.cache import CompileCache
 from compile_cache.stores import LocalStore

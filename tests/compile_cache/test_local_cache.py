@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
+from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 from compile_cache.cache import CompileCache, VerifyResult
 from compile_cache.errors import BuildOutputError, LockTimeout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
+from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 from compile_cache.cache import CompileCache
 from compile_cache.errors import LockTimeout, StoreError
