@@ -82,8 +82,8 @@ def compile_into_cache(backend: Backend, cache: CompileCache,
         logger.info("compile cache hit: key %s, loading %d compiled graphs from %s",
                     result.key, total, result.path)
     else:
-        logger.info("compile cache miss: key %s (%s); compiled and published %d graphs",
-                    result.key, result.reason, total)
+        logger.info("compile cache %s; compiled and published %d graphs under key %s",
+                    result.reason, total, result.key)
     return result
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from bucketing.cost import PaddedTokenCost
 from bucketing.errors import BucketError
-from bucketing.report import compare, nxdi_default_grid, report_1d, report_2d
+from bucketing.report import against_nxdi, compare, nxdi_default_grid, report_1d, report_2d
 from bucketing.workload import histogram
 
 HIST = histogram([3, 4, 5, 9], [1, 2, 1, 1])
@@ -66,3 +66,13 @@ def test_nxdi_default_grid_and_bad_grids():
     assert nxdi_default_grid(64) == [64]
     with pytest.raises(BucketError, match="grid is not sorted"):
         report_1d([8, 4], HIST)
+
+
+def test_against_nxdi_uses_the_same_maximum_rule_and_cost():
+    hist = histogram([100, 256, 900, 2500])
+    report, baseline, comparison = against_nxdi([256, 1024, 2500], hist,
+                                                cost=PaddedTokenCost(), rule="strict")
+    assert baseline.grid == [128, 256, 512, 1024, 2500] and baseline.rule == "strict"
+    # strict: 100 -> 256, 256 -> 1024, 900 -> 1024, 2500 -> 2500 (equal to the largest).
+    assert report.padded_tokens == 156 + 768 + 124 + 0
+    assert comparison["baseline_padded_tokens"] == baseline.padded_tokens

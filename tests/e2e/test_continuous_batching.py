@@ -5,7 +5,7 @@ sampler."""
 from __future__ import annotations
 
 import pytest
-from conftest import corpus_token_ids, make_llm, shutdown_llm
+from tests.e2e.support import corpus_token_ids, make_llm, shutdown_llm
 
 pytestmark = pytest.mark.engine
 

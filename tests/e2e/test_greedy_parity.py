@@ -8,7 +8,7 @@ max_num_seqs in number, so continuous batching and slot reuse are exercised too.
 from __future__ import annotations
 
 import pytest
-from conftest import corpus_token_ids, make_llm, shutdown_llm
+from tests.e2e.support import corpus_token_ids, make_llm, shutdown_llm
 
 pytestmark = pytest.mark.engine
 

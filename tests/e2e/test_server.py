@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import corpus_token_ids
+from tests.e2e.support import corpus_token_ids
 
 pytestmark = pytest.mark.server
 

@@ -1,0 +1,37 @@
+"""End-to-end fixtures: reference backend, a per-session compile cache, the oracle.
+
+An engine takes ~25 s to start on these machines, so tests share one per configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Set before vLLM is imported so every process vLLM spawns inherits them.
+os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_dir(tmp_path_factory) -> Path:
+    """A fresh compile cache per test session, shared by every engine in it."""
+    path = tmp_path_factory.mktemp("compile-cache")
+    os.environ["VLLM_NEURON_CACHE_URL"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def oracles(model_dirs):
+    from tests.e2e.support import GreedyOracle
+
+    cache: dict[str, GreedyOracle] = {}
+
+    def get(arch: str) -> GreedyOracle:
+        if arch not in cache:
+            cache[arch] = GreedyOracle(model_dirs[arch])
+        return cache[arch]
+
+    return get

@@ -1,0 +1,130 @@
+"""Per-bucket telemetry through a real engine: the Prometheus text exposes bucket
+metrics whose counts match the requests sent, and the request trace is what
+`neuron-buckets tune` reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.support import corpus_token_ids, make_llm, shutdown_llm
+
+pytestmark = pytest.mark.engine
+
+CTE = [32, 64, 128, 256]
+LENGTHS = [10, 32, 33, 50, 64, 65, 100, 200]
+MAX_TOKENS = 6
+
+
+def _bucket(n: int) -> int:
+    return next(b for b in CTE if b >= n)
+
+
+def _metrics() -> dict[tuple[str, str, str], float]:
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            if sample.name.startswith("neuron:"):
+                key = (sample.name, sample.labels.get("phase", ""),
+                       sample.labels.get("bucket", ""))
+                if "le" not in sample.labels:
+                    values[key] = sample.value
+    return values
+
+
+@pytest.fixture(scope="module")
+def traced_run(model_dirs, tmp_path_factory):
+    import os
+
+    trace = tmp_path_factory.mktemp("trace") / "requests.jsonl"
+    os.environ["VLLM_NEURON_TRACE"] = str(trace)
+    try:
+        llm = make_llm(model_dirs["llama"], additional_config={"override_neuron_config": {
+            "context_encoding_buckets": CTE, "token_generation_buckets": [64, 128, 256]}})
+    finally:
+        del os.environ["VLLM_NEURON_TRACE"]
+    from vllm import SamplingParams
+
+    prompts = [corpus_token_ids(model_dirs["llama"], n, offset=n) for n in LENGTHS]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                 use_tqdm=False)
+    # A second, tiny request makes the engine run the step that tells the worker the
+    # first batch finished (vLLM reports finished requests on the following step).
+    llm.generate({"prompt_token_ids": prompts[0]},
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    yield trace, _wait_for_metrics()
+    shutdown_llm(llm)
+
+
+def _wait_for_metrics() -> dict:
+    expected_calls = len(LENGTHS) + 1
+    deadline = time.monotonic() + 10
+    while True:
+        values = _metrics()
+        calls = sum(v for (name, phase, _), v in values.items()
+                    if name == "neuron:bucket_calls_total" and phase == "context_encoding")
+        if calls >= expected_calls or time.monotonic() > deadline:
+            return values
+        time.sleep(0.2)
+
+
+def test_context_encoding_metrics_match_the_prompts(traced_run):
+    _, values = traced_run
+    lengths = LENGTHS + [LENGTHS[0]]
+    calls = Counter(_bucket(n) for n in lengths)
+    for bucket in CTE:
+        key = ("neuron:bucket_calls_total", "context_encoding", str(bucket))
+        assert values.get(key, 0) == calls[bucket], (bucket, values.get(key))
+        padded = sum(bucket - n for n in lengths if _bucket(n) == bucket)
+        real = sum(n for n in lengths if _bucket(n) == bucket)
+        assert values.get(("neuron:padded_tokens_total", "context_encoding", str(bucket)),
+                          0) == padded
+        assert values.get(("neuron:real_tokens_total", "context_encoding", str(bucket)),
+                          0) == real
+        assert values.get(("neuron:forward_seconds_count", "context_encoding", str(bucket)),
+                          0) == calls[bucket]
+
+
+def test_token_generation_metrics_are_consistent(traced_run):
+    _, values = traced_run
+    tkg = {k: v for k, v in values.items() if k[1] == "token_generation"}
+    real = sum(v for (name, _, _), v in tkg.items() if name == "neuron:real_tokens_total")
+    assert real == len(LENGTHS) * (MAX_TOKENS - 1)  # the first token comes from prefill
+    for (name, phase, bucket), rows in tkg.items():
+        if name != "neuron:bucket_rows_total":
+            continue
+        padded = tkg[("neuron:padded_tokens_total", phase, bucket)]
+        real_here = tkg[("neuron:real_tokens_total", phase, bucket)]
+        assert padded == rows - real_here  # one token per row in token generation
+        batch = int(bucket.split("x")[0])
+        assert rows == batch * tkg[("neuron:bucket_calls_total", phase, bucket)]
+
+
+def test_trace_records_each_request_and_feeds_the_tuner(traced_run, tmp_path):
+    trace, _ = traced_run
+    records = [json.loads(line) for line in Path(trace).read_text().splitlines()]
+    first_batch = sorted(r["prompt_tokens"] for r in records[: len(LENGTHS)])
+    assert first_batch == sorted(LENGTHS)
+    assert all(r["output_tokens"] == MAX_TOKENS for r in records[: len(LENGTHS)])
+    assert all(r["bucket"][0] == _bucket(r["prompt_tokens"]) for r in records)
+
+    out = tmp_path / "tuned.yaml"
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("neuron-buckets")), "tune", str(trace),
+         "--max-buckets", "3", "--max", "256", "--json", "--output", str(out)],
+        capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout)
+    assert report["workload"]["requests"] == len(records)
+    grid = report["buckets"]["context_encoding_buckets"]
+    assert len(grid) <= 3 and grid[-1] == 256
+    assert "context_encoding_buckets" in out.read_text()
