@@ -17,7 +17,8 @@ from .errors import BucketError, NoFitError
 from .files import dump_bucket_set, load_bucket_set
 from .fit import decode_need, first_fit, fit_nd, strict_fit
 from .grids import batch_grid, explicit, make_grid, nxdi_buckets, prefix_grid, validate_grid
-from .report import Report, compare, nxdi_default_grid, report_1d, report_2d
+from .report import (Report, against_nxdi, compare, nxdi_default_grid, report_1d,
+                     report_2d)
 from .trace import read_lengths
 from .tune import buckets_within_budget, tune_1d, tune_2d
 from .workload import PHASES, needs, paired_needs
@@ -381,10 +382,9 @@ def _replay(args: argparse.Namespace) -> int:
         report = report_2d(shapes, *data, pair=args.pair, cost=cost)
         baseline = report_2d(_baseline_2d(args.pair, grid[-1], other[-1]), *data,
                              pair=args.pair, cost=cost)
+        comparison = compare(report, baseline)
     else:
-        report = report_1d(grid, data, cost=cost, rule=args.rule)
-        baseline = report_1d(nxdi_default_grid(grid[-1]), data, cost=cost, rule=args.rule)
-    comparison = compare(report, baseline)
+        report, baseline, comparison = against_nxdi(grid, data, cost=cost, rule=args.rule)
     if args.json:
         _print_json("replay", {"workload": _workload_summary(args, workload, report),
                                "report": report.to_dict(),
@@ -428,13 +428,12 @@ def _tune(args: argparse.Namespace) -> int:
         report = report_2d(shapes, *data, pair=args.pair, cost=cost)
         baseline = report_2d(_baseline_2d(args.pair, args.max, args.max_num_seqs), *data,
                              pair=args.pair, cost=cost)
+        comparison = compare(report, baseline)
     else:
         limit = min(args.max_buckets, graphs) if graphs else args.max_buckets
         grid = tune_1d(data, limit, maximum=args.max, cost=cost, align=args.align)
         lists = {PHASE_KEYS[args.phase]: grid}
-        report = report_1d(grid, data, cost=cost)
-        baseline = report_1d(nxdi_default_grid(args.max), data, cost=cost)
-    comparison = compare(report, baseline)
+        report, baseline, comparison = against_nxdi(grid, data, cost=cost)
     if args.output:
         command = "neuron-buckets " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         dump_bucket_set(args.output, **lists, description=(

@@ -147,3 +147,12 @@ def compare(candidate: Report, baseline: Report) -> dict:
         "baseline_expected_cost": round(baseline.expected_cost, 6),
         "expected_cost_saved_pct": saved(candidate.expected_cost, baseline.expected_cost),
     }
+
+
+def against_nxdi(grid: Sequence[int], hist: Histogram, *, cost: CostModel | None = None,
+                 rule: str = "first_fit") -> tuple[Report, Report, dict]:
+    """Reports of ``grid`` and of NxDI's default grid for the same maximum (same rule, same
+    cost model), and the comparison of the two: the question every tuned grid must answer."""
+    report = report_1d(grid, hist, cost=cost, rule=rule)
+    baseline = report_1d(nxdi_default_grid(max(grid)), hist, cost=cost, rule=rule)
+    return report, baseline, compare(report, baseline)

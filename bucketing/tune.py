@@ -19,7 +19,7 @@ that no change of a single dimension can improve; that is not proven globally op
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
