@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("need", type=int, metavar="N",
                      help="context phase: tokens to compute; decode phase: the position of "
                           "the token being decoded (needs N + 1 + speculation)")
-    fit.add_argument("--phase", choices=PHASES, default="context")
+    fit.add_argument("--phase", choices=PHASES, default="context",
+                     help="context (default) or decode: what N means")
     fit.add_argument("--speculation", type=int, default=0, metavar="S",
                      help="speculation length added to decode needs (default 0)")
     fit.add_argument("--batch", type=int, metavar="B",
@@ -121,11 +122,11 @@ def _parser() -> argparse.ArgumentParser:
                             description="Write a PNG: the need histogram with bucket edges "
                                         "and padding, and real vs padded tokens per bucket. "
                                         "Needs matplotlib (the 'plot' extra).")
-    _trace_options(plot)
+    _trace_options(plot, pairs=False)
     plot.add_argument("--output", "-o", type=Path, required=True, metavar="FILE.png")
     _grid_options(plot)
     _cost_option(plot, "latency")
-    plot.set_defaults(run=_plot)
+    plot.set_defaults(run=_plot, pair=None)  # plot draws 1-D grids only
     return parser
 
 
@@ -159,7 +160,7 @@ def _second_dimension_options(parser: argparse.ArgumentParser) -> None:
                        help="prefix buckets, e.g. 512,1024: (active, prefix) grid, 0 added")
 
 
-def _trace_options(parser: argparse.ArgumentParser) -> None:
+def _trace_options(parser: argparse.ArgumentParser, pairs: bool = True) -> None:
     parser.add_argument("trace", type=Path, metavar="TRACE",
                         help="JSONL (prompt_tokens[, output_tokens, batch, "
                              "prefix_hit_tokens]), CSV (ContextTokens, GeneratedTokens), "
@@ -171,8 +172,9 @@ def _trace_options(parser: argparse.ArgumentParser) -> None:
                         help="context needs are prompt minus prefix_hit_tokens")
     parser.add_argument("--speculation", type=int, default=0, metavar="S",
                         help="speculation length added to decode needs (default 0)")
-    parser.add_argument("--pair", choices=("batch", "prefix"),
-                        help="2-D: (batch, length) or (active, prefix) needs")
+    if pairs:
+        parser.add_argument("--pair", choices=("batch", "prefix"),
+                            help="2-D: (batch, length) or (active, prefix) needs")
 
 
 def _cost_option(parser: argparse.ArgumentParser, default: str) -> None:
@@ -462,8 +464,6 @@ def _tune(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .plot import plot_grid
 
-    if args.pair:
-        raise BucketError("plot draws 1-D grids; drop --pair")
     workload, hist = _workload_needs(args)
     grid = _grid(args, args.phase)
     report = report_1d(grid, hist, cost=_cost(args.cost))
