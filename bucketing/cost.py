@@ -141,7 +141,8 @@ class TableCost(CostModel):
         return float(np.interp(shape[-1], lengths, ms))
 
     def describe(self) -> str:
-        return f"measured table ({self.phase}, {len(self.table)} shapes, {self.source or 'no source'})"
+        return (f"measured table ({self.phase}, {len(self.table)} shapes, "
+                f"{self.source or 'no source'})")
 
 
 DEFAULT_COST = LinearQuadraticCost()

@@ -43,8 +43,9 @@ def check_keys(path: str | Path, data: Mapping[str, Any], allowed: tuple[str, ..
     """Reject unknown keys (with a did-you-mean) and missing required ones."""
     for key in data:
         if key not in allowed:
-            raise BucketFileError(path, f"{where}{key}", f"unknown key{did_you_mean(str(key), allowed)}; "
-                                                         f"allowed keys: {', '.join(allowed)}")
+            hint = did_you_mean(str(key), allowed)
+            raise BucketFileError(path, f"{where}{key}", f"unknown key{hint}; allowed keys: "
+                                                         f"{', '.join(allowed)}")
     for key in required:
         if key not in data:
             raise BucketFileError(path, f"{where}{key}", "is missing; it is required")

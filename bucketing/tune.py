@@ -105,8 +105,8 @@ def tune_2d(needs: np.ndarray, counts: np.ndarray, max_buckets: tuple[int, int],
 
 def _bucket_splits(max_buckets: tuple[int, int], max_graphs: int | None,
                    least_second: int) -> list[tuple[int, int]]:
-    """(K0, K1) limits to try: the caps themselves, or under a graph budget every split
-    that no larger split within the budget dominates."""
+    """(K0, K1) limits to try: the caps themselves, or under a graph budget each K0 up to
+    its cap with the largest K1 the budget leaves."""
     if max_graphs is None:
         return [tuple(max_buckets)]
     splits = [(a, min(max_buckets[1], max_graphs // a))

@@ -47,7 +47,8 @@ def test_limits_are_checked_on_load(tmp_path):
 
 @pytest.mark.parametrize("name, text, message", [
     ("a.yaml", "context_encoding_bucket: [128]\n",
-     "a.yaml: context_encoding_bucket: unknown key \\(did you mean 'context_encoding_buckets'\\?\\)"),
+     "a.yaml: context_encoding_bucket: unknown key "
+     "\\(did you mean 'context_encoding_buckets'\\?\\)"),
     ("a.yaml", "context_encoding_buckets: [256, 128]\n",
      "a.yaml: context_encoding_buckets: the list is not sorted"),
     ("a.yaml", "context_encoding_buckets: [128, 128]\n", "lists 128 twice"),

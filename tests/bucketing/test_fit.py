@@ -127,7 +127,8 @@ def test_fit_nd_ties_go_to_the_lexicographically_smallest_shape():
 ])
 def test_prefix_grid_boundaries(active, prefix, expected):
     grid = prefix_grid([512, 1024], [512, 1024])
-    assert fit_nd(grid, (active, prefix), cost=LinearQuadraticCost(layout="active_prefix")) == expected
+    cost = LinearQuadraticCost(layout="active_prefix")
+    assert fit_nd(grid, (active, prefix), cost=cost) == expected
 
 
 def test_fit_nd_rejects_rank_mismatch():
