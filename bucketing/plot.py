@@ -50,7 +50,7 @@ def plot_grid(path: str | Path, hist: Histogram, grid: Sequence[int], report: Re
     upper.set_xlim(0, top)
     upper.set_xlabel("need (tokens)")
     upper.set_ylabel("count")
-    upper.legend(loc="upper center", fontsize=8)
+    upper.legend(loc="center right", fontsize=8)
     upper.set_title(title or f"grid {list(grid)}")
     labels = [str(use.bucket[0]) for use in report.buckets]
     real = [use.tokens for use in report.buckets]
