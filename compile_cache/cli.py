@@ -48,13 +48,13 @@ def describe_model(manifest: Mapping[str, Any]) -> str:
 
 
 def describe_shapes(manifest: Mapping[str, Any], width: int = 60) -> str:
-    """'tp2 bs4 context_encoding_buckets=128,256 ...' from a manifest, cut to `width`."""
+    """'tp2 bs4 context_encoding=128,256 ...' from a manifest, cut to `width`."""
     neuron = manifest.get("neuron") or {}
     parts = [f"{label}{neuron[name]}" for name, label in _SHAPE_FIELDS.items()
              if name in neuron]
     for name, grid in sorted((manifest.get("buckets") or {}).items()):
         values = grid if isinstance(grid, list) else [grid]
-        parts.append(f"{name}=" + ",".join(
+        parts.append(f"{name.removesuffix('_buckets')}=" + ",".join(
             "x".join(map(str, v)) if isinstance(v, list) else str(v) for v in values))
     text = " ".join(parts)
     return text if len(text) <= width else text[:width - 3] + "..."

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from .cache_helpers import manifest_for, write_artifacts
 
 from compile_cache.cache import CompileCache
 from compile_cache.stores import LocalStore
 from compile_cache.units import format_size, parse_duration, parse_size
+
+from .cache_helpers import manifest_for, write_artifacts
 
 NEURON_CACHE = str(Path(sys.executable).with_name("neuron-cache"))
 VERBS = ["ls", "show", "explain", "verify", "prune", "rm", "push", "pull", "compiler-cache"]

@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
-from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 from compile_cache.cache import CompileCache, VerifyResult
 from compile_cache.errors import BuildOutputError, LockTimeout
 from compile_cache.manifest import cache_key
 from compile_cache.record import parse_record
 from compile_cache.stores import LocalStore
+
+from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 
 class Lines(list):

@@ -8,7 +8,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from .cache_helpers import TINY_LLAMA, manifest_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +15,8 @@ from compile_cache import weights
 from compile_cache.errors import ManifestError
 from compile_cache.manifest import (VOLATILE_MODEL_KEYS, cache_key, canonical_json,
                                     diff_manifests, weights_fingerprint)
+
+from .cache_helpers import TINY_LLAMA, manifest_for
 
 
 def test_volatile_model_keys_are_dropped_and_dtype_recorded_once():

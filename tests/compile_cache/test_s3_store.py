@@ -9,13 +9,14 @@ from pathlib import Path
 
 import boto3
 import pytest
-from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 from compile_cache.cache import CompileCache
 from compile_cache.errors import LockTimeout, StoreError
 from compile_cache.manifest import cache_key
 from compile_cache.stores import LocalStore, S3Store, open_store
 from compile_cache.transfer import pull, push
+
+from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
 
 
 def s3_store(bucket: str, local: Path, ttl: float = 30.0) -> S3Store:
