@@ -5,6 +5,7 @@ All are ``ValueError`` subclasses so configuration code can catch one type.
 
 from __future__ import annotations
 
+import difflib
 from typing import Sequence
 
 
@@ -51,7 +52,5 @@ class BucketFileError(BucketError):
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """A ' (did you mean X?)' hint for a misspelt key, or '' when nothing is close."""
-    import difflib
-
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
