@@ -25,13 +25,15 @@ from .errors import BucketError, NoFitError
 RULES = ("first_fit", "strict")
 
 
-def context_need(prompt_tokens, computed_tokens=0):
+def context_need(prompt_tokens: int | np.ndarray,
+                 computed_tokens: int | np.ndarray = 0) -> int | np.ndarray:
     """Tokens a context encoding computes: the prompt minus the prefix already cached.
     Works on ints and numpy arrays alike."""
     return prompt_tokens - computed_tokens
 
 
-def decode_need(position, speculation_length=0):
+def decode_need(position: int | np.ndarray,
+                speculation_length: int = 0) -> int | np.ndarray:
     """Positions a token-generation step attends: ``full_context_len`` = position + 1,
     plus the speculated tokens. Works on ints and numpy arrays alike."""
     return position + 1 + speculation_length
@@ -82,7 +84,7 @@ def fit_nd(grid: Sequence[tuple[int, ...]], need: tuple[int, ...], *,
     return tuple(grid[index])
 
 
-def assign_nd(grid: Sequence[tuple[int, ...]], needs,
+def assign_nd(grid: Sequence[tuple[int, ...]], needs: Sequence[Sequence[int]] | np.ndarray,
               cost: Callable[[tuple[int, ...]], float] | None = None) -> np.ndarray:
     """Vectorised N-D fit: for each row of ``needs`` the index into ``grid`` of its
     least-cost fitting bucket (ties: lexicographically smallest), or -1."""

@@ -26,13 +26,13 @@ import numpy as np
 from .cost import DEFAULT_COST, CostModel, LinearQuadraticCost
 from .errors import BucketError
 from .grids import validate_grid
-from .workload import Histogram, Workload, as_workload, context_needs
+from .workload import Histogram, Workload, WorkloadLike, as_workload, context_needs
 
 PAIRS = ("batch", "prefix")
 BLOCK = 512  # candidate rows per vectorised DP block: bounds memory to BLOCK * n floats
 
 
-def as_histogram(data) -> Histogram:
+def as_histogram(data: WorkloadLike) -> Histogram:
     """A Histogram from a Histogram, a Workload (its context needs), a {length: count}
     mapping or a list of lengths."""
     if isinstance(data, Histogram):
@@ -53,7 +53,7 @@ def buckets_within_budget(budget_s: float, seconds_per_graph: float) -> int:
     return graphs
 
 
-def tune_1d(lengths_or_histogram, max_buckets: int, *, maximum: int,
+def tune_1d(lengths_or_histogram: WorkloadLike, max_buckets: int, *, maximum: int,
             cost: CostModel | None = None, align: int | None = None) -> list[int]:
     """The grid of at most ``max_buckets`` buckets, the largest = ``maximum``, with least
     expected cost under first fit (exact; see the module docstring)."""

@@ -10,7 +10,7 @@ it into what each compiled graph must hold, using the fit rule's definitions in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -55,8 +55,11 @@ class Workload:
         return int(self.counts.sum())
 
 
-def as_workload(data: "Workload | Histogram | Mapping[int, int] | Sequence[int] | np.ndarray",
-                source: str = "") -> Workload:
+# What the analysis functions accept as a workload.
+WorkloadLike = Union[Workload, Histogram, Mapping[int, int], Sequence[int], np.ndarray]
+
+
+def as_workload(data: WorkloadLike, source: str = "") -> Workload:
     """Accept a Workload, a Histogram, a {length: count} mapping or a list of prompt lengths."""
     if isinstance(data, Workload):
         return data
