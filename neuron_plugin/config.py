@@ -163,6 +163,51 @@ def _bool_setting(override: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
+# NxDI features this plugin does not drive: a truthy value is rejected with the reason.
+UNSUPPORTED_KEYS = {
+    "chunked_prefill_config": (
+        "chunked prefill here runs one request's chunk per context-encoding call on the "
+        "block-layout (chunk x prefix) graphs, not NxDI's multi-request chunked-prefill "
+        "kernel; --enable-chunked-prefill and --max-num-batched-tokens set it up, so "
+        "remove chunked_prefill_config"),
+    "allow_input_truncation": (
+        "a prompt longer than the largest bucket is rejected with HTTP 400 instead of "
+        "being truncated; remove allow_input_truncation"),
+    "async_mode": (
+        "the plugin reads each step's logits before scheduling the next; remove "
+        "async_mode"),
+    "speculation_length": "speculative decoding is not supported yet; remove the key",
+    "enable_fused_speculation": "speculative decoding is not supported yet; remove the key",
+    "enable_eagle_speculation": "speculative decoding is not supported yet; remove the key",
+    "is_medusa": "speculative decoding is not supported yet; remove the key",
+    "lora_config": "LoRA is not supported yet; merge the adapter or remove lora_config",
+}
+
+
+def _reject_unsupported(limits: EngineLimits, override: Mapping[str, Any]) -> None:
+    for key, reason in UNSUPPORTED_KEYS.items():
+        if override.get(key):
+            raise _error(f"override_neuron_config.{key}={override[key]!r} is not "
+                         f"supported: {reason}.")
+    if override.get("padding_side", "right") != "right":
+        raise _error(
+            f"override_neuron_config.padding_side={override['padding_side']!r}: the "
+            f"plugin pads inputs on the right (NxDI's default); remove padding_side."
+        )
+    if override.get("is_continuous_batching") is False and limits.max_num_seqs > 1:
+        raise _error(
+            f"override_neuron_config.is_continuous_batching=false contradicts "
+            f"max_num_seqs={limits.max_num_seqs}: vLLM batches requests continuously; "
+            f"remove is_continuous_batching or pass --max-num-seqs 1."
+        )
+    sampling = override.get("on_device_sampling_config")
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise _error(
+            f"override_neuron_config.on_device_sampling_config={sampling!r} must be an "
+            f"object of NxDI OnDeviceSamplingConfig fields, e.g. {{\"global_topk\": 256}}."
+        )
+
+
 def _agree(override: Mapping[str, Any], key: str, vllm_name: str, vllm_value: Any) -> None:
     """NxDI keys that duplicate a vLLM setting must match it: vLLM's value wins nowhere
     silently, so a mismatch is an error rather than an overwrite."""
@@ -268,15 +313,17 @@ def resolve_blocks(limits: EngineLimits, override: Mapping[str, Any],
     return block_size, given
 
 
-def _grid(override: Mapping[str, Any], key: str, default: list[int], *,
-          maximum: int, covers: int | None = None) -> tuple[int, ...]:
+def _grid(override: Mapping[str, Any], key: str, default: list[int], *, maximum: int,
+          limit_name: str, covers: int | None = None, why: str = "") -> tuple[int, ...]:
+    """A user grid validated against its limit (named in the message) and, with
+    `covers`, against the largest need it must serve (`why` says whose need)."""
     if key not in override:
         return tuple(default)
     try:
         return validate_grid(override[key], name=f"override_neuron_config.{key}",
-                             maximum=maximum, covers=covers)
+                             maximum=maximum, covers=covers, limit_name=limit_name)
     except BucketError as exc:
-        raise _error(str(exc)) from None
+        raise _error(f"{exc} ({why})" if why else str(exc)) from None
 
 
 def resolve_grids(limits: EngineLimits, override: Mapping[str, Any], kv_layout: str,
@@ -308,21 +355,30 @@ def resolve_grids(limits: EngineLimits, override: Mapping[str, Any], kv_layout: 
         # With chunked prefill a chunk of up to max_num_batched_tokens must fit one graph.
         "context_encoding_buckets": _grid(
             override, "context_encoding_buckets", ctx_default, maximum=max_context_length,
+            limit_name="max_context_length",
             covers=min(limits.max_num_batched_tokens, max_context_length)
-            if limits.enable_chunked_prefill else None),
+            if limits.enable_chunked_prefill else None,
+            why=f"a chunk of max_num_batched_tokens={limits.max_num_batched_tokens} "
+                f"must fit one graph"),
         # Decoding walks every position up to max_model_len, so the largest
         # token-generation bucket must reach it or a long request would fail mid-way.
-        "token_generation_buckets": _grid(override, "token_generation_buckets",
-                                          tkg_default, maximum=seq, covers=seq),
-        "token_generation_batches": _grid(override, "token_generation_batches",
-                                          [batch], maximum=batch, covers=batch),
+        "token_generation_buckets": _grid(
+            override, "token_generation_buckets", tkg_default, maximum=seq,
+            limit_name="max_model_len", covers=seq,
+            why=f"decoding reaches max_model_len={seq}"),
+        "token_generation_batches": _grid(
+            override, "token_generation_batches", [batch], maximum=batch,
+            limit_name="max_num_seqs", covers=batch,
+            why=f"max_num_seqs={batch} requests can decode together"),
     }
     if block:
         if "prefix_buckets" in override:
             values = list(override["prefix_buckets"] or [])
             # A cached prefix or earlier chunks can reach max_model_len - 1 tokens.
             prefix = _grid({"prefix_buckets": [v for v in values if v != 0]},
-                           "prefix_buckets", [], maximum=seq, covers=seq - 1)
+                           "prefix_buckets", [], maximum=seq, limit_name="max_model_len",
+                           covers=seq - 1,
+                           why=f"a cached prefix can reach max_model_len - 1 = {seq - 1}")
             grids["prefix_buckets"] = (0,) + prefix
         else:
             grids["prefix_buckets"] = (0,) + tuple(tkg_default)
@@ -369,9 +425,18 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
             f"backend runs on one CPU process: use --tensor-parallel-size 1 or "
             f"VLLM_NEURON_BACKEND=nxd on a Neuron host."
         )
+    _reject_unsupported(limits, override)
     kv_layout, reason = resolve_kv_layout(limits, override)
     block_size, num_blocks = resolve_blocks(limits, override, kv_layout)
     grids = resolve_grids(limits, override, kv_layout, max_context)
+    if (backend == "nxd" and kv_layout == BLOCK
+            and grids["token_generation_batches"] != (limits.max_num_seqs,)):
+        raise _error(
+            f"override_neuron_config.token_generation_batches="
+            f"{list(grids['token_generation_batches'])} needs the contiguous KV layout: "
+            f"NxDI does not batch-bucket the block layout ({reason}); remove "
+            f"token_generation_batches or turn off prefix caching and chunked prefill."
+        )
     on_device = "on_device_sampling_config" in override and backend == "nxd"
     passthrough = {k: v for k, v in override.items() if k not in INTERPRETED_KEYS}
     if "on_device_sampling_config" in override:

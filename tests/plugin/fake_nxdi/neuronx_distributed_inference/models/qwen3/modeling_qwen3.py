@@ -1,0 +1,21 @@
+"""NeuronQwen3ForCausalLM and Qwen3InferenceConfig with NxDI's class methods."""
+
+from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
+from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
+
+
+class Qwen3InferenceConfig(InferenceConfig):
+    def get_required_attributes(self):
+        return ["hidden_size", "num_attention_heads", "num_hidden_layers",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                "rms_norm_eps", "hidden_act"]
+
+    @classmethod
+    def get_neuron_config_cls(cls):
+        return NeuronConfig
+
+
+class NeuronQwen3ForCausalLM(NeuronBaseForCausalLM):
+    @classmethod
+    def get_config_cls(cls):
+        return Qwen3InferenceConfig

@@ -1,0 +1,29 @@
+"""Put one release of the NxDI double on sys.path for a test and take it away after."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from neuron_plugin.patches import NxDIModules
+
+ROOT = Path(__file__).parent
+PACKAGE = "neuronx_distributed_inference"
+
+
+def purge() -> None:
+    """Forget every imported module of the double (releases differ at import time)."""
+    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")
+                 or n == "fake_contrib" or n.startswith("fake_contrib.")]:
+        del sys.modules[name]
+
+
+def load_release(release: str, monkeypatch) -> NxDIModules:
+    """Import the double as `release` (see _release.py); pair with purge() after."""
+    monkeypatch.setenv("FAKE_NXDI_RELEASE", release)
+    monkeypatch.syspath_prepend(str(ROOT))
+    purge()
+    from neuronx_distributed_inference.models import model_base, model_wrapper
+    from neuronx_distributed_inference.utils import hf_adapter
+
+    return NxDIModules(model_base, model_wrapper, hf_adapter)
