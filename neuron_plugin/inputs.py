@@ -140,3 +140,23 @@ def token_generation_inputs(settings: NeuronSettings, token_ids: np.ndarray,
         seq_ids=seq, slot_mapping=slots, block_table=table, full_context_lens=full,
         computed_context_lens=computed, num_real=real,
     )
+
+
+def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...]) -> ForwardInputs:
+    """A call of exactly `shape` holding only padding: every write goes to scratch, so
+    it runs a graph (warm-up, timing) without touching any request's KV entries."""
+    if phase == CONTEXT_ENCODING:
+        rows, active = 1, shape[0]
+    else:
+        rows, active = shape[0], 1
+    block = settings.is_block_layout
+    return ForwardInputs(
+        phase=phase, bucket=tuple(shape),
+        input_ids=np.zeros((rows, active), dtype=np.int64),
+        position_ids=np.zeros((rows, active), dtype=np.int64),
+        seq_ids=np.full(rows, PAD_SEQ_ID, dtype=np.int64),
+        slot_mapping=np.full((rows, active), PAD_SLOT, dtype=np.int64) if block else None,
+        block_table=np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64) if block else None,
+        full_context_lens=np.zeros(rows, dtype=np.int64),
+        computed_context_lens=np.zeros(rows, dtype=np.int64), num_real=0,
+    )

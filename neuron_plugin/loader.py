@@ -17,6 +17,7 @@ from compile_cache.manifest import make_manifest
 from compile_cache.stores import open_store
 from neuron_plugin.backends.base import Backend, graph_specs
 from neuron_plugin.config import GRID_KEYS, NeuronSettings
+from neuron_plugin.inputs import padding_inputs
 from neuron_plugin import plugin_logger
 
 logger = plugin_logger(__name__)
@@ -96,7 +97,8 @@ def load_backend(settings: NeuronSettings, model_dir: str | Path,
     backend.load(result.path)
     if not settings.skip_warmup:
         started = time.perf_counter()
-        backend.warmup()
-        logger.info("warm-up: ran each of %d graphs once in %.2f s",
-                    len(graph_specs(settings)), time.perf_counter() - started)
+        for graph in graph_specs(settings):
+            backend.forward(padding_inputs(settings, graph.phase, graph.shape))
+        logger.info("warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true "
+                    "skips it)", len(graph_specs(settings)), time.perf_counter() - started)
     return backend, result

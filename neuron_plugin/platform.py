@@ -151,11 +151,9 @@ class NeuronPlatform(Platform):
                            "pass --no-enable-chunked-prefill (LLM: "
                            "enable_chunked_prefill=False) to encode whole prompts.")
         block_layout = cache.enable_prefix_caching or sched.enable_chunked_prefill
+        # Without chunked prefill vLLM itself keeps max_num_batched_tokens >=
+        # max_model_len, so a whole prompt always fits one step (one graph).
         if not block_layout:
-            _change(sched, "max_num_batched_tokens",
-                    max(sched.max_num_batched_tokens, model.max_model_len),
-                    "a whole prompt is encoded by one graph, so one step must hold the "
-                    "longest prompt", "max_num_batched_tokens")
             _change(cache, "block_size", model.max_model_len,
                     "contiguous KV layout: one block per sequence", "block_size")
         elif not cache.user_specified_block_size:

@@ -118,10 +118,11 @@ class StepTelemetry:
                 self.log_summary()
 
     def close(self) -> None:
-        """Final publish and summary (engine shutdown)."""
+        """Summary at engine shutdown; the engine's counters leave /metrics with it, as a
+        restarted process's counters would."""
         self._stop.set()
         if self._publish_path is not None:
-            self.publish()
+            self._publish_path.unlink(missing_ok=True)
         self.log_summary()
 
     def snapshot(self) -> dict[str, Any]:
@@ -169,8 +170,11 @@ class NeuronMetricsCollector:
         self.directory = Path(directory)
 
     def _snapshots(self) -> list[dict[str, Any]]:
+        """Snapshots of engines still running (a crashed engine's file is ignored)."""
         found = []
         for path in sorted(self.directory.glob("engine-*.json")):
+            if not _alive(int(path.stem.removeprefix("engine-"))):
+                continue
             try:
                 found.append(json.loads(path.read_text()))
             except (OSError, json.JSONDecodeError):
@@ -216,6 +220,16 @@ class NeuronMetricsCollector:
         yield from families.values()
         yield forward
         yield host
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _cumulative(hist: Histogram) -> list[tuple[str, int]]:

@@ -97,8 +97,5 @@ class Backend(Protocol):
     def load(self, folder: Path) -> None:
         """Load compiled graphs and weights; allocate the KV cache."""
 
-    def warmup(self) -> None:
-        """Run every graph once on padding-only inputs."""
-
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [inputs.num_real, vocab] for the last real token of each real row."""

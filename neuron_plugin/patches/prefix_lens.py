@@ -57,12 +57,15 @@ def prefix_cache_inputs(attention_mask: Any, decoding: bool, *, block_size: int,
 
 
 def _stand_in_adapter() -> SimpleNamespace:
-    """The attributes prepare_inputs_for_generation reads, for a prefill step."""
+    """The attributes prepare_inputs_for_generation reads, for a prefill step of a
+    prefix-caching configuration (a fixed adapter may read any of them)."""
     return SimpleNamespace(
         neuron_model=SimpleNamespace(kv_cache_populated=False,
                                      get_required_kwargs=lambda: []),
-        neuron_config=SimpleNamespace(is_prefix_caching=True,
-                                      tensor_replacement_config=None),
+        neuron_config=SimpleNamespace(
+            is_prefix_caching=True, is_block_kv_layout=True, seq_len=8, pa_block_size=4,
+            pa_num_blocks=4, padding_side="right", tensor_replacement_config=None,
+            on_device_sampling_config=None, lora_config=None, speculation_length=0),
         input_start_offsets=None,
         prev_kv_cache_populated=False,
     )

@@ -157,11 +157,6 @@ class ReferenceBackend:
                     "%d slots (%.1f MiB)", len(self.graphs), folder, self.settings.kv_layout,
                     self.num_slots, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
 
-    def warmup(self) -> None:
-        for phase, shape in self.graphs:
-            args = self._example_inputs(GraphSpec(phase, shape), self.weights)
-            self._call(phase, shape, *args[1:7])
-
     # -- run -------------------------------------------------------------------------
     def _slots(self, inputs: ForwardInputs) -> tuple[np.ndarray, np.ndarray]:
         """Contract arrays -> (write slots, read slots) for this cache layout."""

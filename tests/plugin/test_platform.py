@@ -1,0 +1,83 @@
+"""NeuronPlatform's changes to vLLM's config and its request checks, through vLLM's own
+EngineArgs -> VllmConfig path (no engine is started)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
+
+
+def engine_config(model_dirs, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    defaults = dict(model=str(model_dirs["llama"]), dtype="float32", max_model_len=512,
+                    max_num_seqs=4, enable_prefix_caching=False, enable_chunked_prefill=False)
+    defaults.update(kwargs)
+    return EngineArgs(**defaults).create_engine_config()
+
+
+def settings_of(config):
+    from neuron_plugin.settings_store import settings_from_vllm_config
+
+    return settings_from_vllm_config(config)
+
+
+def test_contiguous_layout_shapes_the_scheduler(model_dirs, capfd):
+    config = engine_config(model_dirs)
+    assert config.parallel_config.worker_cls == "neuron_plugin.worker.NeuronWorker"
+    assert config.cache_config.block_size == 512
+    assert config.scheduler_config.max_num_batched_tokens >= 512  # whole prompts per step
+    assert config.cache_config.num_gpu_blocks_override == 5  # 4 slots + null block
+    assert config.scheduler_config.async_scheduling is False
+    settings = settings_of(config)
+    assert settings.kv_layout == "contiguous"
+    logged = capfd.readouterr().out
+    assert "num_gpu_blocks_override None -> 5" in logged
+    assert "block_size" in logged and "contiguous KV layout: one block per sequence" in logged
+
+
+def test_prefix_caching_switches_to_block_layout(model_dirs):
+    config = engine_config(model_dirs, enable_prefix_caching=True)
+    settings = settings_of(config)
+    assert settings.kv_layout == "block"
+    assert config.cache_config.block_size == 32
+    # 4 sequences x ceil(512 / 32) blocks + the null block
+    assert config.cache_config.num_gpu_blocks_override == settings.num_blocks == 65
+
+
+def test_users_block_size_is_kept_for_block_layout(model_dirs):
+    config = engine_config(model_dirs, enable_prefix_caching=True, block_size=64)
+    assert config.cache_config.block_size == 64
+    assert settings_of(config).num_blocks == 4 * 8 + 1
+
+
+def test_contradiction_fails_before_anything_compiles(model_dirs):
+    # vLLM wraps the platform's NeuronConfigError in pydantic's ValidationError (both
+    # ValueErrors); the message reaches the user intact.
+    with pytest.raises(ValueError, match="pa_block_size=16 differs from vLLM's "
+                                                "block_size=32; pass --block-size 16"):
+        engine_config(model_dirs, enable_prefix_caching=True,
+                      additional_config={"override_neuron_config": {"pa_block_size": 16}})
+
+
+def test_validate_request_names_limit_and_fix(model_dirs):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.platforms import current_platform
+
+    engine_config(model_dirs, additional_config={"override_neuron_config": {
+        "context_encoding_buckets": [64, 128]}})
+    current_platform.validate_request({"type": "token", "prompt_token_ids": [1] * 128},
+                                      SamplingParams())
+    with pytest.raises(VLLMValidationError) as info:
+        current_platform.validate_request({"type": "token", "prompt_token_ids": [1] * 129},
+                                          SamplingParams())
+    message = str(info.value)
+    assert "prompt has 129 tokens but the largest context-encoding bucket holds 128" in message
+    assert "add a bucket >= 129" in message
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs is not supported"):
+        current_platform.validate_request({"type": "token", "prompt_token_ids": [1]},
+                                          SamplingParams(prompt_logprobs=1))
