@@ -8,7 +8,9 @@ of them, so `generate()` fails with "unsupported operand type(s) for -: 'NoneTyp
 from the scheduler state. The fix derives them from the attention mask and whether the
 KV cache is populated, with a fixed allocation of blocks per row (row b owns blocks
 [b * blocks_per_row, (b + 1) * blocks_per_row)), as NxDI's own chunked-prefill test
-helper does.
+helper does. Because that path never marks the KV cache populated, the fix also extends
+the attention mask over the generated tokens, so each step re-encodes the sequence so
+far (correct, if slower than decoding).
 """
 
 from __future__ import annotations
@@ -88,11 +90,29 @@ def probe(modules: NxDIModules) -> str | None:
     return None
 
 
+def _cover_generated(input_ids: Any, attention_mask: Any) -> Any:
+    """The attention mask extended by ones over tokens generated after it. NxDI's
+    prefix-caching path never marks the KV cache populated, so the adapter neither
+    trims the inputs to the last token nor extends the mask: each step re-encodes the
+    whole sequence, which is correct once the mask covers it."""
+    import torch
+
+    missing = input_ids.shape[1] - attention_mask.shape[1]
+    if missing <= 0:
+        return attention_mask
+    return torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0],
+                                                               missing))], dim=-1)
+
+
 def apply(modules: NxDIModules) -> bool:
     def make(original: Callable) -> Callable:
         def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-            inputs = original(self, input_ids, *args, **kwargs)
             config = self.neuron_config
+            mask = kwargs.get("attention_mask")
+            populated = bool(self.neuron_model.kv_cache_populated)
+            if config.is_prefix_caching and mask is not None and not populated:
+                kwargs["attention_mask"] = _cover_generated(input_ids, mask)
+            inputs = original(self, input_ids, *args, **kwargs)
             if not config.is_prefix_caching or inputs.get("full_context_lens") is not None:
                 return inputs
             if inputs.get("attention_mask") is None:
@@ -102,9 +122,8 @@ def apply(modules: NxDIModules) -> bool:
                     "returns one)."
                 )
             derived = prefix_cache_inputs(
-                inputs["attention_mask"], bool(self.neuron_model.kv_cache_populated),
-                block_size=config.pa_block_size, seq_len=config.seq_len,
-                num_blocks=config.pa_num_blocks)
+                inputs["attention_mask"], populated, block_size=config.pa_block_size,
+                seq_len=config.seq_len, num_blocks=config.pa_num_blocks)
             inputs.update({k: v for k, v in derived.items() if inputs.get(k) is None})
             return inputs
         return prepare_inputs_for_generation

@@ -132,11 +132,28 @@ class HuggingFaceGenerationAdapter(torch.nn.Module):
             outputs = self(**model_inputs, return_dict=True)
             next_tokens = outputs.logits[:, -1, :].argmax(dim=-1)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            mask = model_kwargs["attention_mask"]
-            model_kwargs["attention_mask"] = torch.cat(
-                [mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            self.neuron_model.kv_cache_populated = True
+            model_kwargs = self._update_model_kwargs_for_generation(outputs, model_kwargs)
         return input_ids
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs,
+                                            is_for_token_generation=None,
+                                            is_encoder_decoder=False):
+        if is_for_token_generation is None:
+            is_for_token_generation = self.prev_kv_cache_populated
+        if "attention_mask" in model_kwargs:
+            attention_mask = model_kwargs["attention_mask"]
+            if is_for_token_generation:
+                if self.padding_side == "left":
+                    attention_mask = torch.cat(
+                        [attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))],
+                        dim=-1)
+                    attention_mask = attention_mask[:, 1:]
+                else:
+                    attention_mask = torch.cat(
+                        [attention_mask.new_ones((attention_mask.shape[0], 1)), attention_mask],
+                        dim=-1)
+            model_kwargs["attention_mask"] = attention_mask
+        return model_kwargs
 
     if ADAPTER_HOOK_UNDEFINED:
         def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
@@ -156,6 +173,11 @@ class HuggingFaceGenerationAdapter(torch.nn.Module):
             if self.neuron_model.kv_cache_populated:
                 input_ids = input_ids[:, -1:]
             tensor_capture_hook = kwargs.get("tensor_capture_hook", None)
+            if (ADAPTER_PASSES_PREFIX_LENS and self.neuron_config.is_prefix_caching
+                    and attention_mask.shape[1] < input_ids.shape[1]):
+                grown = input_ids.shape[1] - attention_mask.shape[1]
+                attention_mask = torch.cat(
+                    [attention_mask, attention_mask.new_ones((input_ids.shape[0], grown))], -1)
             model_inputs = _model_inputs(self, input_ids, past_key_values, attention_mask,
                                          inputs_embeds, sampling_params, adapter_ids, kwargs,
                                          tensor_capture_hook)

@@ -1,0 +1,249 @@
+"""The NxDI patch registry against the NxDI double's defective and fixed releases:
+each probe tells them apart, each fix makes the real call path work, and applying is
+idempotent and switchable."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+from neuron_plugin.patches import (
+    DISABLE_ENV,
+    PATCHES,
+    adapter_inputs,
+    apply_patches,
+    bucket_fit,
+    disabled_patches,
+    prefix_lens,
+)
+from neuron_plugin.patches.base import code_mentions, replace_method, unpatched
+
+VOCAB = 977  # the tiny checkpoints' vocabulary
+NAMES = [p.name for p in PATCHES]
+# release -> names of the patches whose defect it has
+DEFECTS = {
+    "2.27": {"adapter-forward-kwargs", "adapter-prefix-lens", "cte-exact-bucket"},
+    "2.28": {"adapter-forward-kwargs", "adapter-prefix-lens", "cte-exact-bucket"},
+    "2.29": {"adapter-prefix-lens", "cte-exact-bucket"},
+    "fixed": set(),
+}
+
+
+@pytest.fixture
+def nxdi(request, monkeypatch):
+    yield load_release(request.param, monkeypatch)
+    purge()
+
+
+def build_model(nxdi, model_dir, folder, **overrides):
+    """An NxDI Llama compiled into `folder` and loaded, as a user of NxDI would."""
+    from neuronx_distributed_inference.models.config import NeuronConfig
+    from neuronx_distributed_inference.models.llama.modeling_llama import (
+        NeuronLlamaForCausalLM,
+    )
+
+    kwargs = dict(tp_degree=1, batch_size=2, seq_len=64, max_context_length=64,
+                  torch_dtype="float32", enable_bucketing=True, is_continuous_batching=True,
+                  context_encoding_buckets=[8, 64], token_generation_buckets=[16, 64])
+    kwargs.update(overrides)
+    config = NeuronLlamaForCausalLM.get_config_cls()(
+        NeuronConfig(**kwargs),
+        load_config=nxdi.hf_adapter.load_pretrained_config(str(model_dir)))
+    model = NeuronLlamaForCausalLM(str(model_dir), config)
+    model.compile(str(folder))
+    model.load(str(folder))
+    return model
+
+
+def greedy_continuation(prompt: list[int], steps: int) -> list[int]:
+    """What the double generates: each token is the sum of the context mod vocab."""
+    context = list(prompt)
+    for _ in range(steps):
+        context.append(sum(context) % VOCAB)
+    return context
+
+
+PREFIX_CACHING = dict(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=8,
+                      pa_num_blocks=16, prefix_buckets=[16, 64], batch_size=1,
+                      is_continuous_batching=False)
+
+
+# -- probes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("nxdi", list(DEFECTS), indirect=True)
+def test_probes_tell_defective_from_fixed_releases(nxdi, request):
+    release = request.node.callspec.params["nxdi"]
+    found = {p.name for p in PATCHES if p.probe(nxdi) is not None}
+    assert found == DEFECTS[release]
+
+
+@pytest.mark.parametrize("nxdi", ["2.27"], indirect=True)
+def test_probe_evidence_names_the_defect(nxdi):
+    assert "no such parameter" in adapter_inputs.probe(nxdi)
+    assert "full_context_lens" in prefix_lens.probe(nxdi)
+    assert "bucket 4 of [2, 4]" in bucket_fit.probe(nxdi)
+
+
+@pytest.mark.parametrize("nxdi", ["2.28"], indirect=True)
+def test_probe_finds_the_undefined_global_of_the_published_source(nxdi):
+    assert "undefined global" in adapter_inputs.probe(nxdi)
+    assert "NameError" in prefix_lens.probe(nxdi)
+
+
+# -- registry -----------------------------------------------------------------------------
+@pytest.mark.parametrize("nxdi", list(DEFECTS), indirect=True)
+def test_apply_patches_applies_exactly_the_needed_ones_once(nxdi, request, caplog):
+    release = request.node.callspec.params["nxdi"]
+    with caplog.at_level(logging.INFO, logger="vllm.neuron_plugin.patches"):
+        first = {o.name: o.status for o in apply_patches(nxdi, environ={})}
+    assert first == {n: "applied" if n in DEFECTS[release] else "not needed" for n in NAMES}
+    assert len([r for r in caplog.records if "NxDI patch" in r.getMessage()]) == len(NAMES)
+    second = {o.name: o.status for o in apply_patches(nxdi, environ={})}
+    assert second == {n: "already applied" if n in DEFECTS[release] else "not needed"
+                      for n in NAMES}
+
+
+@pytest.mark.parametrize("nxdi", ["2.27"], indirect=True)
+def test_disable_switch(nxdi):
+    adapter = nxdi.hf_adapter.HuggingFaceGenerationAdapter
+    before = adapter.prepare_inputs_for_generation
+    outcomes = apply_patches(nxdi, environ={DISABLE_ENV: "adapter-forward-kwargs, "
+                                                         "adapter-prefix-lens"})
+    assert [o.status for o in outcomes] == ["disabled", "disabled", "applied"]
+    assert adapter.prepare_inputs_for_generation is before
+    assert disabled_patches({DISABLE_ENV: "all"}) == frozenset(NAMES)
+    with pytest.raises(ValueError, match="unknown patch.*cte-exact-bucket"):
+        disabled_patches({DISABLE_ENV: "cte-exact-buckets"})
+
+
+def test_replace_method_marks_and_unwraps():
+    class Target:
+        def method(self):
+            return "original"
+
+    original = Target.method
+    assert replace_method(Target, "method", "one", lambda f: lambda self: f(self) + "+1")
+    assert not replace_method(Target, "method", "one", lambda f: lambda self: "again")
+    assert replace_method(Target, "method", "two", lambda f: lambda self: f(self) + "+2")
+    assert Target().method() == "original+1+2"
+    assert unpatched(Target.method) is original
+
+
+def test_code_mentions_finds_names_constants_and_dict_keys():
+    def uses_global():
+        return tensor_capture_hook  # noqa: F821
+
+    def uses_key(x):
+        return {"position_ids": x, "tensor_capture_hook": None}
+
+    assert code_mentions(uses_global.__code__, "tensor_capture_hook")
+    assert code_mentions(uses_key.__code__, "tensor_capture_hook")
+    assert not code_mentions(uses_key.__code__, "full_context_lens")
+
+
+# -- (a) adapter-forward-kwargs -----------------------------------------------------------
+@pytest.mark.parametrize("nxdi,error", [("2.27", TypeError), ("2.28", NameError)],
+                         indirect=["nxdi"])
+def test_adapter_generate_fails_unpatched_and_works_patched(nxdi, error, model_dirs,
+                                                            tmp_path):
+    model = build_model(nxdi, model_dirs["llama"], tmp_path)
+    adapter = nxdi.hf_adapter.HuggingFaceGenerationAdapter(model)
+    prompts = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    mask = torch.ones_like(prompts)
+    with pytest.raises(error, match="tensor_capture_hook"):
+        adapter.generate(prompts, attention_mask=mask, max_new_tokens=3)
+    apply_patches(nxdi, environ={})
+    out = adapter.generate(prompts, attention_mask=mask, max_new_tokens=3)
+    assert out.tolist() == [greedy_continuation([3, 4, 5, 6], 3),
+                            greedy_continuation([7, 8, 9, 10], 3)]
+
+
+def test_accepted_inputs_filters_by_signature(caplog):
+    def forward(input_ids=None, position_ids=None):
+        return None
+
+    def forward_kwargs(input_ids=None, **kwargs):
+        return None
+
+    inputs = {"input_ids": 1, "position_ids": 2, "tensor_capture_hook": None}
+    assert adapter_inputs.accepted_inputs(forward, inputs) == {"input_ids": 1,
+                                                               "position_ids": 2}
+    assert adapter_inputs.accepted_inputs(forward_kwargs, inputs) == inputs
+    with caplog.at_level(logging.WARNING, logger="vllm.neuron_plugin.patches"):
+        adapter_inputs.accepted_inputs(forward, {**inputs, "tensor_capture_hook": print})
+    assert "tensor_capture_hook" in caplog.text
+
+
+# -- (b) adapter-prefix-lens --------------------------------------------------------------
+@pytest.mark.parametrize("nxdi", ["2.27"], indirect=True)
+def test_prefix_caching_generate_fails_unpatched_and_works_patched(nxdi, model_dirs,
+                                                                   tmp_path):
+    model = build_model(nxdi, model_dirs["llama"], tmp_path, **PREFIX_CACHING)
+    adapter = nxdi.hf_adapter.HuggingFaceGenerationAdapter(model)
+    prompt = torch.tensor([[11, 12, 13, 14, 15]])
+    mask = torch.ones_like(prompt)
+    apply_patches(nxdi, environ={DISABLE_ENV: "adapter-prefix-lens"})
+    with pytest.raises(TypeError, match="NoneType"):
+        adapter.generate(prompt, attention_mask=mask, max_new_tokens=4)
+    apply_patches(nxdi, environ={})
+    out = adapter.generate(prompt, attention_mask=mask, max_new_tokens=4)
+    assert out.tolist() == [greedy_continuation([11, 12, 13, 14, 15], 4)]
+
+
+@pytest.mark.parametrize("nxdi", ["fixed"], indirect=True)
+def test_fixed_release_generates_the_same_without_patches(nxdi, model_dirs, tmp_path):
+    model = build_model(nxdi, model_dirs["llama"], tmp_path, **PREFIX_CACHING)
+    adapter = nxdi.hf_adapter.HuggingFaceGenerationAdapter(model)
+    prompt = torch.tensor([[11, 12, 13, 14, 15]])
+    assert all(o.status == "not needed" for o in apply_patches(nxdi, environ={}))
+    out = adapter.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
+    assert out.tolist() == [greedy_continuation([11, 12, 13, 14, 15], 4)]
+
+
+def test_prefix_cache_inputs_prefill_hand_worked():
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    got = prefix_lens.prefix_cache_inputs(mask, False, block_size=4, seq_len=8, num_blocks=4)
+    assert got["full_context_lens"].tolist() == [[5], [3]]
+    assert got["computed_context_lens"].tolist() == [[0], [0]]
+    # row 0 owns blocks 0-1, row 1 blocks 2-3; two blocks hold 5 tokens
+    assert got["block_table"].tolist() == [[0, 1], [2, 3]]
+    assert got["slot_mapping"].tolist() == [[0, 1, 2, 3, 4], [8, 9, 10, -1, -1]]
+
+
+def test_prefix_cache_inputs_decode_hand_worked():
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    got = prefix_lens.prefix_cache_inputs(mask, True, block_size=4, seq_len=8, num_blocks=4)
+    assert got["full_context_lens"].tolist() == [[6], [4]]
+    assert got["computed_context_lens"].tolist() == [[5], [3]]
+    assert got["slot_mapping"].tolist() == [[5], [11]]
+
+
+def test_prefix_cache_inputs_rejects_too_few_blocks():
+    with pytest.raises(ValueError, match=r"pa_num_blocks=3 .*\(2 x 2 = 4 blocks\)"):
+        prefix_lens.prefix_cache_inputs(torch.ones((2, 3)), False, block_size=4, seq_len=8,
+                                        num_blocks=3)
+
+
+# -- (c) cte-exact-bucket -----------------------------------------------------------------
+@pytest.mark.parametrize("nxdi", ["2.27", "2.29"], indirect=True)
+def test_context_equal_to_bucket_uses_that_bucket_after_patch(nxdi, model_dirs, tmp_path):
+    model = build_model(nxdi, model_dirs["llama"], tmp_path)
+    prompt = torch.arange(1, 9)[None, :]  # 8 tokens, the smallest bucket
+    model(prompt, position_ids=torch.arange(8)[None, :], seq_ids=torch.tensor([0]))
+    assert model.context_encoding_model.selected_buckets == [64]
+    assert bucket_fit.PATCH.apply(nxdi)
+    model(prompt, position_ids=torch.arange(8)[None, :], seq_ids=torch.tensor([1]))
+    assert model.context_encoding_model.selected_buckets == [64, 8]
+    # token generation keeps the strict rule: position 15 has 15 cached tokens and
+    # writes the 16th slot of bucket 16; position 16 needs the next bucket.
+    model(torch.tensor([[1]]), position_ids=torch.tensor([[15]]), seq_ids=torch.tensor([0]))
+    model(torch.tensor([[1]]), position_ids=torch.tensor([[16]]), seq_ids=torch.tensor([0]))
+    assert model.token_generation_model.selected_buckets == [16, 64]
+
+
+@pytest.mark.parametrize("buckets,length,expected", [
+    ([128, 256], 128, 128), ([128, 256], 129, None), ([[128, 0], [128, 512]], 128, None)])
+def test_exact_bucket(buckets, length, expected):
+    assert bucket_fit.exact_bucket(buckets, length) == expected
