@@ -11,10 +11,16 @@ import os
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV
-from neuron_plugin.config import EngineLimits, NeuronSettings, resolve_settings
+from neuron_plugin.config import (
+    EngineLimits,
+    NeuronConfigError,
+    NeuronSettings,
+    resolve_settings,
+)
 
 SETTINGS_KEY = "neuron_settings"
 OVERRIDE_KEY = "override_neuron_config"
+BUCKET_SET_KEY = "bucket_set"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -37,16 +43,35 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
     )
 
 
+def with_bucket_set(override: dict[str, Any]) -> dict[str, Any]:
+    """Expand `bucket_set: FILE` (a `neuron-buckets tune -o` or configs/buckets/ file)
+    into its bucket keys. A key given both inline and in the file is a contradiction."""
+    if BUCKET_SET_KEY not in override:
+        return override
+    from bucketing.files import load_bucket_set
+
+    path = override[BUCKET_SET_KEY]
+    loaded = load_bucket_set(path)
+    both = sorted(set(loaded) & set(override))
+    if both:
+        raise NeuronConfigError(
+            f"override_neuron_config sets {', '.join(both)} both inline and in "
+            f"{BUCKET_SET_KEY}={path}; keep one of them.")
+    merged = {k: v for k, v in override.items() if k != BUCKET_SET_KEY}
+    merged.update(loaded)
+    return merged
+
+
 def override_neuron_config(vllm_config: Any) -> dict[str, Any]:
     additional = vllm_config.additional_config or {}
     override = additional.get(OVERRIDE_KEY) or {}
     if not isinstance(override, dict):
-        raise ValueError(
+        raise NeuronConfigError(
             f"additional_config.{OVERRIDE_KEY} must be a JSON object, got "
             f"{type(override).__name__}; pass e.g. --additional-config "
             f"'{{\"{OVERRIDE_KEY}\": {{\"enable_bucketing\": true}}}}'."
         )
-    return override
+    return with_bucket_set(override)
 
 
 def selected_backend() -> str:
