@@ -201,6 +201,9 @@ def model_arguments(settings: NeuronSettings, inputs: ForwardInputs,
         "computed_context_lens": computed.reshape(-1, 1),
     }
     if not settings.is_block_layout:
+        if inputs.phase == CONTEXT_ENCODING:
+            # Explicit, because NxDI infers a width-0 mask for a one-token prompt.
+            args["attention_mask"] = np.ones((rows, tokens), dtype=np.int64)
         order, restore = seq_order(args["seq_ids"])
         return {k: v[order] for k, v in args.items()}, restore
     args["slot_mapping"] = inputs.slot_mapping[:rows, :tokens]
@@ -216,6 +219,38 @@ def model_arguments(settings: NeuronSettings, inputs: ForwardInputs,
         args["input_ids"] = np.asarray(context_ids[:end], dtype=np.int64)[None, :]
         args["position_ids"] = np.arange(end, dtype=np.int64)[None, :]
     return args, np.arange(rows)
+
+
+def padding_arguments(settings: NeuronSettings,
+                      inputs: ForwardInputs) -> dict[str, np.ndarray]:
+    """Arguments that make NxDI run the graph of `inputs.bucket` for a padding-only call
+    (warm-up, measurement): NxDI has no padding rows, so the rows are real-looking
+    zeros. In the block layout they write nowhere (slot -1); the contiguous layout has
+    no scratch row, so they write sequence slots 0.. (call it before serving only)."""
+    block = settings.is_block_layout
+    if inputs.phase == CONTEXT_ENCODING:
+        active, prefix = inputs.bucket[0], sum(inputs.bucket[1:])
+        rows, width, end = 1, prefix + active, prefix + active
+        positions = np.arange(end, dtype=np.int64)[None, :]
+        computed = np.array([[prefix]], dtype=np.int64)
+    else:
+        rows, end = inputs.bucket
+        width, active = 1, 1
+        positions = np.full((rows, 1), end - 1, dtype=np.int64)
+        computed = np.full((rows, 1), end - 1, dtype=np.int64)
+    args = {
+        "input_ids": np.zeros((rows, width), dtype=np.int64),
+        "position_ids": positions,
+        "seq_ids": np.arange(rows, dtype=np.int64),
+        "full_context_lens": np.full((rows, 1), end, dtype=np.int64),
+        "computed_context_lens": computed,
+    }
+    if block:
+        args["slot_mapping"] = np.full((rows, active), -1, dtype=np.int64)
+        args["block_table"] = np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64)
+    elif inputs.phase == CONTEXT_ENCODING:
+        args["attention_mask"] = np.ones((rows, width), dtype=np.int64)
+    return args
 
 
 # -- on-device sampling -----------------------------------------------------------------
@@ -396,12 +431,9 @@ class NxDBackend:
     def load(self, folder: Path) -> None:
         check_artifact_record(Path(folder), self._record())
         model = self._new_model()
-        # The loader decides about warm-up (settings.skip_warmup) and calls warmup().
+        # The loader warms every graph up through forward() unless skip_warmup is set.
         model.load(str(folder), skip_warmup=True)
         self.model = model
-
-    def warmup(self) -> None:
-        self.model.warmup()
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The KV cache as NxDI holds it on the device: each state tensor of the
@@ -415,20 +447,23 @@ class NxDBackend:
         """One call. With `params` (one per real row) and on-device sampling compiled
         in, rows the on-device sampler can serve also get a token; `context_ids` are
         the request's token ids, see `model_arguments`."""
-        args, restore = model_arguments(self.settings, inputs, context_ids)
         rows = inputs.num_real
+        if rows == 0:
+            self._call(padding_arguments(self.settings, inputs))
+            return StepOutput(torch.zeros((0, self.vocab_size)), None,
+                              np.zeros(0, dtype=bool))
+        args, restore = model_arguments(self.settings, inputs, context_ids)
         on_device = np.zeros(rows, dtype=bool)
-        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in args.items()}
+        sampling = None
         if params is not None and self.settings.on_device_sampling:
             global_topk = self.model.neuron_config.on_device_sampling_config.global_topk
             on_device = np.array([on_device_refusal(p, global_topk) is None
                                   for p in params], dtype=bool)
             order = np.argsort(restore)
             top_k, top_p, temperature = sampling_rows([params[i] for i in order], global_topk)
-            tensors["sampling_params"] = self.nxdi.prepare_sampling_params(
+            sampling = self.nxdi.prepare_sampling_params(
                 rows, top_k=top_k, top_p=top_p, temperature=temperature)
-        with torch.inference_mode():
-            output = self.model(tensors.pop("input_ids"), attention_mask=None, **tensors)
+        output = self._call(args, sampling)
         back = torch.from_numpy(restore)
         logits = output.logits
         if logits.dim() == 3:
@@ -438,6 +473,14 @@ class NxDBackend:
         if self.settings.on_device_sampling:
             tokens = output.tokens.reshape(rows, -1)[back, -1]
         return StepOutput(logits, tokens, on_device)
+
+    def _call(self, args: Mapping[str, np.ndarray], sampling: torch.Tensor | None = None):
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in args.items()}
+        if sampling is not None:
+            tensors["sampling_params"] = sampling
+        with torch.inference_mode():
+            return self.model(tensors.pop("input_ids"),
+                              attention_mask=tensors.pop("attention_mask", None), **tensors)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         return self.run(inputs).logits

@@ -110,7 +110,10 @@ class TokenMemoryDevice:
                                      f"{self.config.pa_num_blocks} blocks of {size}")
                 flat[slot] = float(token) + 1
             positions = torch.arange(start + count)
-            slots = block_table[row, positions // size] * size + positions % size
+            # NxDI pads (F.pad) the block table with block 0 up to the bucket's width.
+            table = torch.nn.functional.pad(
+                block_table[row], (0, max(0, -(-(start + count) // size) - block_table.shape[1])))
+            slots = table[positions // size] * size + positions % size
             contexts.append(flat[slots] - 1)
         return contexts
 
