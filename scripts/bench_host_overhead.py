@@ -168,14 +168,14 @@ def measure_forward(model: Path, batch: int, length: int, bucket: list[int], rep
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama-32k")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--forward-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "host_overhead")
     args = parser.parse_args(argv)
     from build_tiny_model import build
 
-    build("llama", args.model)
+    build("llama", args.model, max_positions=max(LENGTHS))
     rows = []
     for length in LENGTHS:
         for batch in BATCHES:
