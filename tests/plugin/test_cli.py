@@ -1,0 +1,306 @@
+"""`neuron-plugin explain-config` and `doctor`, and the instance/memory arithmetic they
+report, on this host (no Neuron device)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from neuron_plugin import cli, doctor, explain
+from neuron_plugin.config import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.instances import (
+    GIB,
+    INSTANCE_TYPES,
+    check_tp_fits,
+    detect_instance_type,
+    parse_core_list,
+    visible_cores,
+)
+from neuron_plugin.memory import checkpoint_parameters, estimate, kv_heads_per_core
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_size": 4096, "head_dim": 128}
+
+
+def limits(**changes) -> EngineLimits:
+    base = EngineLimits(max_model_len=8192, max_num_seqs=4, block_size=None,
+                        enable_prefix_caching=False, enable_chunked_prefill=False,
+                        max_num_batched_tokens=8192, dtype="bfloat16", tp_degree=2)
+    return dataclasses.replace(base, **changes)
+
+
+def nxd_settings(**changes):
+    return resolve_settings(limits(**changes), {}, backend="nxd",
+                            architecture="LlamaForCausalLM")
+
+
+# -- instances ----------------------------------------------------------------------------
+@pytest.mark.parametrize("value,cores", [("3", [3]), ("0-3", [0, 1, 2, 3]),
+                                         ("0,2,4-5", [0, 2, 4, 5]), ("1, 1", [1])])
+def test_parse_core_list(value, cores):
+    assert parse_core_list(value) == cores
+
+
+@pytest.mark.parametrize("value,message", [("a", "not a core list"), ("3-1", "backwards"),
+                                           ("0-", "not a core list")])
+def test_parse_core_list_errors(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_core_list(value)
+
+
+def test_visible_cores_sources():
+    inf2 = INSTANCE_TYPES["inf2.48xlarge"]
+    assert visible_cores({"NEURON_RT_VISIBLE_CORES": "0-3"}, [], None) == (
+        4, "NEURON_RT_VISIBLE_CORES=0-3")
+    assert visible_cores({}, ["/dev/neuron0", "/dev/neuron1"], inf2)[0] == 4
+    trn2 = INSTANCE_TYPES["trn2.48xlarge"]
+    assert visible_cores({}, ["/dev/neuron0"], trn2)[0] == 4            # LNC=2 default
+    assert visible_cores({"NEURON_LOGICAL_NC_CONFIG": "1"}, ["/dev/neuron0"], trn2)[0] == 8
+    assert visible_cores({}, ["/dev/neuron0"], None)[0] is None
+    assert visible_cores({}, [], None) == (None, "no Neuron devices (/dev/neuron*)")
+
+
+def test_instance_memory_per_core_follows_aws_tables():
+    assert INSTANCE_TYPES["inf2.xlarge"].memory_per_core() == 16 * GIB
+    assert INSTANCE_TYPES["inf2.48xlarge"].cores() == 24
+    assert INSTANCE_TYPES["trn1.32xlarge"].cores() == 32
+    assert INSTANCE_TYPES["trn2.48xlarge"].memory_per_core() == 24 * GIB
+
+
+def test_tp_check_messages():
+    check_tp_fits(2, 2, "x")
+    with pytest.raises(NeuronConfigError, match="needs 4 NeuronCores but only 2 .*"
+                                                "NEURON_RT_VISIBLE_CORES=0-3"):
+        check_tp_fits(4, 2, "NEURON_RT_VISIBLE_CORES=0-1")
+    with pytest.raises(NeuronConfigError, match="none are visible"):
+        check_tp_fits(1, None, "no Neuron devices")
+
+
+def test_detect_instance_type_reads_dmi(tmp_path):
+    product = tmp_path / "product_name"
+    product.write_text("inf2.8xlarge\n")
+    assert detect_instance_type(product) == "inf2.8xlarge"
+    product.write_text("m5.large\n")
+    assert detect_instance_type(product) is None
+    assert detect_instance_type(tmp_path / "missing") is None
+
+
+# -- memory -------------------------------------------------------------------------------
+def test_checkpoint_parameters_from_headers(model_dirs):
+    folder = model_dirs["llama"]
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        expected = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert checkpoint_parameters(folder) == expected
+    assert checkpoint_parameters(folder.parent) is None
+
+
+def test_kv_heads_are_replicated_beyond_their_count():
+    assert [kv_heads_per_core(8, tp) for tp in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
+
+
+def test_estimate_contiguous_8b_on_two_cores():
+    settings = nxd_settings()
+    got = estimate(settings, LLAMA_8B, 8_030_000_000, 16 * GIB)
+    assert got.weights_per_core_bytes == 8_030_000_000
+    # K and V x 32 layers x 4 heads x 128 x 2 bytes x (4 sequences x 8192 positions)
+    assert got.kv_cache_per_core_bytes == 2 * 32 * 4 * 128 * 2 * 4 * 8192
+    assert got.fraction_of_core_memory == pytest.approx((8_030_000_000 + 2 * GIB) / (16 * GIB))
+
+
+def test_estimate_block_layout_counts_blocks():
+    settings = nxd_settings(enable_prefix_caching=True, block_size=32, tp_degree=8)
+    got = estimate(settings, LLAMA_8B, None, 16 * GIB)
+    assert got.kv_cache_per_core_bytes == 2 * 32 * 1 * 128 * 2 * settings.num_blocks * 32
+    assert got.weights_per_core_bytes is None and got.fraction_of_core_memory is None
+
+
+# -- explain-config -----------------------------------------------------------------------
+def test_build_report_warns_about_memory_and_cores():
+    settings = nxd_settings(max_num_seqs=32)
+    report = explain.build_report(settings, "m", LLAMA_8B, 8_030_000_000,
+                                  INSTANCE_TYPES["inf2.xlarge"], "--instance-type",
+                                  (None, "no Neuron devices"))
+    assert report["memory"]["fraction_of_core_memory"] > 1
+    assert any("per NeuronCore" in w and "--tensor-parallel-size" in w
+               for w in report["warnings"])
+    wide = resolve_settings(limits(tp_degree=8), {}, backend="nxd",
+                            architecture="LlamaForCausalLM")
+    report = explain.build_report(wide, "m", LLAMA_8B, 8_030_000_000,
+                                  INSTANCE_TYPES["inf2.xlarge"], "x", (None, "x"))
+    assert any("tensor_parallel_size=8" in w and "inf2.xlarge has (2)" in w
+               for w in report["warnings"])
+
+
+def test_build_report_warns_about_slow_combinations():
+    settings = resolve_settings(limits(enable_prefix_caching=True, block_size=32), {},
+                                backend="nxd", architecture="LlamaForCausalLM")
+    report = explain.build_report(settings, "m", LLAMA_8B, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("40-45% slower" in w for w in report["warnings"])
+    off = resolve_settings(limits(), {"enable_bucketing": False}, backend="nxd",
+                           architecture="LlamaForCausalLM")
+    report = explain.build_report(off, "m", LLAMA_8B, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("15.8x" in w for w in report["warnings"])
+    unknown = resolve_settings(limits(), {}, backend="nxd", architecture="BertModel")
+    report = explain.build_report(unknown, "m", LLAMA_8B, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert report["nxdi_model"] is None
+    assert "has no NxD Inference model" in report["warnings"][0]
+
+
+@pytest.fixture
+def backend_env(monkeypatch):
+    """explain-config sets VLLM_NEURON_BACKEND; restore it after the test."""
+    monkeypatch.setenv("VLLM_NEURON_BACKEND", os.environ.get("VLLM_NEURON_BACKEND", "reference"))
+
+
+def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
+    report, as_json = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                       "--max-num-seqs", "4", "--dtype", "bfloat16",
+                                       "--backend", "nxd"])
+    assert not as_json
+    assert report["backend"] == "nxd" and report["architecture"] == "LlamaForCausalLM"
+    assert report["nxdi_model"] == "NxDI MODEL_TYPES['llama']['causal-lm']"
+    assert report["kv_layout"] == {"layout": "contiguous",
+                                   "reason": "prefix caching and chunked prefill off",
+                                   "block_size": 256, "num_blocks": 5, "null_blocks": 1,
+                                   "usable_blocks": 4, "max_blocks_per_seq": 1}
+    assert report["buckets"]["context_encoding"] == [128, 256]
+    assert report["graphs"] == {"context_encoding": 2, "token_generation": 2, "total": 4}
+    assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])
+    assert report["memory"]["kv_cache_per_core_bytes"] == 2 * 2 * 2 * 64 * 2 * 4 * 256
+    assert report["warnings"] == []
+    assert any("cannot run the nxd backend" in n for n in report["notes"])
+    text = explain.render(report)
+    assert "contiguous (prefix caching and chunked prefill off)" in text
+    assert "4 (2 context encoding, 2 token generation)" in text
+
+
+def test_explain_config_prefix_caching_reference_backend(model_dirs, backend_env):
+    report, as_json = explain.explain([
+        "--model", str(model_dirs["qwen3"]), "--max-model-len", "256", "--max-num-seqs",
+        "2", "--enable-prefix-caching", "--backend", "reference", "--json",
+        "--instance-type", "trn1.2xlarge"])
+    assert as_json and report["backend"] == "reference" and report["nxdi_model"] is None
+    assert report["kv_layout"]["layout"] == "block"
+    assert report["kv_layout"]["num_blocks"] == 2 * 8 + 1
+    assert report["buckets"]["prefix"] == [0, 128, 256]
+    assert report["memory"]["instance_type"] == "trn1.2xlarge"
+    assert any("prefix caching with bucketing" in w for w in report["warnings"])
+
+
+def test_explain_config_reports_contradictions(model_dirs, backend_env, capsys):
+    code = cli.main(["explain-config", str(model_dirs["llama"]), "--max-model-len", "256",
+                     "--additional-config",
+                     '{"override_neuron_config": {"pa_block_size": 16}}'])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "pa_block_size" in err and "contiguous" in err
+    assert "validation error" not in err
+
+
+def test_cli_json_output_is_clean(model_dirs):
+    """The console command: --json output parses although vLLM logs while resolving."""
+    env = {**os.environ, "VLLM_NEURON_BACKEND": "nxd"}
+    env.pop("VLLM_LOGGING_STREAM", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "neuron_plugin.cli", "explain-config",
+         str(model_dirs["llama"]), "--max-model-len", "256", "--max-num-seqs", "4",
+         "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["settings"]["num_blocks"] == report["kv_layout"]["num_blocks"] == 5
+    done = subprocess.run([sys.executable, "-m", "neuron_plugin.cli", "doctor", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = json.loads(done.stdout)
+    assert done.returncode == (0 if result["ok"] else 1)
+    assert {c["name"] for c in result["checks"]} >= {"neuron devices", "vllm version",
+                                                     "compile cache"}
+
+
+# -- doctor -------------------------------------------------------------------------------
+def test_doctor_says_clearly_there_is_no_device(capsys):
+    if doctor.neuron_devices():
+        pytest.skip("this host has Neuron devices")
+    code = cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "no Neuron devices" in out and "reference" in out
+    checks = {c.name: c for c in doctor.collect()}
+    assert checks["neuron devices"].status == "warn"
+    assert code == (1 if any(c.status == "fail" for c in checks.values()) else 0)
+
+
+@pytest.mark.parametrize("versions,devices,target,expected", [
+    ({"vllm": "0.32.0+cpu"}, False, None, {"vllm": "ok", "neuronx-distributed-inference": "info"}),
+    ({"vllm": "0.31.2"}, False, None, {"vllm": "fail"}),
+    ({"vllm": "0.32.0"}, True, "inf2", {"neuronx-distributed-inference": "fail",
+                                        "torch-neuronx": "fail"}),
+    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.8.16251"}, True, "inf2",
+     {"neuronx-distributed-inference": "ok"}),
+    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.9.17334"}, True, "inf2",
+     {"neuronx-distributed-inference": "fail"}),
+    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.9.17334"}, True, "trn2",
+     {"neuronx-distributed-inference": "ok"}),
+    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.6.10598"}, True, "trn1",
+     {"neuronx-distributed-inference": "fail"}),
+])
+def test_version_matrix(versions, devices, target, expected):
+    checks = {c.name.removesuffix(" version"): c.status
+              for c in doctor.check_versions(versions, devices, target)}
+    assert {k: checks[k] for k in expected} == expected
+
+
+def test_unmet_requirements_finds_neuron_pins():
+    requires = ["transformers==4.57.*", "torch_neuronx==2.9.*", "torchvision",
+                "pytest; extra == 'test'"]
+    unmet = doctor.unmet_requirements(
+        "neuronx-distributed-inference",
+        {"transformers": "5.19.0", "torch-neuronx": "2.9.0.2.15.32035", "pytest": "1.0"},
+        requires)
+    assert unmet == ["neuronx-distributed-inference requires transformers==4.57.* but "
+                     "5.19.0 is installed"]
+
+
+def test_core_and_device_checks():
+    assert doctor.check_devices([]).status == "warn"
+    assert doctor.check_devices(["/dev/neuron0"]).status == "ok"
+    bad = doctor.check_cores({"NEURON_RT_VISIBLE_CORES": "x"}, ["/dev/neuron0"], "inf2.xlarge")
+    assert bad.status == "fail" and "NEURON_RT_VISIBLE_CORES" in bad.fix
+    beyond = doctor.check_cores({"NEURON_RT_VISIBLE_CORES": "0-3"}, ["/dev/neuron0"],
+                                "inf2.xlarge")
+    assert beyond.status == "fail" and "0-1" in beyond.fix
+    good = doctor.check_cores({}, ["/dev/neuron0"], "inf2.xlarge")
+    assert good.status == "ok" and "at most 2" in good.detail
+
+
+def test_cache_checks(tmp_path):
+    check, root = doctor.check_cache({"VLLM_NEURON_CACHE_URL": str(tmp_path / "store")})
+    assert check.status == "ok" and root == tmp_path / "store"
+    check, root = doctor.check_cache({"VLLM_NEURON_CACHE_URL": "ftp://host/x"})
+    assert check.status == "fail" and "unsupported scheme" in check.detail and root is None
+    disk = doctor.check_disk("compile cache", tmp_path / "not" / "yet")
+    assert disk.status in ("ok", "warn", "fail") and "GiB free at" in disk.detail
+
+
+def test_error_message_unwraps_validation_errors():
+    class Wrapped(ValueError):
+        def errors(self):
+            return [{"msg": "Value error, pa_block_size=16 differs"}]
+
+    assert cli.error_message(Wrapped("noise")) == "pa_block_size=16 differs"
+    assert cli.error_message(ValueError("plain")) == "plain"
+
+
+def test_doctor_rejects_unknown_arguments():
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--bogus"])
