@@ -1,0 +1,40 @@
+"""`vllm serve`'s flags for the plugin's own commands: the same parser, the same config.
+
+explain-config, precompile and measure-buckets take `MODEL [vllm serve flags]` plus a few
+options of their own, and must resolve exactly the configuration `vllm serve` would, so
+they build it with vLLM's own argument parser and EngineArgs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from neuron_plugin import BACKEND_ENV
+
+
+def engine_config_from_serve_args(
+        argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *,
+        prog: str) -> tuple[argparse.Namespace, Any]:
+    """(parsed options, VllmConfig). `own_options` adds the command's options, which must
+    include `--backend`: it is read first, because vLLM resolves its platform (and so the
+    backend) while parsing."""
+    pre = argparse.ArgumentParser(add_help=False)
+    own_options(pre)
+    known, _ = pre.parse_known_args(argv)
+    os.environ[BACKEND_ENV] = known.backend
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog=prog, description="Resolve a configuration as `vllm serve MODEL [flags]` would.")
+    parser.add_argument("model_tag", nargs="?", help="the model, as for `vllm serve`")
+    own_options(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    options = parser.parse_args(list(argv))
+    if options.model_tag:
+        options.model = options.model_tag
+    return options, AsyncEngineArgs.from_cli_args(options).create_engine_config()
