@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from neuron_plugin.serve_args import engine_config_from_serve_args
 
 def _common(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=BACKENDS,
-                       default=os.environ.get(BACKEND_ENV) or "nxd",
-                       help=f"backend to compile for (default: ${BACKEND_ENV} or nxd)")
+                       help=f"backend to compile for (default: ${BACKEND_ENV}, else what "
+                            f"`vllm serve` with these flags would use, else nxd)")
     group.add_argument("--cache", metavar="URL",
                        help="compile-cache store: a path, file:///path or s3://bucket/prefix "
                             "(default: $VLLM_NEURON_CACHE_URL, else "

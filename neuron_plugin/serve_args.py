@@ -12,19 +12,22 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from neuron_plugin import BACKEND_ENV
+from neuron_plugin import BACKEND_ENV, choose_backend, neuron_devices
 
 
 def engine_config_from_serve_args(
         argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *,
         prog: str) -> tuple[argparse.Namespace, Any]:
     """(parsed options, VllmConfig). `own_options` adds the command's options, which must
-    include `--backend`: it is read first, because vLLM resolves its platform (and so the
-    backend) while parsing."""
+    include `--backend` (default None): it is read first, because vLLM resolves its
+    platform (and so the backend) while parsing. Without it the backend is chosen as
+    `vllm serve` with these flags would choose it, falling back to nxd (a build host
+    without devices still compiles for Neuron)."""
     pre = argparse.ArgumentParser(add_help=False)
     own_options(pre)
     known, _ = pre.parse_known_args(argv)
-    os.environ[BACKEND_ENV] = known.backend
+    os.environ[BACKEND_ENV] = (known.backend
+                               or choose_backend(os.environ, argv, neuron_devices()) or "nxd")
 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
