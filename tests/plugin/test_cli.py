@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# vLLM resolves its platform once per process, possibly while this module is imported:
+# make it the Neuron platform (reference backend), as the other plugin tests do.
+os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
+
 import pytest
 from safetensors import safe_open
 
@@ -160,8 +164,13 @@ def test_build_report_warns_about_slow_combinations():
 
 @pytest.fixture
 def backend_env(monkeypatch):
-    """explain-config sets VLLM_NEURON_BACKEND; restore it after the test."""
+    """explain-config sets VLLM_NEURON_BACKEND and VLLM_LOGGING_STREAM for its process;
+    restore both after an in-process run. Should vLLM configure its logging during this
+    test, its handler writes to the process's stdout (fd 1), not to this test's capture
+    object, so later tests capturing fd 1 still see vLLM's log lines."""
     monkeypatch.setenv("VLLM_NEURON_BACKEND", os.environ.get("VLLM_NEURON_BACKEND", "reference"))
+    monkeypatch.setenv("VLLM_LOGGING_STREAM",
+                       os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.__stdout__"))
 
 
 def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):

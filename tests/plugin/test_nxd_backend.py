@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import sys
+
+# vLLM resolves its platform once per process, possibly while this module is imported:
+# make it the Neuron platform (reference backend), as the other plugin tests do.
+os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 
 import numpy as np
 import pytest
