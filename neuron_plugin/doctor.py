@@ -30,6 +30,7 @@ from neuron_plugin.instances import (
     VISIBLE_CORES_ENV,
     detect_instance_type,
     lnc,
+    package_version,
     parse_core_list,
     visible_cores,
 )
@@ -71,13 +72,7 @@ class Check:
 
 
 def installed(names: Iterable[str]) -> dict[str, str | None]:
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {name: package_version(name) for name in names}
 
 
 def check_devices(devices: Sequence[str]) -> Check:

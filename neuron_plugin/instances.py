@@ -10,6 +10,7 @@ arithmetic so both are tested here without a device.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,14 +72,12 @@ INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
 )}
 
 
-def instance_type(name: str) -> InstanceType:
-    """The table entry for `name`, or an error listing the known types."""
-    if name not in INSTANCE_TYPES:
-        raise ValueError(
-            f"instance type {name!r} is not in the table; use one of "
-            f"{', '.join(INSTANCE_TYPES)}."
-        )
-    return INSTANCE_TYPES[name]
+def package_version(distribution: str) -> str | None:
+    """The installed version of a Python distribution, None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def detect_instance_type(product_file: Path = PRODUCT_NAME_FILE) -> str | None:

@@ -54,6 +54,7 @@ from neuron_plugin.instances import (
     detect_instance_type,
     host_visible_cores,
     lnc,
+    package_version,
 )
 from neuron_plugin.patches import NxDIModules, apply_patches
 
@@ -307,13 +308,6 @@ class NxDI:
     version: str | None
 
 
-def distribution_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def import_nxdi() -> NxDI:
     """Import NxD Inference and apply the patches its installed version needs."""
     try:
@@ -331,7 +325,7 @@ def import_nxdi() -> NxDI:
         ) from exc
     apply_patches(NxDIModules(model_base, model_wrapper, hf_adapter))
     return NxDI(MODEL_TYPES, hf_adapter.load_pretrained_config, prepare_sampling_params,
-                distribution_version("neuronx-distributed-inference"))
+                package_version("neuronx-distributed-inference"))
 
 
 @dataclass(frozen=True)
@@ -393,7 +387,7 @@ class NxDBackend:
             "model_config": {k: v for k, v in self.hf_config.items()
                              if k not in _VOLATILE_CONFIG_KEYS},
             "target": _target(),
-            "versions": {d: distribution_version(d) for d in DISTRIBUTIONS},
+            "versions": {d: package_version(d) for d in DISTRIBUTIONS},
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
             "weights_fingerprint": (weights_fingerprint(self.model_dir) if embeds_weights
                                     else None),
