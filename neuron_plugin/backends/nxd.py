@@ -136,10 +136,11 @@ def resolve_model_class(architecture: str, model_types: Mapping[str, Mapping[str
 
 # -- settings -> NeuronConfig keyword arguments -----------------------------------------
 def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
-    """NeuronConfig(**kwargs) for the settings; see the module docstring for why."""
+    """NeuronConfig(**kwargs) for the settings (see the module docstring for why); a
+    passed-through override_neuron_config key that the plugin sets differently is an
+    error rather than a silent overwrite."""
     s = settings
-    kwargs: dict[str, Any] = dict(s.passthrough)
-    kwargs.update(
+    derived: dict[str, Any] = dict(
         tp_degree=s.tp_degree,
         batch_size=s.max_num_seqs,
         ctx_batch_size=s.ctx_batch_size,
@@ -148,7 +149,8 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         max_context_length=s.max_context_length,
         torch_dtype=s.dtype,
         padding_side="right",
-        is_continuous_batching=s.max_num_seqs > 1,
+        is_continuous_batching=s.passthrough.get("is_continuous_batching",
+                                                 s.max_num_seqs > 1),
         enable_bucketing=True,
         context_encoding_buckets=list(s.context_encoding_buckets),
         token_generation_buckets=list(s.token_generation_buckets),
@@ -156,15 +158,21 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         is_prefix_caching=s.is_block_layout,
     )
     if s.is_block_layout:
-        kwargs.update(prefix_buckets=[p for p in s.prefix_buckets if p != 0],
-                      pa_num_blocks=s.num_blocks, pa_block_size=s.block_size)
+        derived.update(prefix_buckets=[p for p in s.prefix_buckets if p != 0],
+                       pa_num_blocks=s.num_blocks, pa_block_size=s.block_size)
     if tuple(s.token_generation_batches) != (s.max_num_seqs,):
-        kwargs["token_generation_batches"] = list(s.token_generation_batches)
+        derived["token_generation_batches"] = list(s.token_generation_batches)
     if s.on_device_sampling:
         # Logits as well as tokens, so requests on-device sampling cannot serve are
         # sampled on the host from the same call.
-        kwargs["output_logits"] = True
-    return kwargs
+        derived["output_logits"] = True
+    clashes = sorted(k for k in derived if k in s.passthrough and s.passthrough[k] != derived[k])
+    if clashes:
+        raise NeuronConfigError(
+            "; ".join(f"override_neuron_config.{k}={s.passthrough[k]!r} but the nxd backend "
+                      f"needs {derived[k]!r}" for k in clashes)
+            + "; remove the key(s) (output_logits must stay on with on-device sampling).")
+    return {**s.passthrough, **derived}
 
 
 def unknown_kwargs(neuron_config: object, kwargs: Mapping[str, Any]) -> list[str]:

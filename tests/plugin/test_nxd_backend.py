@@ -184,6 +184,16 @@ def test_neuron_config_kwargs_sampling_and_batches():
     assert kwargs["token_generation_batches"] == [2, 4]
 
 
+def test_passthrough_key_the_backend_sets_differently_is_an_error():
+    s = settings(override={"on_device_sampling_config": {}, "output_logits": False})
+    with pytest.raises(NeuronConfigError, match="output_logits=False but the nxd backend "
+                                                "needs True"):
+        neuron_config_kwargs(s)
+    kept = neuron_config_kwargs(settings({"max_num_seqs": 1},
+                                         {"is_continuous_batching": True}))
+    assert kept["is_continuous_batching"] is True
+
+
 @pytest.mark.parametrize("limits,override", [({}, {}), (PREFIX, {}),
                                              ({}, {"on_device_sampling_config": {}})])
 def test_nxdi_neuron_config_knows_every_key(release, limits, override):
