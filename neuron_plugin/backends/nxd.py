@@ -18,7 +18,11 @@ Choices that follow from NxDI's code:
 - Pad rows and pad tokens of `ForwardInputs` are removed before the call: NxDI pads to
   its compiled shapes itself (with the `cte-exact-bucket` patch it picks the bucket this
   plugin picked). In the contiguous layout rows are sorted by seq_id before the call and
-  restored after, as vllm-neuron does.
+  restored after, as vllm-neuron does. A padding-only call (warm-up, measurement) runs
+  the bucket's graph on zero rows (see `padding_arguments`).
+- `run()` also serves on-device sampling (tokens for the requests it can serve, logits
+  for all) and takes the request's token ids a block-layout context encoding after a
+  cached prefix needs; `forward()` is the contract's logits-only call.
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
   includes a weights fingerprint only in that case.
