@@ -28,6 +28,7 @@ from neuron_plugin.instances import (
     lnc,
 )
 from neuron_plugin.memory import MemoryEstimate, checkpoint_parameters, estimate
+from neuron_plugin.serve_args import engine_config_from_serve_args
 
 GIB = 1 << 30
 DEFAULT_INSTANCE = "inf2.xlarge"
@@ -55,37 +56,19 @@ def _own_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true",
                        help="print the report as one JSON object (see neuron_plugin/CLI.md)")
     group.add_argument("--backend", choices=BACKENDS,
-                       default=os.environ.get(BACKEND_ENV) or "nxd",
-                       help=f"backend to resolve for (default: ${BACKEND_ENV} or nxd)")
+                       help=f"backend to resolve for (default: ${BACKEND_ENV}, else what "
+                            f"`vllm serve` with these flags would use, else nxd)")
     group.add_argument("--instance-type", choices=sorted(INSTANCE_TYPES),
                        help="instance to size memory against (default: this host's, "
                             f"else {DEFAULT_INSTANCE})")
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
-    """Our options plus `vllm serve`'s engine flags -> (options, VllmConfig). The
-    backend is chosen before vLLM resolves its platform."""
-    pre = argparse.ArgumentParser(add_help=False)
-    _own_options(pre)
-    known, _ = pre.parse_known_args(argv)
-    os.environ[BACKEND_ENV] = known.backend
+    """Our options plus `vllm serve`'s flags -> (options, VllmConfig)."""
     # The report owns stdout (--json is read by programs); vLLM's log lines go to stderr.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(
-        prog="neuron-plugin explain-config",
-        description="Resolve a configuration as `vllm serve MODEL [flags]` would and "
-                    "explain it, without compiling.")
-    parser.add_argument("model_tag", nargs="?", help="the model, as for `vllm serve`")
-    _own_options(parser)
-    AsyncEngineArgs.add_cli_args(parser)
-    options = parser.parse_args(list(argv))
-    if options.model_tag:
-        options.model = options.model_tag
-    return options, AsyncEngineArgs.from_cli_args(options).create_engine_config()
+    return engine_config_from_serve_args(argv, _own_options,
+                                         prog="neuron-plugin explain-config")
 
 
 def choose_instance(requested: str | None) -> tuple[InstanceType, str]:
