@@ -112,10 +112,21 @@ class NeuronSettings:
         return math.ceil(self.max_model_len / self.block_size)
 
     def context_encoding_shapes(self) -> list[tuple[int, ...]]:
-        """(active tokens,) or, for the block layout, (active tokens, prefix length)."""
-        if self.is_block_layout:
-            return [(n, p) for n in self.context_encoding_buckets for p in self.prefix_buckets]
-        return [(n,) for n in self.context_encoding_buckets]
+        """(active tokens,) or, for the block layout, (active tokens, prefix length).
+
+        A 2-D shape is compiled only if some request can need it: the smallest need it
+        must serve (one more than the next smaller bucket in each dimension) has to fit
+        in max_model_len. The smallest shape covering any valid need always passes."""
+        if not self.is_block_layout:
+            return [(n,) for n in self.context_encoding_buckets]
+        shapes = []
+        for i, n in enumerate(self.context_encoding_buckets):
+            least_new = (self.context_encoding_buckets[i - 1] if i else 0) + 1
+            for j, p in enumerate(self.prefix_buckets):
+                least_prefix = self.prefix_buckets[j - 1] + 1 if j else 0
+                if least_new + least_prefix <= self.max_model_len:
+                    shapes.append((n, p))
+        return shapes
 
     def token_generation_shapes(self) -> list[tuple[int, int]]:
         """(batch, context length) for every token-generation graph."""

@@ -44,6 +44,9 @@ class ForwardInputs:
     full_context_lens: np.ndarray    # [batch] int64
     computed_context_lens: np.ndarray  # [batch] int64
     num_real: int
+    # Context encoding only: the request's token ids [0, full_context_len). NxDI's
+    # prefix-caching graphs take the whole context as input_ids (vllm-neuron does too).
+    context_ids: np.ndarray | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -90,16 +93,18 @@ def token_generation_bucket(settings: NeuronSettings, batch: int, context_len: i
                   what="token-generation (batch, context length) shape")
 
 
-def context_encoding_inputs(settings: NeuronSettings, token_ids: np.ndarray, start: int,
+def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, start: int,
                             seq_id: int, block_ids: Sequence[int] | None) -> ForwardInputs:
-    """One prefill (batch 1): tokens [start, start + len(token_ids)) of a request."""
-    count = int(token_ids.shape[0])
+    """One prefill (batch 1) of tokens [start, len(context_ids)) of a request, whose
+    first `start` tokens are already in the KV cache (a prefix hit or earlier chunks)."""
+    end = int(context_ids.shape[0])
+    count = end - start
     bucket = context_encoding_bucket(settings, count, start)
     active = bucket[0]
     ids = np.zeros((1, active), dtype=np.int64)
-    ids[0, :count] = token_ids
+    ids[0, :count] = context_ids[start:]
     positions = np.zeros((1, active), dtype=np.int64)
-    positions[0, :count] = np.arange(start, start + count)
+    positions[0, :count] = np.arange(start, end)
     table = slots = None
     if settings.is_block_layout:
         table = pad_block_tables([block_ids or []], 1, settings.max_blocks_per_seq)
@@ -108,8 +113,9 @@ def context_encoding_inputs(settings: NeuronSettings, token_ids: np.ndarray, sta
     return ForwardInputs(
         phase=CONTEXT_ENCODING, bucket=bucket, input_ids=ids, position_ids=positions,
         seq_ids=np.array([seq_id], dtype=np.int64), slot_mapping=slots, block_table=table,
-        full_context_lens=np.array([start + count], dtype=np.int64),
+        full_context_lens=np.array([end], dtype=np.int64),
         computed_context_lens=np.array([start], dtype=np.int64), num_real=1,
+        context_ids=context_ids,
     )
 
 

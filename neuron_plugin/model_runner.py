@@ -213,7 +213,7 @@ class NeuronModelRunner:
             state = self.requests[req_ids[index]]
             start, count = int(computed[index]), int(scheduled[index])
             inputs = context_encoding_inputs(
-                self.settings, batch.token_ids_cpu[index, start:start + count], start,
+                self.settings, batch.token_ids_cpu[index, :start + count], start,
                 self._seq_id(state, int(index)), state.block_ids[0])
             logits[index] = self._run(inputs, host_start)[0]
             if self.trace is not None:

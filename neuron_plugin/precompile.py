@@ -58,8 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ):
         parser = subparsers.add_parser(name, add_help=False, help=text,
                                        description="Takes the same flags as `vllm serve`.")
-        parser.add_argument("argv", nargs=argparse.REMAINDER)
-        parser.set_defaults(run=runner, own_options=options, prog=f"neuron-plugin {name}")
+        parser.set_defaults(run=runner, argv=[], own_options=options,
+                            prog=f"neuron-plugin {name}")
 
 
 def _resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, Any]:

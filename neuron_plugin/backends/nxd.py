@@ -48,7 +48,6 @@ from neuron_plugin.backends.base import (
     graph_specs,
     write_artifact_record,
 )
-from neuron_plugin.backends.reference.backend import _VOLATILE_CONFIG_KEYS
 from neuron_plugin.backends.reference.decoder import read_hf_config
 from neuron_plugin.config import NeuronConfigError, NeuronSettings
 from neuron_plugin.inputs import CONTEXT_ENCODING, ForwardInputs
@@ -192,16 +191,14 @@ def seq_order(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.argsort(order, kind="stable")
 
 
-def model_arguments(settings: NeuronSettings, inputs: ForwardInputs,
-                    context_ids: np.ndarray | None = None
+def model_arguments(settings: NeuronSettings, inputs: ForwardInputs
                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The NxDI forward arguments for the real rows and tokens of `inputs`, and the
     index that puts the model's output rows back into the order of `inputs`.
 
     NxDI's prefix-caching context encoding takes the whole context [0, end) as
     input_ids (it re-encodes the tail of the prefix into spare bucket slots) with the
-    slots of the new tokens only; `context_ids` are those token ids, needed when a
-    block-layout context encoding starts after a cached prefix or an earlier chunk."""
+    slots of the new tokens only; `inputs.context_ids` carries those token ids."""
     rows = inputs.num_real
     full = inputs.full_context_lens[:rows]
     computed = inputs.computed_context_lens[:rows]
@@ -223,13 +220,7 @@ def model_arguments(settings: NeuronSettings, inputs: ForwardInputs,
     args["block_table"] = inputs.block_table[:rows]
     if inputs.phase == CONTEXT_ENCODING and computed[0] > 0:
         end = int(full[0])
-        if context_ids is None or len(context_ids) < end:
-            raise ValueError(
-                f"a block-layout context encoding of tokens [{int(computed[0])}, {end}) "
-                f"needs the request's token ids [0, {end}) (context_ids) for NxDI's "
-                f"prefix-caching graphs; pass them to NxDBackend.run."
-            )
-        args["input_ids"] = np.asarray(context_ids[:end], dtype=np.int64)[None, :]
+        args["input_ids"] = np.asarray(inputs.context_ids[:end], dtype=np.int64)[None, :]
         args["position_ids"] = np.arange(end, dtype=np.int64)[None, :]
     return args, np.arange(rows)
 
@@ -396,8 +387,9 @@ class NxDBackend:
 
         embeds_weights = bool(self.settings.passthrough.get("save_sharded_checkpoint"))
         return {
-            "model_config": {k: v for k, v in self.hf_config.items()
-                             if k not in _VOLATILE_CONFIG_KEYS},
+            # make_manifest drops the keys that never change a graph (names, versions,
+            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
+            "model_config": self.hf_config,
             "target": _target(),
             "versions": {d: package_version(d) for d in DISTRIBUTIONS},
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
@@ -448,17 +440,15 @@ class NxDBackend:
         names = list(state[0])
         return [rank_state[name] for name in names for rank_state in state]
 
-    def run(self, inputs: ForwardInputs, params: Sequence[Any] | None = None,
-            context_ids: np.ndarray | None = None) -> StepOutput:
+    def run(self, inputs: ForwardInputs, params: Sequence[Any] | None = None) -> StepOutput:
         """One call. With `params` (one per real row) and on-device sampling compiled
-        in, rows the on-device sampler can serve also get a token; `context_ids` are
-        the request's token ids, see `model_arguments`."""
+        in, rows the on-device sampler can serve also get a token."""
         rows = inputs.num_real
         if rows == 0:
             self._call(padding_arguments(self.settings, inputs))
             return StepOutput(torch.zeros((0, self.vocab_size)), None,
                               np.zeros(0, dtype=bool))
-        args, restore = model_arguments(self.settings, inputs, context_ids)
+        args, restore = model_arguments(self.settings, inputs)
         on_device = np.zeros(rows, dtype=bool)
         sampling = None
         if params is not None and self.settings.on_device_sampling:

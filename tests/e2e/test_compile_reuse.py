@@ -1,9 +1,16 @@
-"""A second start with the same configuration loads the compiled graphs instead of
-compiling them; a changed bucket grid is a miss whose reason names the bucket field."""
+"""Compile once, start warm: `neuron-plugin precompile` fills the compile cache, a later
+engine with the same configuration compiles nothing, and a changed bucket grid is a miss
+whose reason names the bucket field."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+
 from tests.e2e.support import make_llm, shutdown_llm
 
 pytestmark = pytest.mark.engine
@@ -11,28 +18,43 @@ pytestmark = pytest.mark.engine
 GRID = {"context_encoding_buckets": [32, 64, 256], "token_generation_buckets": [128, 256]}
 
 
-def _start_and_stop(model_dir, override):
-    llm = make_llm(model_dir, additional_config={"override_neuron_config": override})
-    shutdown_llm(llm)
+def _cli(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
 
 
-def test_second_start_compiles_nothing_and_changed_grid_misses(model_dirs, tmp_path,
-                                                               monkeypatch, capfd):
-    monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
+def test_precompile_then_start_warm_and_changed_grid_misses(model_dirs, tmp_path,
+                                                            monkeypatch, capfd):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(cache))
+    model = model_dirs["llama"]
+    flags = [str(model), "--device", "neuron", "--dtype", "float32", "--max-model-len", "256",
+             "--max-num-seqs", "4", "--additional-config",
+             json.dumps({"override_neuron_config": GRID})]
+    first = subprocess.run([_cli("neuron-plugin"), "precompile", *flags], capture_output=True,
+                           text=True, check=True)
+    assert "5 graphs compiled and published" in first.stdout
+    again = subprocess.run([_cli("neuron-plugin"), "precompile", *flags], capture_output=True,
+                           text=True, check=True)
+    assert "5 graphs already in the cache" in again.stdout
 
-    _start_and_stop(model_dirs["llama"], GRID)
-    first = capfd.readouterr().out
-    assert "compiling 5 graphs for reference backend" in first
-    assert "compile cache miss: no entry for key" in first
-
-    _start_and_stop(model_dirs["llama"], GRID)
-    second = capfd.readouterr().out
-    assert "compiling" not in second
-    assert "compile cache hit: key" in second
+    capfd.readouterr()
+    shutdown_llm(make_llm(model, additional_config={"override_neuron_config": GRID}))
+    warm = capfd.readouterr().out
+    assert "compiling" not in warm
+    assert "compile cache hit: key" in warm
 
     changed = dict(GRID, context_encoding_buckets=[32, 128, 256])
-    _start_and_stop(model_dirs["llama"], changed)
-    third = capfd.readouterr().out
-    assert "compiling 5 graphs" in third
-    miss = next(line for line in third.splitlines() if "compile cache miss" in line)
-    assert "buckets.context_encoding_buckets" in miss
+    shutdown_llm(make_llm(model, additional_config={"override_neuron_config": changed}))
+    cold = capfd.readouterr().out
+    assert "compiling 5 graphs for reference backend" in cold
+    miss = next(line for line in cold.splitlines() if "compile cache miss" in line)
+    assert "differs in buckets.context_encoding_buckets" in miss
+
+    manifest = tmp_path / "changed.json"
+    subprocess.run([_cli("neuron-plugin"), "precompile", *flags[:-1],
+                    json.dumps({"override_neuron_config": dict(GRID, token_generation_buckets=[64, 256])}),
+                    "--dry-run", str(manifest)], check=True, capture_output=True)
+    explained = subprocess.run([_cli("neuron-cache"), "explain", str(manifest), "--json"],
+                               capture_output=True, text=True)
+    assert explained.returncode == 1  # a miss
+    assert "buckets.token_generation_buckets" in explained.stdout

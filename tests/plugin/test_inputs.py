@@ -79,9 +79,11 @@ def test_prefix_cache_hit_prefill_block_layout():
     s = settings(prefix_caching=True, context_encoding_buckets=[16, 32, 64],
                  prefix_buckets=[32, 64, 128, 256])
     blocks = [5, 8, 2]
-    tokens = np.arange(500, 508)  # tokens 32..39
-    inputs = context_encoding_inputs(s, tokens, start=32, seq_id=0, block_ids=blocks)
+    context = np.concatenate([np.arange(32), np.arange(500, 508)])  # new: tokens 32..39
+    inputs = context_encoding_inputs(s, context, start=32, seq_id=0, block_ids=blocks)
     assert inputs.bucket == (16, 32)  # 8 new tokens -> 16; 32 cached -> prefix 32
+    assert inputs.input_ids[0, :8].tolist() == list(range(500, 508))
+    assert inputs.context_ids.tolist() == context.tolist()
     assert inputs.position_ids[0, :8].tolist() == list(range(32, 40))
     assert inputs.full_context_lens.tolist() == [40]
     assert inputs.computed_context_lens.tolist() == [32]
@@ -104,8 +106,9 @@ def test_chunked_prefill_chunk_contract():
     # Chunk of tokens [48, 80) of a longer prompt: full = 80, computed = 48.
     s = settings(prefix_caching=True, context_encoding_buckets=[16, 32, 64],
                  prefix_buckets=[32, 64, 128, 256])
-    inputs = context_encoding_inputs(s, np.arange(32), start=48, seq_id=0,
+    inputs = context_encoding_inputs(s, np.arange(80), start=48, seq_id=0,
                                      block_ids=[1, 2, 3, 4, 5])
+    assert inputs.input_ids[0].tolist() == list(range(48, 80))
     assert inputs.bucket == (32, 64)
     assert inputs.full_context_lens.tolist() == [80]
     assert inputs.computed_context_lens.tolist() == [48]

@@ -241,13 +241,11 @@ def test_context_encoding_arguments_drop_pad_tokens():
     assert restore.tolist() == [0]
 
 
-def test_block_context_after_prefix_needs_context_ids():
+def test_block_context_after_prefix_sends_the_whole_context():
     s = settings(PREFIX)
-    inputs = context_encoding_inputs(s, np.array([7, 8]), 32, 0, [3, 5])
-    with pytest.raises(ValueError, match=r"tokens \[32, 34\) needs .* \[0, 34\)"):
-        model_arguments(s, inputs)
     context = np.arange(100, 134)
-    args, _ = model_arguments(s, inputs, context)
+    inputs = context_encoding_inputs(s, context, 32, 0, [3, 5])
+    args, _ = model_arguments(s, inputs)
     assert args["input_ids"].tolist() == [context.tolist()]
     assert args["position_ids"].tolist() == [list(range(34))]
     assert args["slot_mapping"].tolist() == [[5 * 32, 5 * 32 + 1]]
@@ -320,8 +318,8 @@ def test_block_layout_prefix_hit_and_decode(release, tiny, tmp_path):
     second = np.concatenate([shared, [60, 61, 62]])
     miss = context_encoding_inputs(s, first, 0, 0, [1, 2])
     assert backend.forward(miss).argmax(-1).tolist() == [context_sum(first)]
-    hit = context_encoding_inputs(s, second[32:], 32, 0, [1, 3])
-    out = backend.run(hit, context_ids=second)
+    hit = context_encoding_inputs(s, second, 32, 0, [1, 3])
+    out = backend.run(hit)
     assert out.logits.argmax(-1).tolist() == [context_sum(second)]
     decode = token_generation_inputs(s, np.array([70, 80]), np.array([34, 35]),
                                      np.array([0, 1]), [[1, 2], [1, 3]])

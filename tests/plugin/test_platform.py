@@ -3,6 +3,7 @@ EngineArgs -> VllmConfig path (no engine is started)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -25,7 +26,28 @@ def settings_of(config):
     return settings_from_vllm_config(config)
 
 
-def test_contiguous_layout_shapes_the_scheduler(model_dirs, capfd):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def plugin_log():
+    """The plugin's log lines, whatever vLLM's logging configuration is at the time."""
+    logger = logging.getLogger("vllm.neuron_plugin")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_contiguous_layout_shapes_the_scheduler(model_dirs, plugin_log):
     config = engine_config(model_dirs)
     assert config.parallel_config.worker_cls == "neuron_plugin.worker.NeuronWorker"
     assert config.cache_config.block_size == 512
@@ -34,7 +56,7 @@ def test_contiguous_layout_shapes_the_scheduler(model_dirs, capfd):
     assert config.scheduler_config.async_scheduling is False
     settings = settings_of(config)
     assert settings.kv_layout == "contiguous"
-    logged = capfd.readouterr().out
+    logged = "\n".join(plugin_log)
     assert "num_gpu_blocks_override None -> 5" in logged
     assert "block_size" in logged and "contiguous KV layout: one block per sequence" in logged
 

@@ -43,9 +43,6 @@ from neuron_plugin import plugin_logger
 logger = plugin_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Architecture-config keys that do not change the graph.
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
-                         "bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -95,10 +92,10 @@ class ReferenceBackend:
         })
 
     def cache_manifest_fields(self) -> dict[str, Any]:
-        model_config = {k: v for k, v in self.hf_config.items()
-                        if k not in _VOLATILE_CONFIG_KEYS}
         return {
-            "model_config": model_config,
+            # make_manifest drops the keys that never change a graph (names, versions,
+            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
+            "model_config": self.hf_config,
             "target": {"device": "cpu", "machine": platform.machine()},
             "versions": {"torch": torch.__version__},
             "compiler_flags": [],
