@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 
+from bench_report import run_meta, write_results  # noqa: E402
+
 BATCHES = (1, 4, 32, 128)
 LENGTHS = (2048, 8192, 32768)
 PROMPT = 128
@@ -186,20 +188,18 @@ def main(argv: list[str] | None = None) -> int:
                                     row["step_us"] / (row["step_us"] + 1000 * ms))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "scripts/bench_host_overhead.py", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores",
-            "steps": args.steps, "prompt_tokens": PROMPT}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| max_model_len | batch | TKG bucket | host us/step (median) | of which inputs us | "
-             "reference forward ms | host fraction of step |", "|---|---|---|---|---|---|---|"]
+    meta = run_meta("bench_host_overhead.py", argv, steps=args.steps, prompt_tokens=PROMPT)
+    table = []
     for r in rows:
-        fwd = "not measured (KV cache > 3 GiB)" if r["forward_ms"] is None else f"{r['forward_ms']:.2f}"
+        fwd = ("not measured (KV cache > 3 GiB)" if r["forward_ms"] is None
+               else f"{r['forward_ms']:.2f}")
         frac = "-" if r["host_fraction"] is None else f"{100 * r['host_fraction']:.1f}%"
-        lines.append(f"| {r['max_model_len']} | {r['batch']} | {'x'.join(map(str, r['bucket']))} | "
-                     f"{r['step_us']:.0f} | {r['inputs_us']:.0f} | {fwd} | {frac} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        table.append([str(r["max_model_len"]), str(r["batch"]), "x".join(map(str, r["bucket"])),
+                      f"{r['step_us']:.0f}", f"{r['inputs_us']:.0f}", fwd, frac])
+    write_results(args.out, meta, {"rows": rows},
+                  ["max_model_len", "batch", "TKG bucket", "host us/step (median)",
+                   "of which inputs us", "reference forward ms", "host fraction of step"],
+                  table)
     return 0
 
 

@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 
+from bench_report import run_meta, write_results  # noqa: E402
+
 MAX_MODEL_LEN = 2048
 BATCH = 4
 FIXED_LENGTH = 97
@@ -160,21 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"path": "vllm", "bucketing": bucketing, "prefix_caching": prefix,
                              "workload": name, **result})
                 print(json.dumps(rows[-1]), flush=True)
-    meta = {"command": " ".join(["python", "scripts/bench_matrix.py", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, CPU reference backend",
-            "model": str(args.model.name), "max_model_len": MAX_MODEL_LEN, "batch": BATCH,
-            "warmup": WARMUP, "iterations": args.iterations}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| path | bucketing | prefix caching | workload | mean ms | p50 ms | p99 ms | 95% CI ms |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['path']} | {'on' if r['bucketing'] else 'off'} | "
-                     f"{'on' if r['prefix_caching'] else 'off'} | {r['workload']} | "
-                     f"{r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                     f"{r['ci95_ms'][0]:.2f}-{r['ci95_ms'][1]:.2f} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = run_meta("bench_matrix.py", argv, backend="reference", model=args.model.name,
+                    max_model_len=MAX_MODEL_LEN, batch=BATCH, warmup=WARMUP,
+                    iterations=args.iterations)
+    on = {True: "on", False: "off"}
+    write_results(args.out, meta, {"rows": rows},
+                  ["path", "bucketing", "prefix caching", "workload", "mean ms", "p50 ms",
+                   "p99 ms", "95% CI ms"],
+                  [[r["path"], on[r["bucketing"]], on[r["prefix_caching"]], r["workload"],
+                    f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                    f"{r['ci95_ms'][0]:.2f}-{r['ci95_ms'][1]:.2f}"] for r in rows])
     return 0
 
 

@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_report import run_meta, write_results  # noqa: E402
+
 METRICS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
            "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms")
 
@@ -94,22 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.terminate()
             server.wait(timeout=60)
-    meta = {"command": " ".join(["python", "scripts/bench_serve.py", *(argv or sys.argv[1:])]),
-            "server": " ".join(serve_cmd[1:]), "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{os.cpu_count()} cores, CPU reference backend",
-            "dataset": f"random, input {args.input_len}±{args.range_ratio:.0%}, output "
-                       f"{args.output_len}±{args.range_ratio:.0%}, {args.num_prompts} prompts"}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| request rate (req/s) | throughput req/s | output tok/s | TTFT mean / p50 / p99 ms | "
-             "TPOT mean / p50 / p99 ms |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['request_rate']} | {r['request_throughput']:.2f} | "
-                     f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.1f} / "
-                     f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
-                     f"{r['mean_tpot_ms']:.2f} / {r['median_tpot_ms']:.2f} / "
-                     f"{r['p99_tpot_ms']:.2f} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = run_meta("bench_serve.py", argv, backend="reference", server=" ".join(serve_cmd[1:]),
+                    dataset=f"random, input {args.input_len}±{args.range_ratio:.0%}, output "
+                            f"{args.output_len}±{args.range_ratio:.0%}, {args.num_prompts} prompts")
+    write_results(args.out, meta, {"rows": rows},
+                  ["request rate (req/s)", "throughput req/s", "output tok/s",
+                   "TTFT mean / p50 / p99 ms", "TPOT mean / p50 / p99 ms"],
+                  [[r["request_rate"], f"{r['request_throughput']:.2f}",
+                    f"{r['output_throughput']:.1f}",
+                    f"{r['mean_ttft_ms']:.1f} / {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f}",
+                    f"{r['mean_tpot_ms']:.2f} / {r['median_tpot_ms']:.2f} / {r['p99_tpot_ms']:.2f}"]
+                   for r in rows])
     return 0
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 
 from bench_matrix import DEFAULT_TRACE, corpus_ids, prompt, trace_lengths  # noqa: E402
+from bench_report import run_meta, write_results  # noqa: E402
 
 
 def phase_totals() -> dict[str, float]:
@@ -115,23 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     after = serve(args.model, prompts, max_tokens, {"bucket_set": str(tuned)},
                   args.max_model_len, args.max_num_seqs)
 
-    result = {"meta": {"command": " ".join(["python", "scripts/bench_tuning_loop.py",
-                                            *(argv or sys.argv[1:])]),
-                       "date": time.strftime("%Y-%m-%d"), "requests": len(prompts),
-                       "max_model_len": args.max_model_len},
-              "tuned": load_bucket_set(tuned), "default": before, "tuned_run": after,
-              "tuner_reports": {"context": context["report"], "decode": decode["report"]}}
-    (args.out / "result.json").write_text(json.dumps(result, indent=2))
-    lines = ["| phase | grid | padded tokens | real tokens | forward s (sum) |",
-             "|---|---|---|---|---|"]
-    for phase in ("context_encoding", "token_generation"):
-        for name, run in (("NxDI default", before), ("tuned", after)):
-            lines.append(f"| {phase} | {name} | {run[f'{phase}.padded_tokens_total']:,.0f} | "
-                         f"{run[f'{phase}.real_tokens_total']:,.0f} | "
-                         f"{run[f'{phase}.forward_seconds_sum']:.2f} |")
-    (args.out / "result.md").write_text("\n".join(lines) + "\n")
-    print(json.dumps(result["tuned"]))
-    print("\n".join(lines))
+    meta = run_meta("bench_tuning_loop.py", argv, backend="reference", requests=len(prompts),
+                    max_model_len=args.max_model_len)
+    table = [[phase, name, f"{run[f'{phase}.padded_tokens_total']:,.0f}",
+              f"{run[f'{phase}.real_tokens_total']:,.0f}",
+              f"{run[f'{phase}.forward_seconds_sum']:.2f}"]
+             for phase in ("context_encoding", "token_generation")
+             for name, run in (("NxDI default", before), ("tuned", after))]
+    print(json.dumps(load_bucket_set(tuned)))
+    write_results(args.out / "result", meta,
+                  {"tuned": load_bucket_set(tuned), "default": before, "tuned_run": after,
+                   "tuner_reports": {"context": context["report"], "decode": decode["report"]}},
+                  ["phase", "grid", "padded tokens", "real tokens", "forward s (sum)"], table)
     return 0
 
 
