@@ -88,9 +88,13 @@ def context_encoding_bucket(settings: NeuronSettings, num_tokens: int, start: in
 
 
 def token_generation_bucket(settings: NeuronSettings, batch: int, context_len: int) -> tuple[int, int]:
-    """First fit for a decode batch whose longest row needs `context_len` positions."""
-    return fit_nd(settings.token_generation_shapes(), (batch, context_len),
-                  what="token-generation (batch, context length) shape")
+    """First fit for a decode batch whose longest row needs `context_len` positions. The
+    token-generation grid is a full cross product and cost grows in both dimensions, so
+    the least-cost fitting shape is the first fit of each dimension."""
+    return (first_fit(settings.token_generation_batches, batch,
+                      what="token_generation_batches (decode batch size)"),
+            first_fit(settings.token_generation_buckets, context_len,
+                      what="token_generation_buckets (context length)"))
 
 
 def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, start: int,

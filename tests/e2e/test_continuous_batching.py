@@ -57,17 +57,39 @@ def test_aborted_request_frees_its_slot(llm, model_dirs, oracles):
              for i in range(MAX_NUM_SEQS)}
     for req_id, prompt in fresh.items():
         engine.add_request(req_id, {"prompt_token_ids": prompt}, _greedy(10))
-    finished = {}
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = list(out.outputs[0].token_ids)
-        if not engine.has_unfinished_requests():
-            break
+    finished = _run_to_completion(engine)
     assert set(finished) == set(fresh)
     oracle = oracles("llama")
     for req_id, prompt in fresh.items():
         assert finished[req_id] == oracle.generate(prompt, 10)
+
+
+def _run_to_completion(engine) -> dict[str, list[int]]:
+    finished = {}
+    for _ in range(300):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            return finished
+    raise AssertionError(f"requests still unfinished after 300 steps: {finished.keys()}")
+
+
+def test_preempted_requests_resume_with_a_fresh_prefill(llm, model_dirs, oracles):
+    """vLLM preempts every running request (reset_prefix_cache with
+    reset_running_requests); they come back as resumed requests whose prompt and
+    generated tokens are encoded again, and finish with the tokens of an undisturbed run."""
+    engine = llm.llm_engine
+    prompts = {f"resume-{i}": corpus_token_ids(model_dirs["llama"], 30 + 7 * i, offset=90 + i)
+               for i in range(MAX_NUM_SEQS)}
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, {"prompt_token_ids": prompt}, _greedy(12))
+    for _ in range(5):
+        engine.step()
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    finished = _run_to_completion(engine)
+    oracle = oracles("llama")
+    assert finished == {req_id: oracle.generate(prompt, 12) for req_id, prompt in prompts.items()}
 
 
 def test_sampling_options_go_through_vllms_sampler(llm, model_dirs):
