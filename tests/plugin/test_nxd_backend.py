@@ -35,13 +35,14 @@ from neuron_plugin.backends.nxd import (
     unknown_kwargs,
 )
 from neuron_plugin.config import EngineLimits, NeuronConfigError, resolve_settings
-from neuron_plugin.patches.base import is_patched
 from neuron_plugin.inputs import (
     TOKEN_GENERATION,
     context_encoding_inputs,
     padding_inputs,
     token_generation_inputs,
 )
+from neuron_plugin.loader import cache_manifest
+from neuron_plugin.patches.base import is_patched
 from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
 
 VOCAB = 977
@@ -382,12 +383,14 @@ def test_tensor_parallel_above_visible_cores_fails_up_front(release, tiny, monke
 def test_cache_manifest_fields(release, tiny, monkeypatch):
     monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type transformer -O1")
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf2")
-    fields = NxDBackend(settings(), tiny).cache_manifest_fields()
+    backend = NxDBackend(settings(), tiny)
+    fields = backend.cache_manifest_fields()
     assert fields["weights_fingerprint"] is None
     assert set(fields["versions"]) == set(DISTRIBUTIONS)
     assert fields["compiler_flags"] == ["--model-type", "transformer", "-O1"]
-    assert fields["model_config"]["num_hidden_layers"] == 2
-    assert "transformers_version" not in fields["model_config"]
+    manifest = cache_manifest(backend.settings, backend)
+    assert manifest["model"]["num_hidden_layers"] == 2
+    assert "transformers_version" not in manifest["model"]  # volatile: dropped
     if nxd.detect_instance_type() is None:
         assert fields["target"]["platform"] == "inf2"
     embedded = NxDBackend(settings(override={"save_sharded_checkpoint": True}), tiny)
