@@ -22,6 +22,10 @@ CONFIGS = [
     for arch in ("llama", "qwen3")
     for bucketing in ("on", "off")
     for prefix in ("off", "on")
+] + [
+    # Chunked prefill: 48-token steps split the longer prompts into chunks [start, end)
+    # that run as (chunk, prefix) context encodings next to decodes of other requests.
+    pytest.param(("llama", "on", "chunked"), id="llama-bucketing_on-chunked_prefill"),
 ]
 
 
@@ -29,8 +33,10 @@ CONFIGS = [
 def engine(request, model_dirs):
     arch, bucketing, prefix = request.param
     override = dict(BUCKETS) if bucketing == "on" else {"enable_bucketing": False}
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 48} \
+        if prefix == "chunked" else {}
     llm = make_llm(model_dirs[arch], enable_prefix_caching=prefix == "on",
-                   additional_config={"override_neuron_config": override})
+                   additional_config={"override_neuron_config": override}, **chunked)
     yield arch, prefix == "on", llm
     shutdown_llm(llm)
 
