@@ -119,3 +119,17 @@ def test_sampling_options_go_through_vllms_sampler(llm, model_dirs):
                            use_tqdm=False)[0].outputs[0]
     assert list(stopped.token_ids) == greedy[: greedy.index(stop_at) + 1]
     assert stopped.finish_reason == "stop"
+
+
+def test_structured_output_constrains_tokens(llm, model_dirs):
+    """Grammar bitmasks from vLLM's structured-output manager apply to the host logits."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["scheduler", "bucket", "cache"]
+    prompt = {"prompt_token_ids": corpus_token_ids(model_dirs["llama"], 16)}
+    out = llm.generate(prompt, SamplingParams(
+        temperature=0.0, max_tokens=16,
+        structured_outputs=StructuredOutputsParams(choice=choices)), use_tqdm=False)
+    assert out[0].outputs[0].text in choices
+
