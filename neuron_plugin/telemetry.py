@@ -58,6 +58,11 @@ class Histogram:
         self.counts[bisect.bisect_left(SECONDS_BOUNDS, value)] += 1
         self.total += value
 
+    def merge(self, snapshot: dict[str, Any]) -> None:
+        """Add a published histogram ({"counts": [...], "sum": s})."""
+        self.counts = [a + b for a, b in zip(self.counts, snapshot["counts"])]
+        self.total += snapshot["sum"]
+
 
 @dataclass
 class BucketStats:
@@ -200,8 +205,14 @@ class NeuronMetricsCollector:
                                         "Backend forward time per call", labels=labels)
         host = HistogramMetricFamily("neuron:host_seconds",
                                      "Host input preparation time per call", labels=labels)
+        step = HistogramMetricFamily(
+            "neuron:step_host_seconds",
+            "Host time of an engine step outside backend forwards (state updates, inputs, "
+            "sampling, output)")
+        step_total = Histogram()
         merged: dict[tuple[str, str], dict[str, Any]] = {}
         for snap in self._snapshots():
+            step_total.merge(snap["step_host"])
             for row in snap["buckets"]:
                 key = (row["phase"], bucket_label(row["bucket"]))
                 into = merged.setdefault(key, {name: 0 for name in COUNTERS} | {
@@ -209,17 +220,15 @@ class NeuronMetricsCollector:
                 for name in COUNTERS:
                     into[name] += row[name]
                 for name in ("forward", "host"):
-                    hist = into[name]
-                    hist.counts = [a + b for a, b in zip(hist.counts, row[name]["counts"])]
-                    hist.total += row[name]["sum"]
+                    into[name].merge(row[name])
         for key, values in sorted(merged.items()):
             for name, family in families.items():
                 family.add_metric(list(key), values[name])
             for hist, family in ((values["forward"], forward), (values["host"], host)):
                 family.add_metric(list(key), _cumulative(hist), hist.total)
+        step.add_metric([], _cumulative(step_total), step_total.total)
         yield from families.values()
-        yield forward
-        yield host
+        yield from (forward, host, step)
 
 
 def _alive(pid: int) -> bool:

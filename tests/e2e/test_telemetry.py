@@ -95,6 +95,16 @@ def test_context_encoding_metrics_match_the_prompts(traced_run):
                           0) == calls[bucket]
 
 
+def test_step_host_time_is_exported(traced_run):
+    _, values = traced_run
+    steps = values[("neuron:step_host_seconds_count", "", "")]
+    calls = sum(v for (name, _, _), v in values.items() if name == "neuron:bucket_calls_total")
+    # Every step with work calls the backend at least once; prefill steps call it once
+    # per new prompt, so there are at least as many calls as steps.
+    assert 0 < steps <= calls
+    assert values[("neuron:step_host_seconds_sum", "", "")] > 0
+
+
 def test_token_generation_metrics_are_consistent(traced_run):
     _, values = traced_run
     tkg = {k: v for k, v in values.items() if k[1] == "token_generation"}
