@@ -234,22 +234,17 @@ def resolve_kv_layout(limits: EngineLimits, override: Mapping[str, Any]) -> tupl
     """Contiguous unless prefix caching or chunked prefill needs blocks (the findings:
     block layout costs latency, so it is used only when a feature requires it)."""
     block_kv = _bool_setting(override, "is_block_kv_layout")
-    prefix = _bool_setting(override, "is_prefix_caching")
-    if prefix is not None and prefix != limits.enable_prefix_caching:
-        flag = "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching"
-        raise _error(
-            f"override_neuron_config.is_prefix_caching={prefix} contradicts vLLM's "
-            f"enable_prefix_caching={limits.enable_prefix_caching}; pass {flag} or "
-            f"remove is_prefix_caching."
-        )
-    chunked = _bool_setting(override, "is_chunked_prefill")
-    if chunked is not None and chunked != limits.enable_chunked_prefill:
-        flag = "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"
-        raise _error(
-            f"override_neuron_config.is_chunked_prefill={chunked} contradicts vLLM's "
-            f"enable_chunked_prefill={limits.enable_chunked_prefill}; pass {flag} or "
-            f"remove is_chunked_prefill."
-        )
+    for key, vllm_name, value in (
+        ("is_prefix_caching", "enable_prefix_caching", limits.enable_prefix_caching),
+        ("is_chunked_prefill", "enable_chunked_prefill", limits.enable_chunked_prefill),
+    ):
+        given = _bool_setting(override, key)
+        if given is not None and given != value:
+            flag = f"--{'' if given else 'no-'}{vllm_name.replace('_', '-')}"
+            raise _error(
+                f"override_neuron_config.{key}={given} contradicts vLLM's "
+                f"{vllm_name}={value}; pass {flag} or remove {key}."
+            )
     needs_blocks = [
         name for name, on in (
             ("prefix caching", limits.enable_prefix_caching),

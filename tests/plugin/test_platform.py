@@ -37,7 +37,12 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def plugin_log():
-    """The plugin's log lines, whatever vLLM's logging configuration is at the time."""
+    """The plugin's log lines. vLLM's logging set-up (dictConfig) clears the handlers of
+    every logger below `vllm`, so apply it first; EngineArgs then leaves it alone."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())
     logger = logging.getLogger("vllm.neuron_plugin")
     handler, level = _Records(), logger.level
     logger.addHandler(handler)
