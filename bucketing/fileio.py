@@ -13,6 +13,7 @@ import yaml
 from .errors import BucketFileError, did_you_mean
 
 SUFFIXES = (".yaml", ".yml", ".json")
+YAML_WIDTH = 1 << 16  # never fold a long description or list across lines
 
 
 def load_document(path: str | Path) -> dict[str, Any]:
@@ -66,29 +67,23 @@ def positive_number(path: str | Path, key: str, value: Any) -> float:
 
 
 def dump_document(path: str | Path, data: Mapping[str, Any], comment: str = "") -> Path:
-    """Write ``data`` as JSON (for .json) or block-style YAML with lists kept on one line,
-    preceded by ``comment`` lines when given (YAML only: JSON has no comments)."""
+    """Write ``data`` as JSON (for .json) or YAML (``yaml.safe_dump``: block style, keys in
+    the given order, lists of numbers on one line), preceded by ``comment`` lines when
+    given (YAML only: JSON has no comments). Missing parent folders are created, so
+    ``-o results/run1/x.yaml`` works."""
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
         raise BucketFileError(path, None, "name the output *.yaml, *.yml or *.json")
     if path.suffix.lower() == ".json":
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        return path
-    header = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
-    body = "".join(_yaml_entry(key, value) for key, value in data.items())
-    path.write_text(header + body)
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        header = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
+        text = header + yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None,
+                                       width=YAML_WIDTH, allow_unicode=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise BucketFileError(path, None, f"cannot be written ({exc.strerror}); choose a "
+                                          f"writable path") from None
     return path
-
-
-def _yaml_entry(key: str, value: Any) -> str:
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        return f"{key}:\n" + "".join(f"  - {_yaml_value(item)}\n" for item in value)
-    return f"{key}: {_yaml_value(value)}\n"
-
-
-def _yaml_value(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_yaml_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)

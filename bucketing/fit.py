@@ -11,6 +11,12 @@ NxDI's own rule (``strict_fit``) is kept for comparison: it picks the first buck
 strictly greater than the need and uses the largest bucket only when the need equals
 it, so a 256-token prompt goes to the 512 bucket of [128, 256, 512] and pads 256 tokens
 for nothing.
+
+NxDI's prefix-caching context encoding has a rule of its own (``prefix_caching_fit``),
+which a caller of NxDI cannot change: it moves the tail of the cached prefix into the
+spare slots of the active bucket, and sends every context of 257-512 tokens to the
+(512, 0) graph. ``prefix_caching_need`` inverts it, so the shapes NxDI can run (and a
+need that runs each one) are known without NxDI.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ import numpy as np
 from .errors import BucketError, NoFitError
 
 RULES = ("first_fit", "strict")
+# NxDI model_wrapper.get_target_2d_bucket_for_prefix_caching (0.7-0.9 alike): a context
+# of CORNER_LOW < total <= CORNER_HIGH tokens runs the (CORNER_HIGH, 0) graph when the
+# active grid has CORNER_HIGH ("based on perf collection results").
+CORNER_LOW, CORNER_HIGH = 256, 512
 
 
 def context_need(prompt_tokens: int | np.ndarray,
@@ -116,3 +126,48 @@ def assign(grid: Sequence[int], needs: np.ndarray, rule: str = "first_fit") -> n
     if rule == "strict":
         index = np.where((index == len(edges)) & (needs == edges[-1]), len(edges) - 1, index)
     return np.where(index < len(edges), index, -1)
+
+
+def _corner(active_grid: Sequence[int], total: int) -> bool:
+    return CORNER_HIGH in active_grid and CORNER_LOW < total <= CORNER_HIGH
+
+
+def prefix_caching_fit(active_grid: Sequence[int], prefix_grid: Sequence[int], active: int,
+                       prefix: int) -> tuple[int, int]:
+    """NxDI's (active, prefix) graph for ``active`` new tokens after ``prefix`` cached
+    ones (prefix caching context encoding; both grids sorted, ``prefix_grid`` with 0).
+
+    The active bucket is the first >= ``active``; its spare slots re-encode the tail of
+    the prefix, so the prefix bucket need only hold ``prefix - spare`` tokens; a total of
+    257-512 tokens goes to (512, 0) when 512 is an active bucket. NoFitError when the
+    active tokens or the remaining prefix exceed the largest bucket."""
+    if _corner(active_grid, active + prefix):
+        return CORNER_HIGH, 0
+    bucket = first_fit(active_grid, active, what="context-encoding bucket (new tokens)")
+    rest = max(0, prefix - (bucket - active))
+    return bucket, first_fit(prefix_grid, rest,
+                             what="prefix_buckets (cached prefix beyond the spare slots)")
+
+
+def prefix_caching_need(active_grid: Sequence[int], prefix_grid: Sequence[int],
+                        shape: tuple[int, int], max_total: int) -> tuple[int, int] | None:
+    """The longest (active, prefix) need of at most ``max_total`` tokens that
+    ``prefix_caching_fit`` sends to ``shape``, or None when no need reaches it (NxDI
+    compiles such a graph but never runs it).
+
+    Shape (a, 0) serves totals in (previous active bucket, a]; shape (a, p > 0) serves
+    totals in (a + previous prefix bucket, a + p], as `a` new tokens after `total - a`
+    cached ones; totals of the corner go to (512, 0) instead."""
+    active, prefix = shape
+    i, j = list(active_grid).index(active), list(prefix_grid).index(prefix)
+    if shape == (CORNER_HIGH, 0) and _corner(active_grid, min(CORNER_HIGH, max_total)):
+        return min(CORNER_HIGH, max_total), 0
+    if j == 0:
+        low, high = (active_grid[i - 1] if i else 0), min(active, max_total)
+    else:
+        low, high = active + prefix_grid[j - 1], min(active + prefix, max_total)
+    if _corner(active_grid, high):
+        high = CORNER_LOW
+    if high <= low:
+        return None
+    return (high, 0) if j == 0 else (active, high - active)

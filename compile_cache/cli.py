@@ -13,7 +13,8 @@ from typing import Any
 from compile_cache.cache import CompileCache
 from compile_cache.errors import CacheError
 from compile_cache.neuronx_cc import COMPILER_CACHE_ENV, compiler_cache_url
-from compile_cache.settings import ENVIRONMENT_HELP
+from compile_cache.settings import ENVIRONMENT_HELP, SIGNING_KEY_ENV, TRUSTED_KEYS_ENV
+from compile_cache.signing import Trust, generate_key, key_id
 from compile_cache.stores import open_store
 from compile_cache.transfer import TransferReport, pull, push
 from compile_cache.units import format_size, parse_duration, parse_size
@@ -88,14 +89,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    info = CompileCache(open_store(args.store)).entry_info(args.key)
-    data = {**info.to_dict(),
+    cache = CompileCache(open_store(args.store))
+    info = cache.entry_info(args.key)
+    trust = cache.trust.describe(info.record)
+    data = {**info.to_dict(), "trust": trust,
             "file_digests": {rel: {"sha256": f.sha256, "size": f.size}
                              for rel, f in sorted(info.record.files.items())}}
     text = "\n".join([
         f"key:        {info.key}", f"model:      {describe_model(info.record.manifest)}",
         f"size:       {format_size(info.size)} in {len(info.record.files)} files",
         f"created:    {_when(info.record.created)} by {info.record.created_by}",
+        f"signature:  {trust}",
         f"last used:  {_when(info.last_used)}", "manifest:",
         json.dumps(info.record.manifest, indent=2, sort_keys=True), "files:",
         *(f"  {f.sha256[:16]}  {f.size:>12}  {rel}"
@@ -116,7 +120,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         lines = [f"miss: {result['reason']}"]
         if result["problem"]:
-            lines.insert(0, f"entry {result['key']} is unreadable: {result['problem']}")
+            lines.insert(0, f"entry {result['key']} is refused: {result['problem']}")
         lines += [f"  {n['key']}: differs in {', '.join(n['differs']) or 'nothing'}"
                   for n in result["nearest"]]
         text = "\n".join(lines)
@@ -181,6 +185,39 @@ def cmd_compiler_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    path = Path(args.path).expanduser()
+    try:
+        public = generate_key(path)
+    except FileExistsError as err:
+        raise CacheError(f"{path} exists; keygen never overwrites a key: choose another "
+                         "path or remove it") from err
+    except OSError as err:
+        raise CacheError(f"cannot write a key to {path}: {err}") from err
+    data = {"private_key": str(path), "public_key": f"{path}.pub", "key_id": key_id(public)}
+    _emit(args, data, "\n".join([
+        f"wrote the private key {path} (keep it on the compile hosts only) and the public "
+        f"key {path}.pub (key id {data['key_id']})",
+        f"compile hosts:  export {SIGNING_KEY_ENV}={path}",
+        f"serving hosts:  export {TRUSTED_KEYS_ENV}={path}.pub"]))
+    return 0
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    trust = Trust.from_env()
+    data = {"signs_with": trust.signer_id, "trusted": trust.trusted_ids(),
+            "publishes_to_shared_stores": trust.publishes_to_shared_stores,
+            "on_untrusted": trust.on_untrusted}
+    _emit(args, data, "\n".join([
+        f"signs with:      {data['signs_with']}"
+        + ("" if trust.publishes_to_shared_stores else
+           f" (this user's own key: local stores only; set {SIGNING_KEY_ENV} to publish "
+           "to S3)"),
+        f"trusts:          {', '.join(data['trusted'])}",
+        f"untrusted entry: {trust.on_untrusted}"]))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output")
@@ -211,8 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("manifest", help="a manifest JSON file (e.g. written by "
                          "`neuron-plugin precompile --dry-run`)")
     explain.add_argument("--limit", type=int, default=3, help="nearest entries to show")
-    verb("verify", cmd_verify, "hash every file of every entry (or of KEYs) against its "
-         "record; quarantine failures (exit 1 if any)").add_argument(
+    verb("verify", cmd_verify, "check every entry's signature (or of KEYs) against the "
+         "trusted keys and hash every file against its record; quarantine failures "
+         "(exit 1 if any)").add_argument(
         "keys", nargs="*", metavar="KEY")
     prune = verb("prune", cmd_prune, "remove entries unused for longer than --max-age, "
                  "then least recently used ones until the store fits --max-size; also "
@@ -236,6 +274,11 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (push_cmd, pull_cmd):
         sub.add_argument("--key", action="append", metavar="KEY",
                          help="copy only this key (repeatable)")
+    verb("keygen", cmd_keygen, "create an Ed25519 key pair for signing entries: PATH "
+         "(private, for compile hosts) and PATH.pub (for every host's "
+         f"{TRUSTED_KEYS_ENV})", parents=(common,)).add_argument("path", metavar="PATH")
+    verb("trust", cmd_trust, "show the key this host signs with, the keys it trusts and "
+         "its policy for untrusted entries", parents=(common,))
     verb("compiler-cache", cmd_compiler_cache,
          f"print the {COMPILER_CACHE_ENV} value that puts neuronx-cc's per-graph cache "
          "inside the store (a neuronx-cc/ folder or S3 prefix)")

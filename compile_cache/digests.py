@@ -66,9 +66,3 @@ def hash_stream(reader: BinaryIO, out: BinaryIO | None = None) -> tuple[str, int
             out.write(chunk)
     return digest.hexdigest(), size
 
-
-def copy_hashed(reader: BinaryIO, dest: Path) -> tuple[str, int]:
-    """Stream `reader` into a new file `dest`; return its sha256 and size."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with dest.open("xb") as out:
-        return hash_stream(reader, out)

@@ -44,3 +44,16 @@ class EntryCorrupt(CacheError):
         self.key = key
         self.problem = problem
         self.file = file
+
+
+class EntryUntrusted(EntryCorrupt):
+    """An entry is not signed by a key this host trusts (unsigned, signed by an unknown
+    key, or altered after signing); it must never be loaded."""
+
+
+class StoreUnreachable(StoreError):
+    """The store could not be reached (network, endpoint or service outage)."""
+
+
+class StoreFull(CacheError):
+    """The disk holding a store (or the read cache) ran out of space."""

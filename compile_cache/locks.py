@@ -3,7 +3,10 @@ lock that serialises compiles on one host.
 
 flock(2) locks are released by the kernel when their holder dies, even by SIGKILL, so a
 crashed compile never leaves a stale local lock. Lock files are never deleted: deleting
-one while another process has it open would let two processes hold "the" lock.
+one while another process has it open would let two processes hold "the" lock. They are
+opened without following links (a planted link is an error naming it, never a write
+elsewhere). The holder writes who it is, since when, and which folder it is building
+into the file, so a waiter can say who it waits for and how far that build has got.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from compile_cache.errors import LockTimeout
+from compile_cache.errors import LockTimeout, UnsafePathError
+from compile_cache.paths import safe_relpath
 from compile_cache.record import owner_label
+from compile_cache.safe_fs import directory, is_dir, open_file, read_bytes, tree_size
+from compile_cache.units import format_size
 
 REPORT_EVERY = 30.0
 
@@ -29,6 +35,9 @@ class KeyLock(Protocol):
     poll_interval: float
 
     def try_acquire(self) -> bool: ...
+
+    def building(self, folder: Path) -> None:
+        """Tell waiters that the holder now writes its artifacts into `folder`."""
 
     def holder(self) -> str: ...
 
@@ -59,35 +68,75 @@ def acquire(lock: KeyLock, *, what: str, timeout: float,
     return time.monotonic() - started
 
 
+def progress_text(files: int, size: int) -> str:
+    """'3 files (1.2M) written so far' for waiting lines."""
+    if not files:
+        return "no artifact written yet"
+    return f"{files} file{'s' if files != 1 else ''} ({format_size(size)}) written so far"
+
+
+def since_text(epoch: float) -> str:
+    """'since 14:02:11' in this host's local time."""
+    return f"since {time.strftime('%H:%M:%S', time.localtime(epoch))}"
+
+
 class FileLock:
-    """An exclusive flock on `path`; the holder writes its host:pid into the file."""
+    """An exclusive flock on the file `root/parts...`; the holder writes its host:pid,
+    the time it took the lock and the folder it builds into."""
 
     poll_interval = 0.1
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, root: Path, parts: tuple[str, ...]):
+        self.root = root
+        self.parts = parts
+        self.path = root.joinpath(*parts)
         self._fd: int | None = None
+        self._since = 0.0
 
     def try_acquire(self) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        with directory(self.root, self.parts[:-1], create=True) as dfd:
+            fd = open_file(dfd, self.parts[-1], os.O_RDWR | os.O_CREAT, self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"owner": owner_label(), "since": time.time()}).encode(), 0)
         self._fd = fd
+        self._since = time.time()
+        self._describe({})
         return True
+
+    def _describe(self, extra: dict[str, str]) -> None:
+        if self._fd is None:
+            return  # only the holder describes the lock
+        info = {"owner": owner_label(), "since": self._since, **extra}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(info).encode(), 0)
+
+    def building(self, folder: Path) -> None:
+        self._describe({"building": folder.relative_to(self.root).as_posix()})
 
     def holder(self) -> str:
         try:
-            info = json.loads(self.path.read_bytes())
-            return (f"{info['owner']} (since "
-                    f"{time.strftime('%H:%M:%S', time.localtime(info['since']))})")
+            info = json.loads(read_bytes(self.root, self.parts) or b"")
+            text = f"{info['owner']} ({since_text(info['since'])}"
         except (OSError, ValueError, KeyError, TypeError):
             return "another process"
+        progress = self._progress(info.get("building"))
+        return text + (f"; {progress}" if progress else "") + ")"
+
+    def _progress(self, building: object) -> str | None:
+        """How much the holder's build has written, measured in its staging folder (the
+        only place a lock file may point to: it lives in the store, anyone could edit it)."""
+        try:
+            parts = safe_relpath(building).parts if isinstance(building, str) else ()
+            if parts[:1] != ("staging",) or not is_dir(self.root, parts):
+                return None
+        except UnsafePathError:
+            return None
+        files, size, newest = tree_size(self.root.joinpath(*parts))
+        last = f", the last {max(time.time() - newest, 0):.0f} s ago" if newest else ""
+        return progress_text(files, size) + last
 
     def release(self) -> None:
         if self._fd is not None:

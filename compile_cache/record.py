@@ -3,6 +3,9 @@
 A record is written only after every file it lists is in place, so its presence is what
 makes an entry visible. Records are parsed defensively: anything malformed or unsafe
 raises EntryCorrupt, which makes the cache quarantine the entry instead of loading it.
+The digests only bind the files to the record; what binds the record to someone this
+host trusts is its Ed25519 signature (`compile_cache.signing`), carried in the record and
+checked before anything of the entry is used.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from compile_cache.digests import scan_tree, sha256_files
-from compile_cache.errors import BuildOutputError, EntryCorrupt, UnsafePathError
+from compile_cache.errors import BuildOutputError, EntryCorrupt, EntryUntrusted, UnsafePathError
 from compile_cache.manifest import cache_key
 from compile_cache.paths import join_inside, safe_relpath
 
 FORMAT = 1
 _SHA_RE = re.compile("[0-9a-f]{64}")
 _ID_RE = re.compile("[0-9a-f]{32}")
+_KEY_ID_RE = re.compile("[0-9a-f]{16}")
+_SIGNATURE_RE = re.compile("[A-Za-z0-9+/]{86}==")  # base64 of 64 bytes
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,14 @@ class FileDigest:
 
     sha256: str
     size: int
+
+
+@dataclass(frozen=True)
+class Signature:
+    """An Ed25519 signature of a record's body by the key with id `key_id`."""
+
+    key_id: str
+    value: str  # base64
 
 
 @dataclass(frozen=True)
@@ -48,19 +61,28 @@ class Record:
     created: float
     created_by: str
     build_seconds: float | None = None
+    signature: Signature | None = None
 
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
-    def to_json(self) -> bytes:
-        return json.dumps({
+    def body(self) -> dict[str, Any]:
+        """Everything but the signature: what the signature covers."""
+        return {
             "format": FORMAT, "key": self.key, "id": self.id, "manifest": self.manifest,
             "files": {rel: {"sha256": f.sha256, "size": f.size}
                       for rel, f in sorted(self.files.items())},
             "created": self.created, "created_by": self.created_by,
             "build_seconds": self.build_seconds,
-        }, indent=1, sort_keys=True).encode()
+        }
+
+    def to_json(self) -> bytes:
+        data = self.body()
+        if self.signature is not None:
+            data["signature"] = {"key_id": self.signature.key_id,
+                                 "ed25519": self.signature.value}
+        return json.dumps(data, indent=1, sort_keys=True).encode()
 
 
 def owner_label() -> str:
@@ -119,9 +141,22 @@ def parse_record(data: bytes, key: str) -> Record:
     try:
         return Record(key=key, id=raw["id"], manifest=manifest, files=parsed,
                       created=float(raw["created"]), created_by=str(raw["created_by"]),
-                      build_seconds=raw.get("build_seconds"))
+                      build_seconds=raw.get("build_seconds"),
+                      signature=_parse_signature(key, raw.get("signature")))
     except (KeyError, TypeError, ValueError) as err:
         raise EntryCorrupt(key, f"record field missing or invalid ({err})") from err
+
+
+def _parse_signature(key: str, raw: Any) -> Signature | None:
+    """The record's signature, structurally checked only (`signing` checks it)."""
+    if raw is None:
+        return None
+    key_id = raw.get("key_id") if isinstance(raw, dict) else None
+    value = raw.get("ed25519") if isinstance(raw, dict) else None
+    if not (isinstance(key_id, str) and _KEY_ID_RE.fullmatch(key_id)
+            and isinstance(value, str) and _SIGNATURE_RE.fullmatch(value)):
+        raise EntryUntrusted(key, "record has a malformed signature")
+    return Signature(key_id, value)
 
 
 def check_files(root: Path, record: Record) -> None:

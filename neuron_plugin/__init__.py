@@ -15,8 +15,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 
 
@@ -30,6 +33,8 @@ logger = plugin_logger(__name__)
 BACKENDS = ("nxd", "reference")
 
 BACKEND_ENV = "VLLM_NEURON_BACKEND"
+# The interpreter of the environment the backend runs in (a runner process); unset: in-process.
+BACKEND_PYTHON_ENV = "VLLM_NEURON_BACKEND_PYTHON"
 PLATFORM_QUALNAME = "neuron_plugin.platform.NeuronPlatform"
 
 
@@ -65,6 +70,33 @@ def choose_backend(env: Mapping[str, str], argv: Sequence[str], devices: Sequenc
     return None
 
 
+MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]""")
+
+
+def engine_start_method(main: Any) -> str:
+    """spawn, unless the main module is a script without an `if __name__ ==
+    "__main__":` guard (vllm-neuron's offline examples have none): a spawned engine
+    re-runs such a script and dies in multiprocessing's bootstrapping check, so those
+    start the engine with fork, vLLM's own default. Forking once torch's OpenMP pool or
+    the Neuron runtime has started in the parent can hang the child (seen here after a
+    transformers forward), which is why spawn is preferred wherever it works."""
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return "spawn"
+    try:
+        source = Path(path).read_text(errors="replace")
+    except OSError:
+        return "spawn"
+    if _GUARD.search(source):
+        return "spawn"
+    logger.warning(
+        "%s has no `if __name__ == \"__main__\":` guard, so vLLM's engine starts with "
+        "fork instead of spawn; add the guard around LLM(...) (spawn is safer once torch "
+        "has run in this process), or set %s to choose.", path, MULTIPROC_ENV)
+    return "fork"
+
+
 def register() -> str | None:
     """vLLM platform-plugin entry point: the platform's qualified name, or None."""
     devices = neuron_devices()
@@ -72,9 +104,8 @@ def register() -> str | None:
     backend = choose_backend(os.environ, sys.argv, devices)
     if backend is None:
         return None
-    # Forking after torch's OpenMP pool or the Neuron runtime has started hangs the
-    # child (seen here: an engine forked after a transformers forward never started).
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if MULTIPROC_ENV not in os.environ:  # decided once; engine processes inherit it
+        os.environ[MULTIPROC_ENV] = engine_start_method(sys.modules.get("__main__"))
     if not explicit:
         os.environ[BACKEND_ENV] = backend
         if backend == "reference":

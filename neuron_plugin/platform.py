@@ -9,36 +9,82 @@ cannot work raises `NeuronConfigError` before anything compiles.
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import json
 import os
 from typing import Any
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from neuron_plugin.config import NeuronConfigError, NeuronSettings
-from neuron_plugin import plugin_logger
-from neuron_plugin.telemetry import install_metrics_collector
-from neuron_plugin.settings_store import (
-    BACKEND_ENV,
+from neuron_plugin import BACKEND_ENV, plugin_logger
+from neuron_plugin.serving.vllm_settings import (
+    apply,
     resolve_from_vllm_config,
-    selected_backend,
-    store_settings,
+    resolved_settings,
 )
 
 logger = plugin_logger(__name__)
 
-WORKER_CLS = "neuron_plugin.worker.NeuronWorker"
 PREFIX_CACHING_EVIDENCE = (
     "prefix caching with bucketing measured 40-45% slower on inf2 (59 -> 86 ms per batch "
     "of 4 even at full cache hits) because it switches NxDI to the block KV layout"
 )
 
 
-def _change(target: Any, name: str, value: Any, reason: str, label: str) -> None:
-    old = getattr(target, name)
-    if old != value:
-        setattr(target, name, value)
-        logger.info("neuron platform: %s %r -> %r (%s)", label, old, value, reason)
+def vllm_is_cpu_build() -> bool:
+    """True under vLLM's CPU build: its `vllm` distribution's version carries "cpu", the
+    same test vLLM's CPU platform detection applies."""
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+ADDITIONAL_CONFIG_EXAMPLE = ("--additional-config "
+                             "'{\"override_neuron_config\": {\"skip_warmup\": true}}'")
+
+
+def additional_config_json(value: str) -> dict[str, Any]:
+    """`--additional-config`'s value: one JSON object (vLLM's own parser reports a bad
+    one as a Python function's repr or as a type error, naming neither flag nor fix)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not valid JSON ({exc.msg} at character {exc.pos}); pass one "
+            f"JSON object in single quotes, e.g. {ADDITIONAL_CONFIG_EXAMPLE}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a JSON {type(parsed).__name__}, not an object; pass e.g. "
+            f"{ADDITIONAL_CONFIG_EXAMPLE}")
+    return parsed
+
+
+def max_num_seqs(value: str) -> int | None:
+    """`--max-num-seqs`: the number of sequence slots the graphs are compiled for."""
+    if value in ("", "None"):
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} must be a whole number >= 1: the requests decoded together, one "
+            f"KV-cache slot each (e.g. --max-num-seqs 4), or leave the flag out for "
+            f"vLLM's default")
+    return int(value)
+
+
+def refuse_override_flag(value: str) -> None:
+    """vLLM <= 0.9's `--override-neuron-config JSON`, gone from vLLM's EngineArgs: name
+    the spelling that replaced it."""
+    raise argparse.ArgumentTypeError(
+        f"this flag of vLLM's old Neuron integration no longer exists; pass "
+        f"--additional-config '{{\"override_neuron_config\": {value}}}' instead")
+
+
+# vLLM flags whose values the platform parses itself, for messages naming flag and fix.
+CHECKED_FLAGS = {"--additional-config": additional_config_json,
+                 "--max-num-seqs": max_num_seqs}
 
 
 class NeuronPlatform(Platform):
@@ -52,10 +98,6 @@ class NeuronPlatform(Platform):
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     simple_compile_backend: str = "eager"
     supported_quantization: list[str] = []
-
-    # Resolved in the process that builds the VllmConfig (the API server or LLM), read
-    # by validate_request in the same process.
-    _settings: NeuronSettings | None = None
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -88,6 +130,19 @@ class NeuronPlatform(Platform):
         return 0.0
 
     @classmethod
+    def import_kernels(cls) -> None:
+        """vLLM's host-side ops (sampler, input batch) come from its kernel library. The
+        CPU build ships one per instruction set and its default `_C` needs AVX512 (an
+        AVX2-only host dies with SIGILL importing it), so under that build pick the
+        library the way vLLM's own CPU platform does."""
+        if vllm_is_cpu_build():
+            from vllm.platforms.cpu import CpuPlatform
+
+            CpuPlatform.import_kernels()
+        else:
+            super().import_kernels()
+
+    @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         """vLLM flags unknown VLLM_* variables; this plugin's own are known here."""
         saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("VLLM_NEURON_")}
@@ -102,42 +157,33 @@ class NeuronPlatform(Platform):
         chunked prefill opt-in on the command line: both switch NxDI to the block KV
         layout (see PREFIX_CACHING_EVIDENCE). The Python `LLM` API resolves vLLM's
         defaults before any platform hook sees them, so there the platform can only
-        warn (see check_and_update_config)."""
+        warn (see check_and_update_config). `CHECKED_FLAGS` get parsers whose errors
+        name the flag and the fix; vLLM <= 0.9's --override-neuron-config is refused
+        with its replacement."""
         if parser is None:
             return
-        known = {opt for action in parser._actions for opt in action.option_strings}
-        if "--device" not in known:
+        actions = {opt: action for action in parser._actions for opt in action.option_strings}
+        if "--device" not in actions:
             parser.add_argument(
                 "--device", choices=["neuron"], default="neuron",
                 help="Run on AWS Neuron through the neuron_plugin platform (the "
                      f"reference CPU backend when no Neuron device exists; choose with "
                      f"{BACKEND_ENV}=nxd|reference).")
+        if "--override-neuron-config" not in actions:
+            parser.add_argument("--override-neuron-config", type=refuse_override_flag,
+                                help=argparse.SUPPRESS)
+        for flag, parse in CHECKED_FLAGS.items():
+            if flag in actions:
+                actions[flag].type = parse
         parser.set_defaults(enable_prefix_caching=False, enable_chunked_prefill=False)
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
+        """Resolve the Neuron settings from vLLM's untouched config and write back what
+        vLLM must know (see `serving.vllm_settings`); refuse what cannot work."""
         if vllm_config.model_config is None:
             return
-        model, cache, sched = (vllm_config.model_config, vllm_config.cache_config,
-                               vllm_config.scheduler_config)
-        parallel = vllm_config.parallel_config
-        if parallel.worker_cls == "auto":
-            parallel.worker_cls = WORKER_CLS
-        if vllm_config.lora_config is not None:
-            raise NeuronConfigError(
-                "LoRA (--enable-lora) is not supported by the neuron_plugin platform "
-                "yet; remove --enable-lora or merge the adapter into the weights.")
-        if vllm_config.speculative_config is not None:
-            raise NeuronConfigError(
-                "speculative decoding (--speculative-config) is not supported by the "
-                "neuron_plugin platform yet; remove --speculative-config.")
-        _change(sched, "async_scheduling", False,
-                "host sampling needs each step's logits before the next step",
-                "async_scheduling")
-        if parallel.world_size > 1:
-            _change(parallel, "distributed_executor_backend", "uni",
-                    "NxDI shards across NeuronCores inside one process",
-                    "distributed_executor_backend")
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         if cache.enable_prefix_caching:
             logger.warning("neuron platform: prefix caching is on; %s. Pass "
                            "--no-enable-prefix-caching (LLM: enable_prefix_caching=False) "
@@ -150,30 +196,14 @@ class NeuronPlatform(Platform):
                            "KV layout and 2-D (chunk x prefix) context-encoding graphs; "
                            "pass --no-enable-chunked-prefill (LLM: "
                            "enable_chunked_prefill=False) to encode whole prompts.")
-        block_layout = cache.enable_prefix_caching or sched.enable_chunked_prefill
-        # Without chunked prefill vLLM itself keeps max_num_batched_tokens >=
-        # max_model_len, so a whole prompt always fits one step (one graph).
-        if not block_layout:
-            _change(cache, "block_size", model.max_model_len,
-                    "contiguous KV layout: one block per sequence", "block_size")
-        elif not cache.user_specified_block_size:
-            from neuron_plugin.config import DEFAULT_BLOCK_SIZE
-
-            _change(cache, "block_size", DEFAULT_BLOCK_SIZE,
-                    "block KV layout default (the block size the findings measured)",
-                    "block_size")
-        settings = resolve_from_vllm_config(vllm_config, selected_backend())
-        _change(cache, "num_gpu_blocks_override", settings.num_blocks,
-                f"{settings.kv_layout} KV layout needs exactly the block count the graphs "
-                f"are compiled for (NxDI pa_num_blocks, including vLLM's null block)",
-                "num_gpu_blocks_override")
-        store_settings(vllm_config, settings)
-        cls._settings = settings
-        install_metrics_collector()
+        settings = resolve_from_vllm_config(vllm_config)
+        apply(settings, vllm_config)
         logger.info(
-            "neuron platform: backend=%s, KV layout %s (%s), block_size=%d, blocks=%d, "
+            "neuron platform: backend=%s%s, KV layout %s (%s), block_size=%d, blocks=%d, "
             "context-encoding buckets %s%s, token-generation buckets %s x batches %s, "
-            "%d graphs", settings.backend, settings.kv_layout, settings.kv_layout_reason,
+            "%d graphs", settings.backend,
+            f" (runner: {settings.backend_python})" if settings.backend_python else "",
+            settings.kv_layout, settings.kv_layout_reason,
             settings.block_size, settings.num_blocks,
             list(settings.context_encoding_buckets),
             f" x prefix {list(settings.prefix_buckets)}" if settings.prefix_buckets else "",
@@ -186,13 +216,16 @@ class NeuronPlatform(Platform):
         answers a VLLMValidationError with HTTP 400 and keeps serving."""
         from vllm.exceptions import VLLMValidationError
 
-        settings = cls._settings
+        settings = resolved_settings()
         if settings is None:
             return
         if getattr(params, "prompt_logprobs", None) is not None:
             raise VLLMValidationError(
-                "prompt_logprobs is not supported on Neuron: the compiled graphs return "
-                "logits for the last prompt token only; remove prompt_logprobs.",
+                "log-probabilities of prompt tokens are not supported on Neuron: the "
+                "compiled graphs return logits for the last prompt token only. "
+                "prompt_logprobs asks for them, and so does echo=true with logprobs in "
+                "/v1/completions or echo=true in /v1/chat/completions; remove "
+                "prompt_logprobs or drop echo (logprobs of generated tokens work).",
                 parameter="prompt_logprobs", value=params.prompt_logprobs)
         token_ids = processed_inputs.get("prompt_token_ids") if isinstance(
             processed_inputs, dict) else None

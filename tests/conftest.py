@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,3 +18,15 @@ def model_dirs() -> dict[str, Path]:
     from build_tiny_model import build
 
     return {arch: build(arch, ROOT / "models" / f"tiny-{arch}") for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def sdk_python() -> str:
+    """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
+    transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend
+    runner (scripts/setup-backend-env.sh)."""
+    python = os.environ.get("NEURON_TEST_SDK_PYTHON", str(ROOT / ".venv-sdk" / "bin" / "python"))
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"no backend environment at {python}: run scripts/setup-backend-env.sh "
+                    f"(scripts/run-tests.sh does) or set NEURON_TEST_SDK_PYTHON")
+    return python

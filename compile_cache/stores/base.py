@@ -15,10 +15,29 @@ class Store(ABC):
     is replaced only after it has been quarantined or removed."""
 
     url: str
+    # Whether other hosts read this store: only a configured signing key (one a fleet
+    # can trust) publishes to a shared store; see compile_cache.signing.
+    shared: bool
+
+    @property
+    @abstractmethod
+    def disk(self) -> Path:
+        """The local directory this store writes into (the read cache for S3)."""
+
+    @property
+    def read_cache(self) -> Store | None:
+        """A local store holding copies of this store's entries, used when this store is
+        unreachable and for builds of hosts that may not publish here; None if local."""
+        return None
 
     @abstractmethod
     def list_keys(self) -> list[str]:
         """Keys of the published entries (records not yet validated)."""
+
+    def incomplete_keys(self) -> list[str]:
+        """Keys whose entry is present but has no record (never visible; quarantined by
+        `verify`, swept by `sweep`)."""
+        return []
 
     @abstractmethod
     def get_record(self, key: str) -> Record | None:
@@ -48,9 +67,10 @@ class Store(ABC):
         folder whose process died is removed by `sweep`."""
 
     @abstractmethod
-    def publish(self, record: Record, staging: Path) -> Path:
+    def publish(self, record: Record, staging: Path) -> tuple[Path, Record]:
         """Make `staging/files` visible as `record` atomically; return the local folder
-        to load from (another process's equal entry if it published first)."""
+        to load from and the record it holds (another process's entry of the same key
+        if that published first)."""
 
     @abstractmethod
     def import_entry(self, record: Record, files: Path) -> bool:

@@ -9,7 +9,9 @@ Layout under s3://bucket/prefix:
     neuronx-cc/                    neuronx-cc's own per-graph cache
 Every publication uploads under its own id, so concurrent or interrupted uploads never
 mix files; an upload no record refers to is an orphan that `sweep` deletes. Entries are
-downloaded into a LocalStore (the read cache) and verified there before use.
+downloaded into a LocalStore (the read cache) and verified there before use. Network
+and service failures raise StoreUnreachable, so the cache can fall back to the read
+cache, and a build finished during an outage is kept there instead of being lost.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from compile_cache.digests import copy_hashed, hash_stream
-from compile_cache.errors import EntryCorrupt, StoreError
+from compile_cache.digests import hash_stream
+from compile_cache.errors import EntryCorrupt, StoreError, StoreUnreachable
 from compile_cache.manifest import check_key, is_key
 from compile_cache.paths import join_inside
 from compile_cache.record import Record, parse_record
@@ -39,10 +41,13 @@ logger = logging.getLogger("compile_cache")
 ORPHAN_GRACE = 3600.0
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
            "ExpiredToken", "InvalidToken"}
+_OUTAGE = {"InternalError", "ServiceUnavailable", "SlowDown", "500", "502", "503", "504"}
 
 
 class S3Store(Store):
     """Entries in S3; see the module docstring for the layout."""
+
+    shared = True
 
     def __init__(self, bucket: str, prefix: str, *, local: LocalStore,
                  lease_ttl: float = DEFAULT_LEASE_TTL, orphan_grace: float = ORPHAN_GRACE):
@@ -54,6 +59,14 @@ class S3Store(Store):
         self.orphan_grace = orphan_grace
         self._client = None
 
+    @property
+    def disk(self) -> Path:
+        return self.local.root
+
+    @property
+    def read_cache(self) -> LocalStore:
+        return self.local
+
     # -- plumbing -----------------------------------------------------------------
     def name(self, *parts: str) -> str:
         """The object key of `parts` under the prefix."""
@@ -64,7 +77,8 @@ class S3Store(Store):
         failures turned into StoreError messages that say what to fix."""
         import boto3
         from boto3.exceptions import Boto3Error
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError,
+                                         HTTPClientError, NoCredentialsError)
 
         if self._client is None:
             self._client = boto3.client("s3")
@@ -83,7 +97,14 @@ class S3Store(Store):
                 raise StoreError(f"S3 denied {operation} on {self.url} ({code}): grant "
                                  "s3:GetObject, PutObject, DeleteObject and ListBucket on "
                                  "the prefix, or check the credentials") from err
+            if code in _OUTAGE:
+                raise StoreUnreachable(f"S3 {operation} on {self.url} failed: the service "
+                                       f"answered {code} after retries") from err
             raise
+        except (ConnectionError, HTTPClientError) as err:
+            raise StoreUnreachable(f"S3 is unreachable for {self.url} ({operation}: "
+                                   f"{err}); check the network, AWS_REGION and "
+                                   "AWS_ENDPOINT_URL_S3") from err
         except (BotoCoreError, Boto3Error) as err:
             raise StoreError(f"S3 {operation} on {self.url} failed: {err}; check the "
                              "network, AWS_REGION and AWS_ENDPOINT_URL_S3") from err
@@ -148,38 +169,60 @@ class S3Store(Store):
             raise
 
     def materialize(self, record: Record) -> Path:
-        """The read-cache copy if it verifies, else a fresh verified download. Any valid
-        local entry of the key will do: equal keys mean equal manifests."""
+        """A read-cache folder holding exactly `record`'s files: the local copy if it has
+        the same digests and verifies, else a fresh verified download. A local copy of
+        other content (an earlier build, a replaced entry) gives way to the S3 record."""
+        path = self._local_copy(record)
+        if path is not None:
+            return path
+        with self.local.staging(record.key) as staging:
+            self._download(record, staging)
+            path, served = self.local.publish(record, staging)
+        if served.files != record.files:
+            raise StoreError(f"the read cache {self.local.url} received another copy of "
+                             f"entry {record.key} while it was being downloaded; retry")
+        return path
+
+    def _local_copy(self, record: Record) -> Path | None:
         local = None
         try:
             local = self.local.get_record(record.key)
-            if local is not None:
-                return self.local.materialize(local)
+            if local is None:
+                return None
+            if local.files != record.files:
+                self.local.remove(record.key)
+                return None
+            return self.local.materialize(local)
         except EntryCorrupt as err:
             logger.warning("compile cache: local copy of %s in %s failed verification (%s); "
                            "downloading it again from %s", record.key, self.local.url,
                            err.problem, self.url)
             self.local.quarantine(record.key, local.id if local else None, err.problem)
-        with self.local.staging(record.key) as staging:
-            self._download(record, staging / FILES)
-            return self.local.publish(record, staging)
+            return None
 
-    def _download(self, record: Record, folder: Path) -> None:
+    def _download(self, record: Record, staging: Path) -> None:
         for rel in record.files:
-            dest = join_inside(folder, rel)  # validated again: never write outside
-            _verify(record, rel, *copy_hashed(self._body(record, rel), dest))
+            _verify(record, rel, *self.local.write_artifact(staging, rel,
+                                                            self._body(record, rel)))
 
     # -- writing ----------------------------------------------------------------------
     def staging(self, key: str) -> AbstractContextManager[Path]:
         return self.local.staging(key)
 
-    def publish(self, record: Record, staging: Path) -> Path:
-        if not self.import_entry(record, staging / FILES):
+    def publish(self, record: Record, staging: Path) -> tuple[Path, Record]:
+        try:
+            published = self.import_entry(record, staging / FILES)
+        except StoreUnreachable as err:
+            logger.warning("compile cache: %s; kept entry %s in the read cache %s only "
+                           "(`neuron-cache push %s %s` publishes it later)", err,
+                           record.key, self.local.url, self.local.url, self.url)
+            return self.local.publish(record, staging)
+        if not published:
             winner = self.get_record(record.key)
             if winner is None:
                 raise StoreError(f"entry {record.key} vanished from {self.url} while it "
                                  "was being published; retry")
-            return self.materialize(winner)
+            return self.materialize(winner), winner
         return self.local.publish(record, staging)
 
     def import_entry(self, record: Record, files: Path) -> bool:

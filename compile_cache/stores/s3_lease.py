@@ -8,7 +8,8 @@ its own monotonic clock, knows the owner stopped renewing (it died or lost the
 network) and takes the lease over with If-Match on that stale ETag; only one waiter can
 win that swap. No clocks are compared between hosts, so clock skew cannot expire a live
 lease. Release is a conditional delete (If-Match), which never removes a lease that
-another host has taken over meanwhile.
+another host has taken over meanwhile. Each renewal also carries how much the holder's
+build has written, so waiters on other hosts can report its progress.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+from compile_cache.errors import StoreUnreachable
+from compile_cache.locks import progress_text, since_text
 from compile_cache.record import owner_label
+from compile_cache.safe_fs import tree_size
 from compile_cache.stores.s3_errors import is_conflict, is_missing
 
 logger = logging.getLogger("compile_cache")
@@ -44,15 +49,23 @@ class S3Lease:
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._building: Path | None = None
         self.lost = False
 
     def _body(self) -> bytes:
         now = time.time()
-        return json.dumps({
+        body: dict[str, Any] = {
             "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
             "acquired": self._acquired or now, "renewed": now, "renewals": self._renewals,
             "ttl_seconds": self.ttl,
-        }).encode()
+        }
+        if self._building is not None:
+            files, size, _ = tree_size(self._building)
+            body["progress"] = {"files": files, "bytes": size}
+        return json.dumps(body).encode()
+
+    def building(self, folder: Path) -> None:
+        self._building = folder  # reported from the next renewal on
 
     def _put(self, **condition: str) -> str | None:
         """The new ETag, or None if the condition failed."""
@@ -128,8 +141,15 @@ class S3Lease:
         if self._seen is None:
             return f"another host (lease {self.object})"
         _, first_seen, body = self._seen
-        return (f"{body.get('owner', 'an unknown owner')} (S3 lease {self.object}, "
-                f"unchanged for {time.monotonic() - first_seen:.0f} s; expires after "
+        text = f"{body.get('owner', 'an unknown owner')} ("
+        if isinstance(body.get("acquired"), (int, float)):
+            text += f"{since_text(body['acquired'])} on its clock; "
+        progress = body.get("progress")
+        if isinstance(progress, dict) and isinstance(progress.get("files"), int) \
+                and isinstance(progress.get("bytes"), int):
+            text += f"{progress_text(progress['files'], progress['bytes'])}; "
+        return (text + f"S3 lease {self.object}, unchanged for "
+                f"{time.monotonic() - first_seen:.0f} s; expires after "
                 f"{body.get('ttl_seconds', self.ttl)} s without renewal)")
 
     def release(self) -> None:
@@ -143,6 +163,9 @@ class S3Lease:
             return
         try:
             self._store.call("delete_object", Key=self.object, IfMatch=etag)
+        except StoreUnreachable as err:
+            logger.warning("compile cache: could not release the lease %s (%s); it expires "
+                           "after %.0f s without renewal", self.object, err, self.ttl)
         except Exception as err:
             if not (is_conflict(err) or is_missing(err)):
                 raise

@@ -1,8 +1,13 @@
 """The NxD model contract every backend fulfils, written down once.
 
 A backend compiles one graph per bucket into a folder, loads a folder of graphs plus the
-checkpoint's weights, owns the KV cache, and runs `forward` with the contract's
-arguments (`neuron_plugin.inputs.ForwardInputs`), returning logits for the real rows.
+checkpoint's weights, owns the KV cache, and runs calls with the contract's arguments
+(`neuron_plugin.core.inputs.ForwardInputs`). A serving call (`run`) also carries each
+real row's sampling values (`neuron_plugin.core.sampling.SamplingInputs`) and answers
+with a token per row from the on-device sampler plus logits for only the rows whose
+sampling needs the host, so at a 151,936-token vocabulary a device-sampled row costs a
+few bytes instead of 600 KB; `forward` returns every real row's logits (warm-up,
+measurement, host sampling when on-device sampling is off).
 `nxd.py` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
 CPU, so everything above this seam is exercised without hardware.
 """
@@ -15,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from neuron_plugin.config import NeuronConfigError, NeuronSettings
-from neuron_plugin.inputs import CONTEXT_ENCODING, TOKEN_GENERATION, ForwardInputs
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, TOKEN_GENERATION, ForwardInputs
+from neuron_plugin.core.sampling import SamplingInputs
 
 GRAPHS_FILE = "graphs.json"
 Progress = Callable[[str], None]
@@ -82,6 +89,16 @@ def check_artifact_record(folder: Path, expected: dict[str, Any]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """A serving call's answer: `tokens[i]` is the on-device sampler's token for real row
+    i (meaningful where the call's `needs_logits[i]` is false), `logits` holds the rows
+    whose `needs_logits` is true, in row order."""
+
+    tokens: np.ndarray    # [num_real] int32
+    logits: torch.Tensor  # [needs_logits.sum(), vocab] float32
+
+
 class Backend(Protocol):
     """What the model runner and the loader need from a backend."""
 
@@ -99,3 +116,6 @@ class Backend(Protocol):
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [inputs.num_real, vocab] for the last real token of each real row."""
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """One serving call with on-device sampling (`sampling` has a row per real row)."""

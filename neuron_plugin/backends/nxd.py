@@ -8,21 +8,39 @@ models register a class under a Hugging Face architecture name), turns the resol
 `NeuronSettings` into NxDI's NeuronConfig/InferenceConfig, compiles into and loads from
 a folder of the compile cache, and calls the model with the contract's arguments.
 
-Choices that follow from NxDI's code:
+Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router):
 - NxDI gets explicit bucket lists, always with `enable_bucketing=True`, so it compiles
   exactly the graphs the settings list (bucketing "off" is a one-bucket grid). NxDI adds
-  prefix length 0 to the prefix grid itself, so it is not passed.
-- The block layout runs NxDI's prefix-caching graphs (active tokens x prefix length);
-  chunked prefill uses them too, one request's chunk per context-encoding call with the
-  earlier chunks as its prefix.
-- Pad rows and pad tokens of `ForwardInputs` are removed before the call: NxDI pads to
-  its compiled shapes itself (with the `cte-exact-bucket` patch it picks the bucket this
-  plugin picked). In the contiguous layout rows are sorted by seq_id before the call and
-  restored after, as vllm-neuron does. A padding-only call (warm-up, measurement) runs
-  the bucket's graph on zero rows (see `padding_arguments`).
-- `run()` also serves on-device sampling (tokens for the requests it can serve, logits
-  for all) and takes the request's token ids a block-layout context encoding after a
-  cached prefix needs; `forward()` is the contract's logits-only call.
+  prefix length 0 to the prefix grid itself, so it is not passed. The bucket a call runs
+  is the one `neuron_plugin.core.inputs` chose: the settings follow NxDI's choice where
+  the plugin cannot steer it (prefix caching), and the call steers it elsewhere.
+- NxD's router looks every input up by its exact shape among the compiled graphs
+  (neuronx-distributed trace/spmd.py NxDModel.router), batch rows included, so every
+  call carries `sampling_params` with exactly its rows: NxDI's default has
+  batch_size = max_num_seqs rows and matches no context-encoding graph.
+- Context encoding: one row (ctx_batch_size=1). Contiguous layout: input ids and
+  positions at the bucket's width with pads at position 0, the attention mask at the
+  prompt's width: NxDI picks the bucket from the mask and takes the last hidden state at
+  argmax(position_ids), which its own pads (position 1) would win for a one-token
+  prompt. Block layout: the whole context [0, end) as input_ids (NxDI re-encodes the
+  tail of the prefix into spare active slots) with the slots of the new tokens.
+- Token generation: the bucket's whole batch, sorted by seq_id, pad rows for the missing
+  seq_ids of range(batch) as NxDI completes a batch; their writes go nowhere (block
+  layout: slot -1) or to the last position of their cache line (contiguous layout: NxDI
+  writes every row's token into line seq_id, and its own padding, a copy of the first
+  row, would overwrite a request prefilled earlier in the step).
+  NxDI then has nothing to fill: its partial-batch handling (seq_ids completed from
+  range(batch), which loses rows whose seq_id is not below the batch, and the
+  prefix-caching return `logits[:n]` applied to the list [tokens, logits] when
+  output_logits is on) never changes a call. Contiguous calls pass an
+  attention mask whose width makes NxDI's length choice (first bucket > width in its 1-D
+  path, >= width in the 0.8+ batch-bucketing path) the plugin's first fit.
+- `run()` is the serving call: a token per row from NxDI's on-device sampler, fed the
+  rows' `SamplingInputs`, and logits (`output_logits=True`) for the rows that need the
+  host; the sampler is compiled with `dynamic=True`, without which it ignores per-row
+  temperature and top-p (argmax unless do_sample). `forward()` is the logits-only call.
+  A padding-only call (warm-up, measurement) runs a graph with a stand-in request that
+  writes no KV block (see `padding_arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
   includes a weights fingerprint only in that case.
@@ -32,7 +50,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,15 +62,24 @@ import torch
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
     Progress,
+    StepOutput,
     artifact_record,
     check_artifact_record,
     graph_specs,
     write_artifact_record,
 )
-from neuron_plugin.backends.reference.decoder import read_hf_config
-from neuron_plugin.config import NeuronConfigError, NeuronSettings
-from neuron_plugin.inputs import CONTEXT_ENCODING, ForwardInputs
-from neuron_plugin.instances import (
+from neuron_plugin.core.checkpoint import read_hf_config, text_config
+from neuron_plugin.core.sampling import SamplingInputs
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
+    PAD_SLOT,
+    ForwardInputs,
+    context_encoding_inputs,
+    context_encoding_need,
+    token_generation_inputs,
+)
+from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     check_tp_fits,
     detect_instance_type,
@@ -79,8 +107,8 @@ ARCHITECTURES = {
 }
 DISTRIBUTIONS = ("neuronx-cc", "neuronx-distributed", "neuronx-distributed-inference",
                  "torch-neuronx", "torch")
-# Most top-k values NxDI's on-device sampler takes (OnDeviceSamplingConfig.global_topk).
-DEFAULT_GLOBAL_TOPK = 256
+# Passed-through NeuronConfig keys the backend completes rather than replaces.
+MERGED_KEYS = frozenset({"on_device_sampling_config"})
 
 
 # -- architecture -> NxDI class ---------------------------------------------------------
@@ -148,7 +176,9 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         batch_size=s.max_num_seqs,
         ctx_batch_size=s.ctx_batch_size,
         tkg_batch_size=s.max_num_seqs,
-        seq_len=s.max_model_len,
+        # NxDI requires every token-generation bucket <= seq_len; in the block layout the
+        # largest is max_model_len rounded up to whole KV blocks (settings.resolve_grids).
+        seq_len=max(s.max_model_len, s.token_generation_buckets[-1]),
         max_context_length=s.max_context_length,
         torch_dtype=s.dtype,
         padding_side="right",
@@ -163,19 +193,38 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
     if s.is_block_layout:
         derived.update(prefix_buckets=[p for p in s.prefix_buckets if p != 0],
                        pa_num_blocks=s.num_blocks, pa_block_size=s.block_size)
-    if tuple(s.token_generation_batches) != (s.max_num_seqs,):
+    if batch_bucketing(s):
         derived["token_generation_batches"] = list(s.token_generation_batches)
     if s.on_device_sampling:
+        derived["on_device_sampling_config"] = on_device_sampling_config(
+            s.passthrough.get("on_device_sampling_config") or {}, s.global_topk)
         # Logits as well as tokens, so requests on-device sampling cannot serve are
         # sampled on the host from the same call.
         derived["output_logits"] = True
-    clashes = sorted(k for k in derived if k in s.passthrough and s.passthrough[k] != derived[k])
+    clashes = sorted(k for k in derived if k in s.passthrough and k not in MERGED_KEYS
+                     and s.passthrough[k] != derived[k])
     if clashes:
         raise NeuronConfigError(
             "; ".join(f"override_neuron_config.{k}={s.passthrough[k]!r} but the nxd backend "
                       f"needs {derived[k]!r}" for k in clashes)
             + "; remove the key(s) (output_logits must stay on with on-device sampling).")
     return {**s.passthrough, **derived}
+
+
+def on_device_sampling_config(user: Mapping[str, Any], global_topk: int) -> dict[str, Any]:
+    """The user's OnDeviceSamplingConfig fields with the resolved global_topk and
+    `dynamic=True` (as vllm-neuron sets it): NxDI's Sampler is argmax unless do_sample
+    or dynamic is set, and without dynamic it applies the temperature and top-p traced
+    at compile time instead of each row's (NxDI modules/generation/sampling.py Sampler).
+    `deterministic` stays the user's (default False: a fixed 0.5 draw otherwise)."""
+    if user.get("dynamic", True) is not True:
+        raise NeuronConfigError(
+            f"override_neuron_config.on_device_sampling_config.dynamic="
+            f"{user['dynamic']!r}: NxDI's on-device sampler then ignores each request's "
+            f"temperature and top-p (greedy unless do_sample is set); remove dynamic "
+            f"(the nxd backend sets it to true).")
+    return {**user, "global_topk": global_topk, "dynamic": True,
+            "deterministic": bool(user.get("deterministic", False))}
 
 
 def unknown_kwargs(neuron_config: object, kwargs: Mapping[str, Any]) -> list[str]:
@@ -185,119 +234,105 @@ def unknown_kwargs(neuron_config: object, kwargs: Mapping[str, Any]) -> list[str
 
 
 # -- forward arguments ------------------------------------------------------------------
-def seq_order(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order that sorts rows by seq_id, order that restores the original rows)."""
-    order = np.argsort(seq_ids, kind="stable")
-    return order, np.argsort(order, kind="stable")
+def batch_bucketing(settings: NeuronSettings) -> bool:
+    """Whether NxDI gets token_generation_batches (its 0.8+ 2-D token-generation path)."""
+    return tuple(settings.token_generation_batches) != (settings.max_num_seqs,)
 
 
 def model_arguments(settings: NeuronSettings, inputs: ForwardInputs
                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The NxDI forward arguments for the real rows and tokens of `inputs`, and the
-    index that puts the model's output rows back into the order of `inputs`.
+    """The NxDI forward arguments for `inputs` (see the module docstring) and, for each
+    real row of `inputs`, the row of NxDI's output that answers it."""
+    if inputs.phase == CONTEXT_ENCODING:
+        return _context_arguments(settings, inputs), np.zeros(1, dtype=np.int64)
+    return _decode_arguments(settings, inputs)
 
-    NxDI's prefix-caching context encoding takes the whole context [0, end) as
-    input_ids (it re-encodes the tail of the prefix into spare bucket slots) with the
-    slots of the new tokens only; `inputs.context_ids` carries those token ids."""
-    rows = inputs.num_real
-    full = inputs.full_context_lens[:rows]
-    computed = inputs.computed_context_lens[:rows]
-    tokens = int(full[0] - computed[0]) if inputs.phase == CONTEXT_ENCODING else 1
+
+def _context_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[str, np.ndarray]:
+    end, start = int(inputs.full_context_lens[0]), int(inputs.computed_context_lens[0])
     args = {
-        "input_ids": inputs.input_ids[:rows, :tokens],
-        "position_ids": inputs.position_ids[:rows, :tokens],
-        "seq_ids": inputs.seq_ids[:rows],
-        "full_context_lens": full.reshape(-1, 1),
-        "computed_context_lens": computed.reshape(-1, 1),
+        "seq_ids": inputs.seq_ids[:1],
+        "full_context_lens": inputs.full_context_lens[:1].reshape(1, 1),
+        "computed_context_lens": inputs.computed_context_lens[:1].reshape(1, 1),
     }
     if not settings.is_block_layout:
-        if inputs.phase == CONTEXT_ENCODING:
-            # Explicit, because NxDI infers a width-0 mask for a one-token prompt.
-            args["attention_mask"] = np.ones((rows, tokens), dtype=np.int64)
-        order, restore = seq_order(args["seq_ids"])
-        return {k: v[order] for k, v in args.items()}, restore
-    args["slot_mapping"] = inputs.slot_mapping[:rows, :tokens]
-    args["block_table"] = inputs.block_table[:rows]
-    if inputs.phase == CONTEXT_ENCODING and computed[0] > 0:
-        end = int(full[0])
-        args["input_ids"] = np.asarray(inputs.context_ids[:end], dtype=np.int64)[None, :]
-        args["position_ids"] = np.arange(end, dtype=np.int64)[None, :]
-    return args, np.arange(rows)
+        # Pads keep position 0, so argmax(position_ids) stays on the last prompt token;
+        # the mask's width (the prompt's) is what NxDI picks the bucket from.
+        args.update(input_ids=inputs.input_ids[:1], position_ids=inputs.position_ids[:1],
+                    attention_mask=np.ones((1, end - start), dtype=np.int64))
+        return args
+    args.update(input_ids=np.asarray(inputs.context_ids[:end], dtype=np.int64)[None, :],
+                position_ids=np.arange(end, dtype=np.int64)[None, :],
+                slot_mapping=inputs.slot_mapping[:1, :end - start],
+                block_table=inputs.block_table[:1])
+    return args
+
+
+def _decode_arguments(settings: NeuronSettings, inputs: ForwardInputs
+                      ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rows, real = inputs.bucket[0], inputs.num_real
+    seq = inputs.seq_ids[:real]
+    missing = np.setdiff1d(np.arange(rows), seq)
+    if missing.size != rows - real:
+        raise ValueError(
+            f"decode rows with seq_ids {seq.tolist()} do not fit the batch bucket {rows} "
+            f"(NxDI serves seq_ids 0..{rows - 1} with it); this is a plugin bug, please "
+            f"report it with your --max-num-seqs and token_generation_batches.")
+    seq_ids = np.concatenate([seq, missing])
+    order = np.argsort(seq_ids, kind="stable")
+    pad = order >= real
+    source = np.where(pad, 0, order)
+    args = {
+        "input_ids": inputs.input_ids[source],
+        "position_ids": inputs.position_ids[source],
+        "seq_ids": seq_ids[order],
+        "full_context_lens": inputs.full_context_lens[source].reshape(-1, 1),
+        "computed_context_lens": inputs.computed_context_lens[source].reshape(-1, 1),
+    }
+    if settings.is_block_layout:
+        args["slot_mapping"] = np.where(pad[:, None], PAD_SLOT, inputs.slot_mapping[source])
+        args["block_table"] = inputs.block_table[source]
+        return args, np.argsort(order)[:real]
+    # A pad row writes its token into the cache line of its seq_id, which may hold a
+    # request outside this batch (one prefilled this step): at the last position, which
+    # no request reads before writing it itself (NxDI's own garbage position,
+    # kv_cache_manager.update_kv_by_layer_id), rather than at a copied row's position.
+    last = settings.max_model_len - 1
+    args["input_ids"][pad] = 0
+    args["position_ids"][pad] = last
+    args["full_context_lens"][pad] = last + 1
+    args["computed_context_lens"][pad] = last
+    positions = np.where(pad, 0, args["position_ids"][:, 0])
+    width = int(positions.max()) + int(batch_bucketing(settings))
+    args["attention_mask"] = (np.arange(width)[None, :] < positions[:, None]).astype(np.int64)
+    return args, np.argsort(order)[:real]
 
 
 def padding_arguments(settings: NeuronSettings,
                       inputs: ForwardInputs) -> dict[str, np.ndarray]:
     """Arguments that make NxDI run the graph of `inputs.bucket` for a padding-only call
-    (warm-up, measurement): NxDI has no padding rows, so the rows are real-looking
-    zeros. In the block layout they write nowhere (slot -1); the contiguous layout has
-    no scratch row, so they write sequence slots 0.. (call it before serving only)."""
+    (warm-up, measurement): NxDI has no padding calls, so a stand-in request of zeros
+    whose need runs that graph. In the block layout it writes no KV (slot -1); the
+    contiguous layout has no scratch line, so it writes sequence lines 0.. (call it
+    before serving only)."""
     block = settings.is_block_layout
     if inputs.phase == CONTEXT_ENCODING:
-        active, prefix = inputs.bucket[0], sum(inputs.bucket[1:])
-        rows, width, end = 1, prefix + active, prefix + active
-        positions = np.arange(end, dtype=np.int64)[None, :]
-        computed = np.array([[prefix]], dtype=np.int64)
+        new, cached = context_encoding_need(settings, inputs.bucket)
+        stand_in = context_encoding_inputs(settings, np.zeros(new + cached, dtype=np.int64),
+                                           cached, 0, [])
     else:
-        rows, end = inputs.bucket
-        width, active = 1, 1
-        positions = np.full((rows, 1), end - 1, dtype=np.int64)
-        computed = np.full((rows, 1), end - 1, dtype=np.int64)
-    args = {
-        "input_ids": np.zeros((rows, width), dtype=np.int64),
-        "position_ids": positions,
-        "seq_ids": np.arange(rows, dtype=np.int64),
-        "full_context_lens": np.full((rows, 1), end, dtype=np.int64),
-        "computed_context_lens": computed,
-    }
+        rows, length = inputs.bucket
+        stand_in = token_generation_inputs(
+            settings, np.zeros(rows, dtype=np.int64), np.full(rows, length - 1, dtype=np.int64),
+            np.arange(rows, dtype=np.int64), [[]] * rows if block else None)
+    if stand_in.bucket != tuple(inputs.bucket):
+        raise ValueError(f"no request runs the {inputs.phase} graph {inputs.bucket} (a "
+                         f"stand-in runs {stand_in.bucket}); it is not one of the settings' "
+                         f"graph shapes")
+    args, _ = model_arguments(settings, stand_in)
     if block:
-        args["slot_mapping"] = np.full((rows, active), -1, dtype=np.int64)
-        args["block_table"] = np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64)
-    elif inputs.phase == CONTEXT_ENCODING:
-        args["attention_mask"] = np.ones((rows, width), dtype=np.int64)
+        args["slot_mapping"] = np.full_like(args["slot_mapping"], PAD_SLOT)
     return args
-
-
-# -- on-device sampling -----------------------------------------------------------------
-def on_device_refusal(params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK) -> str | None:
-    """Why NxDI's on-device sampler cannot serve a request (None: it can). It applies
-    temperature, top-k (at most `global_topk`) and top-p only; anything else needs the
-    host sampler and therefore the logits."""
-    checks = (
-        (getattr(params, "presence_penalty", 0.0) != 0.0, "presence_penalty"),
-        (getattr(params, "frequency_penalty", 0.0) != 0.0, "frequency_penalty"),
-        (getattr(params, "repetition_penalty", 1.0) != 1.0, "repetition_penalty"),
-        (getattr(params, "min_p", 0.0) != 0.0, "min_p"),
-        (bool(getattr(params, "logit_bias", None)), "logit_bias"),
-        (bool(getattr(params, "allowed_token_ids", None)), "allowed_token_ids"),
-        (bool(getattr(params, "bad_words", None)), "bad_words"),
-        (getattr(params, "logprobs", None) is not None, "logprobs"),
-        (getattr(params, "prompt_logprobs", None) is not None, "prompt_logprobs"),
-        (getattr(params, "seed", None) is not None, "seed"),
-        (getattr(params, "min_tokens", 0) > 0, "min_tokens"),
-        (getattr(params, "structured_outputs", None) is not None, "structured_outputs"),
-    )
-    for refused, name in checks:
-        if refused:
-            return f"{name} needs the host sampler"
-    greedy = params.temperature == 0.0
-    if not greedy and not 0 < params.top_k <= global_topk:
-        return (f"top_k={params.top_k} samples beyond the on-device sampler's "
-                f"global_topk={global_topk}")
-    return None
-
-
-def sampling_rows(params: Sequence[Any],
-                  global_topk: int) -> tuple[list[int], list[float], list[float]]:
-    """(top_k, top_p, temperature) per row for NxDI's prepare_sampling_params; greedy is
-    top-k 1 at temperature 1 and top-k is kept within [1, global_topk], as vllm-neuron
-    encodes them (rows the host samples get a valid value whose token is not used)."""
-    top_k, top_p, temperature = [], [], []
-    for p in params:
-        greedy = p.temperature == 0.0
-        top_k.append(1 if greedy else p.top_k if 0 < p.top_k <= global_topk else global_topk)
-        top_p.append(p.top_p)
-        temperature.append(1.0 if greedy else p.temperature)
-    return top_k, top_p, temperature
 
 
 # -- the backend ------------------------------------------------------------------------
@@ -322,23 +357,17 @@ def import_nxdi() -> NxDI:
         from neuronx_distributed_inference.utils.constants import MODEL_TYPES
     except ImportError as exc:
         raise NeuronConfigError(
-            f"VLLM_NEURON_BACKEND=nxd needs NxD Inference, which cannot be imported here "
-            f"({exc}); install the Neuron SDK packages (README 'Running on inf2', check "
-            f"with `neuron-plugin doctor`) or set VLLM_NEURON_BACKEND=reference."
+            f"VLLM_NEURON_BACKEND=nxd needs NxD Inference, which cannot be imported by "
+            f"{sys.executable} ({exc}). NxDI pins torch 2.9 and transformers 4.5x, which "
+            f"current vLLM cannot share an environment with: point "
+            f"VLLM_NEURON_BACKEND_PYTHON at the Neuron SDK's interpreter (e.g. "
+            f"/opt/aws_neuronx_venv_pytorch_2_9/bin/python) so the backend runs there as a "
+            f"runner process (README 'Running on inf2'; check with `neuron-plugin "
+            f"doctor`), or set VLLM_NEURON_BACKEND=reference."
         ) from exc
     apply_patches(NxDIModules(model_base, model_wrapper, hf_adapter))
     return NxDI(MODEL_TYPES, hf_adapter.load_pretrained_config, prepare_sampling_params,
                 package_version("neuronx-distributed-inference"))
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """One call's logits [num_real, vocab] and, where on-device sampling served a row,
-    its token (`on_device[i]` says whether `tokens[i]` is meaningful)."""
-
-    logits: torch.Tensor
-    tokens: torch.Tensor | None
-    on_device: np.ndarray
 
 
 def _target() -> dict[str, Any]:
@@ -372,7 +401,7 @@ class NxDBackend:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.get("text_config", self.hf_config)["vocab_size"]
+        return text_config(self.hf_config)["vocab_size"]
 
     def _record(self) -> dict[str, Any]:
         return artifact_record(self.settings, {
@@ -440,43 +469,47 @@ class NxDBackend:
         names = list(state[0])
         return [rank_state[name] for name in names for rank_state in state]
 
-    def run(self, inputs: ForwardInputs, params: Sequence[Any] | None = None) -> StepOutput:
-        """One call. With `params` (one per real row) and on-device sampling compiled
-        in, rows the on-device sampler can serve also get a token."""
-        rows = inputs.num_real
-        if rows == 0:
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        if inputs.num_real == 0:
             self._call(padding_arguments(self.settings, inputs))
-            return StepOutput(torch.zeros((0, self.vocab_size)), None,
-                              np.zeros(0, dtype=bool))
-        args, restore = model_arguments(self.settings, inputs)
-        on_device = np.zeros(rows, dtype=bool)
-        sampling = None
-        if params is not None and self.settings.on_device_sampling:
-            global_topk = self.model.neuron_config.on_device_sampling_config.global_topk
-            on_device = np.array([on_device_refusal(p, global_topk) is None
-                                  for p in params], dtype=bool)
-            order = np.argsort(restore)
-            top_k, top_p, temperature = sampling_rows([params[i] for i in order], global_topk)
-            sampling = self.nxdi.prepare_sampling_params(
-                rows, top_k=top_k, top_p=top_p, temperature=temperature)
-        output = self._call(args, sampling)
-        back = torch.from_numpy(restore)
+            return torch.zeros((0, self.vocab_size))
+        args, answer = model_arguments(self.settings, inputs)
+        return self._logits(self._call(args), answer)
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """One serving call: NxDI's on-device sampler draws every real row's token with
+        the row's values (NxDI draws its own random numbers, `sampling.uniform` is not
+        used); the logits come back for the rows that need the host only."""
+        if not self.settings.on_device_sampling:
+            raise ValueError("run() needs on-device sampling compiled in "
+                             "(settings.on_device_sampling); call forward() instead")
+        args, answer = model_arguments(self.settings, inputs)
+        output = self._call(args, sampling, answer)
+        width = int(args["seq_ids"].shape[0])
+        tokens = output.tokens.reshape(width, -1)[torch.from_numpy(answer), -1]
+        return StepOutput(tokens=tokens.numpy().astype(np.int32),
+                          logits=self._logits(output, answer[sampling.needs_logits]))
+
+    def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
+        """The logits of NxDI output `rows` at the last position, vocabulary padding cut."""
         logits = output.logits
         if logits.dim() == 3:
             logits = logits[:, -1, :]
-        logits = logits[back, : self.vocab_size].float()
-        tokens = None
-        if self.settings.on_device_sampling:
-            tokens = output.tokens.reshape(rows, -1)[back, -1]
-        return StepOutput(logits, tokens, on_device)
+        return logits[torch.from_numpy(rows), : self.vocab_size].float()
 
-    def _call(self, args: Mapping[str, np.ndarray], sampling: torch.Tensor | None = None):
-        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in args.items()}
+    def _call(self, args: Mapping[str, np.ndarray], sampling: SamplingInputs | None = None,
+              answer: np.ndarray | None = None) -> Any:
+        """The model call with `sampling_params` of exactly the call's rows: `sampling`'s
+        values at the `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
+        width = int(args["seq_ids"].shape[0])
+        columns = [np.ones(width, dtype=np.float32) for _ in range(3)]  # top_k, top_p, temp
         if sampling is not None:
-            tensors["sampling_params"] = sampling
+            for column, values in zip(columns, (sampling.top_k, sampling.top_p,
+                                                sampling.temperature)):
+                column[answer] = values
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in args.items()}
+        tensors["sampling_params"] = self.nxdi.prepare_sampling_params(
+            width, *(column.tolist() for column in columns))
         with torch.inference_mode():
             return self.model(tensors.pop("input_ids"),
                               attention_mask=tensors.pop("attention_mask", None), **tensors)
-
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        return self.run(inputs).logits

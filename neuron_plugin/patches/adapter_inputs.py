@@ -1,13 +1,16 @@
 """Patch `adapter-forward-kwargs`: the HF adapter builds model inputs that the model's
 forward() cannot take.
 
-NxDI 0.7/0.8 (Neuron SDK 2.27/2.28): `HuggingFaceGenerationAdapter.
-prepare_inputs_for_generation` puts `tensor_capture_hook` into the inputs, but
-`NeuronBaseForCausalLM.forward()` of those releases has no such parameter, so
-`generate()` fails with "forward() got an unexpected keyword argument
-'tensor_capture_hook'". The published 0.7/0.8 source even reads `tensor_capture_hook`
-as an undefined global (NameError). The fix filters the inputs against the signature of
-the forward() actually called, and defines the missing global as None.
+NxDI 0.7, 0.8 and 0.9 as released (Neuron SDK 2.27, 2.28, 2.29; utils/hf_adapter.py):
+`HuggingFaceGenerationAdapter.prepare_inputs_for_generation` puts `tensor_capture_hook`
+into the model inputs, reading it as a global the module never defines (NameError), and
+`NeuronBaseForCausalLM.forward()` (models/model_base.py) has no such parameter either;
+the SDK 2.27 wheel measured in the field defines it and fails in forward() with
+"forward() got an unexpected keyword argument 'tensor_capture_hook'". Fixed only by the
+release-2.29-v2 sync (ef2731e, still 0.9.0): the adapter reads the hook from its kwargs
+and forward() takes it. The fix defines the missing global as None and filters the
+inputs against the signature of the forward() actually called; the probe reads the
+code, not the version, so the ef2731e build is left alone.
 """
 
 from __future__ import annotations

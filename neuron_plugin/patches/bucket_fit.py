@@ -1,14 +1,17 @@
 """Patch `cte-exact-bucket`: a context exactly as long as a context-encoding bucket is
 pushed into the next bucket.
 
-`ModelWrapper.get_target_bucket` takes the first bucket with `input_len < bucket` and
-falls back to the largest bucket only when `input_len` equals it, so with buckets
-[128, 256, 512] a 128-token prompt runs the 256 graph and pads 128 tokens for nothing
-(NxDI 0.7 to 0.9). For context encoding `input_len` is the number of prompt tokens
-(the attention-mask width) and `pad_inputs` pads them to the bucket; a zero-length pad
-is valid, which NxDI itself relies on when the prompt equals the largest bucket. So the
-equal bucket is taken. Token generation is left alone: there `input_len` is the number
-of cached positions and the new token needs one more slot, which the strict rule gives.
+`ModelWrapper.get_target_bucket` (0.8+: `_get_seq_bucket`) takes the first bucket with
+`input_len < bucket` and falls back to the largest bucket only when `input_len` equals
+it, so with buckets [128, 256, 512] a 128-token prompt runs the 256 graph and pads 128
+tokens for nothing (NxDI 0.7 to 0.9). For context encoding `input_len` is the number of
+prompt tokens (the attention-mask width) and `pad_inputs` pads them to the bucket; a
+zero-length pad is valid, which NxDI itself relies on when the prompt equals the
+largest bucket. So the equal bucket is taken. Token generation is left alone: there
+`input_len` is the width of the attention mask over cached positions, which the nxd
+backend sets so that NxDI's rule (strict here, `<=` in the 0.8+ batch-bucketing path)
+lands on the plugin's bucket. Prefix caching chooses its buckets elsewhere
+(`get_target_2d_bucket_for_prefix_caching`), untouched.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bucketing.errors import BucketFileError
 from bucketing.files import KEYS, dump_bucket_set, load_bucket_set
@@ -28,6 +29,17 @@ def test_round_trip_in_yaml_and_json(tmp_path):
         path = dump_bucket_set(tmp_path / name, **lists, description="d", comment="made here")
         assert load_bucket_set(path) == lists
     assert (tmp_path / "set.yaml").read_text().startswith("# made here\n")
+
+
+def test_yaml_output_is_plain_yaml_whatever_the_description_holds(tmp_path):
+    description = ('tuned on "trace.jsonl": 42% fewer # padded tokens, é ' + "x" * 200 +
+                   "\nsecond line")
+    path = dump_bucket_set(tmp_path / "deep" / "set.yaml", description=description,
+                           context_encoding_buckets=[128, 512], comment="made here")
+    text = path.read_text()
+    assert yaml.safe_load(text) == {"description": description,
+                                    "context_encoding_buckets": [128, 512]}
+    assert "context_encoding_buckets: [128, 512]\n" in text  # lists stay on one line
 
 
 def test_limits_are_checked_on_load(tmp_path):

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from bucketing.cost import LinearQuadraticCost
 from bucketing.errors import BucketError, NoFitError
 from bucketing.fit import (assign, assign_nd, context_need, decode_need, first_fit, fit_nd,
-                           strict_fit)
+                           prefix_caching_fit, prefix_caching_need, strict_fit)
 from bucketing.grids import batch_grid, prefix_grid
 
 GRID = [128, 256, 512, 1024, 2048]
@@ -166,3 +166,65 @@ def test_assign_nd_is_the_least_cost_fitting_shape(grid, needs):
 def test_unknown_rule_is_rejected():
     with pytest.raises(BucketError, match="unknown fit rule 'best'"):
         assign(GRID, np.array([1]), "best")
+
+
+ACTIVE = [128, 256, 512, 1024]
+PREFIXES = [0, 128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("active, prefix, expected", [
+    # the spare slots of the active bucket take the prefix tail
+    (96, 32, (128, 0)), (96, 33, (128, 128)), (40, 96, (128, 128)),
+    (100, 640, (128, 1024)), (600, 320, (1024, 0)), (600, 600, (1024, 256)),
+    # NxDI's corner: 256 < total <= 512 runs (512, 0)
+    (1, 255, (128, 128)), (1, 256, (512, 0)), (200, 312, (512, 0)), (200, 313, (256, 512)),
+    (512, 0, (512, 0)),
+])
+def test_prefix_caching_fit_is_nxdis_choice(active, prefix, expected):
+    assert prefix_caching_fit(ACTIVE, PREFIXES, active, prefix) == expected
+
+
+def test_prefix_caching_corner_needs_a_512_bucket():
+    assert prefix_caching_fit([128, 1024], [0, 128, 1024], 200, 100) == (1024, 0)
+    assert prefix_caching_fit([128, 1024], [0, 128, 1024], 100, 200) == (128, 1024)
+
+
+def test_prefix_caching_fit_beyond_the_grid():
+    with pytest.raises(NoFitError, match="1025"):
+        prefix_caching_fit(ACTIVE, PREFIXES, 1025, 0)
+    with pytest.raises(NoFitError, match="prefix_buckets"):
+        prefix_caching_fit([128], [0, 128], 100, 200)
+
+
+def test_prefix_caching_need_of_reachable_and_unreachable_shapes():
+    assert prefix_caching_need(ACTIVE, PREFIXES, (512, 0), 2048) == (512, 0)
+    assert prefix_caching_need(ACTIVE, PREFIXES, (512, 0), 300) == (300, 0)
+    assert prefix_caching_need(ACTIVE, PREFIXES, (128, 128), 2048) == (128, 128)
+    assert prefix_caching_need(ACTIVE, PREFIXES, (256, 0), 2048) == (256, 0)
+    # every total a (256, p) or (128, 256) shape could serve lies in the corner
+    assert prefix_caching_need(ACTIVE, PREFIXES, (256, 128), 2048) is None
+    assert prefix_caching_need(ACTIVE, PREFIXES, (128, 256), 2048) is None
+    # beyond max_total
+    assert prefix_caching_need(ACTIVE, PREFIXES, (1024, 1024), 1024) is None
+
+
+@given(st.lists(st.sampled_from([16, 32, 64, 100, 128, 256, 300, 512, 640]), min_size=1,
+                max_size=4, unique=True),
+       st.lists(st.sampled_from([32, 64, 96, 128, 256, 512, 768]), min_size=1, max_size=4,
+                unique=True),
+       st.integers(2, 900), st.integers(1, 900))
+def test_prefix_caching_need_inverts_the_fit(active, prefixes, max_total, new):
+    active, prefixes = sorted(active), [0] + sorted(prefixes)
+    for shape in [(a, p) for a in active for p in prefixes]:
+        need = prefix_caching_need(active, prefixes, shape, max_total)
+        if need is not None:
+            assert prefix_caching_fit(active, prefixes, *need) == shape
+            assert sum(need) <= max_total and need[0] >= 1
+    new = min(new, max_total)
+    for cached in range(0, max_total - new + 1, 37):
+        try:
+            shape = prefix_caching_fit(active, prefixes, new, cached)
+        except NoFitError:
+            continue
+        need = prefix_caching_need(active, prefixes, shape, max_total)
+        assert need is not None and sum(need) >= new + cached

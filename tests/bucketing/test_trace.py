@@ -1,7 +1,6 @@
 """Trace formats and the needs derived from them."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,8 +9,7 @@ from bucketing.errors import BucketError, BucketFileError
 from bucketing.trace import read_lengths
 from bucketing.workload import (Workload, as_workload, context_needs, decode_needs, histogram,
                                 needs, paired_needs)
-
-AZURE = Path("/work/shared/datasets/azure_llm_inference_conv_2023.csv")
+from tests.bucketing import AZURE
 
 
 def jsonl(path, records):

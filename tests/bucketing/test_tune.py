@@ -2,7 +2,6 @@
 
 import itertools
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ from bucketing.report import nxdi_default_grid, report_1d, report_2d
 from bucketing.trace import read_lengths
 from bucketing.tune import as_histogram, buckets_within_budget, tune_1d, tune_2d
 from bucketing.workload import context_needs
+from tests.bucketing import AZURE
 
-AZURE = Path("/work/shared/datasets/azure_llm_inference_conv_2023.csv")
 COSTS = [PaddedTokenCost(), DEFAULT_COST]
 
 

@@ -1,13 +1,36 @@
 """Fixtures for the compile-cache tests: a real S3 API server (moto's server mode) on
-127.0.0.1 and a fresh bucket per test."""
+127.0.0.1 and a fresh bucket per test; every test gets its own XDG_CONFIG_HOME (so the
+user's own signing key is fresh), and S3 tests run as a fleet compile host would, with a
+configured signing key."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import uuid
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def own_config_home(tmp_path_factory, monkeypatch) -> None:
+    """A private XDG_CONFIG_HOME, inherited by worker processes, and no key settings
+    from the environment running the tests."""
+    for name in ("VLLM_NEURON_CACHE_SIGNING_KEY", "VLLM_NEURON_CACHE_TRUSTED_KEYS",
+                 "VLLM_NEURON_CACHE_ON_UNTRUSTED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+
+
+@pytest.fixture(scope="session")
+def fleet_key(tmp_path_factory) -> Path:
+    """A fleet signing key (private PEM; the public half beside it as .pub)."""
+    from compile_cache.signing import generate_key
+
+    path = tmp_path_factory.mktemp("fleet-key") / "fleet.pem"
+    generate_key(path)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +49,13 @@ def s3_endpoint():
 
 
 @pytest.fixture
-def s3_bucket(s3_endpoint, monkeypatch, tmp_path) -> str:
+def s3_bucket(s3_endpoint, fleet_key, monkeypatch, tmp_path) -> str:
     """A fresh bucket on the loopback server; the environment (inherited by worker
-    processes) points boto3 at it with throwaway credentials."""
+    processes) points boto3 at it with throwaway credentials and signs with the fleet
+    key, as on a compile host."""
     import boto3
 
+    monkeypatch.setenv("VLLM_NEURON_CACHE_SIGNING_KEY", str(fleet_key))
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)

@@ -35,3 +35,29 @@ def oracles(model_dirs):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def server(model_dirs, tmp_path_factory):
+    """One `vllm serve models/tiny-llama --device neuron` for the whole run (each start
+    costs about a minute here), shared by test_server.py and test_chat.py. The platform
+    must be chosen by `--device neuron` alone, so VLLM_NEURON_BACKEND is dropped."""
+    from tests.e2e.support import Server
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_BACKEND"}
+    server = Server(model_dirs["llama"], tmp_path_factory.mktemp("server") / "serve.log",
+                    ["--max-model-len", "512", "--max-num-seqs", "4", "--additional-config",
+                     '{"override_neuron_config": {"context_encoding_buckets": [32, 64, 128, 256]}}'],
+                    env=env)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused")

@@ -58,3 +58,63 @@ def shutdown_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `vllm serve --device neuron` process on loopback, its log in a file."""
+
+    def __init__(self, model: Path, log_path: Path, args: list[str],
+                 env: dict[str, str] | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+               "--device", "neuron", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", *args]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env if env is not None else dict(os.environ))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 240) -> None:
+        """Until /health answers; an AssertionError with the log's tail otherwise."""
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, \
+                f"vllm serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, \
+                f"vllm serve not healthy in {timeout} s:\n{self.log()[-4000:]}"
+            time.sleep(1)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

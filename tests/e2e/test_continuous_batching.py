@@ -12,13 +12,17 @@ pytestmark = pytest.mark.engine
 MAX_NUM_SEQS = 3
 
 
-@pytest.fixture(scope="module")
-def llm(model_dirs):
+@pytest.fixture(scope="module", params=["in-process", "sdk"])
+def llm(request, model_dirs):
+    """The engine with its backend in-process, and in a runner process in the
+    SDK-pinned environment (torch 2.9, transformers 4.57)."""
+    runner = ({"backend_python": request.getfixturevalue("sdk_python")}
+              if request.param == "sdk" else {})
     engine = make_llm(model_dirs["llama"], max_num_seqs=MAX_NUM_SEQS,
                       additional_config={"override_neuron_config": {
                           "context_encoding_buckets": [16, 32, 64, 128, 256],
                           "token_generation_buckets": [64, 128, 256],
-                          "token_generation_batches": [1, 2, 3]}})
+                          "token_generation_batches": [1, 2, 3]}, **runner})
     yield engine
     shutdown_llm(engine)
 

@@ -6,76 +6,16 @@ checks that `--device neuron` parses and selects this platform.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 from tests.e2e.support import corpus_token_ids
 
 pytestmark = pytest.mark.server
 
-MAX_MODEL_LEN = 512
 LARGEST_BUCKET = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    vllm_cli = Path(sys.executable).with_name("vllm")
-    env = dict(os.environ)
-    env.pop("VLLM_NEURON_BACKEND", None)  # --device neuron alone must select the platform
-    cmd = [str(vllm_cli), "serve", str(model_dirs["llama"]), "--device", "neuron",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
-           "--additional-config",
-           '{"override_neuron_config": {"context_encoding_buckets": [32, 64, 128, 256]}}']
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    import requests
-
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n"
-                            f"{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy in 240 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-        yield f"http://127.0.0.1:{port}", log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server[0]}/v1", api_key="unused")
-
-
 def test_platform_selected_by_device_flag(server):
-    log = server[1].read_text(errors="replace")
+    log = server.log()
     assert "serving on the CPU reference backend" in log
     assert "KV layout contiguous" in log
 

@@ -54,6 +54,9 @@ def traced_run(model_dirs, tmp_path_factory):
         del os.environ["VLLM_NEURON_TRACE"]
     from vllm import SamplingParams
 
+    from neuron_plugin.serving.telemetry import register_collector
+
+    register_collector(llm.llm_engine.vllm_config)
     prompts = [corpus_token_ids(model_dirs["llama"], n, offset=n) for n in LENGTHS]
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),

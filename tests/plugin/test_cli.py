@@ -18,9 +18,9 @@ os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 import pytest
 from safetensors import safe_open
 
-from neuron_plugin import cli, doctor, explain
-from neuron_plugin.config import EngineLimits, NeuronConfigError, resolve_settings
-from neuron_plugin.instances import (
+from neuron_plugin.tools import cli, doctor, explain
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.instances import (
     GIB,
     INSTANCE_TYPES,
     check_tp_fits,
@@ -28,7 +28,7 @@ from neuron_plugin.instances import (
     parse_core_list,
     visible_cores,
 )
-from neuron_plugin.memory import checkpoint_parameters, estimate, kv_heads_per_core
+from neuron_plugin.tools.memory import checkpoint_parameters, estimate, kv_heads_per_core
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -223,13 +223,13 @@ def test_cli_json_output_is_clean(model_dirs):
     env = {**os.environ, "VLLM_NEURON_BACKEND": "nxd"}
     env.pop("VLLM_LOGGING_STREAM", None)
     done = subprocess.run(
-        [sys.executable, "-m", "neuron_plugin.cli", "explain-config",
+        [sys.executable, "-m", "neuron_plugin.tools.cli", "explain-config",
          str(model_dirs["llama"]), "--max-model-len", "256", "--max-num-seqs", "4",
          "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["settings"]["num_blocks"] == report["kv_layout"]["num_blocks"] == 5
-    done = subprocess.run([sys.executable, "-m", "neuron_plugin.cli", "doctor", "--json"],
+    done = subprocess.run([sys.executable, "-m", "neuron_plugin.tools.cli", "doctor", "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     result = json.loads(done.stdout)
     assert done.returncode == (0 if result["ok"] else 1)

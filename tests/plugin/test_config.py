@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from neuron_plugin.config import (
+from neuron_plugin.core.settings import (
     BLOCK,
     CONTIGUOUS,
     EngineLimits,
@@ -69,8 +69,8 @@ ACCEPTED = [
                             "token_generation_batches": [1, 2, 4]}, "nxd",
      dict(context_encoding_buckets=(64, 256, 2048), token_generation_buckets=(512, 2048),
           token_generation_batches=(1, 2, 4))),
-    ("explicit-prefix-grid-gets-zero", PREFIX, {"prefix_buckets": [512, 2047]}, "nxd",
-     dict(prefix_buckets=(0, 512, 2047))),
+    ("explicit-prefix-grid-gets-zero", PREFIX, {"prefix_buckets": [512, 2048]}, "nxd",
+     dict(prefix_buckets=(0, 512, 2048))),
     ("max-context-length-below-max-model-len", {}, {"max_context_length": 512}, "nxd",
      dict(max_context_length=512, context_encoding_buckets=(128, 256, 512))),
     ("nxdi-rounding-drops-closer-power", {"max_model_len": 2500}, {}, "nxd",
@@ -84,8 +84,8 @@ ACCEPTED = [
     ("on-device-sampling-nxd", {}, {"on_device_sampling_config": {"global_topk": 64}}, "nxd",
      dict(on_device_sampling=True,
           passthrough={"on_device_sampling_config": {"global_topk": 64}})),
-    ("on-device-sampling-reference-host", {}, {"on_device_sampling_config": {}}, "reference",
-     dict(on_device_sampling=False)),
+    ("on-device-sampling-reference", {}, {"on_device_sampling_config": {"global_topk": 64}},
+     "reference", dict(on_device_sampling=True, global_topk=64)),
     ("passthrough-keys", {}, {"save_sharded_checkpoint": True, "quantized": False,
                               "fused_qkv": True}, "nxd",
      dict(passthrough={"save_sharded_checkpoint": True, "quantized": False,
@@ -99,6 +99,8 @@ ACCEPTED = [
      dict(kv_layout=CONTIGUOUS)),
     ("reference-backend", {"dtype": "float32"}, {}, "reference",
      dict(backend="reference", dtype="float32")),
+    ("null-feature-configs", {}, {"chunked_prefill_config": None, "lora_config": None},
+     "nxd", dict(kv_layout=CONTIGUOUS, is_chunked_prefill=False)),
 ]
 
 
@@ -220,8 +222,80 @@ def test_contiguous_layout_counts_one_block_per_slot_plus_null_block():
 
 def test_settings_round_trip_through_json():
     settings = resolve(PREFIX, {"on_device_sampling_config": {"global_topk": 8},
-                                "prefix_buckets": [512, 2047]})
+                                "prefix_buckets": [512, 2048]})
     restored = NeuronSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
     assert restored == settings
     assert restored.graph_count() == len(settings.context_encoding_shapes()) + len(
         settings.token_generation_shapes())
+
+
+# -- the override_neuron_config schema, vLLM flags and vllm-neuron variables ------------
+def test_schema_knows_every_key_the_plugin_interprets_or_refuses():
+    """A key the plugin reads (or refuses with its own reason) must never be refused as
+    unknown first."""
+    from neuron_plugin.core.override_schema import PLUGIN_KEYS, release_keys
+    from neuron_plugin.core.settings import INTERPRETED_KEYS, UNSUPPORTED_KEYS
+
+    known = release_keys(None) | set(PLUGIN_KEYS)
+    assert not (set(INTERPRETED_KEYS) | set(UNSUPPORTED_KEYS)) - known
+
+
+@pytest.mark.parametrize("version,backend,refused", [
+    ("0.7.14366", "nxd", True),        # NxDI 0.7 has no batch bucketing: it would ignore it
+    ("0.8.16251", "nxd", False),
+    ("0.9.17334", "nxd", False),
+    (None, "nxd", False),              # unknown (runner process): any supported release
+    ("0.10.18399", "nxd", False),      # newer than the releases read: same
+    ("0.7.14366", "reference", False),  # the reference backend does not run NxDI
+])
+def test_keys_follow_the_installed_nxdi_release(version, backend, refused):
+    override = {"token_generation_batches": [2, 4]}
+    if not refused:
+        assert resolve({}, override, backend).token_generation_batches == (2, 4)
+        return
+    with pytest.raises(NeuronConfigError, match="token_generation_batches=.* needs NxDI 0.8 "
+                                                "or newer, but the installed NxDI is 0.7.14366"):
+        resolve_settings(BASE, override, backend=backend, architecture="LlamaForCausalLM",
+                         nxdi_version=version)
+
+
+def test_unsupported_vllm_flag_values_are_refused():
+    limits = dataclasses.replace(BASE, vllm_flags={"--enable-expert-parallel": True,
+                                                   "--kv-cache-dtype": "auto"})
+    with pytest.raises(NeuronConfigError) as info:
+        resolve_settings(limits, {}, backend="nxd", architecture="LlamaForCausalLM")
+    message = str(info.value)
+    assert "--enable-expert-parallel (enable_expert_parallel) is not supported" in message
+    assert "moe_ep_degree" in message and "--kv-cache-dtype" not in message
+
+
+@pytest.mark.parametrize("environ,accepted", [
+    ({"VLLM_NEURON_FRAMEWORK": "neuronx-distributed-inference"}, True),
+    ({"VLLM_NEURON_FRAMEWORK": " Neuronx-Distributed-Inference "}, True),
+    ({"VLLM_NEURON_FRAMEWORK": "transformers-neuronx"}, False),
+    ({"DISABLE_NEURON_CUSTOM_SCHEDULER": "0"}, True),
+    ({"DISABLE_NEURON_CUSTOM_SCHEDULER": "1"}, False),
+    ({"NEURON_CONTEXT_LENGTH_BUCKETS": ""}, True),
+    ({"NEURON_TOKEN_GEN_BUCKETS": "128,x"}, False),
+])
+def test_vllm_neuron_variables(environ, accepted):
+    if accepted:
+        resolve_settings(BASE, {}, backend="nxd", architecture="LlamaForCausalLM",
+                         environ=environ)
+        return
+    with pytest.raises(NeuronConfigError, match=next(iter(environ))):
+        resolve_settings(BASE, {}, backend="nxd", architecture="LlamaForCausalLM",
+                         environ=environ)
+
+
+def test_compiled_artifacts_maps_to_the_compile_cache():
+    from neuron_plugin.core.vllm_neuron_env import environment_updates
+
+    assert environment_updates({}) == []
+    [(name, value, _)] = environment_updates({"NEURON_COMPILED_ARTIFACTS": "/srv/a"})
+    assert (name, value) == ("VLLM_NEURON_CACHE_URL", "/srv/a")
+    [(name, value, _)] = environment_updates({"NEURON_COMPILED_ARTIFACTS": "/srv/a",
+                                              "VLLM_NEURON_CACHE_URL": "s3://b/p"})
+    assert (name, value) == ("VLLM_NEURON_CACHE_LOCAL_DIR", "/srv/a")
+    assert environment_updates({"NEURON_COMPILED_ARTIFACTS": "/srv/a",
+                                "VLLM_NEURON_CACHE_URL": "/srv/b"}) == []

@@ -1,4 +1,4 @@
-"""The NxD forward contract built by `neuron_plugin.inputs`, against hand-worked tables."""
+"""The NxD forward contract built by `neuron_plugin.core.inputs`, against hand-worked tables."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 
 from bucketing.errors import NoFitError
-from neuron_plugin.config import EngineLimits, resolve_settings
-from neuron_plugin.inputs import (
+from neuron_plugin.core.settings import EngineLimits, resolve_settings
+from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
     PAD_SEQ_ID,
     PAD_SLOT,
     TOKEN_GENERATION,
+    context_encoding_bucket,
     context_encoding_inputs,
+    context_encoding_need,
     pad_block_tables,
     slot_mapping,
     token_generation_inputs,
@@ -122,7 +124,7 @@ def test_decode_context_bucket_boundaries(position, bucket):
     # A decode at position p needs p + 1 positions (full_context_len).
     s = settings(**CONTIGUOUS)
     inputs = token_generation_inputs(s, np.array([42]), np.array([position]),
-                                     np.array([3]), None)
+                                     np.array([0]), None)
     assert inputs.phase == TOKEN_GENERATION
     assert inputs.bucket == (1, bucket)
     assert inputs.full_context_lens.tolist() == [position + 1]
@@ -141,6 +143,17 @@ def test_decode_batch_padding_rows(batch, rows):
     assert (inputs.full_context_lens[batch:] == 0).all()
     assert inputs.real_tokens == batch
     assert inputs.padded_tokens == rows - batch
+
+
+@pytest.mark.parametrize("seq_ids,rows", [([0], 1), ([1], 2), ([3], 4), ([1, 0], 2),
+                                          ([2, 0], 4)])
+def test_contiguous_decode_batch_covers_the_highest_seq_id(seq_ids, rows):
+    # A batch bucket b serves cache lines 0..b-1 (NxDI completes seq_ids from range(b)).
+    s = settings(**CONTIGUOUS)
+    batch = len(seq_ids)
+    inputs = token_generation_inputs(s, np.arange(batch), np.full(batch, 20),
+                                     np.array(seq_ids), None)
+    assert inputs.bucket == (rows, 64) and inputs.num_real == batch
 
 
 def test_decode_block_layout_slots_and_tables():
@@ -165,3 +178,46 @@ def test_prefill_vectorised_cost_independent_of_max_model_len():
     a = context_encoding_inputs(small, np.arange(16), 0, 0, None)
     b = context_encoding_inputs(large, np.arange(16), 0, 0, None)
     assert a.input_ids.shape == b.input_ids.shape == (1, 32)
+
+
+def test_one_token_block_prompt_is_a_decode():
+    # NxDI routes a block-layout call with one input token to token generation.
+    s = settings(prefix_caching=True, token_generation_buckets=[64, 128, 256])
+    inputs = context_encoding_inputs(s, np.array([42]), start=0, seq_id=2, block_ids=[7])
+    assert inputs.phase == TOKEN_GENERATION and inputs.bucket == (4, 64)
+    assert inputs.num_real == 1 and inputs.seq_ids[0] == 2
+    assert inputs.full_context_lens[0] == 1 and inputs.computed_context_lens[0] == 0
+    assert inputs.slot_mapping[0, 0] == 7 * 16
+    contiguous = context_encoding_inputs(settings(**CONTIGUOUS), np.array([42]), 0, 2, None)
+    assert contiguous.phase == CONTEXT_ENCODING
+
+
+@pytest.mark.parametrize("new,cached,bucket", [
+    (96, 32, (128, 0)),      # spare active slots re-encode the whole prefix
+    (40, 96, (128, 128)),
+    (200, 56, (256, 0)),     # total 256: not yet the corner
+    (200, 57, (512, 0)),     # 257..512 tokens run (512, 0)
+    (300, 0, (512, 0)),
+    (100, 640, (128, 1024)),
+])
+def test_block_prefill_runs_nxdis_bucket(new, cached, bucket):
+    limits = EngineLimits(max_model_len=1024, max_num_seqs=4, block_size=16,
+                          enable_prefix_caching=True, enable_chunked_prefill=False,
+                          max_num_batched_tokens=1024, dtype="float32")
+    s = resolve_settings(limits, {}, backend="reference", architecture="LlamaForCausalLM")
+    assert context_encoding_bucket(s, new, cached) == bucket
+    assert bucket in s.context_encoding_shapes()
+
+
+def test_context_encoding_need_runs_its_shape():
+    s = settings(prefix_caching=True, context_encoding_buckets=[16, 32, 64],
+                 prefix_buckets=[32, 64, 128, 256])
+    for shape in s.context_encoding_shapes():
+        new, cached = context_encoding_need(s, shape)
+        assert context_encoding_bucket(s, new, cached) == shape
+        assert new + cached <= s.max_model_len
+    assert context_encoding_need(settings(**CONTIGUOUS), (64,)) == (64, 0)
+    defaults = settings(prefix_caching=True)
+    assert defaults.context_encoding_shapes() == [(128, 0), (128, 128), (256, 0)]
+    with pytest.raises(ValueError, match=r"graph \(256, 128\)"):
+        context_encoding_need(defaults, (256, 128))  # 257+ tokens exceed max_model_len

@@ -1,7 +1,10 @@
-"""The NxD backend against the NxDI double: architecture resolution (built-in table and
-entry points), settings -> NeuronConfig, the forward arguments (seq-id reorder/restore,
-padding removal, block-layout context), on-device sampling decisions, compile/load
-through the compile cache, and the up-front checks."""
+"""The NxD backend against the NxDI double (tests/plugin/fake_nxdi, which reproduces NxDI
+0.7, 0.8 and 0.9 as published): architecture resolution (built-in table and entry
+points), settings -> NeuronConfig, the forward arguments, on-device sampling, compile/load
+through the compile cache, the up-front checks, and the seam defects NxDI's real
+behaviour exposes (one test each: sampling_params rows, the prefix-caching partial-batch
+return, the on-device sampler's mode, one-token prompts, the 2-D decode bucket rule,
+NxDI's prefix-caching bucket choice, block tables cropped to whole blocks)."""
 
 from __future__ import annotations
 
@@ -10,14 +13,9 @@ import importlib.metadata
 import os
 import sys
 
-# vLLM resolves its platform once per process, possibly while this module is imported:
-# make it the Neuron platform (reference backend), as the other plugin tests do.
-os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
-
 import numpy as np
 import pytest
 import torch
-from vllm import SamplingParams
 
 from neuron_plugin.backends import nxd
 from neuron_plugin.backends.nxd import (
@@ -27,21 +25,19 @@ from neuron_plugin.backends.nxd import (
     describe_architecture,
     model_arguments,
     neuron_config_kwargs,
-    on_device_refusal,
     padding_arguments,
     resolve_model_class,
-    sampling_rows,
-    seq_order,
     unknown_kwargs,
 )
-from neuron_plugin.config import EngineLimits, NeuronConfigError, resolve_settings
-from neuron_plugin.inputs import (
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.inputs import (
     TOKEN_GENERATION,
     context_encoding_inputs,
     padding_inputs,
     token_generation_inputs,
 )
-from neuron_plugin.loader import cache_manifest
+from neuron_plugin.backends.loader import cache_manifest
+from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.patches.base import is_patched
 from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
 
@@ -58,13 +54,31 @@ def settings(limits: dict | None = None, override: dict | None = None,
                             backend="nxd", architecture=architecture)
 
 
-@pytest.fixture
-def release(monkeypatch, tmp_path):
-    """The 2.27 double on sys.path, two visible NeuronCores, a private compile cache."""
+# The releases whose code paths differ for the plugin: 0.8 adds batch bucketing and
+# passes adapter_ids to the prefix-caching graphs, 0.9 changes kernel-only details.
+SEAM_RELEASES = ["0.7", "0.8", "0.9"]
+
+
+def use_release(name: str, monkeypatch, tmp_path):
+    """The double as `name`, two visible NeuronCores, a private compile cache."""
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
     monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "neuronx-cc"))
-    yield load_release("2.27", monkeypatch)
+    return load_release(name, monkeypatch)
+
+
+@pytest.fixture
+def release(monkeypatch, tmp_path):
+    """NxDI 0.7, the oldest release the plugin supports."""
+    yield use_release("0.7", monkeypatch, tmp_path)
+    purge()
+
+
+@pytest.fixture(params=SEAM_RELEASES)
+def seam(request, monkeypatch, tmp_path):
+    """Each release whose seam behaviour differs; yields its name."""
+    use_release(request.param, monkeypatch, tmp_path)
+    yield request.param
     purge()
 
 
@@ -80,8 +94,26 @@ def loaded(s, model_dir, folder) -> NxDBackend:
     return backend
 
 
-def context_sum(tokens) -> int:
-    return int(np.sum(tokens)) % VOCAB
+def expected(tokens) -> int:
+    """The double's answer for a query attending exactly `tokens`."""
+    return (int(np.sum(tokens)) + len(tokens) - 1) % VOCAB
+
+
+def sampling(rows: int, *, top_k=1, top_p=1.0, temperature=1.0,
+             needs_logits=True) -> SamplingInputs:
+    """Per-row values in NxDI's encoding (greedy: top-k 1); logits back by default."""
+    return SamplingInputs(top_k=np.full(rows, top_k, dtype=np.int32),
+                          top_p=np.full(rows, top_p, dtype=np.float32),
+                          temperature=np.full(rows, temperature, dtype=np.float32),
+                          uniform=np.zeros(rows, dtype=np.float32),
+                          needs_logits=np.full(rows, needs_logits))
+
+
+def ran(backend: NxDBackend) -> list[tuple]:
+    """(phase, bucket) of every graph NxD's router ran, in order."""
+    return [("context_encoding" if tag.startswith("context") else "token_generation",
+             tuple(np.atleast_1d(bucket)))
+            for tag, bucket in backend.model.traced_model.ran]
 
 
 def write_dist_info(path, entry_points: str) -> None:
@@ -156,7 +188,8 @@ def test_missing_nxdi_is_a_clear_error(monkeypatch):
 
 # -- settings -> NeuronConfig -------------------------------------------------------------
 def test_neuron_config_kwargs_contiguous():
-    kwargs = neuron_config_kwargs(settings(override={"save_sharded_checkpoint": True}))
+    kwargs = neuron_config_kwargs(settings(override={"save_sharded_checkpoint": True,
+                                                    "on_device_sampling_config": None}))
     assert kwargs["tp_degree"] == 2 and kwargs["batch_size"] == 4
     assert kwargs["seq_len"] == 256 and kwargs["max_context_length"] == 256
     assert kwargs["context_encoding_buckets"] == [128, 256]
@@ -168,12 +201,12 @@ def test_neuron_config_kwargs_contiguous():
 
 
 def test_neuron_config_kwargs_block_layout_and_null_block():
-    s = settings(PREFIX, {"prefix_buckets": [64, 255]})
+    s = settings(PREFIX, {"prefix_buckets": [64, 256]})
     kwargs = neuron_config_kwargs(s)
     assert kwargs["is_block_kv_layout"] and kwargs["is_prefix_caching"]
     assert kwargs["pa_num_blocks"] == s.num_blocks == 4 * 8 + 1
     assert kwargs["pa_block_size"] == 32
-    assert kwargs["prefix_buckets"] == [64, 255]  # NxDI adds prefix 0 itself
+    assert kwargs["prefix_buckets"] == [64, 256]  # NxDI adds prefix 0 itself
 
 
 def test_neuron_config_kwargs_sampling_and_batches():
@@ -181,8 +214,27 @@ def test_neuron_config_kwargs_sampling_and_batches():
                            "token_generation_batches": [2, 4]})
     kwargs = neuron_config_kwargs(s)
     assert kwargs["output_logits"] is True
-    assert kwargs["on_device_sampling_config"] == {"global_topk": 8}
+    assert kwargs["on_device_sampling_config"] == {"global_topk": 8, "dynamic": True,
+                                                   "deterministic": False}
+    default = neuron_config_kwargs(settings())["on_device_sampling_config"]
+    assert default == {"global_topk": 256, "dynamic": True, "deterministic": False}
     assert kwargs["token_generation_batches"] == [2, 4]
+    kept = neuron_config_kwargs(settings(override={"on_device_sampling_config": {
+        "deterministic": True, "do_sample": True}}))
+    assert kept["on_device_sampling_config"] == {"deterministic": True, "do_sample": True,
+                                                 "dynamic": True, "global_topk": 256}
+
+
+def test_static_on_device_sampler_is_refused():
+    s = settings(override={"on_device_sampling_config": {"dynamic": False}})
+    with pytest.raises(NeuronConfigError, match="on_device_sampling_config.dynamic=False.*"
+                                                "temperature and top-p.*remove dynamic"):
+        neuron_config_kwargs(s)
+
+
+def test_nxdi_seq_len_reaches_the_whole_last_block():
+    assert neuron_config_kwargs(settings({**PREFIX, "max_model_len": 1000}))["seq_len"] == 1024
+    assert neuron_config_kwargs(settings({"max_model_len": 1000}))["seq_len"] == 1000
 
 
 def test_passthrough_key_the_backend_sets_differently_is_an_error():
@@ -211,35 +263,54 @@ def test_key_unknown_to_installed_nxdi_is_rejected(release, tiny, tmp_path):
 
 
 # -- forward arguments ---------------------------------------------------------------------
-def test_seq_order_sorts_and_restores():
-    seq_ids = np.array([3, 0, 2, 1])
-    order, restore = seq_order(seq_ids)
-    assert seq_ids[order].tolist() == [0, 1, 2, 3]
-    assert seq_ids[order][restore].tolist() == [3, 0, 2, 1]
-
-
-def test_contiguous_decode_arguments_are_sorted_and_unpadded():
+def test_contiguous_decode_arguments_fill_the_batch():
     s = settings()
     inputs = token_generation_inputs(s, np.array([40, 10, 30]), np.array([5, 9, 7]),
                                      np.array([3, 0, 2]), None)
-    assert inputs.bucket == (4, 128) and inputs.num_real == 3  # one pad row
-    args, restore = model_arguments(s, inputs)
-    assert args["seq_ids"].tolist() == [0, 2, 3]
-    assert args["input_ids"].tolist() == [[10], [30], [40]]
-    assert args["position_ids"].tolist() == [[9], [7], [5]]
-    assert args["full_context_lens"].tolist() == [[10], [8], [6]]
-    assert args["computed_context_lens"].tolist() == [[9], [7], [5]]
-    assert args["seq_ids"][restore].tolist() == [3, 0, 2]
+    assert inputs.bucket == (4, 128) and inputs.num_real == 3
+    args, answer = model_arguments(s, inputs)
+    # sorted by seq_id; the missing seq_id 1 writes at the last position, attends nothing
+    assert args["seq_ids"].tolist() == [0, 1, 2, 3]
+    assert args["input_ids"].tolist() == [[10], [0], [30], [40]]
+    assert args["position_ids"].tolist() == [[9], [255], [7], [5]]
+    assert args["full_context_lens"].tolist() == [[10], [256], [8], [6]]
+    assert args["computed_context_lens"].tolist() == [[9], [255], [7], [5]]
+    assert answer.tolist() == [3, 0, 2]
+    # 1-D path: NxDI takes the first bucket > width, so the width is the largest position
+    assert args["attention_mask"].shape == (4, 9)
+    assert args["attention_mask"].sum(axis=1).tolist() == [9, 0, 7, 5]
 
 
-def test_context_encoding_arguments_drop_pad_tokens():
+def test_batch_bucketing_mask_is_one_wider():
+    s = settings(override={"token_generation_batches": [2, 4]})
+    inputs = token_generation_inputs(s, np.array([1]), np.array([127]), np.array([1]), None)
+    assert inputs.bucket == (2, 128)
+    args, answer = model_arguments(s, inputs)
+    assert args["seq_ids"].tolist() == [0, 1] and answer.tolist() == [1]
+    # 2-D path: NxDI takes the first bucket >= width
+    assert args["attention_mask"].shape == (2, 128)
+
+
+def test_block_decode_pads_write_nowhere():
+    s = settings(PREFIX)
+    inputs = token_generation_inputs(s, np.array([7, 8]), np.array([33, 40]),
+                                     np.array([1, 0]), [[3, 6], [1, 2]])
+    args, answer = model_arguments(s, inputs)
+    assert args["seq_ids"].tolist() == [0, 1, 2, 3] and answer.tolist() == [1, 0]
+    assert args["slot_mapping"].tolist() == [[2 * 32 + 8], [6 * 32 + 1], [-1], [-1]]
+    assert args["block_table"][2].tolist() == args["block_table"][1].tolist()
+    assert "attention_mask" not in args
+
+
+def test_context_encoding_arguments_keep_the_bucket_width():
     s = settings()
     inputs = context_encoding_inputs(s, np.array([5, 6, 7]), 0, 1, None)
-    args, restore = model_arguments(s, inputs)
-    assert inputs.input_ids.shape == (1, 128)
-    assert args["input_ids"].tolist() == [[5, 6, 7]]
-    assert args["position_ids"].tolist() == [[0, 1, 2]]
-    assert restore.tolist() == [0]
+    args, answer = model_arguments(s, inputs)
+    assert args["input_ids"].shape == args["position_ids"].shape == (1, 128)
+    assert args["input_ids"][0, :4].tolist() == [5, 6, 7, 0]
+    assert args["position_ids"][0, :4].tolist() == [0, 1, 2, 0]  # pads keep position 0
+    assert args["attention_mask"].tolist() == [[1, 1, 1]]
+    assert answer.tolist() == [0]
 
 
 def test_block_context_after_prefix_sends_the_whole_context():
@@ -257,87 +328,216 @@ def test_block_context_after_prefix_sends_the_whole_context():
 
 def test_padding_arguments_reach_the_bucket():
     s = settings(PREFIX)
-    cte = padding_arguments(s, padding_inputs(s, "context_encoding", (128, 64)))
-    assert cte["input_ids"].shape == (1, 192)
-    assert cte["computed_context_lens"].tolist() == [[64]]
+    assert s.context_encoding_shapes() == [(128, 0), (128, 128), (256, 0)]
+    cte = padding_arguments(s, padding_inputs(s, "context_encoding", (128, 128)))
+    assert cte["input_ids"].shape == (1, 256)
+    assert cte["computed_context_lens"].tolist() == [[128]]
     assert (cte["slot_mapping"] == -1).all() and cte["slot_mapping"].shape == (1, 128)
     tkg = padding_arguments(s, padding_inputs(s, TOKEN_GENERATION, (4, 256)))
     assert tkg["position_ids"].tolist() == [[255]] * 4 and tkg["seq_ids"].tolist() == [0, 1, 2, 3]
-
-
-# -- on-device sampling decisions ------------------------------------------------------------
-@pytest.mark.parametrize("params,refusal", [
-    (SamplingParams(temperature=0.0), None),
-    (SamplingParams(temperature=0.8, top_k=50, top_p=0.9), None),
-    (SamplingParams(temperature=0.8), "global_topk=256"),
-    (SamplingParams(temperature=0.8, top_k=300), "top_k=300"),
-    (SamplingParams(temperature=0.0, presence_penalty=0.5), "presence_penalty"),
-    (SamplingParams(temperature=0.0, repetition_penalty=1.2), "repetition_penalty"),
-    (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), "min_p"),
-    (SamplingParams(temperature=0.0, logprobs=2), "logprobs"),
-    (SamplingParams(temperature=0.7, top_k=5, seed=3), "seed"),
-    (SamplingParams(temperature=0.0, min_tokens=4), "min_tokens"),
-    (SamplingParams(temperature=0.0, logit_bias={5: 1.0}), "logit_bias"),
-])
-def test_on_device_refusal(params, refusal):
-    got = on_device_refusal(params)
-    assert got is None if refusal is None else refusal in got
-
-
-def test_sampling_rows_match_nxdi_encoding():
-    rows = sampling_rows([SamplingParams(temperature=0.0),
-                          SamplingParams(temperature=0.5, top_k=40, top_p=0.8),
-                          SamplingParams(temperature=0.5, top_k=-1)], global_topk=64)
-    assert rows == ([1, 40, 64], [1.0, 0.8, 1.0], [1.0, 0.5, 0.5])
+    assert (tkg["slot_mapping"] == -1).all()
 
 
 # -- the backend end to end on the double ----------------------------------------------------
-def test_contiguous_forward_restores_request_order(release, tiny, tmp_path):
+def test_contiguous_forward_restores_request_order(seam, tiny, tmp_path):
     s = settings()
     backend = loaded(s, tiny, tmp_path / "graphs")
     prompts = {2: np.arange(1, 129), 0: np.array([5, 6, 7]), 3: np.array([9] * 20)}
     for seq, prompt in prompts.items():
         inputs = context_encoding_inputs(s, prompt, 0, seq, None)
-        assert backend.forward(inputs).argmax(-1).tolist() == [context_sum(prompt)]
+        assert backend.forward(inputs).argmax(-1).tolist() == [expected(prompt)]
     # a 128-token prompt runs the 128 graph the plugin chose (cte-exact-bucket patch)
-    assert backend.model.context_encoding_model.selected_buckets == [128, 128, 128]
+    assert ran(backend) == [("context_encoding", (128,))] * 3
     inputs = token_generation_inputs(s, np.array([11, 22, 33]),
                                      np.array([128, 3, 20]), np.array([2, 0, 3]), None)
     logits = backend.forward(inputs)
     assert logits.shape == (3, VOCAB)
-    assert logits.argmax(-1).tolist() == [context_sum([*prompts[2], 11]),
-                                          context_sum([*prompts[0], 22]),
-                                          context_sum([*prompts[3], 33])]
-    assert backend.model.token_generation_model.selected_buckets == [inputs.bucket[1]]
+    assert logits.argmax(-1).tolist() == [expected([*prompts[2], 11]),
+                                          expected([*prompts[0], 22]),
+                                          expected([*prompts[3], 33])]
+    assert ran(backend)[-1] == ("token_generation", (inputs.bucket[1],))
 
 
-def test_block_layout_prefix_hit_and_decode(release, tiny, tmp_path):
+def test_block_layout_prefix_hit_and_decode(seam, tiny, tmp_path):
     s = settings(PREFIX)
     backend = loaded(s, tiny, tmp_path / "graphs")
     shared = np.arange(1, 33)                      # one full block, cached
     first = np.concatenate([shared, [50, 51]])
     second = np.concatenate([shared, [60, 61, 62]])
     miss = context_encoding_inputs(s, first, 0, 0, [1, 2])
-    assert backend.forward(miss).argmax(-1).tolist() == [context_sum(first)]
-    hit = context_encoding_inputs(s, second, 32, 0, [1, 3])
-    out = backend.run(hit)
-    assert out.logits.argmax(-1).tolist() == [context_sum(second)]
+    assert backend.forward(miss).argmax(-1).tolist() == [expected(first)]
+    hit = context_encoding_inputs(s, second, 32, 1, [1, 3])
+    assert backend.forward(hit).argmax(-1).tolist() == [expected(second)]
     decode = token_generation_inputs(s, np.array([70, 80]), np.array([34, 35]),
                                      np.array([0, 1]), [[1, 2], [1, 3]])
     assert backend.forward(decode).argmax(-1).tolist() == [
-        context_sum([*first, 70]), context_sum([*second, 80])]
+        expected([*first, 70]), expected([*second, 80])]
+    assert ran(backend) == [("context_encoding", miss.bucket), ("context_encoding", hit.bucket),
+                            ("token_generation", (1, 128))]
 
 
-@pytest.mark.parametrize("limits", [{}, PREFIX])
-def test_padding_only_calls_run_each_graph(release, tiny, tmp_path, limits):
-    s = settings(limits)
+def nxdi_bucket(s, graph) -> tuple:
+    """The bucket NxDI names a plugin graph by: a bare length for 1-D token generation,
+    [1, length] for prefix-caching token generation (one active token)."""
+    if graph.phase == TOKEN_GENERATION and s.is_block_layout:
+        return 1, graph.shape[1]
+    if graph.phase == TOKEN_GENERATION and not nxd.batch_bucketing(s):
+        return (graph.shape[1],)
+    return graph.shape
+
+
+@pytest.mark.parametrize("limits,override", [({}, {}), (PREFIX, {}),
+                                             ({}, {"token_generation_batches": [1, 2, 4]})])
+def test_padding_only_calls_run_each_graph(seam, tiny, tmp_path, limits, override):
+    if seam == "0.7" and override:
+        pytest.skip("NxDI 0.7 has no batch bucketing")
+    s = settings(limits, override)
     backend = loaded(s, tiny, tmp_path / "graphs")
     for graph in nxd.graph_specs(s):
         logits = backend.forward(padding_inputs(s, graph.phase, graph.shape))
         assert logits.shape == (0, VOCAB)
-    model = backend.model
-    ran = [tuple(np.atleast_1d(b)) for b in model.context_encoding_model.selected_buckets]
-    assert ran == [g.shape for g in nxd.graph_specs(s) if g.phase != TOKEN_GENERATION]
+    assert ran(backend) == [(g.phase, nxdi_bucket(s, g)) for g in nxd.graph_specs(s)]
+
+
+# -- the seam defects, each against every release whose code differs ---------------------------
+@pytest.mark.parametrize("limits", [{}, PREFIX])
+def test_1_every_call_carries_sampling_params_of_its_rows(seam, tiny, tmp_path, limits):
+    """NxD's router matches sampling_params too: NxDI's default has max_num_seqs rows
+    and context encoding is compiled for one row."""
+    s = settings(limits)
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    prompt = np.array([3, 4, 5])
+    blocks = [[1], [2]] if s.is_block_layout else None
+    for seq in (0, 1):
+        inputs = context_encoding_inputs(s, prompt, 0, seq, blocks and blocks[seq])
+        assert backend.forward(inputs).argmax(-1).tolist() == [expected(prompt)]
+    decode = token_generation_inputs(s, np.array([6]), np.array([3]), np.array([1]),
+                                     blocks and blocks[1:])
+    assert backend.forward(decode).argmax(-1).tolist() == [expected([3, 4, 5, 6])]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_2_prefix_caching_decode_with_on_device_sampling(seam, tiny, tmp_path, rows):
+    """A prefix-caching decode with fewer rows than the compiled batch: NxDI cuts the list
+    [tokens, logits] instead of the tensors (IndexError for one row)."""
+    s = settings(PREFIX, {"on_device_sampling_config": {"global_topk": 8}})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    prompts = [np.array([3, 4]), np.array([5, 6, 7])]
+    for seq, prompt in enumerate(prompts):
+        out = backend.run(context_encoding_inputs(s, prompt, 0, seq, [seq + 1]), sampling(1))
+        assert out.tokens.tolist() == [expected(prompt)] == out.logits.argmax(-1).tolist()
+    decode = token_generation_inputs(s, np.array([9, 8][:rows]), np.array([2, 3][:rows]),
+                                     np.arange(rows), [[1], [2]][:rows])
+    out = backend.run(decode, sampling(rows))
+    want = [expected([3, 4, 9]), expected([5, 6, 7, 8])][:rows]
+    assert out.tokens.tolist() == want == out.logits.argmax(-1).tolist()
+    assert out.logits.shape == (rows, VOCAB)
+
+
+def test_3_on_device_sampler_samples_non_greedy_requests(seam, tiny, tmp_path):
+    """NxDI's sampler is argmax unless do_sample or dynamic is compiled in."""
+    s = settings(override={"on_device_sampling_config": {"global_topk": 8,
+                                                         "deterministic": True}})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    prompt = np.array([3, 4])
+    out = backend.run(context_encoding_inputs(s, prompt, 0, 0, None),
+                      sampling(1, top_k=8, temperature=2.0))
+    # the double's logits fall by 1 per token id after the best, so at temperature 2
+    # the best has probability 0.41 of the 8 and a fixed 0.5 draw picks the second best
+    assert out.tokens.tolist() == [(expected(prompt) + 1) % VOCAB]
+    assert out.logits.argmax(-1).tolist() == [expected(prompt)]
+    greedy = backend.run(context_encoding_inputs(s, prompt, 0, 1, None), sampling(1))
+    assert greedy.tokens.tolist() == [expected(prompt)]
+
+
+def test_4_one_token_prompt_answers_for_its_token(seam, tiny, tmp_path):
+    """NxDI pads positions with 1 and reads the last token at argmax(position_ids)."""
+    s = settings()
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    for seq, prompt in enumerate(([7], [7, 8], [7, 8, 9])):
+        inputs = context_encoding_inputs(s, np.array(prompt), 0, seq, None)
+        assert backend.forward(inputs).argmax(-1).tolist() == [expected(prompt)]
+
+
+@pytest.mark.parametrize("seam", ["0.8", "0.9"], indirect=True)
+def test_5_batch_bucketing_decode_runs_the_plugins_bucket(seam, tiny, tmp_path):
+    """NxDI's 2-D token-generation choice fits lengths with <=, its 1-D choice with <; and
+    a batch bucket b serves seq_ids 0..b-1 only."""
+    s = settings(override={"token_generation_batches": [1, 2, 4]})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    prompts = {0: np.arange(1, 129), 3: np.array([5, 6])}
+    for seq, prompt in prompts.items():
+        backend.forward(context_encoding_inputs(s, prompt, 0, seq, None))
+    at_bucket = token_generation_inputs(s, np.array([11]), np.array([128]), np.array([0]), None)
+    assert at_bucket.bucket == (1, 256)
+    assert backend.forward(at_bucket).argmax(-1).tolist() == [expected([*prompts[0], 11])]
+    assert ran(backend)[-1] == ("token_generation", (1, 256))
+    high_seq = token_generation_inputs(s, np.array([12]), np.array([2]), np.array([3]), None)
+    assert high_seq.bucket == (4, 128)
+    assert backend.forward(high_seq).argmax(-1).tolist() == [expected([5, 6, 12])]
+    assert ran(backend)[-1] == ("token_generation", (4, 128))
+
+
+def test_6_prefix_caching_bucket_is_nxdis_choice(seam, tiny, tmp_path):
+    """NxDI moves the prefix tail into spare active slots and sends 257-512 tokens to
+    (512, 0); the plugin's bucket, graphs and outputs follow it."""
+    s = settings({**PREFIX, "max_model_len": 1024})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    rng = np.random.default_rng(0)
+    cases = [(96, 32, (128, 0)), (200, 256, (512, 0)), (40, 96, (128, 128)),
+             (300, 0, (512, 0)), (100, 640, (128, 1024)), (600, 320, (1024, 0))]
+    for new, cached, bucket in cases:
+        context = rng.integers(1, VOCAB, new + cached)
+        blocks = list(range(1, 1 + -(-(new + cached) // 32)))
+        if cached:  # the cached prefix, as a first chunk
+            backend.forward(context_encoding_inputs(s, context[:cached], 0, 0, blocks))
+        inputs = context_encoding_inputs(s, context, cached, 0, blocks)
+        assert inputs.bucket == bucket
+        assert backend.forward(inputs).argmax(-1).tolist() == [expected(context)]
+        assert ran(backend)[-1] == ("context_encoding", bucket)
+        assert bucket in s.context_encoding_shapes()
+
+
+def test_6_context_encoding_shapes_are_those_nxdi_can_run(seam, tiny):
+    """Every need NxDI serves lands on a listed shape, and every listed shape is served."""
+    from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
+
+    s = settings({**PREFIX, "max_model_len": 1024})
+    model = NxDBackend(s, tiny)._new_model()
+    wrapper = model.context_encoding_model
+    reached = set()
+    for total in range(2, 1025, 7):
+        for new in range(1, total + 1, 5):
+            args = [None] * 13 + [torch.tensor([[new]]), torch.tensor([[total - new]])]
+            reached.add(tuple(int(v) for v in ModelWrapper.get_target_2d_bucket_for_prefix_caching(
+                wrapper, *args)))
+    assert reached == set(s.context_encoding_shapes())
+    assert len(reached) < len(s.context_encoding_buckets) * len(s.prefix_buckets)
+
+
+def test_7_decode_past_a_partial_block(seam, tiny, tmp_path):
+    """NxDI hands a length-L graph the first L // block_size blocks of the table: the
+    largest bucket must reach max_model_len in whole blocks."""
+    s = settings({**PREFIX, "max_model_len": 1000, "max_num_seqs": 1})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    prompt = np.arange(1, 996) % VOCAB
+    blocks = list(range(1, 33))
+    backend.forward(context_encoding_inputs(s, prompt, 0, 0, blocks))
+    decode = token_generation_inputs(s, np.array([4]), np.array([995]), np.array([0]), [blocks])
+    assert backend.forward(decode).argmax(-1).tolist() == [expected([*prompt, 4])]
+    assert ran(backend)[-1] == ("token_generation", (1, 1024))
+
+
+def test_7_block_grids_are_whole_blocks():
+    with pytest.raises(NeuronConfigError, match=r"token_generation_buckets has 200, not a "
+                                                r"multiple of 32.*use 224"):
+        settings(PREFIX, {"token_generation_buckets": [200, 256]})
+    with pytest.raises(NeuronConfigError, match=r"prefix_buckets has 100, not a multiple"):
+        settings(PREFIX, {"prefix_buckets": [100, 256]})
+    big = settings({**PREFIX, "block_size": 256, "max_model_len": 512})
+    assert big.token_generation_buckets == (256, 512)
+    assert big.prefix_buckets == (0, 256, 512)
+    assert settings({"max_model_len": 1000}).token_generation_buckets[-1] == 1000
 
 
 def test_artifacts_of_another_block_count_are_refused(release, tiny, tmp_path):
@@ -352,19 +552,17 @@ def test_compile_points_neuronx_cc_cache_into_the_store(release, tiny, tmp_path,
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL")
     NxDBackend(settings(), tiny).compile(tmp_path / "graphs")
     assert (tmp_path / "cache" / "neuronx-cc").is_dir()
-    import os
-
     assert os.environ["NEURON_COMPILE_CACHE_URL"] == str(tmp_path / "cache" / "neuronx-cc")
 
 
 def test_load_backend_through_the_compile_cache(release, tiny, tmp_path):
-    from neuron_plugin.loader import load_backend
+    from neuron_plugin.backends.loader import load_backend
 
     s = settings()
     backend, first = load_backend(s, tiny, str(tmp_path / "cache"))
     assert isinstance(backend, NxDBackend) and not first.hit
     assert backend.forward(context_encoding_inputs(s, np.array([4, 5]), 0, 0, None)
-                           ).argmax(-1).tolist() == [9]
+                           ).argmax(-1).tolist() == [expected([4, 5])]
     _, second = load_backend(s, tiny, str(tmp_path / "cache"))
     assert second.hit and second.key == first.key
 
@@ -423,32 +621,41 @@ def test_kv_cache_tensors_in_vllm_neuron_order(release, tiny, tmp_path):
     assert tensors[0].shape == (4, 1, 256, 1)
 
 
-def test_on_device_sampling_serves_eligible_rows(release, tiny, tmp_path):
+def test_run_returns_logits_of_the_rows_that_need_them(seam, tiny, tmp_path):
     s = settings(override={"on_device_sampling_config": {"global_topk": 8}})
     backend = loaded(s, tiny, tmp_path / "graphs")
     for seq, prompt in ((1, [3, 4]), (0, [5])):
         backend.run(context_encoding_inputs(s, np.array(prompt), 0, seq, None),
-                    [SamplingParams(temperature=0.0)])
+                    sampling(1, needs_logits=False))
     inputs = token_generation_inputs(s, np.array([1, 2]), np.array([2, 1]),
                                      np.array([1, 0]), None)
-    out = backend.run(inputs, [SamplingParams(temperature=0.0),
-                               SamplingParams(temperature=0.0, presence_penalty=1.0)])
-    assert out.on_device.tolist() == [True, False]
-    assert out.tokens[0].item() == context_sum([3, 4, 1])
-    assert out.logits.argmax(-1).tolist() == [context_sum([3, 4, 1]), context_sum([5, 2])]
+    rows = sampling(2)
+    rows.needs_logits[0] = False
+    out = backend.run(inputs, rows)
+    assert out.tokens.tolist() == [expected([3, 4, 1]), expected([5, 2])]
+    assert out.tokens.dtype == np.int32
+    assert out.logits.shape == (1, VOCAB)
+    assert out.logits.argmax(-1).tolist() == [expected([5, 2])]
+
+
+def test_run_needs_on_device_sampling(release, tiny, tmp_path):
+    s = settings(override={"on_device_sampling_config": None})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    inputs = context_encoding_inputs(s, np.array([3, 4]), 0, 0, None)
+    assert backend.forward(inputs).argmax(-1).tolist() == [expected([3, 4])]
+    with pytest.raises(ValueError, match="call forward"):
+        backend.run(inputs, sampling(1))
 
 
 def test_release_with_hook_parameter_needs_no_adapter_patch(monkeypatch, tiny, tmp_path):
-    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "neuronx-cc"))
-    modules = load_release("2.29", monkeypatch)
+    modules = use_release("0.9-ef2731e", monkeypatch, tmp_path)
     try:
         backend = loaded(settings(), tiny, tmp_path / "graphs")
         prepare = modules.hf_adapter.HuggingFaceGenerationAdapter.prepare_inputs_for_generation
         assert not is_patched(prepare, "adapter-forward-kwargs")
         assert is_patched(prepare, "adapter-prefix-lens")
         inputs = context_encoding_inputs(backend.settings, np.array([1, 2]), 0, 0, None)
-        assert backend.forward(inputs).argmax(-1).tolist() == [3]
+        assert backend.forward(inputs).argmax(-1).tolist() == [expected([1, 2])]
     finally:
         purge()
 
@@ -459,3 +666,18 @@ def test_vocab_size_of_multimodal_style_config():
     assert backend.vocab_size == 5
     backend.hf_config = {"vocab_size": 7}
     assert backend.vocab_size == 7
+
+
+def test_decode_pads_leave_other_requests_lines_alone(seam, tiny, tmp_path):
+    """A decode batch's pad rows run on the cache lines of the seq_ids it lacks; copying
+    the first row (NxDI's own padding) would write its token at its position into a
+    request prefilled earlier in the same step."""
+    s = settings()
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    first, second = np.arange(1, 6), np.arange(100, 120)
+    backend.forward(context_encoding_inputs(s, first, 0, 0, None))
+    backend.forward(context_encoding_inputs(s, second, 0, 1, None))
+    alone = token_generation_inputs(s, np.array([7]), np.array([5]), np.array([0]), None)
+    assert backend.forward(alone).argmax(-1).tolist() == [expected([*first, 7])]
+    later = token_generation_inputs(s, np.array([8]), np.array([20]), np.array([1]), None)
+    assert backend.forward(later).argmax(-1).tolist() == [expected([*second, 8])]

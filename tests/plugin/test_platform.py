@@ -21,7 +21,7 @@ def engine_config(model_dirs, **kwargs):
 
 
 def settings_of(config):
-    from neuron_plugin.settings_store import settings_from_vllm_config
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
     return settings_from_vllm_config(config)
 
@@ -54,7 +54,7 @@ def plugin_log():
 
 def test_contiguous_layout_shapes_the_scheduler(model_dirs, plugin_log):
     config = engine_config(model_dirs)
-    assert config.parallel_config.worker_cls == "neuron_plugin.worker.NeuronWorker"
+    assert config.parallel_config.worker_cls == "neuron_plugin.serving.worker.NeuronWorker"
     assert config.cache_config.block_size == 512
     assert config.scheduler_config.max_num_batched_tokens >= 512  # whole prompts per step
     assert config.cache_config.num_gpu_blocks_override == 5  # 4 slots + null block
@@ -105,6 +105,28 @@ def test_validate_request_names_limit_and_fix(model_dirs):
     message = str(info.value)
     assert "prompt has 129 tokens but the largest context-encoding bucket holds 128" in message
     assert "add a bucket >= 129" in message
-    with pytest.raises(VLLMValidationError, match="prompt_logprobs is not supported"):
+    with pytest.raises(VLLMValidationError) as info:
         current_platform.validate_request({"type": "token", "prompt_token_ids": [1]},
                                           SamplingParams(prompt_logprobs=1))
+    message = str(info.value)
+    # /v1/completions turns echo=true with logprobs into prompt_logprobs: the message
+    # names both causes and both fixes.
+    assert "log-probabilities of prompt tokens are not supported" in message
+    assert "echo=true with logprobs" in message
+    assert "remove prompt_logprobs or drop echo" in message
+
+
+def test_echo_with_logprobs_is_refused_as_echo(model_dirs):
+    """The request vLLM's OpenAI server builds for /v1/completions with echo and
+    logprobs carries prompt_logprobs the user never wrote; the refusal names echo."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+    from vllm.platforms import current_platform
+
+    engine_config(model_dirs)
+    params = CompletionRequest(model="m", prompt="hi", echo=True, logprobs=2,
+                               max_tokens=4).to_sampling_params(max_tokens=4)
+    assert params.prompt_logprobs == 2
+    with pytest.raises(VLLMValidationError, match="drop echo"):
+        current_platform.validate_request({"type": "token", "prompt_token_ids": [1]},
+                                          params)

@@ -1,26 +1,54 @@
-"""`neuron-plugin measure-buckets`: timings of every compiled bucket as cost tables the
-tuner reads."""
+"""`neuron-plugin precompile` and `measure-buckets` as real subprocesses: the progress bar
+names every bucket, timings become cost tables the tuner accepts, and a bad output path
+fails before anything is measured."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from bucketing.cost import load_cost_table
 
+CLI = Path(sys.executable).with_name("neuron-plugin")
+GRID = json.dumps({"override_neuron_config": {"context_encoding_buckets": [16, 64, 128],
+                                              "token_generation_buckets": [64, 128]}})
+# graph_specs order: context encoding, then (batch, length) token generation.
+GRAPHS = ["cte_16", "cte_64", "cte_128", "tkg_2x64", "tkg_2x128"]
+
+
+def plugin(verb: str, model: Path, *extra: str,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLI), verb, str(model), "--device", "neuron", "--dtype",
+                           "float32", "--max-model-len", "128", "--max-num-seqs", "2",
+                           "--additional-config", GRID, *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_precompile_progress_bar_names_the_bucket_being_compiled(model_dirs, tmp_path):
+    cache = str(tmp_path / "cache")
+    result = plugin("precompile", model_dirs["llama"], "--cache", cache)
+    assert result.returncode == 0, result.stderr
+    assert "5 graphs compiled and published" in result.stdout
+    # One bar line per compiled graph: "compiling buckets: k/5 ... bucket=<just compiled>".
+    shown = re.findall(r"compiling buckets:.*?(\d)/5 .*?bucket=(\w+)\]", result.stderr)
+    named = {int(done): bucket for done, bucket in shown}
+    assert named == {k + 1: graph for k, graph in enumerate(GRAPHS)}
+
+    again = plugin("precompile", model_dirs["llama"], "--cache", cache)
+    assert again.returncode == 0, again.stderr
+    assert "5 graphs already in the cache" in again.stdout
+    assert "compiling buckets" not in again.stderr  # nothing compiled, no bar
+
 
 def test_measure_buckets_writes_tables_the_tuner_accepts(model_dirs, tmp_path):
-    cli = Path(sys.executable).with_name("neuron-plugin")
-    prefix = tmp_path / "costs"
-    subprocess.run([str(cli), "measure-buckets", str(model_dirs["llama"]), "--device", "neuron",
-                    "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2",
-                    "--cache", str(tmp_path / "cache"), "--repeats", "3", "-o", str(prefix),
-                    "--additional-config", json.dumps({"override_neuron_config": {
-                        "context_encoding_buckets": [16, 64, 128],
-                        "token_generation_buckets": [64, 128]}})],
-                   check=True, capture_output=True, text=True)
+    prefix = tmp_path / "not" / "yet" / "costs"  # folders that do not exist yet
+    result = plugin("measure-buckets", model_dirs["llama"], "--cache", str(tmp_path / "cache"),
+                    "--repeats", "3", "-o", str(prefix))
+    assert result.returncode == 0, result.stderr
     context = load_cost_table(f"{prefix}-context_encoding.yaml")
     decode = load_cost_table(f"{prefix}-token_generation.yaml")
     assert sorted(context.table) == [(16,), (64,), (128,)]
@@ -36,3 +64,32 @@ def test_measure_buckets_writes_tables_the_tuner_accepts(model_dirs, tmp_path):
     report = json.loads(tuned.stdout)
     assert "measured table" in report["report"]["cost_model"]
     assert report["buckets"]["context_encoding_buckets"][-1] == 128
+
+
+def test_measure_buckets_with_an_unusable_output_fails_before_measuring(model_dirs, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = tmp_path / "cache"
+    result = plugin("measure-buckets", model_dirs["llama"], "--cache", str(cache),
+                    "-o", str(blocker / "costs"))
+    assert result.returncode == 2
+    assert (f"--output {blocker / 'costs'}: cannot create the folder {blocker}"
+            in result.stderr)
+    assert "Traceback" not in result.stderr
+    assert not cache.exists()  # nothing was compiled, loaded or timed
+
+
+def test_precompile_runs_in_the_backend_environment(model_dirs, tmp_path, sdk_python):
+    """With a runner interpreter, compiling happens there (torch 2.9.1): a serving host
+    with the same runner then finds the entry; the manifest names the runner's torch."""
+    env = {**os.environ, "VLLM_NEURON_BACKEND_PYTHON": sdk_python}
+    cache = str(tmp_path / "cache")
+    manifest = tmp_path / "manifest.json"
+    dry = plugin("precompile", model_dirs["llama"], "--cache", cache, "--dry-run",
+                 str(manifest), env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(manifest.read_text())["versions"]["torch"].startswith("2.9.1")
+    result = plugin("precompile", model_dirs["llama"], "--cache", cache, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "5 graphs compiled and published" in result.stdout
+    assert "backend runner pid" in result.stdout  # vLLM logs to stdout

@@ -1,8 +1,10 @@
 """The CPU reference backend: the NxD contract in PyTorch, same buckets, same KV layouts.
 
-Each bucket is exported with `torch.export` to a fixed-shape graph file at compile time and
-loaded from the folder at start, so compile, cache and load behave as on Neuron, and
-every call is padded to its bucket's shape, so cost follows the bucket as it does there.
+Each bucket is exported with `torch.export` to a fixed-shape graph at compile time, written
+in a data-only format that cannot run code when loaded (`graph_file`: no pickles, only
+allow-listed ATen calls), and loaded from the folder at start, so compile, cache and load
+behave as on Neuron, and every call is padded to its bucket's shape, so cost follows the
+bucket as it does there.
 
 The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_dim]:
 - contiguous layout: slot = seq_id * max_model_len + position, i.e. a
@@ -23,6 +25,7 @@ import torch
 from neuron_plugin.backends.base import (
     GraphSpec,
     Progress,
+    StepOutput,
     artifact_record,
     check_artifact_record,
     graph_specs,
@@ -32,12 +35,15 @@ from neuron_plugin.backends.reference.decoder import (
     DecoderGraph,
     DecoderSpec,
     load_weights,
-    read_hf_config,
     rope_inv_freq,
     weight_names,
 )
-from neuron_plugin.config import NeuronSettings
-from neuron_plugin.inputs import CONTEXT_ENCODING, PAD_SEQ_ID, ForwardInputs
+from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
+from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
+from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, PAD_SEQ_ID, ForwardInputs
+from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin import plugin_logger
 
 logger = plugin_logger(__name__)
@@ -66,8 +72,10 @@ class ReferenceBackend:
         self.spec = DecoderSpec.from_hf_config(self.hf_config)
         self.dtype = torch_dtype(settings.dtype)
         inv_freq, scaling = rope_inv_freq(self.hf_config, self.spec.head_dim)
-        self.module = DecoderGraph(self.spec, inv_freq, scaling)
-        self.graphs: dict[tuple[str, tuple[int, ...]], torch.nn.Module] = {}
+        candidates = (min(settings.global_topk, self.spec.vocab_size)
+                      if settings.on_device_sampling else None)
+        self.module = DecoderGraph(self.spec, inv_freq, scaling, candidates)
+        self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache = self.v_cache = None
 
@@ -89,6 +97,7 @@ class ReferenceBackend:
             "dtype": self.settings.dtype,
             "kv_slots": self.num_slots,
             "torch": torch.__version__,
+            "graph_format": GRAPH_FORMAT,
         })
 
     def cache_manifest_fields(self) -> dict[str, Any]:
@@ -97,7 +106,9 @@ class ReferenceBackend:
             # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
             "model_config": self.hf_config,
             "target": {"device": "cpu", "machine": platform.machine()},
-            "versions": {"torch": torch.__version__},
+            # The artifact format is part of the key: entries of another format are
+            # misses, never loaded.
+            "versions": {"torch": torch.__version__, "reference-graph-format": GRAPH_FORMAT},
             "compiler_flags": [],
             # Graphs take weights as inputs, so they do not depend on the checkpoint.
             "weights_fingerprint": None,
@@ -113,18 +124,15 @@ class ReferenceBackend:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64)  # noqa: E731
         cache = torch.zeros(self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
                             self.spec.head_dim, dtype=self.dtype)
+        sampling = (() if self.module.candidates is None
+                    else _sampling_tensors(SamplingInputs.greedy(batch)))
         return (weights, zeros(batch, active), zeros(batch, active), zeros(batch, active),
-                zeros(batch, width), zeros(batch), zeros(batch), cache, cache.clone())
+                zeros(batch, width), zeros(batch), zeros(batch), cache, cache.clone(),
+                *sampling)
 
     def _weight_placeholders(self) -> list[torch.Tensor]:
         """Shapes from the safetensors headers: compiling needs no weight data."""
-        from safetensors import safe_open
-
-        shapes: dict[str, list[int]] = {}
-        for path in sorted(self.model_dir.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    shapes[key] = f.get_slice(key).get_shape()
+        shapes = safetensors_shapes(self.model_dir)
         return [torch.zeros(shapes[n], dtype=self.dtype) for n in weight_names(self.spec)]
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
@@ -133,7 +141,7 @@ class ReferenceBackend:
         weights = self._weight_placeholders()
         for graph in graph_specs(self.settings):
             exported = torch.export.export(self.module, self._example_inputs(graph, weights))
-            torch.export.save(exported, str(folder / "graphs" / f"{graph.name}.pt2"))
+            save_graph(exported, folder / "graphs", graph.name)
             if progress:
                 progress(graph.name)
         write_artifact_record(folder, self._record())
@@ -141,10 +149,8 @@ class ReferenceBackend:
     def load(self, folder: Path) -> None:
         folder = Path(folder)
         check_artifact_record(folder, self._record())
-        self.graphs = {
-            (g.phase, g.shape): torch.export.load(str(folder / "graphs" / f"{g.name}.pt2")).module()
-            for g in graph_specs(self.settings)
-        }
+        self.graphs = {(g.phase, g.shape): load_graph(folder / "graphs", g.name)
+                       for g in graph_specs(self.settings)}
         self.weights = load_weights(self.model_dir, self.spec, self.dtype)
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
                  self.spec.head_dim)
@@ -178,18 +184,35 @@ class ReferenceBackend:
         read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
         return write, read
 
-    def _call(self, phase, shape, input_ids, positions, write, read, full, last):
-        graph = self.graphs[(phase, shape)]
-        with torch.inference_mode():
-            return graph(self.weights, input_ids, positions, write, read, full, last,
-                         self.k_cache, self.v_cache)
-
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+    def _call(self, inputs: ForwardInputs, sampling: SamplingInputs | None):
+        """The bucket's graph on `inputs`: logits, or (logits, tokens) with a sampler."""
         write, read = self._slots(inputs)
         last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
         t = torch.from_numpy
-        logits = self._call(inputs.phase, inputs.bucket, t(inputs.input_ids),
-                            t(inputs.position_ids), t(np.ascontiguousarray(write)),
-                            t(np.ascontiguousarray(read)), t(inputs.full_context_lens),
-                            t(last))
+        extra = () if sampling is None else _sampling_tensors(
+            sampling.padded(inputs.input_ids.shape[0]))
+        graph = self.graphs[(inputs.phase, inputs.bucket)]
+        with torch.inference_mode():
+            return graph(self.weights, t(inputs.input_ids), t(inputs.position_ids),
+                         t(np.ascontiguousarray(write)), t(np.ascontiguousarray(read)),
+                         t(inputs.full_context_lens), t(last), self.k_cache, self.v_cache,
+                         *extra)
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        if self.module.candidates is None:
+            return self._call(inputs, None)[: inputs.num_real]
+        logits, _ = self._call(inputs, SamplingInputs.greedy(inputs.num_real))
         return logits[: inputs.num_real]
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """Tokens from the compiled sampler; logits only of the rows that need them."""
+        logits, tokens = self._call(inputs, sampling)
+        wanted = torch.from_numpy(np.flatnonzero(sampling.needs_logits))
+        return StepOutput(tokens=tokens[: inputs.num_real].numpy().astype(np.int32),
+                          logits=logits.index_select(0, wanted))
+
+
+def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:
+    """The graph's sampling inputs, in its argument order."""
+    return tuple(torch.from_numpy(a) for a in (sampling.top_k, sampling.top_p,
+                                               sampling.temperature, sampling.uniform))

@@ -13,17 +13,22 @@ Every bucket uses the same signature; only shapes differ:
 Key position j of row b is visible to a query at position q when j <= q and
 j < full_context_lens[b]; masked scores use the dtype's minimum (not -inf) so fully padded
 rows stay finite and never poison the cache with NaNs.
+
+With on-device sampling the graph also takes the call's `SamplingInputs` arrays
+(top_k, top_p, temperature, uniform: [batch]) and returns (logits, tokens): the sampler
+is compiled into every bucket's graph, as NxDI compiles its own (see `sample`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from neuron_plugin.core.checkpoint import safetensors_files
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
@@ -80,10 +85,6 @@ class DecoderSpec:
         )
 
 
-def read_hf_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
 def rope_inv_freq(config: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, exactly as transformers computes them."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -130,7 +131,7 @@ def load_weights(model_dir: str | Path, spec: DecoderSpec, dtype: torch.dtype) -
     """The checkpoint's safetensors, in `weight_names` order, in the serving dtype."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = safetensors_files(model_dir)
     if not files:
         raise UnsupportedModelError(
             f"no *.safetensors files in {model_dir}; the reference backend loads "
@@ -163,20 +164,53 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class DecoderGraph(nn.Module):
-    """One decoder step over a fixed-shape bucket (see the module docstring)."""
+def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           temperature: torch.Tensor, uniform: torch.Tensor, candidates: int) -> torch.Tensor:
+    """One token per row with vLLM's sampling semantics, as a fixed-shape function.
 
-    def __init__(self, spec: DecoderSpec, inv_freq: torch.Tensor, attention_scaling: float):
+    Rows with top_k 1 take the argmax of the logits (vLLM's greedy). Others keep the
+    `candidates` (global_topk) largest logits, divide them by the temperature, cut them to
+    the row's top-k (ties with the k-th value stay, as in vLLM) and then to its top-p (a
+    token stays while the probability before it is below top_p, vLLM's rule; NxDI's
+    sampler also drops the token that crosses top_p), and draw by inverse CDF with the
+    row's uniform number: one random input per row, made on the host, so the graph has
+    no random operator and a row's draw costs 4 bytes across the runner's seam."""
+    greedy = logits.max(dim=-1).indices
+    values, indices = torch.topk(logits, candidates, dim=-1)
+    kth = values.gather(-1, top_k.clamp(1, candidates).long().unsqueeze(-1) - 1)
+    scaled = (values / temperature.unsqueeze(-1)).masked_fill(values < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    before = probs.cumsum(-1) - probs
+    probs = probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)
+    cumulative = probs.cumsum(-1)
+    drawn = (cumulative <= uniform.unsqueeze(-1) * cumulative[:, -1:]).sum(-1, keepdim=True)
+    # Float rounding may land past the last kept token; kept tokens are a prefix.
+    last_kept = (probs > 0).sum(-1, keepdim=True) - 1
+    token = indices.gather(-1, torch.minimum(drawn, last_kept)).squeeze(-1)
+    return torch.where(top_k == 1, greedy, token)
+
+
+class DecoderGraph(nn.Module):
+    """One decoder step over a fixed-shape bucket (see the module docstring); with
+    `candidates` (on-device sampling's global_topk, at most the vocabulary) it samples
+    too."""
+
+    def __init__(self, spec: DecoderSpec, inv_freq: torch.Tensor, attention_scaling: float,
+                 candidates: int | None = None):
         super().__init__()
         self.spec = spec
         self.register_buffer("inv_freq", inv_freq.float(), persistent=True)
         self.attention_scaling = attention_scaling
+        self.candidates = candidates
 
     def forward(self, weights: list[torch.Tensor], input_ids: torch.Tensor,
                 positions: torch.Tensor, write_slots: torch.Tensor,
                 read_slots: torch.Tensor, full_context_lens: torch.Tensor,
                 last_index: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, top_k: torch.Tensor | None = None,
+                top_p: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                uniform: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         batch, active = input_ids.shape
         width = read_slots.shape[1]
@@ -238,4 +272,7 @@ class DecoderGraph(nn.Module):
         x = _rms_norm(x, next(w), s.rms_norm_eps)
         last = x[torch.arange(batch), last_index]
         head = embed if s.tie_word_embeddings else next(w)
-        return (last @ head.t()).float()
+        logits = (last @ head.t()).float()
+        if self.candidates is None:
+            return logits
+        return logits, sample(logits, top_k, top_p, temperature, uniform, self.candidates)

@@ -1,10 +1,13 @@
 """Test double of NxD Inference (neuronx-distributed-inference) at the plugin's seam.
 
-It reproduces the signatures and call paths the plugin and its patches touch, copied in
-shape from the NxDI source (NeuronConfig/InferenceConfig, NeuronBaseForCausalLM.forward,
-ModelWrapper.get_target_bucket, HuggingFaceGenerationAdapter.prepare_inputs_for_generation,
-MODEL_TYPES, prepare_sampling_params). The "device" is a KV cache that stores token ids:
-a row's logits peak at (sum of its context's token ids) mod vocab, so a wrong slot, block
-table, seq_id order or prefix makes a visible difference. `_release.RELEASE`
-(FAKE_NXDI_RELEASE) selects which release's defects it reproduces.
+It reproduces what the plugin and its patches meet in NxDI, release by release
+(`_release`, FAKE_NXDI_RELEASE: 0.7, 0.8, 0.9, 0.9-ef2731e), never more leniently:
+every module's docstring names the NxDI file and functions it follows. In short:
+NeuronConfig and autobucketing decide the compiled graphs; ModelWrapper chooses the
+bucket, pads, completes and sorts batches as NxDI does; neuronx-distributed's router
+(`_nxd_runtime`) accepts only the exact input shapes of a compiled graph; the graphs
+take the last token at argmax(position_ids), read the block KV cache through cropped
+block tables and sample on device with NxDI's Sampler. The "device" stores token ids
+as its KV cache and answers with logits that peak at a function of exactly the keys a
+query attends, so a wrong slot, line, block, prefix, pad or last-token choice shows.
 """

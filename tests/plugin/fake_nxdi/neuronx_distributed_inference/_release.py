@@ -1,23 +1,28 @@
 """Which NxDI release the double reproduces, from FAKE_NXDI_RELEASE (read at import).
 
-- "2.27": NxDI 0.7 as measured in the field: the adapter passes tensor_capture_hook
-  (read from kwargs), forward() has no such parameter.
-- "2.28": NxDI 0.8 as published on GitHub: the adapter reads tensor_capture_hook as an
-  undefined global; forward() has no such parameter; batch bucketing exists.
-- "2.29": NxDI 0.9: forward() takes tensor_capture_hook.
-- "fixed": a hypothetical release with every defect the plugin patches fixed (the
-  adapter passes prefix-caching context lengths, a context equal to a bucket uses it).
+Every release is a published commit of aws-neuron/neuronx-distributed-inference:
+- "0.7": fcb5a86, Neuron SDK 2.27.0.
+- "0.8": cd3abf3, SDK 2.28.0: batch bucketing (token_generation_batches) with the 2-D
+  token-generation bucket choice; prefix caching passes adapter_ids to its graphs.
+- "0.9": c63afe0, SDK 2.29 ("Release 2.29"); the paths the plugin touches are 0.8's.
+- "0.9-ef2731e": ef2731e, the release-2.29-v2 sync (still version 0.9.0): the HF adapter
+  reads tensor_capture_hook from its kwargs and forward() accepts it.
+In 0.7, 0.8 and 0.9 `HuggingFaceGenerationAdapter.prepare_inputs_for_generation` reads
+`tensor_capture_hook` as an undefined global (NameError) and `forward()` has no such
+parameter. No release passes prefix-caching context lengths from the adapter, and every
+release sends a context equal to a bucket to the next bucket.
 """
 
 import os
 
-RELEASES = ("2.27", "2.28", "2.29", "fixed")
-RELEASE = os.environ.get("FAKE_NXDI_RELEASE", "2.27")
+RELEASES = ("0.7", "0.8", "0.9", "0.9-ef2731e")
+RELEASE = os.environ.get("FAKE_NXDI_RELEASE", "0.7")
 if RELEASE not in RELEASES:
     raise ValueError(f"FAKE_NXDI_RELEASE={RELEASE!r}; use one of {RELEASES}")
 
-FORWARD_TAKES_HOOK = RELEASE in ("2.29", "fixed")
-ADAPTER_HOOK_UNDEFINED = RELEASE == "2.28"
-ADAPTER_PASSES_PREFIX_LENS = RELEASE == "fixed"
-CTE_TAKES_EQUAL_BUCKET = RELEASE == "fixed"
-HAS_BATCH_BUCKETING = RELEASE != "2.27"
+VERSION = "0.9.0" if RELEASE.startswith("0.9") else f"{RELEASE}.0"
+# NeuronConfig.token_generation_batches, autobucketing.generate_2d_buckets_for_batch_
+# bucketing and ModelWrapper._get_batch_and_seq_bucket exist from 0.8.
+HAS_BATCH_BUCKETING = RELEASE != "0.7"
+# hf_adapter.prepare_inputs_for_generation / NeuronBaseForCausalLM.forward of ef2731e.
+HOOK_FIXED = RELEASE == "0.9-ef2731e"

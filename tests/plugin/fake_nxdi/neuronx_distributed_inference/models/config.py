@@ -1,7 +1,9 @@
-"""NeuronConfig / InferenceConfig / OnDeviceSamplingConfig / ChunkedPrefillConfig with
-NxDI 0.7's constructor signatures, defaults and validations for the keys the plugin
-sets; any other key NxDI 0.7 knows is stored as given, and unknown keys are logged and
-dropped exactly as NxDI does."""
+"""models/config.py: NeuronConfig / InferenceConfig / OnDeviceSamplingConfig /
+ChunkedPrefillConfig with NxDI 0.7's constructor signatures, defaults and validations
+for the keys the plugin sets (0.8+: token_generation_batches, sorted, at most
+tkg_batch_size, refused with the block layout by _validate_batch_bucketing_compatibility);
+any other key NxDI 0.7 knows is stored as given, and unknown keys are logged and dropped
+exactly as NeuronConfig.__init__ does."""
 
 import inspect
 import json
@@ -97,6 +99,7 @@ class NeuronConfig:
         self.ctx_batch_size = kwargs.pop("ctx_batch_size", self.batch_size)
         self.tkg_batch_size = kwargs.pop("tkg_batch_size", self.batch_size)
         self.max_batch_size = kwargs.pop("max_batch_size", self.batch_size)
+        self.kv_cache_batch_size = kwargs.pop("kv_cache_batch_size", self.batch_size)
         self.is_continuous_batching = kwargs.pop("is_continuous_batching", False)
         self.on_device_sampling_config = kwargs.pop("on_device_sampling_config", None)
         if type(self.on_device_sampling_config) is dict:
@@ -117,6 +120,13 @@ class NeuronConfig:
                 f"Token generation bucket {self.token_generation_buckets[-1]} should be <= {self.max_length}"
         if HAS_BATCH_BUCKETING:
             self.token_generation_batches = kwargs.pop("token_generation_batches", None)
+            if self.token_generation_batches is not None:
+                if not isinstance(self.token_generation_batches, list):
+                    self.token_generation_batches = [self.token_generation_batches]
+                self.token_generation_batches.sort()
+                assert self.token_generation_batches[-1] <= self.tkg_batch_size, (
+                    f"Token generation batch buckets {self.token_generation_batches} "
+                    f"should be <= token generation batch size ({self.tkg_batch_size})")
         self.quantized = kwargs.pop("quantized", False)
         self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
         if self.quantized is True:

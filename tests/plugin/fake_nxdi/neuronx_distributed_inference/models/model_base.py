@@ -1,7 +1,17 @@
-"""NeuronBaseForCausalLM: forward() with the exact parameter list of the release (0.7/0.8
-without tensor_capture_hook, 0.9 with it), the preprocess/attention-mask inference,
-the prefix-caching `full_context_lens - computed_context_lens`, the routing between
-context encoding and token generation, and the output construction."""
+"""models/model_base.py: NeuronBaseForCausalLM as the plugin drives it.
+
+- __init__: default sampling_params with batch_size (max_num_seqs) rows, used when a
+  call passes none; enable_context_encoding (batch ctx_batch_size, buckets from
+  autobucketing.generate_buckets_for_cte) and enable_token_generation (batch
+  tkg_batch_size, generate_buckets_for_tkg);
+- forward: the exact parameter list of the release (tensor_capture_hook only in
+  ef2731e), preprocess_inputs (attention mask inferred from position_ids when absent,
+  seq_ids defaulted, sampling_params defaulted and, with on-device sampling, validated),
+  _get_model_outputs (prefix caching: context encoding iff more than one input token
+  and position 0, else token generation; contiguous: context encoding iff position 0),
+  and the output: tokens and logits with on-device sampling and output_logits
+  (outputs[:2]), else tokens (on-device) or logits.
+"""
 
 from copy import deepcopy
 from typing import Callable, List, Optional
@@ -9,14 +19,16 @@ from typing import Callable, List, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from neuronx_distributed_inference._release import FORWARD_TAKES_HOOK
+from neuronx_distributed_inference._release import HAS_BATCH_BUCKETING, HOOK_FIXED
 from neuronx_distributed_inference.models.application_base import NeuronApplicationBase
 from neuronx_distributed_inference.models.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
 )
+from neuronx_distributed_inference.modules import autobucketing
 from neuronx_distributed_inference.modules.generation.sampling import (
+    infer_sampling_params,
     prepare_sampling_params,
     validate_sampling_params,
 )
@@ -36,33 +48,25 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.enable_context_encoding()
         self.enable_token_generation()
 
-    def _submodel(self, tag, buckets):
-        config = deepcopy(self.config)
-        config.neuron_config.buckets = buckets
-        model = ModelWrapper(config, self._model_cls, tag=tag)
-        self.models.append(model)
-        return model
-
     def enable_context_encoding(self):
-        c = self.neuron_config
-        cte = c.context_encoding_buckets or [c.max_context_length]
-        if c.is_prefix_caching:
-            buckets = [[n, p] for n in cte for p in [0] + list(c.prefix_buckets or [])]
-        else:
-            buckets = list(cte)
-        self.context_encoding_model = self._submodel(CONTEXT_ENCODING_MODEL_TAG, buckets)
+        new_config = deepcopy(self.config)
+        new_config.neuron_config.batch_size = self.neuron_config.ctx_batch_size
+        new_config.neuron_config.n_active_tokens = self.neuron_config.max_context_length
+        new_config.neuron_config.bucket_n_active_tokens = True
+        new_config.neuron_config.buckets = autobucketing.generate_buckets_for_cte(new_config)
+        self.context_encoding_model = ModelWrapper(new_config, self._model_cls,
+                                                   tag=CONTEXT_ENCODING_MODEL_TAG)
+        self.models.append(self.context_encoding_model)
 
     def enable_token_generation(self):
-        c = self.neuron_config
-        tkg = c.token_generation_buckets or [c.max_length]
-        batches = getattr(c, "token_generation_batches", None)
-        if c.is_prefix_caching:
-            buckets = [[1, n] for n in tkg]
-        elif batches:
-            buckets = [[b, n] for b in batches for n in tkg]
-        else:
-            buckets = list(tkg)
-        self.token_generation_model = self._submodel(TOKEN_GENERATION_MODEL_TAG, buckets)
+        new_config = deepcopy(self.config)
+        new_config.neuron_config.batch_size = self.neuron_config.tkg_batch_size
+        new_config.neuron_config.n_active_tokens = 1
+        new_config.neuron_config.bucket_n_active_tokens = False
+        new_config.neuron_config.buckets = autobucketing.generate_buckets_for_tkg(new_config)
+        self.token_generation_model = ModelWrapper(new_config, self._model_cls,
+                                                   tag=TOKEN_GENERATION_MODEL_TAG)
+        self.models.append(self.token_generation_model)
 
     def get_required_kwargs(self) -> List[str]:
         return []
@@ -70,8 +74,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def reset(self):
         self.kv_cache_populated = False
 
-    def _infer_attention_mask(self, position_ids, full_context_lens=None,
-                              computed_context_lens=None):
+    def _infer_attention_mask(self, position_ids):
         assert position_ids is not None, \
             "need to call forward with position_ids if attention_mask is not provided"
         batch_size, seq_len = position_ids.shape
@@ -85,42 +88,62 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return (position_ids_to_compare >= mask).to(dtype=position_ids.dtype)
 
     def _forward(self, input_ids, seq_ids, attention_mask, position_ids, sampling_params,
-                 slot_mapping, block_table, full_context_lens, computed_context_lens):
+                 adapter_ids, slot_mapping, block_table, full_context_lens,
+                 computed_context_lens):
+        # preprocess_inputs
         if attention_mask is None:
-            attention_mask = self._infer_attention_mask(position_ids, full_context_lens,
-                                                        computed_context_lens)
+            attention_mask = self._infer_attention_mask(position_ids)
         if seq_ids is None:
             seq_ids = torch.arange(input_ids.shape[0])
-        sampling_params = (self.default_sampling_params if sampling_params is None
-                           else sampling_params)
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params
         if self.on_device_sampling:
             validate_sampling_params(sampling_params, self.neuron_config.on_device_sampling_config)
-        empty = torch.empty(0)
+        sampling_params = infer_sampling_params(sampling_params)
+        outputs = self._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids,
+                                          sampling_params, adapter_ids, slot_mapping,
+                                          block_table, full_context_lens,
+                                          computed_context_lens)
+        if self.on_device_sampling and self.neuron_config.output_logits:
+            tokens_and_logits = outputs[:2]
+            return self._construct_output_with_tokens_and_logits(tokens_and_logits[0],
+                                                                 tokens_and_logits[1])
+        return self._construct_output(outputs)
+
+    def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids,
+                           sampling_params, adapter_ids, slot_mapping, block_table,
+                           full_context_lens, computed_context_lens):
         if self.neuron_config.is_prefix_caching:
             num_queries = full_context_lens - computed_context_lens
-            batch_size, _ = num_queries.shape
             is_context_encoding = input_ids.shape[-1] > 1 and not position_ids.min().item()
-            model = self.context_encoding_model if is_context_encoding else self.token_generation_model
-            logits = model(input_ids, attention_mask, position_ids, seq_ids, sampling_params,
-                           empty, empty, empty, empty, empty, empty, slot_mapping, block_table,
-                           num_queries, computed_context_lens)
-        elif position_ids.min().item() == 0:
-            logits = self.context_encoding_model(input_ids, attention_mask, position_ids,
-                                                 seq_ids, sampling_params)
+            model = (self.context_encoding_model if is_context_encoding
+                     else self.token_generation_model)
+            empty = torch.empty(0)
+            return model(input_ids, attention_mask, position_ids, seq_ids, sampling_params,
+                         empty, adapter_ids if HAS_BATCH_BUCKETING else empty,
+                         empty, empty, empty, empty, slot_mapping, block_table, num_queries,
+                         computed_context_lens)
+        if position_ids.min().item() == 0:
+            outputs = self.context_encoding_model(input_ids, attention_mask, position_ids,
+                                                  seq_ids, sampling_params, None, adapter_ids)
             self.kv_cache_populated = True
-        else:
-            logits = self.token_generation_model(input_ids, attention_mask, position_ids,
-                                                 seq_ids, sampling_params)
-        if self.on_device_sampling and self.neuron_config.output_logits:
-            output = CausalLMOutputWithPast(logits=logits, hidden_states=[], attentions=None)
-            output.tokens = logits[:, -1, :].argmax(dim=-1)
-            return output
-        output = CausalLMOutputWithPast(logits=None if self.on_device_sampling else logits,
-                                        hidden_states=logits, attentions=None)
-        output.tokens = logits
+            return outputs
+        return self.token_generation_model(input_ids, attention_mask, position_ids, seq_ids,
+                                           sampling_params, None, adapter_ids)
+
+    def _construct_output_with_tokens_and_logits(self, next_tokens, logits):
+        output = CausalLMOutputWithPast(logits=logits, hidden_states=[], attentions=None)
+        output.tokens = next_tokens
         return output
 
-    if FORWARD_TAKES_HOOK:
+    def _construct_output(self, logits_or_next_tokens):
+        output = CausalLMOutputWithPast(
+            logits=None if self.on_device_sampling else logits_or_next_tokens,
+            hidden_states=logits_or_next_tokens, attentions=None)
+        output.tokens = logits_or_next_tokens
+        return output
+
+    if HOOK_FIXED:
         def forward(
             self,
             input_ids: torch.LongTensor = None,
@@ -148,7 +171,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             tf_args: Optional[List[torch.Tensor]] = None,
         ):
             return self._forward(input_ids, seq_ids, attention_mask, position_ids,
-                                 sampling_params, slot_mapping, block_table,
+                                 sampling_params, adapter_ids, slot_mapping, block_table,
                                  full_context_lens, computed_context_lens)
     else:
         def forward(
@@ -177,5 +200,5 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             tf_args: Optional[List[torch.Tensor]] = None,
         ):
             return self._forward(input_ids, seq_ids, attention_mask, position_ids,
-                                 sampling_params, slot_mapping, block_table,
+                                 sampling_params, adapter_ids, slot_mapping, block_table,
                                  full_context_lens, computed_context_lens)

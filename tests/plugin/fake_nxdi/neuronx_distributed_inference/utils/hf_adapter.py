@@ -1,19 +1,18 @@
-"""load_pretrained_config and HuggingFaceGenerationAdapter.
+"""utils/hf_adapter.py: load_pretrained_config and HuggingFaceGenerationAdapter.
 
-prepare_inputs_for_generation is NxDI's code path per release (see _release). generate()
-is the greedy branch of transformers' GenerationMixin.generate -> the adapter's _sample
-loop: prepare inputs, call the adapter (whose forward is the model's forward), append the
-argmax token, extend the attention mask by one column."""
+prepare_inputs_for_generation is NxDI's code per release: 0.7, 0.8 and 0.9 put
+`tensor_capture_hook` into the model inputs without defining it (a NameError as
+published), ef2731e reads it from kwargs; no release passes prefix-caching context
+lengths. generate() is the greedy branch of transformers' GenerationMixin.generate ->
+the adapter's _sample loop: prepare inputs, call the adapter (whose forward is the
+model's forward), append the argmax token, extend the attention mask by one column."""
 
 from types import SimpleNamespace
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from neuronx_distributed_inference._release import (
-    ADAPTER_HOOK_UNDEFINED,
-    ADAPTER_PASSES_PREFIX_LENS,
-)
+from neuronx_distributed_inference._release import HOOK_FIXED
 from neuronx_distributed_inference.models.config import to_torch_dtype
 
 
@@ -87,29 +86,6 @@ def _model_inputs(self, input_ids, past_key_values, attention_mask, inputs_embed
     return model_inputs
 
 
-def _context_lens(self, attention_mask):
-    """The hypothetical fix: full/computed lengths, one block range per row."""
-    config = self.neuron_config
-    batch = attention_mask.shape[0]
-    full = attention_mask.long().sum(dim=1).reshape(batch, 1)
-    populated = self.neuron_model.kv_cache_populated
-    computed = full - 1 if populated else torch.zeros_like(full)
-    per_row = -(-config.seq_len // config.pa_block_size)
-    needed = -(-int(full.max()) // config.pa_block_size)
-    table = torch.tensor([[row * per_row + i for i in range(needed)] for row in range(batch)])
-    slots = []
-    for row in range(batch):
-        if populated:
-            positions = [int(full[row, 0]) - 1]
-        else:
-            positions = [p if m else -1 for p, m in
-                         enumerate(attention_mask[row].tolist())]
-        slots.append([-1 if p < 0 else int(table[row, p // config.pa_block_size])
-                      * config.pa_block_size + p % config.pa_block_size for p in positions])
-    return {"full_context_lens": full, "computed_context_lens": computed,
-            "block_table": table, "slot_mapping": torch.tensor(slots)}
-
-
 class HuggingFaceGenerationAdapter(torch.nn.Module):
     def __init__(self, model, input_start_offsets=None, capture_draft_logits=False):
         super().__init__()
@@ -155,7 +131,18 @@ class HuggingFaceGenerationAdapter(torch.nn.Module):
             model_kwargs["attention_mask"] = attention_mask
         return model_kwargs
 
-    if ADAPTER_HOOK_UNDEFINED:
+    if HOOK_FIXED:
+        def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
+                                          attention_mask=None, inputs_embeds=None,
+                                          sampling_params=None, adapter_ids=None, **kwargs):
+            self.prev_kv_cache_populated = self.neuron_model.kv_cache_populated
+            if self.neuron_model.kv_cache_populated:
+                input_ids = input_ids[:, -1:]
+            tensor_capture_hook = kwargs.get("tensor_capture_hook", None)
+            return _model_inputs(self, input_ids, past_key_values, attention_mask,
+                                 inputs_embeds, sampling_params, adapter_ids, kwargs,
+                                 tensor_capture_hook)
+    else:
         def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
                                           attention_mask=None, inputs_embeds=None,
                                           sampling_params=None, adapter_ids=None, **kwargs):
@@ -165,22 +152,3 @@ class HuggingFaceGenerationAdapter(torch.nn.Module):
             return _model_inputs(self, input_ids, past_key_values, attention_mask,
                                  inputs_embeds, sampling_params, adapter_ids, kwargs,
                                  tensor_capture_hook)  # noqa: F821 (as published)
-    else:
-        def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
-                                          attention_mask=None, inputs_embeds=None,
-                                          sampling_params=None, adapter_ids=None, **kwargs):
-            self.prev_kv_cache_populated = self.neuron_model.kv_cache_populated
-            if self.neuron_model.kv_cache_populated:
-                input_ids = input_ids[:, -1:]
-            tensor_capture_hook = kwargs.get("tensor_capture_hook", None)
-            if (ADAPTER_PASSES_PREFIX_LENS and self.neuron_config.is_prefix_caching
-                    and attention_mask.shape[1] < input_ids.shape[1]):
-                grown = input_ids.shape[1] - attention_mask.shape[1]
-                attention_mask = torch.cat(
-                    [attention_mask, attention_mask.new_ones((input_ids.shape[0], grown))], -1)
-            model_inputs = _model_inputs(self, input_ids, past_key_values, attention_mask,
-                                         inputs_embeds, sampling_params, adapter_ids, kwargs,
-                                         tensor_capture_hook)
-            if ADAPTER_PASSES_PREFIX_LENS and self.neuron_config.is_prefix_caching:
-                model_inputs.update(_context_lens(self, attention_mask))
-            return model_inputs

@@ -1,8 +1,19 @@
-"""prepare_sampling_params and validate_sampling_params as in NxDI 0.7."""
+"""modules/generation/sampling.py: prepare_sampling_params, validate_sampling_params,
+infer_sampling_params and the on-device Sampler, on its CPU (`on_cpu`) code paths.
+
+The Sampler's semantics are NxDI's (identical in 0.7-0.9): argmax over the logits,
+ignoring sampling_params, unless do_sample or dynamic is set; otherwise per row the
+top_k of the global_topk largest logits, divided by the temperature and cut to top_p
+only when dynamic is set, then a multinomial draw whose uniform number is 0.5 when
+deterministic. Without dynamic, `torch.any(temperature != 1.0)` is decided when the
+graph is traced, on the example inputs of ModelWrapper.input_generator (the config's
+temperature/top_p with do_sample, else 1), so it is decided once here too."""
 
 from typing import Union
 
 import torch
+
+IGNORED_LOGITS_VALUE = -3000  # Sampler.IGNORED_LOGITS_VALUE
 
 
 def prepare_sampling_params(batch_size, top_k=[1], top_p=[1.0], temperature=[1.0]):
@@ -40,7 +51,70 @@ def validate_sampling_params(params: torch.Tensor, on_device_sampling_config) ->
         raise ValueError(
             f"Invalid top-k values found. top-k must be -1 or greater than 0 but less than "
             f"or equal to {global_top_k=}. Found {top_k=}.")
-    if not torch.all((top_p > 0) & (top_p <= 1.0)):
+    if not torch.equal(top_k, top_k.floor()):
+        raise ValueError(f"Invalid top-k values found. Found {top_k=}.")
+    if not torch.all((top_p > 0.0) & (top_p <= 1.0)):
         raise ValueError(f"Invalid top-p values found. Found {top_p=}.")
-    if not torch.all(temperature > 0):
+    if not torch.all(temperature >= 0.0):
         raise ValueError(f"Invalid temperature values found. Found {temperature=}.")
+    if torch.any((temperature == 0.0) & ((top_k == -1) | (top_k == 0))):
+        raise ValueError("Invalid sampling parameters found. Temperature = 0 enables greedy "
+                         "sampling. Please set top_k to 1")
+
+
+def infer_sampling_params(params: torch.Tensor):
+    for i in range(params.shape[0]):
+        if params[i, 2] == 0:
+            params[i, 0] = 1
+            params[i, 1] = 1
+    return params
+
+
+class Sampler(torch.nn.Module):
+    """Sampler(neuron_config): built at trace time, so do_sample/dynamic/deterministic
+    are compiled into each graph."""
+
+    def __init__(self, neuron_config, do_sample=None):
+        super().__init__()
+        config = neuron_config.on_device_sampling_config
+        self.do_sample = config.do_sample if do_sample is None else do_sample
+        self.dynamic = config.dynamic
+        self.deterministic = config.deterministic
+        self.global_topk = config.global_topk
+        traced = config if self.do_sample else None
+        self.scales = self.dynamic or (traced is not None and traced.temperature != 1.0)
+        self.cuts_top_p = self.dynamic or (traced is not None and traced.top_p < 1.0)
+
+    def _top_k_masked(self, logits, top_k, dim):
+        if self.global_topk > 0:
+            sorted_logits, indices = torch.topk(input=logits, k=self.global_topk, dim=dim)
+        else:
+            sorted_logits, indices = torch.sort(input=logits, dim=dim, descending=True)
+        mask = torch.arange(sorted_logits.shape[-1]).broadcast_to(*sorted_logits.shape)
+        return sorted_logits.masked_fill_(torch.greater_equal(mask, top_k),
+                                          IGNORED_LOGITS_VALUE), indices
+
+    def _multinomial_sample(self, token_logits, sampling_params, dim):
+        batch_size = token_logits.shape[0]
+        top_k = sampling_params[:, 0].reshape(batch_size, 1)
+        top_p = sampling_params[:, 1].reshape(batch_size, 1)
+        temperature = sampling_params[:, 2].reshape(batch_size, 1)
+        values, indices = self._top_k_masked(token_logits, top_k, dim)
+        if self.scales:
+            values = torch.divide(values, temperature)
+        if self.cuts_top_p:
+            cumsum = torch.cumsum(torch.softmax(values, dim=dim), dim=dim)
+            top_p = torch.max(torch.min(cumsum), top_p)
+            top_p_mask = torch.greater(cumsum, top_p).index_fill_(dim, torch.tensor([0]), False)
+            values = values.masked_fill_(top_p_mask, IGNORED_LOGITS_VALUE)
+        cumsum = torch.cumsum(torch.softmax(values, dim=dim), dim=dim)
+        shape = (cumsum.shape[0], 1)
+        selector = torch.full(shape, 0.5) if self.deterministic else torch.rand(shape)
+        counts = torch.sum(torch.greater(selector, cumsum), dim=dim).unsqueeze(dim)
+        return torch.gather(input=indices, dim=dim, index=counts).flatten()
+
+    def forward(self, token_logits, sampling_params):
+        dim = len(token_logits.shape) - 1
+        if self.do_sample or self.dynamic:
+            return self._multinomial_sample(token_logits, sampling_params, dim)
+        return torch.argmax(token_logits, dim=dim)

@@ -1,0 +1,158 @@
+"""Model loading through the compile cache: look up, compile on a miss, publish, load.
+
+The cache key covers everything that changes the compiled graphs (architecture config,
+graph-relevant settings, bucket grids, target, versions) and nothing that does not, so a
+second start with the same configuration compiles nothing and a changed bucket grid is a
+miss whose reason names the field.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from compile_cache.cache import CacheResult, CompileCache
+from compile_cache.manifest import make_manifest
+from compile_cache.stores import open_store
+from neuron_plugin.backends.base import Backend, Progress, graph_specs
+from neuron_plugin.core.settings import GRID_KEYS, NeuronSettings
+from neuron_plugin.core.inputs import padding_inputs
+from neuron_plugin import plugin_logger
+
+logger = plugin_logger(__name__)
+
+# Settings that do not change a compiled graph: excluded from the cache key so that
+# toggling them never forces a recompile.
+_RUNTIME_ONLY = frozenset({"backend", "architecture", "kv_layout_reason", "skip_warmup",
+                           "backend_python",
+                           "dtype", *GRID_KEYS})
+
+
+def make_backend(settings: NeuronSettings, model_dir: str | Path) -> Backend:
+    """The backend the settings name; NxD imports stay inside its module."""
+    if settings.backend == "reference":
+        from neuron_plugin.backends.reference.backend import ReferenceBackend
+
+        return ReferenceBackend(settings, model_dir)
+    from neuron_plugin.backends.nxd import NxDBackend
+
+    return NxDBackend(settings, model_dir)
+
+
+def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]:
+    """The canonical description of what would be compiled (the cache key's input)."""
+    fields = backend.cache_manifest_fields()
+    neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    return make_manifest(
+        backend=settings.backend,
+        model_config=fields["model_config"],
+        neuron_config=neuron_config,
+        buckets={key: list(getattr(settings, key)) for key in GRID_KEYS},
+        target=fields["target"],
+        versions=fields["versions"],
+        compiler_flags=fields["compiler_flags"],
+        weights_fingerprint=fields["weights_fingerprint"],
+        dtype=settings.dtype,
+    )
+
+
+def compile_into_cache(backend: Backend, cache: CompileCache,
+                       progress: Progress | None = None) -> CacheResult:
+    """Return a verified local folder of compiled graphs, compiling only on a miss. Each
+    compiled graph is logged (name, n of N, elapsed), so a serve-time miss shows where
+    it is; `progress` also gets each graph's name (precompile's progress bar)."""
+    manifest = cache_manifest(backend.settings, backend)
+    total = len(graph_specs(backend.settings))
+
+    def build(folder: Path) -> None:
+        logger.info("compiling %d graphs for %s backend into the compile cache", total,
+                    backend.name)
+        started = time.perf_counter()
+        done = 0
+
+        def compiled(name: str) -> None:
+            nonlocal done
+            done += 1
+            logger.info("compiled graph %s (%d of %d), %.1f s so far", name, done, total,
+                        time.perf_counter() - started)
+            if progress is not None:
+                progress(name)
+
+        backend.compile(folder, progress=compiled)
+        logger.info("compiled %d graphs in %.1f s", total, time.perf_counter() - started)
+
+    # The plugin's logger, which vLLM configures: waiting for another process's or host's
+    # compile (who, since when, progress) and refusals are visible in the serving log.
+    result = cache.get_or_build(manifest, build, log=logger)
+    if result.hit:
+        logger.info("compile cache hit: key %s, loading %d compiled graphs from %s",
+                    result.key, total, result.path)
+    else:
+        logger.info("compile cache %s; compiled and published %d graphs under key %s",
+                    result.reason, total, result.key)
+    return result
+
+
+def load_backend(settings: NeuronSettings, model_dir: str | Path,
+                 cache_url: str | None = None) -> tuple[Backend, CacheResult]:
+    """Build, compile-or-fetch, and load the backend for one configuration."""
+    backend = make_backend(settings, model_dir)
+    cache = CompileCache(open_store(cache_url))
+    result = compile_into_cache(backend, cache)
+    backend.load(result.path)
+    if not settings.skip_warmup:
+        started = time.perf_counter()
+        for graph in graph_specs(settings):
+            backend.forward(padding_inputs(settings, graph.phase, graph.shape))
+        logger.info("warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true "
+                    "skips it)", len(graph_specs(settings)), time.perf_counter() - started)
+    return backend, result
+
+
+def open_backend(settings: NeuronSettings, model_dir: str | Path,
+                 cache_url: str | None = None) -> Backend:
+    """The loaded backend: in this process, or in a runner process started under
+    `settings.backend_python` (the Neuron SDK's interpreter)."""
+    if not settings.backend_python:
+        return load_backend(settings, model_dir, cache_url)[0]
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    backend = RunnerBackend(settings, model_dir)
+    try:
+        backend.load(cache_url)
+    except BaseException:
+        backend.close()
+        raise
+    return backend
+
+
+def compile_configuration(settings: NeuronSettings, model_dir: str | Path,
+                          cache_url: str | None = None,
+                          progress: Progress | None = None) -> CacheResult:
+    """Compile-or-fetch without loading (precompile), where the backend runs: in this
+    process, or in its runner (whose progress arrives as log lines, not callbacks)."""
+    if not settings.backend_python:
+        return compile_into_cache(make_backend(settings, model_dir),
+                                  CompileCache(open_store(cache_url)), progress)
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    backend = RunnerBackend(settings, model_dir)
+    try:
+        return backend.compile(cache_url)
+    finally:
+        backend.close()
+
+
+def configuration_manifest(settings: NeuronSettings, model_dir: str | Path) -> dict[str, Any]:
+    """The cache manifest of a configuration, computed where the backend runs (its
+    versions are part of it)."""
+    if not settings.backend_python:
+        return cache_manifest(settings, make_backend(settings, model_dir))
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    backend = RunnerBackend(settings, model_dir)
+    try:
+        return backend.manifest()
+    finally:
+        backend.close()

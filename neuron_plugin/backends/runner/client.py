@@ -1,0 +1,233 @@
+"""The worker's side of the runner: starts the runner process in the backend's
+interpreter and serves the Backend contract through it (see the package docstring).
+
+Faults end in an error naming the interpreter, the runner's last log lines and the fix:
+a runner that cannot start (missing package, wrong protocol) stops the engine's start-up;
+a runner that dies while serving fails the call in progress, and with it the engine
+step, so vLLM fails the in-flight requests and shuts down rather than hanging.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compile_cache.cache import CacheResult
+from neuron_plugin import plugin_logger
+from neuron_plugin.backends.base import StepOutput
+from neuron_plugin.backends.runner.protocol import (
+    PROTOCOL_VERSION,
+    Arena,
+    encode_inputs,
+    encode_sampling,
+    input_arena_bytes,
+    output_arena_bytes,
+    read_message,
+    write_message,
+)
+from neuron_plugin.core.checkpoint import vocab_size
+from neuron_plugin.core.inputs import ForwardInputs
+from neuron_plugin.core.sampling import SamplingInputs
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+
+logger = plugin_logger(__name__)
+
+TAIL_LINES = 25
+EXIT_WAIT_S = 10.0
+
+
+class RunnerError(RuntimeError):
+    """The backend runner failed or died; the message says why and what to do."""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class RunnerProcess:
+    """A started runner: its process, its two arenas, and request/reply over its pipes."""
+
+    def __init__(self, python: str, backend: str, input_bytes: int, output_bytes: int):
+        self.python = python
+        self._tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.inputs = Arena.create("neuron-runner-inputs", input_bytes)
+        self.outputs = Arena.create("neuron-runner-outputs", output_bytes)
+        fds = (self.inputs.fd, self.outputs.fd)
+        try:
+            self.process = subprocess.Popen(
+                [python, "-m", "neuron_plugin.backends.runner",
+                 "--input-fd", str(fds[0]), "--input-bytes", str(input_bytes),
+                 "--output-fd", str(fds[1]), "--output-bytes", str(output_bytes),
+                 "--parent-pid", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=fds)
+        except OSError as exc:
+            self._close_arenas()
+            raise RunnerError(
+                f"cannot start the backend runner with VLLM_NEURON_BACKEND_PYTHON="
+                f"{python!r}: {exc}; point it at the Python of the environment that "
+                f"has the backend installed.") from exc
+        self._relay = threading.Thread(target=self._relay_log, daemon=True,
+                                       name="neuron-runner-log")
+        self._relay.start()
+        self.handshake = self.request("hello", protocol=PROTOCOL_VERSION, backend=backend)
+
+    def describe(self) -> str:
+        """The handshake in one line: who runs the backend, with which versions."""
+        v = self.handshake["versions"]
+        return (f"backend runner pid {self.handshake['pid']}: {self.handshake['backend']} "
+                f"backend in {v['executable']} (Python {v['python']}, torch {v['torch']}, "
+                f"transformers {v['transformers']}, NxDI "
+                f"{v['neuronx-distributed-inference']}, neuronx-cc {v['neuronx-cc']}), "
+                f"protocol {PROTOCOL_VERSION}")
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        try:
+            write_message(self.process.stdin, {"op": op, **fields})
+            reply = read_message(self.process.stdout)
+        except (BrokenPipeError, ConnectionResetError):
+            reply = None
+        if reply is None:
+            raise self._died(op)
+        if not reply.get("ok"):
+            error = reply.get("error", "unknown error")
+            if reply.get("type") == "NeuronConfigError":
+                raise NeuronConfigError(error.removeprefix("NeuronConfigError: "))
+            raise RunnerError(f"the backend runner ({self.python}) failed {op}: {error}"
+                              + (self._fix_for_start() if op == "hello" else ""))
+        return reply
+
+    def close(self) -> None:
+        """Stop the runner (it would also die with this process)."""
+        if self.process.poll() is None:
+            try:
+                write_message(self.process.stdin, {"op": "shutdown"})
+                self.process.wait(EXIT_WAIT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self._close_arenas()
+
+    def _relay_log(self) -> None:
+        """The runner's stderr into vLLM's log, keeping the last lines for errors."""
+        for raw in iter(self.process.stderr.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self._tail.append(line)
+            logger.info("backend runner: %s", line)
+
+    def _died(self, op: str) -> RunnerError:
+        try:
+            code = self.process.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._relay.join(2.0)
+        tail = "\n".join(self._tail) or "(it printed nothing)"
+        if op == "hello":
+            fix = self._fix_for_start()
+        else:
+            fix = ("; the engine cannot continue without its backend, so the requests in "
+                   "flight fail and the server stops: restart it once the cause above is "
+                   "fixed")
+        return RunnerError(
+            f"the backend runner (pid {self.process.pid}, {self.python}) "
+            f"{describe_exit(code)} during {op}. Its last lines:\n{tail}\n{fix}")
+
+    def _fix_for_start(self) -> str:
+        return (f"; install the backend side in that environment ({self.python} -m pip "
+                f"install 'vllm-neuron-plugin[backend]', plus the Neuron SDK packages for "
+                f"the nxd backend), or point VLLM_NEURON_BACKEND_PYTHON at the right "
+                f"interpreter; `neuron-plugin doctor` checks both.")
+
+    def _close_arenas(self) -> None:
+        self.inputs.close()
+        self.outputs.close()
+
+
+def probe(python: str, backend: str) -> dict[str, Any]:
+    """Start a runner, shake hands (it imports the backend), stop it: the handshake."""
+    runner = RunnerProcess(python, backend, mmap.PAGESIZE, mmap.PAGESIZE)
+    try:
+        return runner.handshake
+    finally:
+        runner.close()
+
+
+def _cache_result(fields: dict[str, Any]) -> CacheResult:
+    return CacheResult(path=Path(fields["path"]), key=fields["key"], hit=fields["hit"],
+                       reason=fields["reason"])
+
+
+class RunnerBackend:
+    """The Backend contract, served by `python -m neuron_plugin.backends.runner` under
+    `settings.backend_python`."""
+
+    def __init__(self, settings: NeuronSettings, model_dir: str | Path):
+        self.name = settings.backend
+        self.settings = settings
+        self.model_dir = os.path.abspath(model_dir)  # the runner may run elsewhere
+        self.runner = RunnerProcess(settings.backend_python, settings.backend,
+                                    input_arena_bytes(settings),
+                                    output_arena_bytes(settings, vocab_size(model_dir)))
+        self.handshake = self.runner.handshake
+        logger.info(self.runner.describe())
+
+    @property
+    def module(self) -> torch.nn.Module:
+        raise RunnerError("the model lives in the backend runner process "
+                          f"({self.runner.python}); it cannot be handed to vLLM as a module.")
+
+    def load(self, cache_url: str | None = None) -> CacheResult:
+        """Compile-or-fetch through the compile cache, load and warm up, in the runner."""
+        return _cache_result(self.runner.request(
+            "load", settings=self.settings.to_dict(), model_dir=self.model_dir,
+            cache_url=cache_url)["cache"])
+
+    def compile(self, cache_url: str | None = None) -> CacheResult:
+        """Compile-or-fetch without loading (precompile), in the runner."""
+        return _cache_result(self.runner.request(
+            "compile", settings=self.settings.to_dict(), model_dir=self.model_dir,
+            cache_url=cache_url)["cache"])
+
+    def manifest(self) -> dict[str, Any]:
+        return self.runner.request("manifest", settings=self.settings.to_dict(),
+                                   model_dir=self.model_dir)["manifest"]
+
+    def _call(self, op: str, inputs: ForwardInputs,
+              extra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Inputs into the input arena, the reply's arrays as views of the output arena
+        (valid until the next call)."""
+        fields, arrays = encode_inputs(inputs)
+        arrays.update(extra)
+        reply = self.runner.request(op, fields=fields, arrays=self.runner.inputs.put(arrays))
+        return self.runner.outputs.get(reply["arrays"])
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [num_real, vocab]: a view of the output arena, valid until the next
+        call (the model runner copies them into its batch)."""
+        return torch.from_numpy(self._call("forward", inputs, {})["logits"])
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """Tokens (copied: 4 bytes a row) and the logits of the rows the host samples (a
+        view of the output arena, valid until the next call)."""
+        out = self._call("run", inputs, encode_sampling(sampling))
+        return StepOutput(tokens=out["tokens"].copy(), logits=torch.from_numpy(out["logits"]))
+
+    def ping(self) -> None:
+        """An empty round trip (the protocol's fixed cost, for benchmarks)."""
+        self.runner.request("ping")
+
+    def close(self) -> None:
+        self.runner.close()

@@ -1,0 +1,169 @@
+"""The runner protocol: framed JSON control messages and arrays in shared memory.
+
+Control: each message is a 4-byte little-endian length and a UTF-8 JSON object; requests
+carry "op", replies carry "ok" (and "error" when false). JSON, so nothing received can
+run code. Arrays: the client writes a call's arrays into the input arena and sends their
+layout ({name: [dtype, shape, offset]}); the runner answers with the output arena's
+layout. A serving call ("run") sends its `SamplingInputs` arrays with its inputs (17
+bytes a row) and gets back a token per row (4 bytes) plus logits only for the rows whose
+sampling needs the host; "forward" gets every row's logits. Both arenas are memfd-backed mappings the client creates before starting the
+runner (inherited file descriptors), sized once from the settings, so they vanish with
+the last process holding them: nothing is left in /dev/shm after a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.core.inputs import ForwardInputs, padding_inputs
+from neuron_plugin.core.sampling import SamplingInputs
+from neuron_plugin.core.settings import NeuronSettings
+
+PROTOCOL_VERSION = 2  # 2: "run" (on-device sampling), output layouts by name
+# Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
+SAMPLING_PREFIX = "sampling."
+ALIGN = 64
+_LENGTH = struct.Struct("<I")
+# Allowed array dtypes (a layout naming anything else is refused).
+DTYPES = frozenset({"int64", "int32", "float32", "bool"})
+Layout = dict[str, list[Any]]
+
+
+class ProtocolError(RuntimeError):
+    """The other side sent something this protocol version does not allow."""
+
+
+def write_message(stream: BinaryIO, message: Mapping[str, Any]) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_message(stream: BinaryIO) -> dict[str, Any] | None:
+    """The next message, or None at end of stream (the other side is gone)."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    data = stream.read(length)
+    if len(data) < length:
+        return None
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(message).__name__}")
+    return message
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Arena:
+    """A shared mapping arrays are packed into, one call at a time."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd = fd
+        self.size = size
+        self.map = mmap.mmap(fd, size)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Arena:
+        fd = os.memfd_create(name, 0)  # no MFD_CLOEXEC: the runner inherits it
+        os.ftruncate(fd, size)
+        return cls(fd, size)
+
+    def put(self, arrays: Mapping[str, np.ndarray]) -> Layout:
+        """Copy arrays in back to back; their layout for the other side."""
+        layout: Layout = {}
+        offset = 0
+        for name, array in arrays.items():
+            end = offset + array.nbytes
+            if end > self.size:
+                raise ProtocolError(
+                    f"a call's arrays need more than the {self.size} bytes sized from the "
+                    f"settings (at {name}, shape {array.shape}); report this with your "
+                    f"configuration")
+            view = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
+            view[...] = array
+            layout[name] = [array.dtype.name, list(array.shape), offset]
+            offset = _aligned(end)
+        return layout
+
+    def get(self, layout: Mapping[str, list[Any]]) -> dict[str, np.ndarray]:
+        """Views (no copy) of the arrays a layout describes, bounds-checked."""
+        arrays = {}
+        for name, (dtype, shape, offset) in layout.items():
+            if dtype not in DTYPES:
+                raise ProtocolError(f"array {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}")
+            view = np.ndarray(tuple(shape), np.dtype(dtype), buffer=self.map, offset=offset)
+            arrays[name] = view
+        return arrays
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when that view does
+        os.close(self.fd)
+
+
+def encode_inputs(inputs: ForwardInputs) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(JSON-able fields, arrays) of a call: every ndarray field goes to the arena."""
+    fields, arrays = {}, {}
+    for f in dataclasses.fields(inputs):
+        value = getattr(inputs, f.name)
+        if isinstance(value, np.ndarray):
+            arrays[f.name] = value
+        elif value is not None:
+            fields[f.name] = list(value) if isinstance(value, tuple) else value
+    return fields, arrays
+
+
+def encode_sampling(sampling: SamplingInputs) -> dict[str, np.ndarray]:
+    return {SAMPLING_PREFIX + name: array for name, array in sampling.arrays().items()}
+
+
+def decode_sampling(arrays: Mapping[str, np.ndarray]) -> SamplingInputs:
+    names = SamplingInputs.ARRAYS
+    missing = [n for n in names if SAMPLING_PREFIX + n not in arrays]
+    if missing:
+        raise ProtocolError(f"a run call lacks the sampling arrays {missing}")
+    return SamplingInputs(*(arrays[SAMPLING_PREFIX + n] for n in names))
+
+
+def decode_inputs(fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> ForwardInputs:
+    arrays = {k: v for k, v in arrays.items() if not k.startswith(SAMPLING_PREFIX)}
+    known = {f.name for f in dataclasses.fields(ForwardInputs)}
+    unknown = sorted((set(fields) | set(arrays)) - known)
+    if unknown:
+        raise ProtocolError(f"unknown ForwardInputs fields {unknown}")
+    values: dict[str, Any] = {**fields, **arrays}
+    values["bucket"] = tuple(values["bucket"])
+    return ForwardInputs(**{name: values.get(name) for name in known})
+
+
+def input_arena_bytes(settings: NeuronSettings) -> int:
+    """Room for the largest call the settings allow: every graph's padded arrays, plus a
+    whole context of token ids (block-layout context encoding sends them)."""
+    largest = 0
+    for graph in graph_specs(settings):
+        inputs = padding_inputs(settings, graph.phase, graph.shape)
+        _, arrays = encode_inputs(inputs)
+        arrays.update(encode_sampling(SamplingInputs.greedy(inputs.input_ids.shape[0])))
+        largest = max(largest, sum(_aligned(a.nbytes) for a in arrays.values()))
+    return largest + _aligned(8 * settings.max_model_len) + ALIGN
+
+
+def output_arena_bytes(settings: NeuronSettings, vocab_size: int) -> int:
+    """Int32 tokens and float32 logits for the most rows one call returns."""
+    rows = max(max(settings.token_generation_batches), settings.ctx_batch_size)
+    return _aligned(4 * rows) + _aligned(4 * rows * vocab_size) + ALIGN

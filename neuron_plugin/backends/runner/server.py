@@ -1,0 +1,176 @@
+"""The runner process: hosts one backend in this interpreter and serves the backend
+contract to the vLLM worker that started it (see the package docstring).
+
+It exits with its parent: the kernel kills it when the parent dies (PR_SET_PDEATHSIG),
+and it exits at end of input (the parent closed the pipe). Its stdout is the protocol
+channel, so the process's fd 1 is pointed at stderr: a library that prints cannot
+corrupt a message. Everything it logs goes to stderr, which the client relays into
+vLLM's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import platform
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+from neuron_plugin.backends.runner.protocol import (
+    PROTOCOL_VERSION,
+    Arena,
+    decode_inputs,
+    decode_sampling,
+    read_message,
+    write_message,
+)
+from neuron_plugin.core.lifecycle import die_with_parent
+from neuron_plugin.core.settings import NeuronSettings
+
+logger = logging.getLogger("neuron_plugin.runner")
+
+# Distributions whose versions the handshake reports (those of the Neuron SDK decide
+# which graphs neuronx-cc builds; the backends put them in the compile-cache key).
+REPORTED = ("torch", "transformers", "numpy", "neuronx-distributed-inference",
+            "neuronx-distributed", "neuronx-cc", "torch-neuronx")
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version(),
+                                    "executable": sys.executable}
+    for name in REPORTED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def check_backend_importable(name: str) -> None:
+    """Import what the backend needs now, so a missing package stops start-up with its
+    name rather than failing later inside a load."""
+    import neuron_plugin.backends.loader  # noqa: F401  (the compile cache, too)
+
+    if name == "nxd":
+        from neuron_plugin.backends.nxd import import_nxdi
+
+        import_nxdi()
+    else:
+        import neuron_plugin.backends.reference.backend  # noqa: F401
+
+
+class Runner:
+    """One backend behind the protocol's operations."""
+
+    def __init__(self, inputs: Arena, outputs: Arena):
+        self.inputs = inputs
+        self.outputs = outputs
+        self.backend: Any = None
+
+    def hello(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("protocol") != PROTOCOL_VERSION:
+            raise ValueError(
+                f"the vLLM side speaks runner protocol {message.get('protocol')}, this "
+                f"runner ({sys.executable}) speaks {PROTOCOL_VERSION}: install the same "
+                f"vllm-neuron-plugin version in both environments")
+        check_backend_importable(message["backend"])
+        return {"protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+                "backend": message["backend"], "versions": versions()}
+
+    def _settings(self, message: dict[str, Any]) -> NeuronSettings:
+        return NeuronSettings.from_dict(message["settings"])
+
+    def load(self, message: dict[str, Any]) -> dict[str, Any]:
+        from neuron_plugin.backends.loader import load_backend
+
+        self.backend, result = load_backend(self._settings(message), message["model_dir"],
+                                            message.get("cache_url"))
+        return {"cache": _cache_result(result)}
+
+    def compile(self, message: dict[str, Any]) -> dict[str, Any]:
+        from compile_cache.cache import CompileCache
+        from compile_cache.stores import open_store
+        from neuron_plugin.backends.loader import compile_into_cache, make_backend
+
+        backend = make_backend(self._settings(message), message["model_dir"])
+        result = compile_into_cache(backend, CompileCache(open_store(message.get("cache_url"))))
+        return {"cache": _cache_result(result)}
+
+    def manifest(self, message: dict[str, Any]) -> dict[str, Any]:
+        from neuron_plugin.backends.loader import cache_manifest, make_backend
+
+        settings = self._settings(message)
+        return {"manifest": cache_manifest(settings, make_backend(settings, message["model_dir"]))}
+
+    def forward(self, message: dict[str, Any]) -> dict[str, Any]:
+        inputs = decode_inputs(message["fields"], self.inputs.get(message["arrays"]))
+        return {"arrays": self.outputs.put({"logits": self.backend.forward(inputs).numpy()})}
+
+    def run(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A serving call: tokens for every row, logits only where the host samples."""
+        arrays = self.inputs.get(message["arrays"])
+        out = self.backend.run(decode_inputs(message["fields"], arrays),
+                               decode_sampling(arrays))
+        return {"arrays": self.outputs.put({"tokens": out.tokens,
+                                            "logits": out.logits.numpy()})}
+
+    def ping(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+def _cache_result(result: Any) -> dict[str, Any]:
+    return {"key": result.key, "hit": result.hit, "path": str(result.path),
+            "reason": result.reason}
+
+
+def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
+    """Answer requests until shutdown or end of input. An operation's error is a reply,
+    not an exit: the worker decides what it means."""
+    while True:
+        message = read_message(requests)
+        if message is None:
+            return 0
+        op = message.get("op")
+        if op == "shutdown":
+            write_message(replies, {"ok": True})
+            return 0
+        handler = getattr(runner, op, None) if op in OPS else None
+        try:
+            if handler is None:
+                raise ValueError(f"unknown runner operation {op!r}")
+            reply = {"ok": True, **handler(message)}
+        except Exception as exc:  # every failure goes back to the worker with its cause
+            logger.error("%s failed:\n%s", op, traceback.format_exc())
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "type": type(exc).__name__}
+        write_message(replies, reply)
+
+
+OPS = frozenset({"hello", "load", "compile", "manifest", "forward", "run", "ping"})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neuron_plugin.backends.runner",
+                                     description=__doc__)
+    parser.add_argument("--input-fd", type=int, required=True)
+    parser.add_argument("--input-bytes", type=int, required=True)
+    parser.add_argument("--output-fd", type=int, required=True)
+    parser.add_argument("--output-bytes", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(signal.SIGKILL, args.parent_pid)
+    requests = os.fdopen(os.dup(0), "rb")  # buffered: read(n) returns n bytes or EOF
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to the log, never into the protocol
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    runner = Runner(Arena(args.input_fd, args.input_bytes),
+                    Arena(args.output_fd, args.output_bytes))
+    return serve(runner, requests, replies)

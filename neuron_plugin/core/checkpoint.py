@@ -1,0 +1,41 @@
+"""Reading a Hugging Face checkpoint folder without loading weights: its config and its
+safetensors headers. Shared by both backends and the tools, so none of them reaches into
+another's module for it."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config (multimodal configs nest it)."""
+    return config.get("text_config", config)
+
+
+def vocab_size(model_dir: str | Path) -> int:
+    return int(text_config(read_hf_config(model_dir))["vocab_size"])
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
+def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """Tensor name -> shape over every *.safetensors file, read from the headers only
+    (8-byte little-endian header length, then a JSON header)."""
+    shapes: dict[str, list[int]] = {}
+    for path in safetensors_files(model_dir):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        shapes.update({name: list(entry["shape"]) for name, entry in header.items()
+                       if name != "__metadata__"})
+    return shapes

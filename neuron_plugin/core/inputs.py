@@ -1,0 +1,203 @@
+"""Scheduler state -> the NxD forward contract, padded to the bucket NxDI runs for it.
+
+Pure numpy, vectorised over tokens: per-step host cost must not grow with
+`max_model_len` (the findings measured vLLM's host overhead at ~50 ms per batch).
+
+The contract (see NEURON_FINDINGS.md):
+- prefill of tokens [start, end): positions start..end-1, full_context_lens = end,
+  computed_context_lens = start (a prefix-cache hit or an earlier chunk; 0 otherwise);
+- decode at position p: one token, full = p + 1, computed = p;
+- block layout: slot = block_table[pos // block_size] * block_size + pos % block_size,
+  block tables padded with vLLM's null block (0) to ceil(max_model_len / block_size).
+
+Padding: pad tokens have slot -1 (write nothing) and id 0; pad batch rows have seq_id -1
+and full_context_len 0, so a backend can tell them apart without extra arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bucketing.fit import first_fit, prefix_caching_fit, prefix_caching_need
+from neuron_plugin.core.settings import NeuronSettings
+
+CONTEXT_ENCODING = "context_encoding"
+TOKEN_GENERATION = "token_generation"
+PAD_SLOT = -1
+PAD_SEQ_ID = -1
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """One backend call: arrays shaped by `bucket`, rows [0, num_real) are real."""
+
+    phase: str
+    bucket: tuple[int, ...]
+    input_ids: np.ndarray            # [batch, active] int64
+    position_ids: np.ndarray         # [batch, active] int64
+    seq_ids: np.ndarray              # [batch] int64
+    slot_mapping: np.ndarray | None  # [batch, active] int64, block layout only
+    block_table: np.ndarray | None   # [batch, max_blocks] int64, block layout only
+    full_context_lens: np.ndarray    # [batch] int64
+    computed_context_lens: np.ndarray  # [batch] int64
+    num_real: int
+    # Context encoding only: the request's token ids [0, full_context_len). NxDI's
+    # prefix-caching graphs take the whole context as input_ids (vllm-neuron does too).
+    context_ids: np.ndarray | None = None
+
+    @property
+    def real_tokens(self) -> int:
+        return int((self.full_context_lens - self.computed_context_lens)[: self.num_real].sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token slots computed for nothing: the telemetry's waste measure."""
+        return int(self.input_ids.size) - self.real_tokens
+
+
+def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of every position: block_table[pos // bs] * bs + pos % bs (row-wise)."""
+    blocks = np.take_along_axis(block_table, positions // block_size, axis=1)
+    return blocks * block_size + positions % block_size
+
+
+def pad_block_tables(block_ids: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:
+    """[rows, width] table, each request's blocks then vLLM's null block (0)."""
+    table = np.zeros((rows, width), dtype=np.int64)
+    for row, ids in enumerate(block_ids):
+        if len(ids) > width:
+            raise ValueError(
+                f"a request holds {len(ids)} KV blocks but the block table has {width} "
+                f"columns (ceil(max_model_len / block_size)); this is a scheduler/plugin "
+                f"mismatch, report it with your --max-model-len and --block-size."
+            )
+        table[row, : len(ids)] = ids
+    return table
+
+
+def context_encoding_bucket(settings: NeuronSettings, num_tokens: int, start: int) -> tuple[int, ...]:
+    """The graph for a prefill of `num_tokens` new tokens after `start` computed ones:
+    the first fit, or in the block layout NxDI's own prefix-caching choice (which moves
+    the tail of the prefix into spare active slots; see bucketing.fit)."""
+    if settings.is_block_layout:
+        return prefix_caching_fit(settings.context_encoding_buckets, settings.prefix_buckets,
+                                  num_tokens, start)
+    return (first_fit(settings.context_encoding_buckets, num_tokens,
+                      what="context-encoding bucket (prompt tokens)"),)
+
+
+def context_encoding_need(settings: NeuronSettings, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(new tokens, cached tokens) of a prefill that runs the context-encoding graph
+    `shape` (warm-up and measurement drive each graph with one)."""
+    if not settings.is_block_layout:
+        return shape[0], 0
+    need = prefix_caching_need(settings.context_encoding_buckets, settings.prefix_buckets,
+                               tuple(shape), settings.max_model_len)
+    if need is None:
+        raise ValueError(f"no prefill of at most max_model_len={settings.max_model_len} "
+                         f"tokens runs the context-encoding graph {tuple(shape)}; it is not "
+                         f"one of settings.context_encoding_shapes()")
+    return need
+
+
+def token_generation_bucket(settings: NeuronSettings, batch: int, context_len: int) -> tuple[int, int]:
+    """First fit for a decode batch that needs `batch` rows and whose longest row needs
+    `context_len` positions. The token-generation grid is a full cross product and cost
+    grows in both dimensions, so the least-cost fitting shape is the first fit of each
+    dimension."""
+    return (first_fit(settings.token_generation_batches, batch,
+                      what="token_generation_batches (decode batch size)"),
+            first_fit(settings.token_generation_buckets, context_len,
+                      what="token_generation_buckets (context length)"))
+
+
+def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, start: int,
+                            seq_id: int, block_ids: Sequence[int] | None) -> ForwardInputs:
+    """One prefill (batch 1) of tokens [start, len(context_ids)) of a request, whose
+    first `start` tokens are already in the KV cache (a prefix hit or earlier chunks).
+
+    In the block layout NxDI routes a call whose input_ids have one column to its
+    token-generation graph (model_base._get_model_outputs: context encoding needs more
+    than one input token), so a one-token prompt is a one-row decode at position 0."""
+    end = int(context_ids.shape[0])
+    count = end - start
+    if settings.is_block_layout and end == 1:
+        return token_generation_inputs(settings, np.asarray(context_ids[:1]),
+                                       np.zeros(1, dtype=np.int64),
+                                       np.array([seq_id], dtype=np.int64), [block_ids or []])
+    bucket = context_encoding_bucket(settings, count, start)
+    active = bucket[0]
+    ids = np.zeros((1, active), dtype=np.int64)
+    ids[0, :count] = context_ids[start:]
+    positions = np.zeros((1, active), dtype=np.int64)
+    positions[0, :count] = np.arange(start, end)
+    table = slots = None
+    if settings.is_block_layout:
+        table = pad_block_tables([block_ids or []], 1, settings.max_blocks_per_seq)
+        slots = np.full((1, active), PAD_SLOT, dtype=np.int64)
+        slots[:, :count] = slot_mapping(table, positions[:, :count], settings.block_size)
+    return ForwardInputs(
+        phase=CONTEXT_ENCODING, bucket=bucket, input_ids=ids, position_ids=positions,
+        seq_ids=np.array([seq_id], dtype=np.int64), slot_mapping=slots, block_table=table,
+        full_context_lens=np.array([end], dtype=np.int64),
+        computed_context_lens=np.array([start], dtype=np.int64), num_real=1,
+        context_ids=context_ids,
+    )
+
+
+def token_generation_inputs(settings: NeuronSettings, token_ids: np.ndarray,
+                            positions: np.ndarray, seq_ids: np.ndarray,
+                            block_ids: Sequence[Sequence[int]] | None) -> ForwardInputs:
+    """One decode batch: row i generates from token_ids[i] at positions[i].
+
+    In the contiguous layout a graph of batch b serves cache lines (seq_ids) 0..b-1 only:
+    NxDI fills the missing seq_ids of a partial batch from range(b) (model_wrapper.
+    _forward_with_pad), so the batch bucket must exceed the largest seq_id, not just
+    hold the rows."""
+    real = int(token_ids.shape[0])
+    rows_needed = real if settings.is_block_layout else int(seq_ids.max()) + 1
+    bucket = token_generation_bucket(settings, rows_needed, int(positions.max()) + 1)
+    rows = bucket[0]
+    ids = np.zeros((rows, 1), dtype=np.int64)
+    ids[:real, 0] = token_ids
+    pos = np.zeros((rows, 1), dtype=np.int64)
+    pos[:real, 0] = positions
+    seq = np.full(rows, PAD_SEQ_ID, dtype=np.int64)
+    seq[:real] = seq_ids
+    full = np.zeros(rows, dtype=np.int64)
+    full[:real] = positions + 1
+    computed = np.zeros(rows, dtype=np.int64)
+    computed[:real] = positions
+    table = slots = None
+    if settings.is_block_layout:
+        table = pad_block_tables(block_ids or [], rows, settings.max_blocks_per_seq)
+        slots = np.full((rows, 1), PAD_SLOT, dtype=np.int64)
+        slots[:real] = slot_mapping(table[:real], pos[:real], settings.block_size)
+    return ForwardInputs(
+        phase=TOKEN_GENERATION, bucket=bucket, input_ids=ids, position_ids=pos,
+        seq_ids=seq, slot_mapping=slots, block_table=table, full_context_lens=full,
+        computed_context_lens=computed, num_real=real,
+    )
+
+
+def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...]) -> ForwardInputs:
+    """A call of exactly `shape` holding only padding: every write goes to scratch, so
+    it runs a graph (warm-up, timing) without touching any request's KV entries."""
+    if phase == CONTEXT_ENCODING:
+        rows, active = 1, shape[0]
+    else:
+        rows, active = shape[0], 1
+    block = settings.is_block_layout
+    return ForwardInputs(
+        phase=phase, bucket=tuple(shape),
+        input_ids=np.zeros((rows, active), dtype=np.int64),
+        position_ids=np.zeros((rows, active), dtype=np.int64),
+        seq_ids=np.full(rows, PAD_SEQ_ID, dtype=np.int64),
+        slot_mapping=np.full((rows, active), PAD_SLOT, dtype=np.int64) if block else None,
+        block_table=np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64) if block else None,
+        full_context_lens=np.zeros(rows, dtype=np.int64),
+        computed_context_lens=np.zeros(rows, dtype=np.int64), num_real=0,
+    )

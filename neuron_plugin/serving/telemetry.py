@@ -1,0 +1,396 @@
+"""Per-bucket telemetry: which graph served each backend call, how much was padding, and
+where the time went (backend forward vs host work around it).
+
+Always on and cheap: a call adds to a few counters keyed by (phase, bucket). Every series
+is labelled with `model_name` and `engine` (the data-parallel rank), as vLLM labels its
+own; `sum by (phase, bucket)` gives the server's total. Engines export off the step path
+(at most every PUBLISH_INTERVAL_S), the way vLLM exposes metrics in the mode it runs:
+
+- one API server (vLLM's default without data parallelism): each engine writes a small
+  JSON snapshot into a directory named in `additional_config` (see
+  `serving.vllm_settings.apply`); in the process that serves `/metrics`, vLLM builds
+  `NeuronStatLogger` (entry point `vllm.stat_logger_plugins`), which registers a
+  collector on Prometheus's default registry reading the snapshots at scrape time;
+- several API servers (`--api-server-count` > 1, vLLM's default under
+  `--data-parallel-size`): vLLM sets PROMETHEUS_MULTIPROC_DIR before it starts the
+  engines and serves `/metrics` from prometheus_client's MultiProcessCollector, which
+  sees no collector on the default registry. Each engine then records into
+  prometheus_client metrics of its own, which that mode writes into the shared directory,
+  so every API server's `/metrics` shows every engine once.
+
+Nothing registers in a process that serves no `/metrics` (explain-config, precompile,
+offline `LLM`). A compact per-bucket summary is logged periodically and at shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import functools
+import json
+import os
+import shutil
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from neuron_plugin import plugin_logger
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
+from neuron_plugin.serving.observers import FinishedRequest
+from neuron_plugin.serving.vllm_settings import SETTINGS_KEY, TELEMETRY_DIR_KEY
+
+logger = plugin_logger(__name__)
+
+PUBLISH_INTERVAL_S = 0.5
+SUMMARY_INTERVAL_S = 300.0
+# Histogram upper bounds in seconds: 100 us (host work) to 10 s (a large prefill).
+SECONDS_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ENGINE_LABELS = ("model_name", "engine")
+BUCKET_LABELS = (*ENGINE_LABELS, "phase", "bucket")
+# Snapshot field -> (Prometheus name, help); the order is that of `Call.counts`.
+COUNTER_FAMILIES = {
+    "calls": ("neuron:bucket_calls", "Backend calls served by each compiled bucket"),
+    "rows": ("neuron:bucket_rows", "Batch rows computed (real plus padding)"),
+    "real_rows": ("neuron:bucket_real_rows", "Batch rows holding a real request"),
+    "real_tokens": ("neuron:real_tokens", "Tokens that were real work"),
+    "padded_tokens": ("neuron:padded_tokens",
+                      "Token slots computed for padding (bucket minus real)"),
+    "prefix_hit_tokens": ("neuron:prefix_hit_tokens",
+                          "Prompt tokens served from the prefix cache"),
+}
+COUNTERS = tuple(COUNTER_FAMILIES)
+HISTOGRAM_FAMILIES = {
+    "forward": ("neuron:forward_seconds", "Backend forward time per call"),
+    "host": ("neuron:host_seconds", "Host input preparation time per call"),
+}
+STEP_HOST_FAMILY = (
+    "neuron:step_host_seconds",
+    "Host time of an engine step outside backend forwards (state updates, inputs, "
+    "sampling, output)")
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_mode() -> bool:
+    """True where vLLM serves /metrics from prometheus_client's multiprocess directory
+    (several API servers); engines inherit the variable from the process starting them."""
+    return MULTIPROC_ENV in os.environ
+
+
+def bucket_label(bucket: tuple[int, ...] | list[int]) -> str:
+    return "x".join(str(d) for d in bucket)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-ready counts over SECONDS_BOUNDS (+Inf last) and their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(SECONDS_BOUNDS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(SECONDS_BOUNDS, value)] += 1
+        self.total += value
+
+    def merge(self, snapshot: dict[str, Any]) -> None:
+        """Add a published histogram ({"counts": [...], "sum": s})."""
+        self.counts = [a + b for a, b in zip(self.counts, snapshot["counts"])]
+        self.total += snapshot["sum"]
+
+
+class Call(NamedTuple):
+    """One backend call as the counters see it."""
+
+    phase: str
+    bucket: tuple[int, ...]
+    counts: tuple[int, ...]  # one per COUNTERS entry
+    forward_s: float
+    host_s: float
+
+
+@dataclass
+class BucketStats:
+    calls: int = 0
+    rows: int = 0
+    real_rows: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    forward: Histogram = field(default_factory=Histogram)
+    host: Histogram = field(default_factory=Histogram)
+
+    def add(self, call: Call) -> None:
+        for name, count in zip(COUNTERS, call.counts):
+            setattr(self, name, getattr(self, name) + count)
+        self.forward.observe(call.forward_s)
+        self.host.observe(call.host_s)
+
+
+class StepTelemetry:
+    """Counters for one engine process, a `StepObserver` (see the module docstring)."""
+
+    def __init__(self, publish_dir: str | Path | None = None, *, model_name: str = "",
+                 engine: int = 0):
+        self.labels = {"model_name": model_name, "engine": str(engine)}
+        self.buckets: dict[tuple[str, tuple[int, ...]], BucketStats] = defaultdict(BucketStats)
+        self.step_host = Histogram()
+        self._lock = threading.Lock()
+        # Several API servers: calls and steps not yet recorded into prometheus_client.
+        self._native = _native_metrics() if multiprocess_mode() else None
+        self._pending_calls: list[Call] = []
+        self._pending_steps: list[float] = []
+        self._publish_path = (Path(publish_dir) / f"engine-{os.getpid()}.json"
+                              if publish_dir and self._native is None else None)
+        self._dirty = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish_loop, daemon=True,
+                                        name="neuron-telemetry")
+        self._thread.start()
+
+    def on_backend_call(self, inputs: ForwardInputs, forward_s: float, host_s: float) -> None:
+        real = inputs.num_real
+        prefix_hits = (int(inputs.computed_context_lens[:real].sum())
+                       if inputs.phase == CONTEXT_ENCODING else 0)
+        call = Call(inputs.phase, inputs.bucket,
+                    (1, int(inputs.input_ids.shape[0]), real, inputs.real_tokens,
+                     inputs.padded_tokens, prefix_hits), forward_s, host_s)
+        with self._lock:
+            self.buckets[(call.phase, call.bucket)].add(call)
+            if self._native is not None:
+                self._pending_calls.append(call)
+            self._dirty = True
+
+    def on_step(self, host_s: float) -> None:
+        """Host time of a whole engine step outside backend forwards."""
+        with self._lock:
+            self.step_host.observe(host_s)
+            if self._native is not None:
+                self._pending_steps.append(host_s)
+            self._dirty = True
+
+    def on_request_finished(self, request: FinishedRequest) -> None:
+        pass
+
+    def _publish_loop(self) -> None:
+        """Off the step path: publish when something changed, summarise now and then."""
+        last_summary = time.monotonic()
+        while not self._stop.wait(PUBLISH_INTERVAL_S):
+            if self._dirty:
+                self.publish()
+            if time.monotonic() - last_summary >= SUMMARY_INTERVAL_S:
+                last_summary = time.monotonic()
+                self.log_summary()
+
+    def close(self) -> None:
+        """Summary at engine shutdown. A snapshot leaves /metrics with its engine, as a
+        restarted process's counters would; prometheus_client's multiprocess mode keeps
+        a finished process's counters, so the last calls are recorded first."""
+        self._stop.set()
+        self._thread.join()
+        if self._native is not None:
+            self.publish()
+        if self._publish_path is not None:
+            self._publish_path.unlink(missing_ok=True)
+            try:
+                self._publish_path.parent.rmdir()  # the last engine out; else not empty
+            except OSError:
+                pass
+        self.log_summary()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable copy of every counter and histogram, with the labels."""
+        with self._lock:
+            rows = []
+            for (phase, bucket), s in sorted(self.buckets.items()):
+                row = {"phase": phase, "bucket": list(bucket)}
+                row.update({name: getattr(s, name) for name in COUNTERS})
+                row["forward"] = {"counts": list(s.forward.counts), "sum": s.forward.total}
+                row["host"] = {"counts": list(s.host.counts), "sum": s.host.total}
+                rows.append(row)
+            return {"labels": dict(self.labels), "buckets": rows,
+                    "step_host": {"counts": list(self.step_host.counts),
+                                  "sum": self.step_host.total}}
+
+    def publish(self) -> None:
+        """Hand what changed to the exporter of the serving mode (module docstring):
+        record pending calls into prometheus_client, or atomically replace this engine's
+        snapshot file."""
+        if self._native is not None:
+            with self._lock:
+                calls, steps = self._pending_calls, self._pending_steps
+                self._pending_calls, self._pending_steps = [], []
+                self._dirty = False
+            self._native.record(self.labels, calls, steps)
+            return
+        self._dirty = False
+        if self._publish_path is None:
+            return
+        self._publish_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self._publish_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot()))
+        os.replace(tmp, self._publish_path)
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for row in self.snapshot()["buckets"]:
+            total = row["real_tokens"] + row["padded_tokens"]
+            waste = row["padded_tokens"] / total if total else 0.0
+            lines.append(
+                f"{row['phase']:>16} {bucket_label(row['bucket']):>10}: {row['calls']} calls, "
+                f"{row['real_tokens']} real / {row['padded_tokens']} padded tokens "
+                f"({waste:.0%} padding), forward "
+                f"{1000 * row['forward']['sum'] / max(row['calls'], 1):.2f} ms/call")
+        return lines
+
+    def log_summary(self) -> None:
+        lines = self.summary_lines()
+        if lines:
+            logger.info("neuron per-bucket summary:\n%s", "\n".join(lines))
+
+
+class _NativeMetrics:
+    """The same families as prometheus_client metrics, for the multiprocess mode: their
+    values go to this process's files in PROMETHEUS_MULTIPROC_DIR, which every API
+    server's MultiProcessCollector reads and sums per label set."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+        from prometheus_client import Histogram as PromHistogram
+
+        self.counters = [Counter(name, doc, BUCKET_LABELS, registry=None)
+                         for name, doc in COUNTER_FAMILIES.values()]
+        self.forward, self.host = (
+            PromHistogram(name, doc, BUCKET_LABELS, buckets=SECONDS_BOUNDS, registry=None)
+            for name, doc in HISTOGRAM_FAMILIES.values())
+        self.step = PromHistogram(*STEP_HOST_FAMILY, ENGINE_LABELS, buckets=SECONDS_BOUNDS,
+                                  registry=None)
+
+    def record(self, labels: dict[str, str], calls: list[Call], steps: list[float]) -> None:
+        for call in calls:
+            series = {**labels, "phase": call.phase, "bucket": bucket_label(call.bucket)}
+            for counter, count in zip(self.counters, call.counts):
+                counter.labels(**series).inc(count)
+            self.forward.labels(**series).observe(call.forward_s)
+            self.host.labels(**series).observe(call.host_s)
+        step = self.step.labels(**labels)
+        for host_s in steps:
+            step.observe(host_s)
+
+
+@functools.cache
+def _native_metrics() -> _NativeMetrics:
+    """One set per process: two objects for one series would overwrite each other's
+    value in the shared file."""
+    return _NativeMetrics()
+
+
+class NeuronMetricsCollector:
+    """Prometheus collector over the engines' snapshot files (runs in the /metrics process)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def _snapshots(self) -> list[dict[str, Any]]:
+        """Snapshots of engines still running (a crashed engine's file is ignored)."""
+        found = []
+        for path in sorted(self.directory.glob("engine-*.json")):
+            if not _alive(int(path.stem.removeprefix("engine-"))):
+                continue
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                continue  # replaced mid-read; the next scrape sees it
+        return found
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        families = {key: CounterMetricFamily(name, doc, labels=BUCKET_LABELS)
+                    for key, (name, doc) in COUNTER_FAMILIES.items()}
+        histograms = {key: HistogramMetricFamily(name, doc, labels=BUCKET_LABELS)
+                      for key, (name, doc) in HISTOGRAM_FAMILIES.items()}
+        step = HistogramMetricFamily(*STEP_HOST_FAMILY, labels=ENGINE_LABELS)
+        steps: dict[tuple[str, ...], Histogram] = defaultdict(Histogram)
+        merged: dict[tuple[str, ...], dict[str, Any]] = {}
+        for snap in self._snapshots():
+            engine = tuple(snap["labels"][name] for name in ENGINE_LABELS)
+            steps[engine].merge(snap["step_host"])
+            for row in snap["buckets"]:
+                key = (*engine, row["phase"], bucket_label(row["bucket"]))
+                into = merged.setdefault(key, {name: 0 for name in COUNTERS} | {
+                    name: Histogram() for name in HISTOGRAM_FAMILIES})
+                for name in COUNTERS:
+                    into[name] += row[name]
+                for name in HISTOGRAM_FAMILIES:
+                    into[name].merge(row[name])
+        for key, values in sorted(merged.items()):
+            for name, family in families.items():
+                family.add_metric(list(key), values[name])
+            for name, family in histograms.items():
+                family.add_metric(list(key), _cumulative(values[name]), values[name].total)
+        for engine, hist in sorted(steps.items()):
+            step.add_metric(list(engine), _cumulative(hist), hist.total)
+        yield from families.values()
+        yield from histograms.values()
+        yield step
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cumulative(hist: Histogram) -> list[tuple[str, int]]:
+    running, out = 0, []
+    for bound, count in zip([*map(str, SECONDS_BOUNDS), "+Inf"], hist.counts):
+        running += count
+        out.append((bound, running))
+    return out
+
+
+_registered_dirs: set[str] = set()
+
+
+def register_collector(vllm_config: Any) -> Path | None:
+    """Expose this configuration's engine counters on Prometheus's default registry
+    (once per telemetry directory); None when the Neuron platform did not resolve it,
+    or in the multiprocess mode, where the engines export themselves (module docstring).
+    Serving frontends get it from `NeuronStatLogger`; an offline `LLM` user calls it."""
+    additional = vllm_config.additional_config or {}
+    directory = additional.get(TELEMETRY_DIR_KEY)
+    if SETTINGS_KEY not in additional or not directory or multiprocess_mode():
+        return None
+    if directory not in _registered_dirs:
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(NeuronMetricsCollector(directory))
+        _registered_dirs.add(directory)
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return Path(directory)
+
+
+class NeuronStatLogger(StatLoggerBase):
+    """vLLM stat-logger plugin (entry point `vllm.stat_logger_plugins`): vLLM builds it
+    only in a serving frontend, the process that exposes `/metrics`, which is the one
+    place the Neuron collector belongs."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0):
+        register_collector(vllm_config)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        """vLLM's per-step stats; the Neuron counters come from the engines' snapshots."""
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to add to vLLM's start-up log."""

@@ -1,0 +1,231 @@
+"""The one adapter between vLLM's config and the pure settings resolution.
+
+Settings flow one way:
+1. `engine_limits` reads vLLM's values as the user left them (nothing rewritten yet);
+2. `core.settings.resolve_settings` decides everything (layout, block size and count,
+   grids, backend process), and `core.settings.engine_updates` says what vLLM must know;
+3. `apply` writes those values into vLLM's config, logging each change once with its
+   reason, and stores the settings in `additional_config`: the one channel vLLM carries
+   to its engine processes, where the worker reads them back (`settings_from_vllm_config`),
+   together with the name of the telemetry rendezvous directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import uuid
+import weakref
+from typing import Any
+
+from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger
+from neuron_plugin.core.instances import package_version
+from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
+from neuron_plugin.core.settings import (
+    EngineLimits,
+    NeuronConfigError,
+    NeuronSettings,
+    engine_updates,
+    resolve_settings,
+)
+from neuron_plugin.core.vllm_flags import VLLM_FLAGS
+from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV, environment_updates
+
+logger = plugin_logger(__name__)
+
+SETTINGS_KEY = "neuron_settings"
+OVERRIDE_KEY = "override_neuron_config"
+# The spelling of AWS's vLLM user guide (`--additional-config '{"override-neuron-config":
+# ...}'`), accepted with a warning.
+OVERRIDE_ALIAS = "override-neuron-config"
+BUCKET_SET_KEY = "bucket_set"
+BACKEND_PYTHON_KEY = "backend_python"
+# Where the engines publish telemetry snapshots for the /metrics process: a name only;
+# the first engine to publish creates it (serving.telemetry).
+TELEMETRY_DIR_KEY = "neuron_telemetry_dir"
+# Keys of `additional_config` this platform reads; anything else is a mistake.
+ADDITIONAL_CONFIG_KEYS = (OVERRIDE_KEY, OVERRIDE_ALIAS, BACKEND_PYTHON_KEY, SETTINGS_KEY,
+                          TELEMETRY_DIR_KEY)
+NXDI_DISTRIBUTION = "neuronx-distributed-inference"
+_MISSING = object()
+
+# The VllmConfig this process last resolved, for `validate_request`, which vLLM calls
+# without a config. A weak reference to vLLM's object, not a copy of the settings.
+_resolved_config: weakref.ReferenceType | None = None
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_limits(vllm_config: Any) -> EngineLimits:
+    """vLLM's limits before the platform changes anything (vLLM fills in its default
+    block size itself; only a block size the user chose counts)."""
+    model, cache, sched = (vllm_config.model_config, vllm_config.cache_config,
+                           vllm_config.scheduler_config)
+    return EngineLimits(
+        max_model_len=model.max_model_len,
+        max_num_seqs=sched.max_num_seqs,
+        block_size=cache.block_size if cache.user_specified_block_size else None,
+        enable_prefix_caching=bool(cache.enable_prefix_caching),
+        enable_chunked_prefill=bool(sched.enable_chunked_prefill),
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        dtype=_dtype_name(model.dtype),
+        tp_degree=vllm_config.parallel_config.tensor_parallel_size,
+        num_gpu_blocks_override=cache.num_gpu_blocks_override,
+        vllm_flags=vllm_flag_values(vllm_config),
+    )
+
+
+def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
+    """The value vLLM holds for each flag of `core.vllm_flags.VLLM_FLAGS` (a flag this
+    vLLM does not have is left out)."""
+    values = {}
+    for flag in VLLM_FLAGS:
+        value = functools.reduce(lambda obj, name: getattr(obj, name, _MISSING),
+                                 flag.path.split("."), vllm_config)
+        if value is not _MISSING:
+            values[flag.flag] = value
+    return values
+
+
+def vllm_neuron_environment() -> dict[str, str]:
+    """The vllm-neuron variables set in this process (`core.vllm_neuron_env`)."""
+    return {name: os.environ[name] for name in VLLM_NEURON_ENV if name in os.environ}
+
+
+def with_bucket_set(override: dict[str, Any]) -> dict[str, Any]:
+    """Expand `bucket_set: FILE` (a `neuron-buckets tune -o` or configs/buckets/ file)
+    into its bucket keys. A key given both inline and in the file is a contradiction."""
+    if BUCKET_SET_KEY not in override:
+        return override
+    from bucketing.files import load_bucket_set
+
+    path = override[BUCKET_SET_KEY]
+    loaded = load_bucket_set(path)
+    both = sorted(set(loaded) & set(override))
+    if both:
+        raise NeuronConfigError(
+            f"override_neuron_config sets {', '.join(both)} both inline and in "
+            f"{BUCKET_SET_KEY}={path}; keep one of them.")
+    merged = {k: v for k, v in override.items() if k != BUCKET_SET_KEY}
+    merged.update(loaded)
+    return merged
+
+
+def additional_config(vllm_config: Any) -> dict[str, Any]:
+    """`additional_config`, with unknown keys refused (a typo would otherwise be
+    silently ignored)."""
+    additional = vllm_config.additional_config or {}
+    unknown = sorted(set(additional) - set(ADDITIONAL_CONFIG_KEYS))
+    if unknown:
+        raise NeuronConfigError(
+            f"--additional-config has unknown key(s) {', '.join(map(repr, unknown))}; the "
+            f"Neuron platform reads {OVERRIDE_KEY!r} (NxDI settings) and "
+            f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter): fix or remove them.")
+    return additional
+
+
+def override_neuron_config(vllm_config: Any) -> dict[str, Any]:
+    """`additional_config.override_neuron_config` (or its hyphenated spelling), with a
+    `bucket_set` file expanded."""
+    additional = additional_config(vllm_config)
+    if OVERRIDE_ALIAS in additional:
+        if OVERRIDE_KEY in additional:
+            raise NeuronConfigError(
+                f"--additional-config has both {OVERRIDE_KEY!r} and {OVERRIDE_ALIAS!r}; "
+                f"keep one ({OVERRIDE_KEY!r}).")
+        logger.warning("neuron platform: --additional-config key %r read as %r; write %r "
+                       "(the spelling vLLM plugins read).", OVERRIDE_ALIAS, OVERRIDE_KEY,
+                       OVERRIDE_KEY)
+    override = additional.get(OVERRIDE_KEY, additional.get(OVERRIDE_ALIAS)) or {}
+    if not isinstance(override, dict):
+        raise NeuronConfigError(
+            f"additional_config.{OVERRIDE_KEY} must be a JSON object, got "
+            f"{type(override).__name__}; pass e.g. --additional-config "
+            f"'{{\"{OVERRIDE_KEY}\": {{\"enable_bucketing\": true}}}}'."
+        )
+    return with_bucket_set(override)
+
+
+def backend_python(vllm_config: Any) -> str | None:
+    """The interpreter to run the backend in: `additional_config.backend_python`, else
+    `VLLM_NEURON_BACKEND_PYTHON`, else None (in-process). Checked here so a wrong path
+    fails before the engine starts."""
+    given = additional_config(vllm_config).get(BACKEND_PYTHON_KEY)
+    source = f"additional_config.{BACKEND_PYTHON_KEY}"
+    if not given:
+        given, source = os.environ.get(BACKEND_PYTHON_ENV, "").strip(), BACKEND_PYTHON_ENV
+    if not given:
+        return None
+    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+        raise NeuronConfigError(
+            f"{source}={given!r} is not an executable file; point it at the Python of "
+            f"the environment that has the backend installed (e.g. the Neuron SDK venv's "
+            f"bin/python with `pip install 'vllm-neuron-plugin[backend]'`), or unset it "
+            f"to run the backend inside vLLM's process.")
+    return given
+
+
+def selected_backend() -> str:
+    """The backend `register()` chose when it activated the platform."""
+    return os.environ.get(BACKEND_ENV, "nxd")
+
+
+def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> NeuronSettings:
+    architecture = (vllm_config.model_config.architectures or ["unknown"])[0]
+    python = backend_python(vllm_config)
+    return resolve_settings(engine_limits(vllm_config), override_neuron_config(vllm_config),
+                            backend=backend or selected_backend(),
+                            architecture=architecture,
+                            backend_python=python,
+                            on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
+                            environ=vllm_neuron_environment(),
+                            # A runner's NxDI lives in its own environment: unknown here.
+                            nxdi_version=None if python else package_version(NXDI_DISTRIBUTION))
+
+
+def apply(settings: NeuronSettings, vllm_config: Any) -> None:
+    """Write what vLLM must know of `settings` into its config (each change logged once
+    with its reason) and store the settings for the engine processes."""
+    for update in engine_updates(settings):
+        target = getattr(vllm_config, update.section)
+        old = getattr(target, update.name)
+        if old != update.value:
+            setattr(target, update.name, update.value)
+            logger.info("neuron platform: %s %r -> %r (%s)", update.name, old,
+                        update.value, update.reason)
+    for name, value, reason in environment_updates(vllm_neuron_environment()):
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+            logger.info("neuron platform: %s=%s (%s)", name, value, reason)
+    if vllm_config.additional_config is None:
+        vllm_config.additional_config = {}
+    if OVERRIDE_ALIAS in vllm_config.additional_config:  # read (and warned about) once
+        vllm_config.additional_config[OVERRIDE_KEY] = vllm_config.additional_config.pop(
+            OVERRIDE_ALIAS)
+    vllm_config.additional_config[SETTINGS_KEY] = settings.to_dict()
+    vllm_config.additional_config.setdefault(
+        TELEMETRY_DIR_KEY,
+        os.path.join(tempfile.gettempdir(), f"vllm-neuron-telemetry-{uuid.uuid4().hex}"))
+    global _resolved_config
+    _resolved_config = weakref.ref(vllm_config)
+
+
+def settings_from_vllm_config(vllm_config: Any) -> NeuronSettings:
+    stored = (vllm_config.additional_config or {}).get(SETTINGS_KEY)
+    if stored is None:
+        raise RuntimeError(
+            "the Neuron platform did not resolve its settings for this VllmConfig; the "
+            "neuron_plugin worker must run under the Neuron platform (check that "
+            "'Platform plugin neuron is activated' appears in the log)."
+        )
+    return NeuronSettings.from_dict(stored)
+
+
+def resolved_settings() -> NeuronSettings | None:
+    """The settings of the VllmConfig this process resolved last (None if none is
+    alive), read from its `additional_config`."""
+    config = _resolved_config() if _resolved_config is not None else None
+    return settings_from_vllm_config(config) if config is not None else None

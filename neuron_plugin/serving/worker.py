@@ -1,0 +1,134 @@
+"""The vLLM worker for Neuron: opens the backend (in this process, or in a runner process
+in the backend's own Python environment) through the compile cache, installs the
+telemetry and trace observers, and hands each engine step to `NeuronModelRunner`.
+
+Each engine sees only its own NeuronCores: data-parallel engine r on this host takes the
+r-th run of `tensor_parallel_size` visible cores (`core.instances.assign_rank_cores`),
+set before the backend or its runner process (which inherits the environment) starts.
+
+The backend owns its KV cache (NxDI allocates it inside the compiled model), so the
+worker reports a KV spec and a block count to vLLM's scheduler but allocates nothing for
+vLLM; it checks that the block count vLLM settled on is the one the graphs were built for.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from neuron_plugin import plugin_logger
+from neuron_plugin.backends.base import Backend
+from neuron_plugin.backends.loader import open_backend
+from neuron_plugin.core.instances import VISIBLE_CORES_ENV, assign_rank_cores
+from neuron_plugin.core.lifecycle import die_with_parent
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.serving.model_runner import NeuronModelRunner
+from neuron_plugin.serving.observers import RequestTrace, StepObserver
+from neuron_plugin.serving.telemetry import StepTelemetry
+from neuron_plugin.serving.vllm_settings import TELEMETRY_DIR_KEY, settings_from_vllm_config
+
+logger = plugin_logger(__name__)
+
+
+class NeuronWorker(WorkerBase):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
+                 distributed_init_method: str, is_driver_worker: bool = False):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method,
+                         is_driver_worker)
+        # vLLM 0.32's engine process outlives an API server killed with SIGKILL, and with
+        # it the backend and its NeuronCores: end it the way vLLM's own SIGTERM does.
+        # Only in a process vLLM started (never a server running its engine in-process).
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            die_with_parent(signal.SIGTERM, parent.pid)
+        self.settings: NeuronSettings = settings_from_vllm_config(vllm_config)
+        parallel = vllm_config.parallel_config
+        # vLLM runs dense data-parallel ranks as independent engines; these two survive.
+        engine, local_rank = parallel.data_parallel_index, parallel.data_parallel_rank_local or 0
+        cores = assign_rank_cores(self.settings.tp_degree, local_rank)
+        if cores is not None:
+            logger.info("engine %d (data-parallel rank %d on this host): %s=%s", engine,
+                        local_rank, VISIBLE_CORES_ENV, cores)
+        self.telemetry = StepTelemetry(
+            (vllm_config.additional_config or {}).get(TELEMETRY_DIR_KEY),
+            model_name=vllm_config.model_config.served_model_name, engine=engine)
+        trace = RequestTrace.from_env()
+        self.observers: list[StepObserver] = [self.telemetry, *([trace] if trace else [])]
+        self.backend: Backend | None = None
+        self.model_runner: NeuronModelRunner | None = None
+        self.load_seconds = 0.0
+
+    def init_device(self) -> None:
+        from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+        self.device = torch.device("cpu")
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
+            "gloo")
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        started = time.perf_counter()
+        self.backend = open_backend(self.settings, self.model_config.model)
+        self.model_runner = NeuronModelRunner(self.vllm_config, self.settings, self.backend,
+                                              self.observers)
+        self.load_seconds = time.perf_counter() - started
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return [KVCacheLayout.LBNHC.name]
+
+    def determine_available_memory(self) -> int:
+        """Exactly the settings' block count: the platform pins it with
+        num_gpu_blocks_override, so vLLM and the compiled graphs agree."""
+        return self.settings.num_blocks * self.get_cache_block_size_bytes()
+
+    def get_cache_block_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values())
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        if kv_cache_config.num_blocks != self.settings.num_blocks:
+            raise NeuronConfigError(
+                f"vLLM settled on {kv_cache_config.num_blocks} KV blocks but the Neuron "
+                f"graphs were built for {self.settings.num_blocks} "
+                f"(pa_num_blocks, including vLLM's null block); set "
+                f"--num-gpu-blocks-override {self.settings.num_blocks} or remove "
+                f"conflicting overrides."
+            )
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        # Compilation and warm-up happen in load_model, through the compile cache.
+        return CompilationTimes(language_model=self.load_seconds, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.backend.module
+
+    def shutdown(self) -> None:
+        self.telemetry.close()
+        close = getattr(self.backend, "close", None)  # a runner process has one
+        if close is not None:
+            close()

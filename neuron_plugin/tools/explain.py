@@ -1,0 +1,244 @@
+"""`neuron-plugin explain-config`: what a configuration would compile and serve, without
+compiling anything.
+
+It takes the flags of `vllm serve` (vLLM's own argument parser), builds the VllmConfig as
+`vllm serve` would, lets the Neuron platform resolve its settings, and reports the KV
+layout and why, block counts, every bucket grid, the number of graphs, device memory per
+NeuronCore for weights and KV cache against the instance's HBM, and warnings for
+combinations the field measurements show to be slow. `--json` prints the same report as
+one JSON object (schema in neuron_plugin/tools/CLI.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from neuron_plugin import BACKEND_ENV, BACKENDS
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.instances import (
+    INSTANCE_TYPES,
+    InstanceType,
+    detect_instance_type,
+    host_visible_cores,
+    lnc,
+)
+from neuron_plugin.tools.memory import MemoryEstimate, checkpoint_parameters, estimate
+from neuron_plugin.tools.serve_args import engine_config_from_serve_args
+
+GIB = 1 << 30
+DEFAULT_INSTANCE = "inf2.xlarge"
+MEMORY_WARN_FRACTION = 0.9
+BUCKETING_OFF_EVIDENCE = (
+    "bucketing off compiles one graph of the full length, so a short prompt pays for "
+    "all of it: a 94-token prompt measured 211 ms in the 2048 graph vs 13.4 ms in the "
+    "128 bucket on inf2 (15.8x)")
+CHUNKED_EVIDENCE = (
+    "chunked prefill needs the block KV layout, whose graphs measured 40-45% slower "
+    "than the contiguous layout on inf2")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "explain-config", add_help=False,
+        help="show the resolved Neuron settings, buckets, graphs and memory for a model "
+             "and `vllm serve` flags, without compiling",
+        description="Takes the same flags as `vllm serve` (see --help).")
+    parser.set_defaults(run=run, argv=[])
+
+
+def _own_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("explain-config")
+    group.add_argument("--json", action="store_true",
+                       help="print the report as one JSON object (see neuron_plugin/tools/CLI.md)")
+    group.add_argument("--backend", choices=BACKENDS,
+                       help=f"backend to resolve for (default: ${BACKEND_ENV}, else what "
+                            f"`vllm serve` with these flags would use, else nxd)")
+    group.add_argument("--instance-type", choices=sorted(INSTANCE_TYPES),
+                       help="instance to size memory against (default: this host's, "
+                            f"else {DEFAULT_INSTANCE})")
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
+    """Our options plus `vllm serve`'s flags -> (options, VllmConfig)."""
+    # The report owns stdout (--json is read by programs); vLLM's log lines go to stderr.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    return engine_config_from_serve_args(argv, _own_options,
+                                         prog="neuron-plugin explain-config")
+
+
+def choose_instance(requested: str | None) -> tuple[InstanceType, str]:
+    if requested:
+        return INSTANCE_TYPES[requested], "--instance-type"
+    detected = detect_instance_type()
+    if detected:
+        return INSTANCE_TYPES[detected], "this host"
+    return INSTANCE_TYPES[DEFAULT_INSTANCE], "assumed (not an EC2 Neuron host)"
+
+
+def nxdi_model(settings: NeuronSettings) -> str | None:
+    if settings.backend != "nxd":
+        return None
+    from neuron_plugin.backends.nxd import describe_architecture, model_entry_points
+
+    return describe_architecture(settings.architecture, model_entry_points())
+
+
+def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
+                 instance: InstanceType, cores: int) -> list[str]:
+    """Known slow or failing combinations, each with the measurement or the fix."""
+    from neuron_plugin.platform import PREFIX_CACHING_EVIDENCE
+
+    found = []
+    if settings.is_prefix_caching and settings.enable_bucketing:
+        found.append(f"prefix caching with bucketing: {PREFIX_CACHING_EVIDENCE}; pass "
+                     f"--no-enable-prefix-caching unless prompts share long prefixes.")
+    if settings.is_chunked_prefill:
+        found.append(f"{CHUNKED_EVIDENCE}; pass --no-enable-chunked-prefill to encode "
+                     f"whole prompts.")
+    if not settings.enable_bucketing:
+        found.append(f"{BUCKETING_OFF_EVIDENCE}; remove enable_bucketing=false.")
+    if settings.tp_degree > cores:
+        found.append(f"tensor_parallel_size={settings.tp_degree} needs more NeuronCores "
+                     f"than {instance.name} has ({cores}); lower --tensor-parallel-size "
+                     f"or pick a larger instance.")
+    fraction = memory.fraction_of_core_memory
+    if fraction is not None and fraction > MEMORY_WARN_FRACTION:
+        found.append(
+            f"weights and KV cache need {memory.total_per_core_bytes / GIB:.1f} GiB per "
+            f"NeuronCore, {fraction:.0%} of the {memory.device_memory_per_core_bytes / GIB:.0f}"
+            f" GiB a core of {instance.name} has, before graphs and scratchpad; raise "
+            f"--tensor-parallel-size or lower --max-num-seqs / --max-model-len.")
+    return found
+
+
+def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str) -> list[str]:
+    notes = []
+    if not settings.is_block_layout:
+        notes.append(
+            f"vLLM logs a KV cache of {settings.num_blocks - 1} x {settings.block_size} "
+            f"tokens because a block is a whole sequence here (block_size = "
+            f"max_model_len); the capacity is {settings.max_num_seqs} sequences.")
+    if settings.backend == "nxd" and host_cores is None:
+        notes.append(f"this host cannot run the nxd backend ({host_source}); the report "
+                     f"is computed without compiling.")
+    if settings.on_device_sampling:
+        notes.append("on-device sampling serves requests that use only temperature, "
+                     "top_k (up to global_topk) and top_p; others are sampled on the host.")
+    return notes
+
+
+def build_report(settings: NeuronSettings, model: str, hf_config: dict,
+                 parameters: int | None, instance: InstanceType, instance_source: str,
+                 host: tuple[int | None, str]) -> dict[str, Any]:
+    """The explain-config report (the --json schema)."""
+    cores = instance.cores(lnc())
+    memory = estimate(settings, hf_config, parameters, instance.memory_per_core(lnc()))
+    cte = [list(shape) for shape in settings.context_encoding_shapes()]
+    tkg = [list(shape) for shape in settings.token_generation_shapes()]
+    try:
+        model_class, problems = nxdi_model(settings), []
+    except NeuronConfigError as exc:
+        model_class, problems = None, [str(exc)]
+    return {
+        "model": model,
+        "architecture": settings.architecture,
+        "backend": settings.backend,
+        "nxdi_model": model_class,
+        "kv_layout": {
+            "layout": settings.kv_layout,
+            "reason": settings.kv_layout_reason,
+            "block_size": settings.block_size,
+            "num_blocks": settings.num_blocks,
+            "null_blocks": 1,
+            "usable_blocks": settings.num_blocks - 1,
+            "max_blocks_per_seq": settings.max_blocks_per_seq,
+        },
+        "buckets": {
+            "context_encoding": list(settings.context_encoding_buckets),
+            "prefix": list(settings.prefix_buckets),
+            "token_generation": list(settings.token_generation_buckets),
+            "token_generation_batches": list(settings.token_generation_batches),
+            "context_encoding_shapes": cte,
+            "token_generation_shapes": tkg,
+        },
+        "graphs": {"context_encoding": len(cte), "token_generation": len(tkg),
+                   "total": len(cte) + len(tkg)},
+        "memory": {
+            "instance_type": instance.name,
+            "instance_source": instance_source,
+            "tp_degree": settings.tp_degree,
+            "instance_cores": cores,
+            **memory.to_dict(),
+        },
+        "host": {"visible_cores": host[0], "source": host[1]},
+        "warnings": problems + warnings_for(settings, memory, instance, cores),
+        "notes": notes_for(settings, *host),
+        "settings": settings.to_dict(),
+    }
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / (1 << 20):.1f} MiB"
+
+
+def _blocks_line(kv: dict[str, Any], settings: dict[str, Any]) -> str:
+    if kv["layout"] == "contiguous":
+        return (f"{kv['num_blocks']} vLLM blocks of {kv['block_size']} tokens: one per "
+                f"sequence slot plus vLLM's null block; NxDI holds "
+                f"{settings['max_num_seqs']} x {settings['max_model_len']} positions")
+    return (f"{kv['num_blocks']} of {kv['block_size']} tokens including vLLM's null block "
+            f"({kv['usable_blocks']} usable) = NxDI pa_num_blocks")
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for people."""
+    kv, buckets, graphs, mem = (report["kv_layout"], report["buckets"], report["graphs"],
+                                report["memory"])
+    lines = [
+        f"model            {report['model']} ({report['architecture']})",
+        f"backend          {report['backend']}"
+        + (f" -> {report['nxdi_model']}" if report["nxdi_model"] else ""),
+        f"KV layout        {kv['layout']} ({kv['reason']})",
+        f"blocks           {_blocks_line(kv, report['settings'])}",
+        f"context buckets  {buckets['context_encoding']}"
+        + (f" x prefix {buckets['prefix']}" if buckets["prefix"] else ""),
+        f"decode buckets   {buckets['token_generation']} x batches "
+        f"{buckets['token_generation_batches']}",
+        f"graphs           {graphs['total']} ({graphs['context_encoding']} context encoding, "
+        f"{graphs['token_generation']} token generation)",
+        f"memory/core      weights {_size(mem['weights_per_core_bytes'])} + KV cache "
+        f"{_size(mem['kv_cache_per_core_bytes'])} of "
+        f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
+        f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
+        f"{mem['instance_cores']} cores",
+    ]
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
+
+
+def explain(argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    """(report, whether --json was asked for) for `vllm serve`-style arguments."""
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
+
+    options, vllm_config = parse(argv)
+    settings = settings_from_vllm_config(vllm_config)
+    model = vllm_config.model_config.model
+    instance, source = choose_instance(options.instance_type)
+    parameters = checkpoint_parameters(model) if Path(model).is_dir() else None
+    report = build_report(settings, model, vllm_config.model_config.hf_config.to_dict(),
+                          parameters, instance, source, host_visible_cores())
+    return report, options.json
+
+
+def run(args: argparse.Namespace) -> int:
+    report, as_json = explain(args.argv)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0

@@ -1,0 +1,162 @@
+"""The backend runner as a real process: the same logits as in-process for both KV
+layouts, errors that cross the boundary with their cause, and faults (a missing package,
+a runner killed mid-call, the parent gone) that end in a clear error or exit."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from neuron_plugin.backends.loader import open_backend
+from neuron_plugin.backends.runner.client import RunnerBackend, RunnerError
+from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+
+BUCKETS = {"context_encoding_buckets": [32, 64, 128], "token_generation_buckets": [64, 128]}
+
+
+def settings_for(block: bool, **changes):
+    limits = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=32 if block else None,
+                          enable_prefix_caching=block, enable_chunked_prefill=False,
+                          max_num_batched_tokens=128, dtype="float32")
+    settings = resolve_settings(limits, BUCKETS, backend="reference",
+                                architecture="LlamaForCausalLM")
+    return dataclasses.replace(settings, **changes)
+
+
+@pytest.fixture(scope="module")
+def cache_url(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("runner-cache"))
+
+
+def _calls(settings):
+    """A prefill of 40 tokens into slot 0 / blocks 1-2, then one decode step."""
+    ids = np.arange(3, 43, dtype=np.int64)
+    blocks = [1, 2] if settings.is_block_layout else None
+    seq = 0 if settings.is_block_layout else 0
+    yield context_encoding_inputs(settings, ids, 0, seq, blocks)
+    yield token_generation_inputs(settings, np.array([7]), np.array([40]), np.array([seq]),
+                                  [blocks] if blocks else None)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["contiguous", "block"])
+def test_runner_logits_equal_in_process(model_dirs, cache_url, block):
+    local = open_backend(settings_for(block), model_dirs["llama"], cache_url)
+    remote = open_backend(settings_for(block, backend_python=sys.executable),
+                          model_dirs["llama"], cache_url)
+    try:
+        assert isinstance(remote, RunnerBackend)
+        assert remote.handshake["versions"]["executable"] == sys.executable
+        for inputs in _calls(settings_for(block)):
+            expected = local.forward(inputs).clone()
+            got = remote.forward(inputs)
+            assert got.shape == expected.shape == (1, remote_vocab(model_dirs))
+            assert np.array_equal(got.numpy(), expected.numpy())
+    finally:
+        remote.close()
+    assert remote.runner.process.returncode == 0
+
+
+def remote_vocab(model_dirs) -> int:
+    from neuron_plugin.core.checkpoint import vocab_size
+
+    return vocab_size(model_dirs["llama"])
+
+
+def test_configuration_error_crosses_the_boundary(model_dirs, cache_url):
+    """A NeuronConfigError raised in the runner reaches the worker as one, message intact."""
+    settings = settings_for(False, backend_python=sys.executable, architecture="GPT2LMHeadModel",
+                            dtype="int8")
+    backend = RunnerBackend(settings, model_dirs["llama"])
+    try:
+        with pytest.raises((NeuronConfigError, RunnerError), match="dtype='int8'"):
+            backend.load(cache_url)
+        backend.ping()  # the runner keeps serving after a failed operation
+    finally:
+        backend.close()
+
+
+def test_missing_package_stops_start_up_naming_interpreter_and_package(model_dirs, tmp_path,
+                                                                        monkeypatch):
+    """An interpreter without the plugin (a bare venv) cannot host the backend. (Run
+    from elsewhere than the source tree, which `python -m` would put on its path.)"""
+    monkeypatch.chdir(tmp_path)
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    python = str(bare / "bin" / "python")
+    with pytest.raises(RunnerError) as info:
+        RunnerBackend(settings_for(False, backend_python=python), model_dirs["llama"])
+    message = str(info.value)
+    assert python in message
+    assert "No module named 'neuron_plugin'" in message
+    assert "pip install 'vllm-neuron-plugin[backend]'" in message
+
+
+def test_runner_killed_mid_call_is_an_error_naming_the_signal(model_dirs, cache_url):
+    backend = open_backend(settings_for(False, backend_python=sys.executable),
+                           model_dirs["llama"], cache_url)
+    os.kill(backend.runner.process.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RunnerError, match="was killed by SIGKILL during forward"):
+        backend.forward(next(_calls(settings_for(False))))
+    assert time.monotonic() - started < 5
+    backend.close()
+
+
+def test_runner_dies_with_its_parent(model_dirs, cache_url, tmp_path):
+    """SIGKILL of the process that started the runner leaves no runner behind."""
+    pid_file = tmp_path / "runner.pid"
+    code = f"""
+import sys, time, dataclasses
+sys.path.insert(0, {str(os.getcwd())!r})
+from tests.plugin.test_runner import settings_for
+from neuron_plugin.backends.loader import open_backend
+backend = open_backend(settings_for(False, backend_python=sys.executable),
+                       {str(model_dirs["llama"])!r}, {cache_url!r})
+open({str(pid_file)!r}, "w").write(str(backend.runner.process.pid))
+time.sleep(600)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert parent.poll() is None, "the parent died before starting its runner"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    runner_pid = int(pid_file.read_text())
+    assert _alive(runner_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(runner_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(runner_pid), "the runner outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed child stays a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_doctor_checks_the_runner_interpreter(tmp_path):
+    """doctor starts the runner and shakes hands: ok with a working interpreter, a fail
+    naming the fix with one that lacks the backend."""
+    from neuron_plugin.tools.doctor import check_runner
+
+    check, versions = check_runner(sys.executable, "reference")
+    assert check.status == "ok" and versions["executable"] == sys.executable
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    check, versions = check_runner(str(bare / "bin" / "python"), "reference")
+    assert check.status == "fail" and versions == {}
+    assert "pip install 'vllm-neuron-plugin[backend]'" in check.fix
