@@ -121,7 +121,8 @@ def test_killed_runner_fails_in_flight_requests_and_stops_the_server(model_dirs,
         assert all(o != 200 for o in outcomes), outcomes
         server.proc.wait(60)  # raises TimeoutExpired if the server hangs on
         log = server.log()
-        assert "was killed by SIGKILL during forward" in log
+        # `run` with on-device sampling, `forward` when the host samples
+        assert re.search(r"was killed by SIGKILL during (run|forward)\b", log)
         assert "the requests in flight fail and the server stops" in log
     finally:
         server.stop()
