@@ -19,6 +19,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin import BACKEND_ENV, plugin_logger
+from neuron_plugin.core.instances import parse_core_list
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -112,6 +113,19 @@ class NeuronPlatform(Platform):
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return "neuron"
+
+    @classmethod
+    def device_id_to_physical_device_id(cls, device_id: int) -> int:
+        """vLLM reads the device variable as a comma list when it sizes data-parallel
+        ranks; `NEURON_RT_VISIBLE_CORES` also takes ranges ("4-7", "0-1,6"), so read it
+        the way the Neuron runtime does. An IndexError past the last core is what vLLM
+        expects; ids vLLM assigned itself take precedence, as in its own reading."""
+        from vllm.platforms import interface
+
+        value = os.environ.get(cls.device_control_env_var, "")
+        if interface._assigned_physical_gpu_ids is not None or "-" not in value:
+            return super().device_id_to_physical_device_id(device_id)
+        return parse_core_list(value)[device_id]
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:

@@ -25,7 +25,7 @@ logger = plugin_logger(__name__)
 # Settings that do not change a compiled graph: excluded from the cache key so that
 # toggling them never forces a recompile.
 _RUNTIME_ONLY = frozenset({"backend", "architecture", "kv_layout_reason", "skip_warmup",
-                           "backend_python",
+                           "backend_python", "dp_degree", "rank_cores",
                            "dtype", *GRID_KEYS})
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from neuron_plugin import neuron_devices
-from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.core.errors import NeuronConfigError
 
 GIB = 1 << 30
 VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
@@ -199,19 +199,6 @@ def _fewer_engines(tp_degree: int, visible: int) -> str:
     if visible >= tp_degree:
         return f"lower --data-parallel-size to at most {visible // tp_degree}, {more}"
     return f"lower --tensor-parallel-size to at most {visible}, {more}"
-
-
-def assign_rank_cores(tp_degree: int, rank: int,
-                      environ: MutableMapping[str, str] = os.environ) -> str | None:
-    """Narrow `NEURON_RT_VISIBLE_CORES` in `environ` to engine `rank`'s cores before the
-    Neuron runtime (or a runner process, which inherits the environment) starts; the
-    new value, or None where no cores are visible (the CPU reference backend)."""
-    ids, source = host_visible_core_ids(environ)
-    if ids is None:
-        return None
-    value = format_core_list(rank_cores(tp_degree, rank, ids, source))
-    environ[VISIBLE_CORES_ENV] = value
-    return value
 
 
 def check_tp_fits(tp_degree: int, cores: int | None, source: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ from bucketing.errors import BucketError
 from bucketing.fit import prefix_caching_need
 from bucketing.grids import align_up, nxdi_buckets, validate_grid
 from neuron_plugin import BACKENDS
+from neuron_plugin.core.errors import NeuronConfigError
+from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV
 from neuron_plugin.core.vllm_flags import WORKER_CLS, flag_problems
 from neuron_plugin.core.vllm_neuron_env import environment_problems
@@ -61,10 +63,6 @@ INTERPRETED_KEYS = frozenset(
 )
 
 
-class NeuronConfigError(ValueError):
-    """A configuration that cannot work; the message names the settings and the fix."""
-
-
 @dataclass(frozen=True)
 class EngineUpdate:
     """One value the platform writes back into vLLM's config, and why."""
@@ -88,6 +86,8 @@ class EngineLimits:
     max_num_batched_tokens: int
     dtype: str
     tp_degree: int = 1
+    # Data-parallel engines on this host (vLLM's --data-parallel-size-local).
+    dp_degree: int = 1
     num_gpu_blocks_override: int | None = None
     # vLLM flag -> its value, for the flags of core.vllm_flags.VLLM_FLAGS.
     vllm_flags: Mapping[str, Any] = field(default_factory=dict)
@@ -124,6 +124,10 @@ class NeuronSettings:
     # The interpreter of the environment the backend runs in (its own process behind the
     # runner protocol), or None for in-process. Changes no compiled graph.
     backend_python: str | None = None
+    # Data-parallel engines on this host and each one's NeuronCores (empty where no core
+    # is visible: the CPU reference backend). Change no compiled graph.
+    dp_degree: int = 1
+    rank_cores: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_block_layout(self) -> bool:
@@ -165,6 +169,7 @@ class NeuronSettings:
         values = dict(data)
         for key in GRID_KEYS:
             values[key] = tuple(values[key])
+        values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
         return cls(**values)
 
 
@@ -490,11 +495,15 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
                      backend_python: str | None = None,
                      on_device_sampling_disabled: str | None = None,
                      environ: Mapping[str, str] | None = None,
-                     nxdi_version: str | None = None) -> NeuronSettings:
+                     nxdi_version: str | None = None,
+                     visible_cores: Sequence[int] | None = None,
+                     cores_source: str = "") -> NeuronSettings:
     """The single place where a configuration is decided (see the module docstring).
     `environ` holds the vllm-neuron variables the caller read
     (core.vllm_neuron_env.NAMES); `nxdi_version` is the NxDI installed where the nxd
-    backend runs, None when unknown."""
+    backend runs, None when unknown; `visible_cores` are the NeuronCore ids this host
+    lets the engines use (`cores_source` says where they come from), None where none
+    are visible."""
     override = dict(override or {})
     if backend not in BACKENDS:
         raise _error(
@@ -540,6 +549,10 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
     on_device, global_topk = resolve_on_device_sampling(override, on_device_sampling_disabled)
+    # Refused here, with the arithmetic, rather than when the last engine starts.
+    rank_cores = () if visible_cores is None else tuple(
+        tuple(cores) for cores in core_slices(limits.tp_degree, limits.dp_degree,
+                                              visible_cores, cores_source))
     passthrough = {k: v for k, v in override.items() if k not in INTERPRETED_KEYS}
     if on_device and override.get("on_device_sampling_config"):
         # The nxd backend completes it (backends/nxd.py); never passed when off.
@@ -569,6 +582,8 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
         skip_warmup=bool(override.get("skip_warmup", False)),
         passthrough=passthrough,
         backend_python=backend_python or None,
+        dp_degree=limits.dp_degree,
+        rank_cores=rank_cores,
     )
 
 

@@ -20,7 +20,7 @@ import weakref
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger
-from neuron_plugin.core.instances import package_version
+from neuron_plugin.core.instances import host_visible_core_ids, package_version
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.settings import (
     EngineLimits,
@@ -73,6 +73,7 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         max_num_batched_tokens=sched.max_num_batched_tokens,
         dtype=_dtype_name(model.dtype),
         tp_degree=vllm_config.parallel_config.tensor_parallel_size,
+        dp_degree=vllm_config.parallel_config.data_parallel_size_local,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
     )
@@ -176,6 +177,7 @@ def selected_backend() -> str:
 def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> NeuronSettings:
     architecture = (vllm_config.model_config.architectures or ["unknown"])[0]
     python = backend_python(vllm_config)
+    cores, cores_source = host_visible_core_ids()
     return resolve_settings(engine_limits(vllm_config), override_neuron_config(vllm_config),
                             backend=backend or selected_backend(),
                             architecture=architecture,
@@ -183,7 +185,8 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
                             on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
                             environ=vllm_neuron_environment(),
                             # A runner's NxDI lives in its own environment: unknown here.
-                            nxdi_version=None if python else package_version(NXDI_DISTRIBUTION))
+                            nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),
+                            visible_cores=cores, cores_source=cores_source)
 
 
 def apply(settings: NeuronSettings, vllm_config: Any) -> None:

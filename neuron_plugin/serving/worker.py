@@ -3,8 +3,9 @@ in the backend's own Python environment) through the compile cache, installs the
 telemetry and trace observers, and hands each engine step to `NeuronModelRunner`.
 
 Each engine sees only its own NeuronCores: data-parallel engine r on this host takes the
-r-th run of `tensor_parallel_size` visible cores (`core.instances.assign_rank_cores`),
-set before the backend or its runner process (which inherits the environment) starts.
+r-th run of `tensor_parallel_size` visible cores (`NeuronSettings.rank_cores`, decided
+with the rest of the settings), set before the backend or its runner process (which
+inherits the environment) starts.
 
 The backend owns its KV cache (NxDI allocates it inside the compiled model), so the
 worker reports a KV spec and a block count to vLLM's scheduler but allocates nothing for
@@ -14,6 +15,7 @@ vLLM; it checks that the block count vLLM settled on is the one the graphs were 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 
@@ -28,7 +30,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import Backend
 from neuron_plugin.backends.loader import open_backend
-from neuron_plugin.core.instances import VISIBLE_CORES_ENV, assign_rank_cores
+from neuron_plugin.core.instances import VISIBLE_CORES_ENV, format_core_list
 from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.serving.model_runner import NeuronModelRunner
@@ -56,8 +58,9 @@ class NeuronWorker(WorkerBase):
         parallel = vllm_config.parallel_config
         # vLLM runs dense data-parallel ranks as independent engines; these two survive.
         engine, local_rank = parallel.data_parallel_index, parallel.data_parallel_rank_local or 0
-        cores = assign_rank_cores(self.settings.tp_degree, local_rank)
-        if cores is not None:
+        if self.settings.rank_cores:
+            cores = format_core_list(self.settings.rank_cores[local_rank])
+            os.environ[VISIBLE_CORES_ENV] = cores
             logger.info("engine %d (data-parallel rank %d on this host): %s=%s", engine,
                         local_rank, VISIBLE_CORES_ENV, cores)
         self.telemetry = StepTelemetry(

@@ -3,8 +3,9 @@ compiling anything.
 
 It takes the flags of `vllm serve` (vLLM's own argument parser), builds the VllmConfig as
 `vllm serve` would, lets the Neuron platform resolve its settings, and reports the KV
-layout and why, block counts, every bucket grid, the number of graphs, device memory per
-NeuronCore for weights and KV cache against the instance's HBM, and warnings for
+layout and why, block counts, every bucket grid, the number of graphs, which NeuronCores
+each data-parallel engine takes, device memory per NeuronCore for weights and KV cache
+against the instance's HBM, and warnings for
 combinations the field measurements show to be slow. `--json` prints the same report as
 one JSON object (schema in neuron_plugin/tools/CLI.md).
 """
@@ -23,7 +24,9 @@ from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     InstanceType,
+    core_slices,
     detect_instance_type,
+    format_core_list,
     host_visible_cores,
     lnc,
 )
@@ -88,8 +91,20 @@ def nxdi_model(settings: NeuronSettings) -> str | None:
     return describe_architecture(settings.architecture, model_entry_points())
 
 
+def engine_cores(settings: NeuronSettings, instance: InstanceType, instance_source: str,
+                 host_source: str) -> tuple[list[list[int]], str]:
+    """(each data-parallel engine's NeuronCores, where the cores come from): the slices
+    the settings resolved on this host, else the instance's cores split the same way
+    (refused, with the arithmetic, when TP x DP does not fit)."""
+    if settings.rank_cores:
+        return [list(cores) for cores in settings.rank_cores], host_source
+    cores = instance.cores(lnc())
+    source = f"the {cores} cores of {instance.name}, {instance_source}"
+    return core_slices(settings.tp_degree, settings.dp_degree, range(cores), source), source
+
+
 def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
-                 instance: InstanceType, cores: int) -> list[str]:
+                 instance: InstanceType) -> list[str]:
     """Known slow or failing combinations, each with the measurement or the fix."""
     from neuron_plugin.platform import PREFIX_CACHING_EVIDENCE
 
@@ -102,10 +117,6 @@ def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
                      f"whole prompts.")
     if not settings.enable_bucketing:
         found.append(f"{BUCKETING_OFF_EVIDENCE}; remove enable_bucketing=false.")
-    if settings.tp_degree > cores:
-        found.append(f"tensor_parallel_size={settings.tp_degree} needs more NeuronCores "
-                     f"than {instance.name} has ({cores}); lower --tensor-parallel-size "
-                     f"or pick a larger instance.")
     fraction = memory.fraction_of_core_memory
     if fraction is not None and fraction > MEMORY_WARN_FRACTION:
         found.append(
@@ -137,6 +148,7 @@ def build_report(settings: NeuronSettings, model: str, hf_config: dict,
                  host: tuple[int | None, str]) -> dict[str, Any]:
     """The explain-config report (the --json schema)."""
     cores = instance.cores(lnc())
+    ranks, ranks_source = engine_cores(settings, instance, instance_source, host[1])
     memory = estimate(settings, hf_config, parameters, instance.memory_per_core(lnc()))
     cte = [list(shape) for shape in settings.context_encoding_shapes()]
     tkg = [list(shape) for shape in settings.token_generation_shapes()]
@@ -175,8 +187,10 @@ def build_report(settings: NeuronSettings, model: str, hf_config: dict,
             "instance_cores": cores,
             **memory.to_dict(),
         },
+        "data_parallel": {"engines": settings.dp_degree, "engine_cores": ranks,
+                          "source": ranks_source},
         "host": {"visible_cores": host[0], "source": host[1]},
-        "warnings": problems + warnings_for(settings, memory, instance, cores),
+        "warnings": problems + warnings_for(settings, memory, instance),
         "notes": notes_for(settings, *host),
         "settings": settings.to_dict(),
     }
@@ -195,6 +209,13 @@ def _blocks_line(kv: dict[str, Any], settings: dict[str, Any]) -> str:
                 f"{settings['max_num_seqs']} x {settings['max_model_len']} positions")
     return (f"{kv['num_blocks']} of {kv['block_size']} tokens including vLLM's null block "
             f"({kv['usable_blocks']} usable) = NxDI pa_num_blocks")
+
+
+def _engines_line(dp: dict[str, Any]) -> str:
+    cores = ", ".join(f"{rank}: {format_core_list(ids)}"
+                      for rank, ids in enumerate(dp["engine_cores"]))
+    return (f"{dp['engines']} (data-parallel rank -> NEURON_RT_VISIBLE_CORES: {cores}; "
+            f"from {dp['source']})")
 
 
 def render(report: dict[str, Any]) -> str:
@@ -218,6 +239,7 @@ def render(report: dict[str, Any]) -> str:
         f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
         f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
         f"{mem['instance_cores']} cores",
+        f"engines          {_engines_line(report['data_parallel'])}",
     ]
     lines += [f"warning: {w}" for w in report["warnings"]]
     lines += [f"note: {n}" for n in report["notes"]]

@@ -128,7 +128,7 @@ def test_estimate_block_layout_counts_blocks():
 
 
 # -- explain-config -----------------------------------------------------------------------
-def test_build_report_warns_about_memory_and_cores():
+def test_build_report_warns_about_memory_and_refuses_too_few_cores():
     settings = nxd_settings(max_num_seqs=32)
     report = explain.build_report(settings, "m", LLAMA_8B, 8_030_000_000,
                                   INSTANCE_TYPES["inf2.xlarge"], "--instance-type",
@@ -138,10 +138,12 @@ def test_build_report_warns_about_memory_and_cores():
                for w in report["warnings"])
     wide = resolve_settings(limits(tp_degree=8), {}, backend="nxd",
                             architecture="LlamaForCausalLM")
-    report = explain.build_report(wide, "m", LLAMA_8B, 8_030_000_000,
-                                  INSTANCE_TYPES["inf2.xlarge"], "x", (None, "x"))
-    assert any("tensor_parallel_size=8" in w and "inf2.xlarge has (2)" in w
-               for w in report["warnings"])
+    with pytest.raises(NeuronConfigError) as info:
+        explain.build_report(wide, "m", LLAMA_8B, 8_030_000_000,
+                             INSTANCE_TYPES["inf2.xlarge"], "x", (None, "x"))
+    assert ("--tensor-parallel-size 8 x --data-parallel-size 1 needs 8 NeuronCores "
+            "(1 engine(s) of 8) but 2 are visible (the 2 cores of inf2.xlarge, x); "
+            "lower --tensor-parallel-size to at most 2") in str(info.value)
 
 
 def test_build_report_warns_about_slow_combinations():
@@ -193,6 +195,24 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
     assert "4 (2 context encoding, 2 token generation)" in text
+
+
+def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,
+                                                           capsys):
+    """An inf2.48xlarge's 24 cores hold 12 engines of TP 2; a 13th is refused with the
+    arithmetic before anything starts."""
+    flags = [str(model_dirs["llama"]), "--max-model-len", "256", "--max-num-seqs", "4",
+             "--backend", "nxd", "--instance-type", "inf2.48xlarge",
+             "--tensor-parallel-size", "2"]
+    report, _ = explain.explain(flags + ["--data-parallel-size", "12"])
+    assert report["data_parallel"]["engines"] == 12
+    assert report["data_parallel"]["engine_cores"] == [[2 * r, 2 * r + 1] for r in range(12)]
+    text = explain.render(report)
+    assert "engines          12 (data-parallel rank -> NEURON_RT_VISIBLE_CORES: 0: 0-1, " \
+           "1: 2-3," in text and "11: 22-23; from the 24 cores of inf2.48xlarge" in text
+    assert cli.main(["explain-config", *flags, "--data-parallel-size", "13"]) == 2
+    assert ("--tensor-parallel-size 2 x --data-parallel-size 13 needs 26 NeuronCores "
+            "(13 engine(s) of 2) but 24 are visible") in capsys.readouterr().err
 
 
 def test_explain_config_prefix_caching_reference_backend(model_dirs, backend_env):

@@ -3,19 +3,25 @@ and the refusal, with the arithmetic and the fix, when TP x DP exceeds what is v
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from neuron_plugin import neuron_devices
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     VISIBLE_CORES_ENV,
-    assign_rank_cores,
     core_slices,
     format_core_list,
     rank_cores,
     visible_core_ids,
 )
-from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.backends.loader import _RUNTIME_ONLY
+from neuron_plugin.core.settings import (
+    EngineLimits,
+    NeuronConfigError,
+    NeuronSettings,
+    resolve_settings,
+)
 
 
 def test_core_list_is_written_as_a_range_or_a_comma_list():
@@ -65,18 +71,41 @@ def test_a_rank_beyond_the_visible_cores_is_refused_naming_its_cores():
     assert "lower --data-parallel-size to at most 2" in str(info.value)
 
 
-def test_assigning_a_rank_narrows_the_variable_the_runtime_reads():
-    environ = {VISIBLE_CORES_ENV: "4-7"}
-    assert assign_rank_cores(2, 1, environ) == "6-7"
-    assert environ == {VISIBLE_CORES_ENV: "6-7"}
-    environ = {VISIBLE_CORES_ENV: "2,3,5,7"}
-    assert assign_rank_cores(1, 2, environ) == "5"
-    with pytest.raises(NeuronConfigError, match="data-parallel rank 4"):
-        assign_rank_cores(1, 4, {VISIBLE_CORES_ENV: "2,3,5,7"})
+def test_the_settings_give_each_engine_its_cores_once_for_all_ranks():
+    """Decided with the rest of the settings, so an impossible TP x DP stops the server
+    before any engine starts; not part of the compile-cache key (ranks share a compile)."""
+    four = EngineLimits(max_model_len=256, max_num_seqs=4, block_size=None,
+                        enable_prefix_caching=False, enable_chunked_prefill=False,
+                        max_num_batched_tokens=256, dtype="float32", tp_degree=2,
+                        dp_degree=2)
+    settings = resolve_settings(four, {}, backend="nxd", architecture="LlamaForCausalLM",
+                                visible_cores=[4, 5, 6, 7],
+                                cores_source=f"{VISIBLE_CORES_ENV}=4-7")
+    assert settings.rank_cores == ((4, 5), (6, 7)) and settings.dp_degree == 2
+    assert NeuronSettings.from_dict(settings.to_dict()) == settings
+    assert {"rank_cores", "dp_degree"} <= _RUNTIME_ONLY
+    with pytest.raises(NeuronConfigError, match="lower --data-parallel-size to at most 2"):
+        resolve_settings(dataclasses.replace(four, dp_degree=3), {}, backend="nxd",
+                         architecture="LlamaForCausalLM", visible_cores=[4, 5, 6, 7],
+                         cores_source=f"{VISIBLE_CORES_ENV}=4-7")
+    nowhere = resolve_settings(dataclasses.replace(four, tp_degree=1), {},
+                               backend="reference", architecture="LlamaForCausalLM")
+    assert nowhere.rank_cores == ()
 
 
-@pytest.mark.skipif(bool(neuron_devices()), reason="this host has Neuron devices")
-def test_nothing_is_assigned_where_no_core_is_visible():
-    environ: dict[str, str] = {}
-    assert assign_rank_cores(1, 0, environ) is None
-    assert environ == {}
+@pytest.mark.parametrize("value,cores", [("4-7", [4, 5, 6, 7]), ("4-5,9", [4, 5, 9]),
+                                         ("5,6,9", [5, 6, 9])])
+def test_vllm_reads_the_visible_cores_as_the_runtime_does(monkeypatch, value, cores):
+    """vLLM's data-parallel launcher maps each rank's devices through the platform
+    (vllm/v1/engine/utils.py); a range would otherwise fail to parse there."""
+    from vllm.v1.engine.utils import get_physical_gpu_ids_for_local_dp_rank
+
+    from neuron_plugin.platform import NeuronPlatform
+
+    monkeypatch.setenv(VISIBLE_CORES_ENV, value)
+    assert [NeuronPlatform.device_id_to_physical_device_id(i)
+            for i in range(len(cores))] == cores
+    with pytest.raises(IndexError):
+        NeuronPlatform.device_id_to_physical_device_id(len(cores))
+    monkeypatch.setattr("vllm.v1.engine.utils.current_platform", NeuronPlatform)
+    assert get_physical_gpu_ids_for_local_dp_rank(VISIBLE_CORES_ENV, 1, 1) == cores[1:2]
