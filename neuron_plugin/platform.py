@@ -223,6 +223,7 @@ class NeuronPlatform(Platform):
             f" x prefix {list(settings.prefix_buckets)}" if settings.prefix_buckets else "",
             list(settings.token_generation_buckets),
             list(settings.token_generation_batches), settings.graph_count())
+        logger.info("neuron platform: KV cache capacity %s", settings.capacity())
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from neuron_plugin.core.instances import core_slices
+from neuron_plugin.core.instances import core_slices, format_core_list
 from tests.e2e.test_fleet import POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,11 @@ def test_the_served_configuration_resolves_as_vllm_serve_would(model_dirs, tmp_p
     env = dict(os.environ, VLLM_NEURON_BACKEND=_env(_container(
         "Deployment", "vllm-neuron"))["VLLM_NEURON_BACKEND"]["value"])
     reports = []
-    for extra in ([], job_flags):
+    # Each pod sees the cores it requests (the device plugin sets NEURON_RT_VISIBLE_CORES).
+    for extra, kind, name in (([], "Deployment", "vllm-neuron"),
+                              (job_flags, "Job", "vllm-neuron-precompile")):
+        cores = _container(kind, name)["resources"]["limits"]["aws.amazon.com/neuroncore"]
+        env["NEURON_RT_VISIBLE_CORES"] = format_core_list(range(int(cores)))
         done = subprocess.run([cli, "explain-config", "--config", str(config), *extra,
                                "--json"], capture_output=True, text=True, timeout=600,
                               env=env)
@@ -181,6 +185,7 @@ def test_the_served_configuration_resolves_as_vllm_serve_would(model_dirs, tmp_p
     assert (settings["tp_degree"], settings["max_model_len"], settings["max_num_seqs"],
             settings["dtype"]) == (serve["tensor-parallel-size"], serve["max-model-len"],
                                    serve["max-num-seqs"], serve["dtype"])
+    assert reports[0]["data_parallel"]["engine_cores"] == [[0, 1], [2, 3]]
     compiled = ("buckets", "graphs", "kv_layout")
     assert [reports[1][k] for k in compiled] == [reports[0][k] for k in compiled]
     assert reports[1]["settings"]["tp_degree"] == settings["tp_degree"]

@@ -26,6 +26,7 @@ logger = plugin_logger(__name__)
 # toggling them never forces a recompile.
 _RUNTIME_ONLY = frozenset({"backend", "architecture", "kv_layout_reason", "skip_warmup",
                            "backend_python", "dp_degree", "rank_cores",
+                           "max_num_seqs_reason",
                            "dtype", *GRID_KEYS})
 
 

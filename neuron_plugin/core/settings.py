@@ -24,6 +24,7 @@ from bucketing.grids import align_up, nxdi_buckets, validate_grid
 from neuron_plugin import BACKENDS
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
+from neuron_plugin.core.memory import SequenceBudget
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV
 from neuron_plugin.core.vllm_flags import WORKER_CLS, flag_problems
 from neuron_plugin.core.vllm_neuron_env import environment_problems
@@ -32,6 +33,8 @@ CONTIGUOUS = "contiguous"
 BLOCK = "block"
 DEFAULT_BLOCK_SIZE = 32
 MIN_BUCKET = 128
+# Sequence slots when the user leaves vLLM's GPU-sized default (vllm-neuron 0.x's default).
+NEURON_DEFAULT_MAX_NUM_SEQS = 32
 
 # Keys of override_neuron_config this module interprets; any other key is passed
 # through to NxDI's NeuronConfig unchanged.
@@ -86,6 +89,9 @@ class EngineLimits:
     max_num_batched_tokens: int
     dtype: str
     tp_degree: int = 1
+    # True when max_num_seqs is one of vLLM's own defaults (vLLM does not record whether
+    # the user passed it).
+    max_num_seqs_is_default: bool = False
     # Data-parallel engines on this host (vLLM's --data-parallel-size-local).
     dp_degree: int = 1
     num_gpu_blocks_override: int | None = None
@@ -128,6 +134,8 @@ class NeuronSettings:
     # is visible: the CPU reference backend). Change no compiled graph.
     dp_degree: int = 1
     rank_cores: tuple[tuple[int, ...], ...] = ()
+    # Why max_num_seqs has its value (logged when it differs from vLLM's).
+    max_num_seqs_reason: str = "--max-num-seqs"
 
     @property
     def is_block_layout(self) -> bool:
@@ -155,6 +163,21 @@ class NeuronSettings:
         """(batch, context length) for every token-generation graph."""
         return [(b, n) for b in self.token_generation_batches
                 for n in self.token_generation_buckets]
+
+    def capacity(self) -> str:
+        """The KV cache's capacity in one line, the same in the server log and in
+        explain-config. vLLM's own "KV cache size" line counts its null block, which
+        holds no sequence, so it reads one block more."""
+        vllm_tokens = self.num_blocks * self.block_size
+        if not self.is_block_layout:
+            return (f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens "
+                    f"({self.max_num_seqs * self.max_model_len:,} tokens); vLLM's \"KV cache "
+                    f"size\" line also counts its null block ({vllm_tokens:,} tokens)")
+        usable = self.num_blocks - 1  # never fewer than max_num_seqs full sequences
+        return (f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}, "
+                f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens at "
+                f"once; vLLM's \"KV cache size\" line also counts its null block "
+                f"({vllm_tokens:,} tokens)")
 
     def graph_count(self) -> int:
         return len(self.context_encoding_shapes()) + len(self.token_generation_shapes())
@@ -490,6 +513,32 @@ def resolve_on_device_sampling(override: Mapping[str, Any],
     return not disabled and config is not None, topk
 
 
+def resolve_max_num_seqs(limits: EngineLimits, override: Mapping[str, Any], backend: str,
+                         budget: SequenceBudget | None) -> tuple[int, str]:
+    """(sequence slots, why). A value the user chose is kept; vLLM's GPU-sized default
+    becomes vllm-neuron's `batch_size` if given, else NEURON_DEFAULT_MAX_NUM_SEQS, fewer
+    where the nxd backend's device memory holds fewer full-length sequences."""
+    if not limits.max_num_seqs_is_default:
+        return limits.max_num_seqs, "--max-num-seqs"
+    for key in ("batch_size", "tkg_batch_size"):
+        given = _int_setting(override, key)
+        if given:
+            return given, (f"override_neuron_config.{key}={given}, with --max-num-seqs "
+                           f"left at vLLM's default")
+    seqs = min(limits.max_num_seqs, NEURON_DEFAULT_MAX_NUM_SEQS)
+    reason = (f"vLLM's default of {limits.max_num_seqs} is sized for GPUs; on Neuron every "
+              f"sequence slot is compiled into the graphs and holds max_model_len positions "
+              f"of KV cache, so {seqs}, as in vllm-neuron; --max-num-seqs sets another value")
+    fits = budget.sequences(limits.max_model_len) if budget and backend == "nxd" else None
+    if fits is not None and fits < seqs:
+        seqs = 1 << (fits.bit_length() - 1) if fits else 1
+        reason = (f"vLLM's default of {limits.max_num_seqs} is sized for GPUs; {fits} "
+                  f"sequences of {limits.max_model_len} tokens fit in the "
+                  f"{budget.describe()} the weights leave, so {seqs}; --max-num-seqs sets "
+                  f"another value")
+    return seqs, reason
+
+
 def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *,
                      backend: str, architecture: str,
                      backend_python: str | None = None,
@@ -497,19 +546,24 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
                      environ: Mapping[str, str] | None = None,
                      nxdi_version: str | None = None,
                      visible_cores: Sequence[int] | None = None,
-                     cores_source: str = "") -> NeuronSettings:
+                     cores_source: str = "",
+                     budget: SequenceBudget | None = None) -> NeuronSettings:
     """The single place where a configuration is decided (see the module docstring).
     `environ` holds the vllm-neuron variables the caller read
     (core.vllm_neuron_env.NAMES); `nxdi_version` is the NxDI installed where the nxd
     backend runs, None when unknown; `visible_cores` are the NeuronCore ids this host
     lets the engines use (`cores_source` says where they come from), None where none
-    are visible."""
+    are visible; `budget` is the device memory an engine has for KV cache, None when
+    unknown."""
     override = dict(override or {})
     if backend not in BACKENDS:
         raise _error(
             f"backend {backend!r} is not known; set VLLM_NEURON_BACKEND to one of "
             f"{', '.join(BACKENDS)}."
         )
+    max_num_seqs, max_num_seqs_reason = resolve_max_num_seqs(limits, override, backend,
+                                                             budget)
+    limits = dataclasses.replace(limits, max_num_seqs=max_num_seqs)
     _refuse_what_cannot_work(limits, override, environ or {},
                              nxdi_version if backend == "nxd" else None)
     _agree(override, "tp_degree", "tensor_parallel_size", limits.tp_degree)
@@ -584,6 +638,7 @@ def resolve_settings(limits: EngineLimits, override: Mapping[str, Any] | None, *
         backend_python=backend_python or None,
         dp_degree=limits.dp_degree,
         rank_cores=rank_cores,
+        max_num_seqs_reason=max_num_seqs_reason,
     )
 
 
@@ -598,6 +653,8 @@ def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
         block_reason = ("contiguous KV layout: one block per sequence "
                         "(block_size = max_model_len)")
     updates = [
+        EngineUpdate("scheduler_config", "max_num_seqs", settings.max_num_seqs,
+                     settings.max_num_seqs_reason),
         EngineUpdate("cache_config", "block_size", settings.block_size, block_reason),
         EngineUpdate(
             "cache_config", "num_gpu_blocks_override", settings.num_blocks,

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 import tempfile
 import uuid
 import weakref
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger
-from neuron_plugin.core.instances import host_visible_core_ids, package_version
+from neuron_plugin.core.instances import (
+    INSTANCE_TYPES,
+    detect_instance_type,
+    host_visible_core_ids,
+    lnc,
+    package_version,
+)
+from neuron_plugin.core.memory import SequenceBudget, checkpoint_parameters, sequence_budget
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.settings import (
     EngineLimits,
@@ -67,6 +75,7 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
     return EngineLimits(
         max_model_len=model.max_model_len,
         max_num_seqs=sched.max_num_seqs,
+        max_num_seqs_is_default=sched.max_num_seqs in vllm_default_max_num_seqs(vllm_config),
         block_size=cache.block_size if cache.user_specified_block_size else None,
         enable_prefix_caching=bool(cache.enable_prefix_caching),
         enable_chunked_prefill=bool(sched.enable_chunked_prefill),
@@ -77,6 +86,31 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
     )
+
+
+def vllm_default_max_num_seqs(vllm_config: Any) -> set[int]:
+    """The values vLLM itself gives max_num_seqs when the user does not (for `vllm
+    serve`, `LLM` and other entry points), from its own table."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    parallel = vllm_config.parallel_config
+    world_size = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
+    return {SchedulerConfig.DEFAULT_MAX_NUM_SEQS,
+            *EngineArgs.get_batch_defaults(world_size)[1].values()}
+
+
+def device_budget(vllm_config: Any) -> SequenceBudget | None:
+    """The HBM an engine of this instance has for KV cache; None off a Neuron instance
+    or when the checkpoint's size is unknown."""
+    instance = detect_instance_type()
+    model = vllm_config.model_config
+    if instance is None or not Path(model.model).is_dir():
+        return None
+    return sequence_budget(model.hf_config.to_dict(), checkpoint_parameters(model.model),
+                           _dtype_name(model.dtype),
+                           vllm_config.parallel_config.tensor_parallel_size,
+                           INSTANCE_TYPES[instance].memory_per_core(lnc()), instance)
 
 
 def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
@@ -186,7 +220,8 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
                             environ=vllm_neuron_environment(),
                             # A runner's NxDI lives in its own environment: unknown here.
                             nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),
-                            visible_cores=cores, cores_source=cores_source)
+                            visible_cores=cores, cores_source=cores_source,
+                            budget=device_budget(vllm_config))
 
 
 def apply(settings: NeuronSettings, vllm_config: Any) -> None:

@@ -30,12 +30,17 @@ from neuron_plugin.core.instances import (
     host_visible_cores,
     lnc,
 )
-from neuron_plugin.tools.memory import MemoryEstimate, checkpoint_parameters, estimate
+from neuron_plugin.core.memory import (
+    GIB,
+    USABLE_FRACTION,
+    MemoryEstimate,
+    checkpoint_parameters,
+    estimate,
+)
 from neuron_plugin.tools.serve_args import engine_config_from_serve_args
 
-GIB = 1 << 30
+
 DEFAULT_INSTANCE = "inf2.xlarge"
-MEMORY_WARN_FRACTION = 0.9
 BUCKETING_OFF_EVIDENCE = (
     "bucketing off compiles one graph of the full length, so a short prompt pays for "
     "all of it: a 94-token prompt measured 211 ms in the 2048 graph vs 13.4 ms in the "
@@ -118,7 +123,7 @@ def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
     if not settings.enable_bucketing:
         found.append(f"{BUCKETING_OFF_EVIDENCE}; remove enable_bucketing=false.")
     fraction = memory.fraction_of_core_memory
-    if fraction is not None and fraction > MEMORY_WARN_FRACTION:
+    if fraction is not None and fraction > USABLE_FRACTION:
         found.append(
             f"weights and KV cache need {memory.total_per_core_bytes / GIB:.1f} GiB per "
             f"NeuronCore, {fraction:.0%} of the {memory.device_memory_per_core_bytes / GIB:.0f}"
@@ -129,11 +134,8 @@ def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
 
 def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str) -> list[str]:
     notes = []
-    if not settings.is_block_layout:
-        notes.append(
-            f"vLLM logs a KV cache of {settings.num_blocks - 1} x {settings.block_size} "
-            f"tokens because a block is a whole sequence here (block_size = "
-            f"max_model_len); the capacity is {settings.max_num_seqs} sequences.")
+    if settings.max_num_seqs_reason != "--max-num-seqs":
+        notes.append(f"max_num_seqs={settings.max_num_seqs}: {settings.max_num_seqs_reason}.")
     if settings.backend == "nxd" and host_cores is None:
         notes.append(f"this host cannot run the nxd backend ({host_source}); the report "
                      f"is computed without compiling.")
@@ -169,6 +171,7 @@ def build_report(settings: NeuronSettings, model: str, hf_config: dict,
             "null_blocks": 1,
             "usable_blocks": settings.num_blocks - 1,
             "max_blocks_per_seq": settings.max_blocks_per_seq,
+            "capacity": settings.capacity(),
         },
         "buckets": {
             "context_encoding": list(settings.context_encoding_buckets),
@@ -228,6 +231,7 @@ def render(report: dict[str, Any]) -> str:
         + (f" -> {report['nxdi_model']}" if report["nxdi_model"] else ""),
         f"KV layout        {kv['layout']} ({kv['reason']})",
         f"blocks           {_blocks_line(kv, report['settings'])}",
+        f"capacity         {kv['capacity']}",
         f"context buckets  {buckets['context_encoding']}"
         + (f" x prefix {buckets['prefix']}" if buckets["prefix"] else ""),
         f"decode buckets   {buckets['token_generation']} x batches "

@@ -28,7 +28,7 @@ from neuron_plugin.core.instances import (
     parse_core_list,
     visible_cores,
 )
-from neuron_plugin.tools.memory import checkpoint_parameters, estimate, kv_heads_per_core
+from neuron_plugin.core.memory import checkpoint_parameters, estimate, kv_heads_per_core
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -185,7 +185,10 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert report["kv_layout"] == {"layout": "contiguous",
                                    "reason": "prefix caching and chunked prefill off",
                                    "block_size": 256, "num_blocks": 5, "null_blocks": 1,
-                                   "usable_blocks": 4, "max_blocks_per_seq": 1}
+                                   "usable_blocks": 4, "max_blocks_per_seq": 1,
+                                   "capacity": "4 sequences of up to 256 tokens (1,024 "
+                                               "tokens); vLLM's \"KV cache size\" line "
+                                               "also counts its null block (1,280 tokens)"}
     assert report["buckets"]["context_encoding"] == [128, 256]
     assert report["graphs"] == {"context_encoding": 2, "token_generation": 2, "total": 4}
     assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])

@@ -22,7 +22,6 @@ from compile_cache.signing import Trust  # noqa: E402
 from compile_cache.stores import LocalStore, open_store  # noqa: E402
 from neuron_plugin.core import vllm_neuron_env  # noqa: E402
 from neuron_plugin.tools import cli  # noqa: E402
-from tests.plugin.test_platform import plugin_log  # noqa: E402,F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = "NEURON_COMPILED_ARTIFACTS"

@@ -40,6 +40,9 @@ CASES = [
     ("block-layout-asked", dict(block_size=32, additional_config={
         "override_neuron_config": {"is_block_kv_layout": True}})),
     ("blocks-given", dict(enable_prefix_caching=True, num_gpu_blocks_override=100)),
+    ("vllm-default-max-num-seqs", dict(max_num_seqs=None)),
+    ("vllm-neuron-batch-size", dict(max_num_seqs=None, additional_config={
+        "override_neuron_config": {"batch_size": 8}})),
 ]
 
 

@@ -1,0 +1,116 @@
+"""Device memory a configuration needs per NeuronCore: weights and KV cache.
+
+An estimate for planning (explain-config) and for sizing the default number of sequence
+slots (`SequenceBudget`), from the checkpoint's safetensors headers and the settings,
+without loading anything. NxDI shards weights and KV heads over
+the tensor-parallel ranks; with more ranks than KV heads each rank holds one replicated
+KV head. Runtime scratchpad and the compiled graphs' instruction memory are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from neuron_plugin.core.checkpoint import safetensors_shapes
+
+if TYPE_CHECKING:
+    from neuron_plugin.core.settings import NeuronSettings
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Share of a core's HBM weights and KV cache may take; the rest is for the compiled
+# graphs, their scratchpad and the runtime.
+USABLE_FRACTION = 0.9
+
+
+def checkpoint_parameters(model_dir: str | Path) -> int | None:
+    """Parameters in the folder's *.safetensors files (headers only), None when the
+    folder holds none (a hub id, or .bin weights)."""
+    shapes = safetensors_shapes(model_dir)
+    return sum(math.prod(shape) for shape in shapes.values()) if shapes else None
+
+
+def kv_heads_per_core(num_kv_heads: int, tp_degree: int) -> int:
+    """KV heads one rank holds: an even share, or one replicated head."""
+    return max(1, math.ceil(num_kv_heads / tp_degree))
+
+
+def kv_cache_slots(settings: NeuronSettings) -> int:
+    """Token positions the KV cache holds: batch x seq_len rows in the contiguous layout,
+    pa_num_blocks x pa_block_size in the block layout."""
+    if settings.is_block_layout:
+        return settings.num_blocks * settings.block_size
+    return settings.max_num_seqs * settings.max_model_len
+
+
+def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int) -> int:
+    """K and V of one token position on one NeuronCore, over all layers."""
+    text = hf_config.get("text_config", hf_config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads", text["num_attention_heads"])
+    return (2 * text["num_hidden_layers"] * kv_heads_per_core(kv_heads, tp_degree) * head_dim
+            * DTYPE_BYTES[dtype])
+
+
+def weights_per_core(parameters: int | None, dtype: str, tp_degree: int) -> int | None:
+    return None if parameters is None else math.ceil(parameters * DTYPE_BYTES[dtype] / tp_degree)
+
+
+@dataclass(frozen=True)
+class SequenceBudget:
+    """The HBM one NeuronCore has for KV cache once the weights are in, and what a token
+    position of KV takes there: how many full-length sequences an engine can hold."""
+
+    free_bytes: int
+    kv_bytes_per_token: int
+    source: str  # the instance it is computed for
+
+    def sequences(self, max_model_len: int) -> int:
+        return max(0, self.free_bytes // (self.kv_bytes_per_token * max_model_len))
+
+    def describe(self) -> str:
+        return f"{self.free_bytes / GIB:.1f} GiB of HBM per NeuronCore ({self.source})"
+
+
+def sequence_budget(hf_config: Mapping[str, Any], parameters: int | None, dtype: str,
+                    tp_degree: int, memory_per_core: int, source: str) -> SequenceBudget | None:
+    """None when the weights' size is unknown (not a local safetensors checkpoint)."""
+    weights = weights_per_core(parameters, dtype, tp_degree)
+    if weights is None:
+        return None
+    return SequenceBudget(int(memory_per_core * USABLE_FRACTION) - weights,
+                          kv_bytes_per_token(hf_config, dtype, tp_degree), source)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int | None
+    weights_per_core_bytes: int | None
+    kv_cache_per_core_bytes: int
+    total_per_core_bytes: int | None
+    device_memory_per_core_bytes: int
+    fraction_of_core_memory: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate(settings: NeuronSettings, hf_config: Mapping[str, Any], parameters: int | None,
+             memory_per_core: int) -> MemoryEstimate:
+    """Weights and KV cache per NeuronCore against the core's share of device HBM."""
+    kv = (kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree)
+          * kv_cache_slots(settings))
+    weights = weights_per_core(parameters, settings.dtype, settings.tp_degree)
+    total = None if weights is None else weights + kv
+    return MemoryEstimate(
+        parameters=parameters,
+        weights_per_core_bytes=weights,
+        kv_cache_per_core_bytes=kv,
+        total_per_core_bytes=total,
+        device_memory_per_core_bytes=memory_per_core,
+        fraction_of_core_memory=None if total is None else total / memory_per_core,
+    )
