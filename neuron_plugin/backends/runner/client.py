@@ -182,6 +182,8 @@ class RunnerBackend:
                                     input_arena_bytes(settings),
                                     output_arena_bytes(settings, vocab_size(model_dir)))
         self.handshake = self.runner.handshake
+        # The backend's own time in the last forward/run (the rest was the boundary's).
+        self.last_backend_s = 0.0
         logger.info(self.runner.describe())
 
     @property
@@ -212,6 +214,7 @@ class RunnerBackend:
         fields, arrays = encode_inputs(inputs)
         arrays.update(extra)
         reply = self.runner.request(op, fields=fields, arrays=self.runner.inputs.put(arrays))
+        self.last_backend_s = reply["backend_s"]
         return self.runner.outputs.get(reply["arrays"])
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:

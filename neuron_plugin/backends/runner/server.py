@@ -17,6 +17,7 @@ import os
 import platform
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, BinaryIO
@@ -107,17 +108,24 @@ class Runner:
         settings = self._settings(message)
         return {"manifest": cache_manifest(settings, make_backend(settings, message["model_dir"]))}
 
+    # Each call's reply carries `backend_s`, the backend's own time, so the boundary's
+    # cost (the rest of the round trip) can be told apart from the model's.
     def forward(self, message: dict[str, Any]) -> dict[str, Any]:
         inputs = decode_inputs(message["fields"], self.inputs.get(message["arrays"]))
-        return {"arrays": self.outputs.put({"logits": self.backend.forward(inputs).numpy()})}
+        started = time.perf_counter()
+        logits = self.backend.forward(inputs)
+        backend_s = time.perf_counter() - started
+        return {"arrays": self.outputs.put({"logits": logits.numpy()}), "backend_s": backend_s}
 
     def run(self, message: dict[str, Any]) -> dict[str, Any]:
         """A serving call: tokens for every row, logits only where the host samples."""
         arrays = self.inputs.get(message["arrays"])
-        out = self.backend.run(decode_inputs(message["fields"], arrays),
-                               decode_sampling(arrays))
-        return {"arrays": self.outputs.put({"tokens": out.tokens,
-                                            "logits": out.logits.numpy()})}
+        inputs, sampling = decode_inputs(message["fields"], arrays), decode_sampling(arrays)
+        started = time.perf_counter()
+        out = self.backend.run(inputs, sampling)
+        backend_s = time.perf_counter() - started
+        return {"arrays": self.outputs.put({"tokens": out.tokens, "logits": out.logits.numpy()}),
+                "backend_s": backend_s}
 
     def ping(self, message: dict[str, Any]) -> dict[str, Any]:
         return {}
