@@ -56,6 +56,9 @@ class CacheResult:
     key: str
     hit: bool
     reason: str
+    # False when the entry is only in this host's read cache (not published to, or not
+    # found in, the configured store).
+    in_store: bool = True
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,7 @@ class CompileCache:
                     f"{cache.url}")
         return CacheResult(found.entry.path, key, True,
                            f"hit: from the read cache {cache.url} ({self.store.url} "
-                           "unreachable)")
+                           "unreachable)", in_store=False)
 
     def _get_or_build(self, manifest: Mapping[str, Any], key: str,
                       build: Callable[[Path], None], wait_timeout: float,
@@ -240,7 +243,7 @@ class CompileCache:
         target = self._target()
         if target is not self.store and (own := self._find(target, key)).entry is not None:
             return CacheResult(own.entry.path, key, True, f"hit: built earlier by this "
-                               f"host, in its read cache {target.url}")
+                               f"host, in its read cache {target.url}", in_store=False)
         lock = target.lock(key)
         waited = acquire(lock, what=f"compile-cache key {key} in {target.url}",
                          timeout=wait_timeout, on_wait=say.info)
@@ -255,7 +258,7 @@ class CompileCache:
                 if own.entry is not None:
                     return CacheResult(own.entry.path, key, True,
                                        f"hit: built by another process of this host while "
-                                       f"this one waited {waited:.0f} s")
+                                       f"this one waited {waited:.0f} s", in_store=False)
                 if own.problem is not None:
                     self._refuse(target, key, own.record, own.problem, say)
             if found.problem is not None:
@@ -273,7 +276,7 @@ class CompileCache:
             for leftover in target.sweep(held_key=key):
                 say.info(f"compile cache: removed leftover of an interrupted build: {leftover}")
             path = self._build(target, lock, dict(manifest), key, build, say)
-            return CacheResult(path, key, False, reason)
+            return CacheResult(path, key, False, reason, in_store=target is self.store)
         finally:
             lock.release()
 

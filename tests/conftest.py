@@ -1,8 +1,11 @@
-"""Fixtures shared by every test package: the tiny checkpoints (built once)."""
+"""Fixtures shared by every test package: the tiny checkpoints (built once), the backend
+environment's interpreter, a real S3 API server (moto's) and a fleet signing key."""
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -30,3 +33,28 @@ def sdk_python() -> str:
         pytest.fail(f"no backend environment at {python}: run scripts/setup-backend-env.sh "
                     f"(scripts/run-tests.sh does) or set NEURON_TEST_SDK_PYTHON")
     return python
+
+
+@pytest.fixture(scope="session")
+def fleet_key(tmp_path_factory) -> Path:
+    """A fleet signing key (private PEM; the public half beside it as .pub)."""
+    from compile_cache.signing import generate_key
+
+    path = tmp_path_factory.mktemp("fleet-key") / "fleet.pem"
+    generate_key(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API server (moto's server mode) on a free loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()

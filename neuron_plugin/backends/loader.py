@@ -90,8 +90,9 @@ def compile_into_cache(backend: Backend, cache: CompileCache,
         logger.info("compile cache hit: key %s, loading %d compiled graphs from %s",
                     result.key, total, result.path)
     else:
-        logger.info("compile cache %s; compiled and published %d graphs under key %s",
-                    result.reason, total, result.key)
+        logger.info("compile cache %s; compiled and %s %d graphs under key %s",
+                    result.reason, "published" if result.in_store else "kept on this host",
+                    total, result.key)
     return result
 
 

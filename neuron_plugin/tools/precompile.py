@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compile_cache.settings import SIGNING_KEY_ENV
 from neuron_plugin import BACKEND_ENV, BACKENDS
 from neuron_plugin.tools.serve_args import engine_config_from_serve_args
 
@@ -87,6 +89,14 @@ def run_precompile(args: argparse.Namespace) -> int:
         return 0
     with bucket_bar(settings.graph_count()) as progress:
         result = compile_configuration(settings, model, options.cache, progress)
+    if not result.in_store:
+        # A precompile exists to fill the store the serving hosts read: fail loudly.
+        print(f"{settings.graph_count()} graphs are only in this host's read cache, not in "
+              f"the store the serving hosts read: key {result.key} ({result.reason}). A "
+              f"host publishes to a shared store only with {SIGNING_KEY_ENV} set to the "
+              f"fleet's signing key (`neuron-cache keygen`); set it, or run again once the "
+              f"store is reachable.", file=sys.stderr)
+        return 1
     state = "already in the cache" if result.hit else "compiled and published"
     print(f"{settings.graph_count()} graphs {state}: key {result.key} ({result.reason})")
     return 0

@@ -46,6 +46,15 @@ def write_artifacts(folder: Path, tag: str = "") -> None:
     (folder / "neuron_config.json").write_text(json.dumps({"tag": tag}))
 
 
+def counting_build(counter: Path, tag: str = ""):
+    """A build that writes artifacts and appends a line to `counter` (see `builds`)."""
+    def build(folder: Path) -> None:
+        with counter.open("a") as f:
+            f.write("built\n")
+        write_artifacts(folder, tag)
+    return build
+
+
 def run_worker(*args: str, env: dict[str, str] | None = None,
                wait: bool = True) -> Any:
     """Run tests/compile_cache/worker.py in a new Python process."""

@@ -1,14 +1,12 @@
 """Fixtures for the compile-cache tests: a real S3 API server (moto's server mode) on
 127.0.0.1 and a fresh bucket per test; every test gets its own XDG_CONFIG_HOME (so the
 user's own signing key is fresh), and S3 tests run as a fleet compile host would, with a
-configured signing key."""
+configured signing key. The S3 server and the fleet key are the suite's
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
-import logging
-import socket
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -21,31 +19,6 @@ def own_config_home(tmp_path_factory, monkeypatch) -> None:
                  "VLLM_NEURON_CACHE_ON_UNTRUSTED"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
-
-
-@pytest.fixture(scope="session")
-def fleet_key(tmp_path_factory) -> Path:
-    """A fleet signing key (private PEM; the public half beside it as .pub)."""
-    from compile_cache.signing import generate_key
-
-    path = tmp_path_factory.mktemp("fleet-key") / "fleet.pem"
-    generate_key(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3 API server (moto's server mode) on a free loopback port."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture

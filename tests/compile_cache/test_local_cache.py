@@ -17,7 +17,14 @@ from compile_cache.manifest import cache_key
 from compile_cache.record import parse_record
 from compile_cache.stores import LocalStore
 
-from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
+from .cache_helpers import (
+    builds,
+    counting_build,
+    finish,
+    manifest_for,
+    run_worker,
+    write_artifacts,
+)
 
 
 class Lines(list):
@@ -25,14 +32,6 @@ class Lines(list):
 
     def __call__(self, line: str) -> None:
         self.append(line)
-
-
-def counting_build(counter: Path, tag: str = ""):
-    def build(folder: Path) -> None:
-        with counter.open("a") as f:
-            f.write("built\n")
-        write_artifacts(folder, tag)
-    return build
 
 
 @pytest.fixture

@@ -22,15 +22,7 @@ from compile_cache.errors import LockTimeout, StoreFull, StoreUnreachable
 from compile_cache.manifest import cache_key
 from compile_cache.stores import LocalStore, S3Store
 
-from .cache_helpers import builds, manifest_for, run_worker, write_artifacts
-
-
-def counting_build(counter: Path, tag: str = ""):
-    def build(folder: Path) -> None:
-        with counter.open("a") as f:
-            f.write("built\n")
-        write_artifacts(folder, tag)
-    return build
+from .cache_helpers import builds, counting_build, manifest_for, run_worker, write_artifacts
 
 
 def wait_for(path: Path, timeout: float = 30.0) -> None:

@@ -16,19 +16,18 @@ from compile_cache.manifest import cache_key
 from compile_cache.stores import LocalStore, S3Store, open_store
 from compile_cache.transfer import pull, push
 
-from .cache_helpers import builds, finish, manifest_for, run_worker, write_artifacts
+from .cache_helpers import (
+    builds,
+    counting_build,
+    finish,
+    manifest_for,
+    run_worker,
+    write_artifacts,
+)
 
 
 def s3_store(bucket: str, local: Path, ttl: float = 30.0) -> S3Store:
     return S3Store(bucket, "fleet/cache", local=LocalStore(local), lease_ttl=ttl)
-
-
-def counting_build(counter: Path, tag: str = ""):
-    def build(folder: Path) -> None:
-        with counter.open("a") as f:
-            f.write("built\n")
-        write_artifacts(folder, tag)
-    return build
 
 
 def object_names(bucket: str) -> list[str]:

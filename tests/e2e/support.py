@@ -60,6 +60,15 @@ def shutdown_llm(llm) -> None:
     gc.collect()
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie (a killed child stays a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     import socket
 
@@ -68,21 +77,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """A `vllm serve --device neuron` process on loopback, its log in a file."""
+class LoopbackProcess:
+    """A server process on a free loopback port, its output in a log file."""
 
-    def __init__(self, model: Path, log_path: Path, args: list[str],
+    name = "server"
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path,
                  env: dict[str, str] | None = None):
         import os
         import subprocess
-        import sys
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
-               "--device", "neuron", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", *args]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env=env if env is not None else dict(os.environ))
@@ -99,15 +106,15 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, \
-                f"vllm serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+                f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
             try:
                 if requests.get(f"{self.url}/health", timeout=2).ok:
                     return
             except requests.ConnectionError:
                 pass
             assert time.monotonic() < deadline, \
-                f"vllm serve not healthy in {timeout} s:\n{self.log()[-4000:]}"
-            time.sleep(1)
+                f"{self.name} not healthy in {timeout} s:\n{self.log()[-4000:]}"
+            time.sleep(0.5)
 
     def stop(self) -> None:
         import subprocess
@@ -118,3 +125,18 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Server(LoopbackProcess):
+    """A `vllm serve --device neuron` process on loopback, its log in a file."""
+
+    name = "vllm serve"
+
+    def __init__(self, model: Path, log_path: Path, args: list[str],
+                 env: dict[str, str] | None = None):
+        import sys
+
+        port = free_port()
+        super().__init__([str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+                          "--device", "neuron", "--host", "127.0.0.1", "--port", str(port),
+                          "--dtype", "float32", *args], port, log_path, env)

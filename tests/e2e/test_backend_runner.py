@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from tests.e2e.support import Server, corpus_token_ids
+from tests.e2e.support import Server, alive, corpus_token_ids
 
 pytestmark = pytest.mark.server
 
@@ -32,12 +32,6 @@ def _runner_pid(server: Server) -> int:
     return int(found.group(1))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +127,13 @@ def test_killing_the_server_leaves_no_runner(model_dirs, sdk_python, tmp_path):
     try:
         server.wait_healthy()
         runner = _runner_pid(server)
-        assert _alive(runner)
+        assert alive(runner)
         server.proc.kill()  # SIGKILL: no shutdown handler runs in the API server
         server.proc.wait()
         deadline = time.monotonic() + 30
-        while _alive(runner) and time.monotonic() < deadline:
+        while alive(runner) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(runner), "the runner outlived the server"
+        assert not alive(runner), "the runner outlived the server"
     finally:
         server.stop()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.compile_cache.conftest import fleet_key, s3_endpoint  # noqa: F401 (fixtures)
 from tests.e2e.scrape import neuron_samples, total
-from tests.e2e.support import Server, corpus_token_ids, free_port
+from tests.e2e.support import LoopbackProcess, Server, corpus_token_ids, free_port
 
 pytestmark = pytest.mark.server
 
@@ -30,42 +28,19 @@ REQUEST_TIMEOUT_S = 60
 POLICY = "round_robin"  # see README "From one host to a fleet" for the choice
 
 
-class Router:
+class Router(LoopbackProcess):
     """`vllm-router` (the vLLM project's router) on loopback in front of `workers`."""
 
+    name = "vllm-router"
+
     def __init__(self, workers: list[str], log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
-               "--port", str(self.port), "--worker-urls", *workers, "--policy", POLICY,
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
-               "--request-timeout-secs", str(REQUEST_TIMEOUT_S)]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, self.log_path.read_text()[-3000:]
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        port = free_port()
+        super().__init__(
+            [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1",
+             "--port", str(port), "--worker-urls", *workers, "--policy", POLICY,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+             "--request-timeout-secs", str(REQUEST_TIMEOUT_S)], port, log_path)
 
 
 def _host_env(home: Path, s3_endpoint: str, cache_url: str, key: Path,
@@ -96,7 +71,7 @@ def _wait_for_line(server: Server, pattern: str, timeout: float) -> re.Match:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dirs, s3_endpoint, fleet_key, tmp_path_factory):  # noqa: F811
+def fleet(model_dirs, s3_endpoint, fleet_key, tmp_path_factory):
     """(router, compile host, serving host, S3 bucket, cache key)."""
     import boto3
 

@@ -93,3 +93,30 @@ def test_precompile_runs_in_the_backend_environment(model_dirs, tmp_path, sdk_py
     assert result.returncode == 0, result.stderr
     assert "5 graphs compiled and published" in result.stdout
     assert "backend runner pid" in result.stdout  # vLLM logs to stdout
+
+
+def test_precompile_into_a_shared_store_fails_without_the_fleet_key(
+        model_dirs, tmp_path, s3_endpoint, fleet_key):
+    """Without a signing key a host keeps its build in its read cache (a shared store
+    trusts only the fleet's key): the precompile, whose purpose is the store, says so
+    and fails; with the key the same command publishes."""
+    import boto3
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_", "VLLM_NEURON_CACHE_"))}
+    env.update(AWS_ENDPOINT_URL_S3=s3_endpoint, AWS_ACCESS_KEY_ID="testing",
+               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+               XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(
+        Bucket="precompile-fleet")
+    store = ["--cache", "s3://precompile-fleet/cache"]
+    unsigned = plugin("precompile", model_dirs["llama"], *store, env=env)
+    assert unsigned.returncode == 1, unsigned.stderr[-3000:]
+    assert "5 graphs are only in this host's read cache, not in the store" in unsigned.stderr
+    assert "VLLM_NEURON_CACHE_SIGNING_KEY" in unsigned.stderr
+    assert "compiled and kept on this host 5 graphs" in unsigned.stdout
+    signed = plugin("precompile", model_dirs["llama"], *store,
+                    env={**env, "VLLM_NEURON_CACHE_SIGNING_KEY": str(fleet_key)})
+    assert signed.returncode == 0, signed.stderr[-3000:]
+    assert "5 graphs compiled and published" in signed.stdout

@@ -18,6 +18,7 @@ from neuron_plugin.backends.loader import open_backend
 from neuron_plugin.backends.runner.client import RunnerBackend, RunnerError
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from tests.e2e.support import alive
 
 BUCKETS = {"context_encoding_buckets": [32, 64, 128], "token_generation_buckets": [64, 128]}
 
@@ -130,22 +131,15 @@ time.sleep(600)
         assert time.monotonic() < deadline
         time.sleep(0.2)
     runner_pid = int(pid_file.read_text())
-    assert _alive(runner_pid)
+    assert alive(runner_pid)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while _alive(runner_pid) and time.monotonic() < deadline:
+    while alive(runner_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(runner_pid), "the runner outlived its parent"
+    assert not alive(runner_pid), "the runner outlived its parent"
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (a killed child stays a zombie until reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_doctor_checks_the_runner_interpreter(tmp_path):

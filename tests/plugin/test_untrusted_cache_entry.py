@@ -29,8 +29,7 @@ from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.backends.reference.graph_file import GraphFileError, load_graph
 from neuron_plugin.core.inputs import CONTEXT_ENCODING
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
-from tests.compile_cache.conftest import (fleet_key, own_config_home, s3_bucket,  # noqa: F401
-                                          s3_endpoint)
+from tests.compile_cache.conftest import own_config_home, s3_bucket  # noqa: F401 (fixtures)
 
 GRID = {"context_encoding_buckets": [64], "token_generation_buckets": [64]}
 PREFIX = "fleet"

@@ -167,6 +167,7 @@ def probe(python: str, backend: str) -> dict[str, Any]:
 
 def _cache_result(fields: dict[str, Any]) -> CacheResult:
     return CacheResult(path=Path(fields["path"]), key=fields["key"], hit=fields["hit"],
+                       in_store=fields["in_store"],
                        reason=fields["reason"])
 
 

@@ -133,7 +133,7 @@ class Runner:
 
 def _cache_result(result: Any) -> dict[str, Any]:
     return {"key": result.key, "hit": result.hit, "path": str(result.path),
-            "reason": result.reason}
+            "reason": result.reason, "in_store": result.in_store}
 
 
 def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
