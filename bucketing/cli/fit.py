@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import NoFitError
-from ..fit import decode_need, first_fit, fit_nd, strict_fit
+from ..fit import decode_need, first_fit, fit_nd, prefix_caching_fit, strict_fit
 from ..grids import batch_grid, prefix_grid
 from ..workload import PHASES
 from .arguments import cost_model, grid, second_dimension
@@ -101,5 +101,13 @@ def _fit_2d(args: argparse.Namespace, lengths: list[int], need: int,
                   fitting=len(fitting), cost=round(cost(bucket), 6),
                   reason=f"least-cost of the {len(fitting)} shapes >= {full} in every "
                          f"dimension ({cost.describe()})")
-    return [f"{pair} grid: {len(shapes)} shapes; need {full}",
+    text = [f"{pair} grid: {len(shapes)} shapes; need {full}",
             f"fit: {bucket} - {result['reason']}; cost {cost(bucket):.2f} {cost.unit}"]
+    if pair == "prefix":
+        # What NxDI's prefix-caching context encoding (and so the plugin) runs.
+        nxdi = prefix_caching_fit(lengths, sorted({p for _, p in shapes}), need,
+                                  args.prefix_len)
+        result["nxdi_bucket"] = list(nxdi)
+        text.append(f"NxDI prefix caching: {nxdi} - the active bucket's spare slots "
+                    f"re-encode the prefix's tail; cost {cost(nxdi):.2f} {cost.unit}")
+    return text

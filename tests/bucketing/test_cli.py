@@ -111,7 +111,14 @@ def test_fit_two_dimensions_and_no_fit(capsys, tmp_path):
     bucket_file.write_text("context_encoding_buckets: [512, 2048]\nprefix_buckets: [512]\n")
     assert main(["fit", "100", "--bucket-file", str(bucket_file), "--prefix-len", "512",
                  "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["bucket"] == [512, 512]
+    fitted = json.loads(capsys.readouterr().out)
+    # 412 spare slots of the 512 active bucket take the prefix's tail: 100 cached
+    # tokens are left, so NxDI runs (512, 512) too; 600 new tokens after 100 cached
+    # go to (2048, 0).
+    assert fitted["bucket"] == fitted["nxdi_bucket"] == [512, 512]
+    assert main(["fit", "600", "--bucket-file", str(bucket_file), "--prefix-len", "100"]) == 0
+    assert "NxDI prefix caching: (2048, 0) - the active bucket's spare slots" in \
+        capsys.readouterr().out
     assert main(["fit", "3000", "--max", "2048", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["bucket"] is None and "largest bucket is 2048" in data["error"]
