@@ -32,8 +32,6 @@ def _runner_pid(server: Server) -> int:
     return int(found.group(1))
 
 
-
-
 @pytest.fixture(scope="module")
 def runner_server(model_dirs, sdk_python, tmp_path_factory):
     server = Server(model_dirs["llama"], tmp_path_factory.mktemp("runner") / "serve.log",
@@ -88,31 +86,49 @@ def test_killed_runner_fails_in_flight_requests_and_stops_the_server(model_dirs,
     """No hang, nothing silently dropped: every in-flight request gets an error within
     seconds, and the server shuts down (vLLM stops once its engine is dead) with the
     runner's fate and the fix in its log."""
-    import requests
+    import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    import requests
 
     server = Server(model_dirs["llama"], tmp_path / "serve.log", _args(sdk_python))
     try:
         server.wait_healthy()
         runner = _runner_pid(server)
+        decoding = [threading.Event() for _ in range(3)]
 
-        def long_request(i: int) -> int | str:
+        def long_stream(i: int) -> str:
+            """How a streamed request ended: "finished" only with its 400th token."""
             try:
-                return requests.post(f"{server.url}/v1/completions", json={
-                    "model": str(model_dirs["llama"]), "prompt": [5 + i] * 30,
-                    "max_tokens": 400, "ignore_eos": True, "temperature": 0.0},
-                    timeout=60).status_code
-            except requests.ConnectionError as exc:
+                with requests.post(f"{server.url}/v1/completions", stream=True, json={
+                        "model": str(model_dirs["llama"]), "prompt": [5 + i] * 30,
+                        "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+                        "stream": True}, timeout=60) as reply:
+                    if reply.status_code != 200:
+                        return f"HTTP {reply.status_code}"
+                    for line in reply.iter_lines():
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[len(b"data: "):])
+                        if "error" in chunk:
+                            return f"error: {chunk['error']}"
+                        decoding[i].set()
+                        reason = chunk["choices"][0].get("finish_reason")
+                        if reason:
+                            return "finished" if reason == "length" else f"ended: {reason}"
+                    return "stream cut"
+            except requests.RequestException as exc:
                 return f"connection error: {exc}"
 
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(long_request, i) for i in range(3)]
-            time.sleep(2)  # the requests are decoding now
+            futures = [pool.submit(long_stream, i) for i in range(3)]
+            for started in decoding:  # every request has its first tokens
+                assert started.wait(60), [f.result() for f in futures if f.done()]
             os.kill(runner, signal.SIGKILL)
             killed = time.monotonic()
             outcomes = [f.result() for f in futures]
         assert time.monotonic() - killed < 30
-        assert all(o != 200 for o in outcomes), outcomes
+        assert not [o for o in outcomes if o == "finished"], outcomes
         server.proc.wait(60)  # raises TimeoutExpired if the server hangs on
         log = server.log()
         # `run` with on-device sampling, `forward` when the host samples
