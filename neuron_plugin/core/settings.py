@@ -35,6 +35,8 @@ DEFAULT_BLOCK_SIZE = 32
 MIN_BUCKET = 128
 # Sequence slots when the user leaves vLLM's GPU-sized default (vllm-neuron 0.x's default).
 NEURON_DEFAULT_MAX_NUM_SEQS = 32
+# The reason recorded when the user chose max_num_seqs (nothing to log or explain).
+MAX_NUM_SEQS_CHOSEN = "--max-num-seqs"
 
 # Keys of override_neuron_config this module interprets; any other key is passed
 # through to NxDI's NeuronConfig unchanged.
@@ -135,7 +137,7 @@ class NeuronSettings:
     dp_degree: int = 1
     rank_cores: tuple[tuple[int, ...], ...] = ()
     # Why max_num_seqs has its value (logged when it differs from vLLM's).
-    max_num_seqs_reason: str = "--max-num-seqs"
+    max_num_seqs_reason: str = MAX_NUM_SEQS_CHOSEN
 
     @property
     def is_block_layout(self) -> bool:
@@ -519,7 +521,7 @@ def resolve_max_num_seqs(limits: EngineLimits, override: Mapping[str, Any], back
     becomes vllm-neuron's `batch_size` if given, else NEURON_DEFAULT_MAX_NUM_SEQS, fewer
     where the nxd backend's device memory holds fewer full-length sequences."""
     if not limits.max_num_seqs_is_default:
-        return limits.max_num_seqs, "--max-num-seqs"
+        return limits.max_num_seqs, MAX_NUM_SEQS_CHOSEN
     for key in ("batch_size", "tkg_batch_size"):
         given = _int_setting(override, key)
         if given:

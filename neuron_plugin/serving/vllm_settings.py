@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 import tempfile
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger

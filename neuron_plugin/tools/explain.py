@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKENDS
-from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.settings import MAX_NUM_SEQS_CHOSEN, NeuronConfigError, NeuronSettings
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     InstanceType,
@@ -38,7 +38,6 @@ from neuron_plugin.core.memory import (
     estimate,
 )
 from neuron_plugin.tools.serve_args import engine_config_from_serve_args
-
 
 DEFAULT_INSTANCE = "inf2.xlarge"
 BUCKETING_OFF_EVIDENCE = (
@@ -134,7 +133,7 @@ def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
 
 def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str) -> list[str]:
     notes = []
-    if settings.max_num_seqs_reason != "--max-num-seqs":
+    if settings.max_num_seqs_reason != MAX_NUM_SEQS_CHOSEN:
         notes.append(f"max_num_seqs={settings.max_num_seqs}: {settings.max_num_seqs_reason}.")
     if settings.backend == "nxd" and host_cores is None:
         notes.append(f"this host cannot run the nxd backend ({host_source}); the report "

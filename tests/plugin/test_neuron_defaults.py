@@ -9,6 +9,7 @@ import os
 
 from neuron_plugin.core.memory import GIB, SequenceBudget, sequence_budget
 from neuron_plugin.core.settings import (
+    MAX_NUM_SEQS_CHOSEN,
     NEURON_DEFAULT_MAX_NUM_SEQS,
     EngineLimits,
     resolve_max_num_seqs,
@@ -28,7 +29,7 @@ LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads
 
 def test_a_value_the_user_chose_is_kept():
     chosen = dataclasses.replace(LIMITS, max_num_seqs_is_default=False)
-    assert resolve_max_num_seqs(chosen, {}, "nxd", None) == (128, "--max-num-seqs")
+    assert resolve_max_num_seqs(chosen, {}, "nxd", None) == (128, MAX_NUM_SEQS_CHOSEN)
 
 
 def test_vllms_gpu_default_becomes_vllm_neurons():

@@ -7,7 +7,8 @@ layout ({name: [dtype, shape, offset]}); the runner answers with the output aren
 layout. A serving call ("run") sends its `SamplingInputs` arrays with its inputs (17
 bytes a row) and gets back a token per row (4 bytes) plus logits only for the rows whose
 sampling needs the host; "forward" gets every row's logits. Both replies carry
-"backend_s", the backend's own time, so the boundary's cost can be told from the model's. Both arenas are memfd-backed mappings the client creates before starting the
+"backend_s", the backend's own time, so the boundary's cost can be told from the
+model's. Both arenas are memfd-backed mappings the client creates before starting the
 runner (inherited file descriptors), sized once from the settings, so they vanish with
 the last process holding them: nothing is left in /dev/shm after a crash.
 """
