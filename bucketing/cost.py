@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -68,8 +68,9 @@ class LinearQuadraticCost(CostModel):
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
-            raise BucketError(f"cost layout {self.layout!r} is unknown; choose one of "
-                              f"{', '.join(LAYOUTS)}")
+            raise BucketError(
+                f"cost layout {self.layout!r} is unknown; choose one of {', '.join(LAYOUTS)}"
+            )
 
     def cost(self, shape: tuple[int, ...]) -> float:
         return float(self.costs(np.asarray([shape]))[0])
@@ -83,8 +84,10 @@ class LinearQuadraticCost(CostModel):
         return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * span
 
     def describe(self) -> str:
-        return (f"linear+quadratic latency model ({self.layout}): {self.fixed_ms} + "
-                f"{self.per_token_ms}*tokens + {self.per_pair_ms}*tokens*span ms")
+        return (
+            f"linear+quadratic latency model ({self.layout}): {self.fixed_ms} + "
+            f"{self.per_token_ms}*tokens + {self.per_pair_ms}*tokens*span ms"
+        )
 
 
 class PaddedTokenCost(CostModel):
@@ -122,9 +125,14 @@ class TableCost(CostModel):
         rows: dict[tuple[int, ...], list[tuple[int, float]]] = {}
         for shape, ms in sorted(self.table.items()):
             rows.setdefault(shape[:-1], []).append((shape[-1], ms))
-        object.__setattr__(self, "_rows", {key: (np.array([n for n, _ in pts], dtype=float),
-                                                 np.array([ms for _, ms in pts]))
-                                           for key, pts in rows.items()})
+        object.__setattr__(
+            self,
+            "_rows",
+            {
+                key: (np.array([n for n, _ in pts], dtype=float), np.array([ms for _, ms in pts]))
+                for key, pts in rows.items()
+            },
+        )
 
     def cost(self, shape: tuple[int, ...]) -> float:
         shape = tuple(shape)
@@ -133,16 +141,19 @@ class TableCost(CostModel):
         row = self._rows.get(shape[:-1])
         if row is None or shape[-1] > row[0][-1]:
             known = ", ".join(str(list(s)) for s in sorted(self.table))
-            raise BucketError(f"cost table {self.source or self.phase} has no timing for "
-                              f"shape {list(shape)} and cannot interpolate it (measured: "
-                              f"{known}); measure that bucket or a larger one with the same "
-                              f"other dimensions")
+            raise BucketError(
+                f"cost table {self.source or self.phase} has no timing for "
+                f"shape {list(shape)} and cannot interpolate it (measured: "
+                f"{known}); measure that bucket or a larger one with the same "
+                f"other dimensions"
+            )
         lengths, ms = row
         return float(np.interp(shape[-1], lengths, ms))
 
     def describe(self) -> str:
-        return (f"measured table ({self.phase}, {len(self.table)} shapes, "
-                f"{self.source or 'no source'})")
+        return (
+            f"measured table ({self.phase}, {len(self.table)} shapes, {self.source or 'no source'})"
+        )
 
 
 DEFAULT_COST = LinearQuadraticCost()
@@ -156,34 +167,41 @@ def load_cost_table(path: str | Path) -> TableCost:
 def _parse_table(path: str | Path, data: dict) -> TableCost:
     check_keys(path, data, TABLE_KEYS, required=("unit", "phase", "buckets"))
     if data["unit"] != "ms":
-        raise BucketFileError(path, "unit", f"must be \"ms\", got {data['unit']!r}; convert "
-                                            f"the timings to milliseconds")
+        raise BucketFileError(
+            path, "unit", f'must be "ms", got {data["unit"]!r}; convert the timings to milliseconds'
+        )
     if data["phase"] not in PHASES:
-        raise BucketFileError(path, "phase", f"must be one of {', '.join(PHASES)}, got "
-                                             f"{data['phase']!r}")
+        raise BucketFileError(
+            path, "phase", f"must be one of {', '.join(PHASES)}, got {data['phase']!r}"
+        )
     source = data.get("source", "")
     if not isinstance(source, str):
         raise BucketFileError(path, "source", f"must be a string, got {source!r}")
     entries = data["buckets"]
     if not isinstance(entries, list) or not entries:
-        raise BucketFileError(path, "buckets", "must be a non-empty list of "
-                                               "{shape: [...], ms: ...} entries")
+        raise BucketFileError(
+            path, "buckets", "must be a non-empty list of {shape: [...], ms: ...} entries"
+        )
     table: dict[tuple[int, ...], float] = {}
     for index, entry in enumerate(entries):
         key = f"buckets[{index}]"
         if not isinstance(entry, dict):
-            raise BucketFileError(path, key, f"must be a mapping with shape and ms, got "
-                                             f"{entry!r}")
+            raise BucketFileError(path, key, f"must be a mapping with shape and ms, got {entry!r}")
         check_keys(path, entry, ENTRY_KEYS, required=("shape", "ms"), where=f"{key}.")
         shape = _shape(path, f"{key}.shape", entry["shape"])
         if table and len(shape) != len(next(iter(table))):
-            raise BucketFileError(path, f"{key}.shape", f"has {len(shape)} dimensions but "
-                                                        f"earlier shapes have "
-                                                        f"{len(next(iter(table)))}; one "
-                                                        f"table holds one phase's shapes")
+            raise BucketFileError(
+                path,
+                f"{key}.shape",
+                f"has {len(shape)} dimensions but "
+                f"earlier shapes have "
+                f"{len(next(iter(table)))}; one "
+                f"table holds one phase's shapes",
+            )
         if shape in table:
-            raise BucketFileError(path, f"{key}.shape", f"{list(shape)} is listed twice; keep "
-                                                        f"one timing per shape")
+            raise BucketFileError(
+                path, f"{key}.shape", f"{list(shape)} is listed twice; keep one timing per shape"
+            )
         if "samples" in entry:
             whole_number(path, f"{key}.samples", entry["samples"], 1)
         table[shape] = positive_number(path, f"{key}.ms", entry["ms"])
@@ -194,18 +212,29 @@ def _shape(path: str | Path, key: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise BucketFileError(path, key, f"must be a non-empty list of sizes, got {value!r}")
     # The first dimension is a length or a batch (>= 1); later ones may be a prefix (>= 0).
-    return tuple(whole_number(path, key, v, 1 if axis == 0 else 0)
-                 for axis, v in enumerate(value))
+    return tuple(whole_number(path, key, v, 1 if axis == 0 else 0) for axis, v in enumerate(value))
 
 
-def dump_cost_table(path: str | Path, *, phase: str,
-                    timings: Iterable[tuple[Iterable[int], float]], source: str = "",
-                    samples: int | None = None) -> Path:
+def dump_cost_table(
+    path: str | Path,
+    *,
+    phase: str,
+    timings: Iterable[tuple[Iterable[int], float]],
+    source: str = "",
+    samples: int | None = None,
+) -> Path:
     """Write measured timings in the cost-table format (for a measuring command); the
     document is validated first, so a table this writes always loads."""
-    entries = [{"shape": [int(v) for v in shape], "ms": round(float(ms), 4),
-                **({"samples": samples} if samples else {})} for shape, ms in timings]
+    entries = [
+        {
+            "shape": [int(v) for v in shape],
+            "ms": round(float(ms), 4),
+            **({"samples": samples} if samples else {}),
+        }
+        for shape, ms in timings
+    ]
     document = {"unit": "ms", "phase": phase, "source": source, "buckets": entries}
     _parse_table(path, document)
-    return dump_document(path, document, comment="bucket -> ms cost table "
-                                                 "(see bucketing/README.md)")
+    return dump_document(
+        path, document, comment="bucket -> ms cost table (see bucketing/README.md)"
+    )

@@ -6,7 +6,7 @@ All are ``ValueError`` subclasses so configuration code can catch one type.
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class BucketError(ValueError):
@@ -20,24 +20,35 @@ class NoFitError(BucketError):
     for N-D grids; ``largest`` is then the per-dimension maximum of the grid.
     """
 
-    def __init__(self, need: int | tuple[int, ...], largest: int | tuple[int, ...],
-                 what: str = "tokens"):
+    def __init__(
+        self, need: int | tuple[int, ...], largest: int | tuple[int, ...], what: str = "tokens"
+    ):
         self.need = need
         self.largest = largest
         self.what = what
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if isinstance(self.need, tuple):
-            short = [f"dimension {axis} needs {n} but its largest bucket is {top}"
-                     for axis, (n, top) in enumerate(zip(self.need, self.largest)) if n > top]
-            why = "; ".join(short) if short else (
-                "no single bucket is >= the need in every dimension")
-            return (f"no bucket fits {self.need} ({self.what}): {why}; add a bucket >= "
-                    f"{self.need} in every dimension, or keep requests within {self.largest}")
-        return (f"no bucket fits {self.need} ({self.what}): the largest bucket is "
-                f"{self.largest}; add a bucket >= {self.need} to the grid, or keep requests "
-                f"at or below {self.largest}")
+        if isinstance(self.need, tuple) and isinstance(self.largest, tuple):
+            short = [
+                f"dimension {axis} needs {n} but its largest bucket is {top}"
+                for axis, (n, top) in enumerate(zip(self.need, self.largest, strict=True))
+                if n > top
+            ]
+            why = (
+                "; ".join(short)
+                if short
+                else ("no single bucket is >= the need in every dimension")
+            )
+            return (
+                f"no bucket fits {self.need} ({self.what}): {why}; add a bucket >= "
+                f"{self.need} in every dimension, or keep requests within {self.largest}"
+            )
+        return (
+            f"no bucket fits {self.need} ({self.what}): the largest bucket is "
+            f"{self.largest}; add a bucket >= {self.need} to the grid, or keep requests "
+            f"at or below {self.largest}"
+        )
 
 
 class BucketFileError(BucketError):

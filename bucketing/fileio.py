@@ -4,9 +4,10 @@ tables, histograms), with errors that name the file and the key."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -21,32 +22,42 @@ def load_document(path: str | Path) -> dict[str, Any]:
     errors carry JSON line numbers)."""
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
-        raise BucketFileError(path, None, f"unknown file type {path.suffix!r}; name it "
-                                          f"*.yaml, *.yml or *.json")
+        raise BucketFileError(
+            path, None, f"unknown file type {path.suffix!r}; name it *.yaml, *.yml or *.json"
+        )
     try:
         text = path.read_text()
     except OSError as exc:
-        raise BucketFileError(path, None, f"cannot be read ({exc.strerror}); check the "
-                                          f"path") from None
+        raise BucketFileError(
+            path, None, f"cannot be read ({exc.strerror}); check the path"
+        ) from None
     try:
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise BucketFileError(path, None, f"is not valid {path.suffix[1:].upper()}: "
-                                          f"{exc}") from None
+        raise BucketFileError(
+            path, None, f"is not valid {path.suffix[1:].upper()}: {exc}"
+        ) from None
     if not isinstance(data, dict):
-        raise BucketFileError(path, None, f"must hold a mapping of keys at the top level, "
-                                          f"got {type(data).__name__}")
+        raise BucketFileError(
+            path, None, f"must hold a mapping of keys at the top level, got {type(data).__name__}"
+        )
     return data
 
 
-def check_keys(path: str | Path, data: Mapping[str, Any], allowed: tuple[str, ...],
-               required: tuple[str, ...] = (), where: str = "") -> None:
+def check_keys(
+    path: str | Path,
+    data: Mapping[str, Any],
+    allowed: tuple[str, ...],
+    required: tuple[str, ...] = (),
+    where: str = "",
+) -> None:
     """Reject unknown keys (with a did-you-mean) and missing required ones."""
     for key in data:
         if key not in allowed:
             hint = did_you_mean(str(key), allowed)
-            raise BucketFileError(path, f"{where}{key}", f"unknown key{hint}; allowed keys: "
-                                                         f"{', '.join(allowed)}")
+            raise BucketFileError(
+                path, f"{where}{key}", f"unknown key{hint}; allowed keys: {', '.join(allowed)}"
+            )
     for key in required:
         if key not in data:
             raise BucketFileError(path, f"{where}{key}", "is missing; it is required")
@@ -61,7 +72,7 @@ def whole_number(path: str | Path, key: str, value: Any, minimum: int) -> int:
 
 def positive_number(path: str | Path, key: str, value: Any) -> float:
     """``value`` as a float > 0, or an error naming file and key."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, Real) or not float(value) > 0:
         raise BucketFileError(path, key, f"must be a number > 0, got {value!r}")
     return float(value)
 
@@ -78,12 +89,18 @@ def dump_document(path: str | Path, data: Mapping[str, Any], comment: str = "") 
         text = json.dumps(data, indent=2) + "\n"
     else:
         header = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
-        text = header + yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None,
-                                       width=YAML_WIDTH, allow_unicode=True)
+        text = header + yaml.safe_dump(
+            dict(data),
+            sort_keys=False,
+            default_flow_style=None,
+            width=YAML_WIDTH,
+            allow_unicode=True,
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as exc:
-        raise BucketFileError(path, None, f"cannot be written ({exc.strerror}); choose a "
-                                          f"writable path") from None
+        raise BucketFileError(
+            path, None, f"cannot be written ({exc.strerror}); choose a writable path"
+        ) from None
     return path

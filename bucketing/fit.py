@@ -22,7 +22,8 @@ need that runs each one) are known without NxDI.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal, overload
 
 import numpy as np
 
@@ -35,15 +36,27 @@ RULES = ("first_fit", "strict")
 CORNER_LOW, CORNER_HIGH = 256, 512
 
 
-def context_need(prompt_tokens: int | np.ndarray,
-                 computed_tokens: int | np.ndarray = 0) -> int | np.ndarray:
+@overload
+def context_need(prompt_tokens: int, computed_tokens: int = 0) -> int: ...
+@overload
+def context_need(
+    prompt_tokens: np.ndarray, computed_tokens: int | np.ndarray = 0
+) -> np.ndarray: ...
+@overload
+def context_need(prompt_tokens: int, computed_tokens: np.ndarray) -> np.ndarray: ...
+def context_need(
+    prompt_tokens: int | np.ndarray, computed_tokens: int | np.ndarray = 0
+) -> int | np.ndarray:
     """Tokens a context encoding computes: the prompt minus the prefix already cached.
     Works on ints and numpy arrays alike."""
     return prompt_tokens - computed_tokens
 
 
-def decode_need(position: int | np.ndarray,
-                speculation_length: int = 0) -> int | np.ndarray:
+@overload
+def decode_need(position: int, speculation_length: int = 0) -> int: ...
+@overload
+def decode_need(position: np.ndarray, speculation_length: int = 0) -> np.ndarray: ...
+def decode_need(position: int | np.ndarray, speculation_length: int = 0) -> int | np.ndarray:
     """Positions a token-generation step attends: ``full_context_len`` = position + 1,
     plus the speculated tokens. Works on ints and numpy arrays alike."""
     return position + 1 + speculation_length
@@ -75,9 +88,13 @@ def _largest(grid: Sequence[int], what: str) -> int:
     return max(grid)
 
 
-def fit_nd(grid: Sequence[tuple[int, ...]], need: tuple[int, ...], *,
-           cost: Callable[[tuple[int, ...]], float] | None = None,
-           what: str = "shape") -> tuple[int, ...]:
+def fit_nd(
+    grid: Sequence[tuple[int, ...]],
+    need: tuple[int, ...],
+    *,
+    cost: Callable[[tuple[int, ...]], float] | None = None,
+    what: str = "shape",
+) -> tuple[int, ...]:
     """The least-cost bucket that is >= need in every dimension.
 
     ``cost`` maps a shape to a number (a ``cost.CostModel`` is callable); the default is
@@ -89,25 +106,32 @@ def fit_nd(grid: Sequence[tuple[int, ...]], need: tuple[int, ...], *,
         raise BucketError(f"the grid for {what} is empty; configure at least one bucket")
     index = int(assign_nd(grid, [need], cost=cost)[0])
     if index < 0:
-        largest = tuple(max(column) for column in zip(*grid))
+        largest = tuple(max(column) for column in zip(*grid, strict=True))
         raise NoFitError(need, largest, what)
     return tuple(grid[index])
 
 
-def assign_nd(grid: Sequence[tuple[int, ...]], needs: Sequence[Sequence[int]] | np.ndarray,
-              cost: Callable[[tuple[int, ...]], float] | None = None) -> np.ndarray:
+def assign_nd(
+    grid: Sequence[tuple[int, ...]],
+    needs: Sequence[Sequence[int]] | np.ndarray,
+    cost: Callable[[tuple[int, ...]], float] | None = None,
+) -> np.ndarray:
     """Vectorised N-D fit: for each row of ``needs`` the index into ``grid`` of its
     least-cost fitting bucket (ties: lexicographically smallest), or -1."""
     needs = np.atleast_2d(np.asarray(needs, dtype=np.int64))
     for bucket in grid:
         if len(bucket) != needs.shape[1]:
-            raise BucketError(f"bucket {tuple(bucket)} has {len(bucket)} dimensions but the "
-                              f"need {tuple(needs[0].tolist())} has {needs.shape[1]}; use a "
-                              f"grid of the need's rank")
+            raise BucketError(
+                f"bucket {tuple(bucket)} has {len(bucket)} dimensions but the "
+                f"need {tuple(needs[0].tolist())} has {needs.shape[1]}; use a "
+                f"grid of the need's rank"
+            )
     shapes = np.asarray(grid, dtype=np.int64)
     price = cost or math.prod
-    order = sorted(range(len(shapes)), key=lambda i: (price(tuple(int(v) for v in shapes[i])),
-                                                      tuple(shapes[i])))
+    order = sorted(
+        range(len(shapes)),
+        key=lambda i: (price(tuple(int(v) for v in shapes[i])), tuple(shapes[i])),
+    )
     ranked = shapes[order]
     fits = np.all(ranked[None, :, :] >= needs[:, None, :], axis=2)
     first = np.argmax(fits, axis=1)
@@ -121,7 +145,7 @@ def assign(grid: Sequence[int], needs: np.ndarray, rule: str = "first_fit") -> n
         raise BucketError(f"unknown fit rule {rule!r}; choose one of {', '.join(RULES)}")
     edges = np.asarray(grid, dtype=np.int64)
     needs = np.asarray(needs, dtype=np.int64)
-    side = "left" if rule == "first_fit" else "right"
+    side: Literal["left", "right"] = "left" if rule == "first_fit" else "right"
     index = np.searchsorted(edges, needs, side=side)
     if rule == "strict":
         index = np.where((index == len(edges)) & (needs == edges[-1]), len(edges) - 1, index)
@@ -132,8 +156,9 @@ def _corner(active_grid: Sequence[int], total: int) -> bool:
     return CORNER_HIGH in active_grid and CORNER_LOW < total <= CORNER_HIGH
 
 
-def prefix_caching_fit(active_grid: Sequence[int], prefix_grid: Sequence[int], active: int,
-                       prefix: int) -> tuple[int, int]:
+def prefix_caching_fit(
+    active_grid: Sequence[int], prefix_grid: Sequence[int], active: int, prefix: int
+) -> tuple[int, int]:
     """NxDI's (active, prefix) graph for ``active`` new tokens after ``prefix`` cached
     ones (prefix caching context encoding; both grids sorted, ``prefix_grid`` with 0).
 
@@ -145,12 +170,14 @@ def prefix_caching_fit(active_grid: Sequence[int], prefix_grid: Sequence[int], a
         return CORNER_HIGH, 0
     bucket = first_fit(active_grid, active, what="context-encoding bucket (new tokens)")
     rest = max(0, prefix - (bucket - active))
-    return bucket, first_fit(prefix_grid, rest,
-                             what="prefix_buckets (cached prefix beyond the spare slots)")
+    return bucket, first_fit(
+        prefix_grid, rest, what="prefix_buckets (cached prefix beyond the spare slots)"
+    )
 
 
-def prefix_caching_need(active_grid: Sequence[int], prefix_grid: Sequence[int],
-                        shape: tuple[int, int], max_total: int) -> tuple[int, int] | None:
+def prefix_caching_need(
+    active_grid: Sequence[int], prefix_grid: Sequence[int], shape: tuple[int, int], max_total: int
+) -> tuple[int, int] | None:
     """The longest (active, prefix) need of at most ``max_total`` tokens that
     ``prefix_caching_fit`` sends to ``shape``, or None when no need reaches it (NxDI
     compiles such a graph but never runs it).

@@ -8,9 +8,10 @@ token generation with batch bucketing, (active tokens, prefix length) for prefix
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Sequence
 from numbers import Integral
-from typing import Iterable, Sequence
 
 from .errors import BucketError
 
@@ -19,8 +20,9 @@ GENERATORS = ("nxdi", "geometric", "linear", "explicit", "chunk")
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BucketError(f"{name} must be a positive integer, got {value!r}; pass a whole "
-                          f"number >= 1")
+        raise BucketError(
+            f"{name} must be a positive integer, got {value!r}; pass a whole number >= 1"
+        )
     return value
 
 
@@ -28,8 +30,9 @@ def _ordered_limits(min_length: object, max_length: object) -> tuple[int, int]:
     low = _positive_int("min_length", min_length)
     high = _positive_int("max_length", max_length)
     if low > high:
-        raise BucketError(f"min_length {low} is above max_length {high}; lower min_length "
-                          f"to at most {high}")
+        raise BucketError(
+            f"min_length {low} is above max_length {high}; lower min_length to at most {high}"
+        )
     return low, high
 
 
@@ -69,7 +72,7 @@ def geometric(min_length: int, max_length: int, ratio: float) -> list[int]:
         # The epsilon keeps 128 * 1.5**2 = 288.00000000000006 from rounding up to 289.
         value = math.ceil(low * ratio**step - 1e-9)
         if value >= high:
-            return values + [high]
+            return [*values, high]
         if not values or value > values[-1]:
             values.append(value)
         step += 1
@@ -79,7 +82,7 @@ def linear(min_length: int, max_length: int, step: int) -> list[int]:
     """min_length, min_length + step, ... below max_length, then max_length."""
     low, high = _ordered_limits(min_length, max_length)
     step = _positive_int("step", step)
-    return list(range(low, high, step)) + [high]
+    return [*list(range(low, high, step)), high]
 
 
 def explicit(values: Iterable[int]) -> list[int]:
@@ -106,10 +109,17 @@ def align_up(values: Iterable[int], align: int) -> list[int]:
     return sorted({-(-value // align) * align for value in values})
 
 
-def make_grid(generator: str, *, min_length: int = 128, max_length: int | None = None,
-              ratio: float | None = None, step: int | None = None,
-              values: Sequence[int] | None = None, tile: int | None = None,
-              align: int | None = None) -> list[int]:
+def make_grid(
+    generator: str,
+    *,
+    min_length: int = 128,
+    max_length: int | None = None,
+    ratio: float | None = None,
+    step: int | None = None,
+    values: Sequence[int] | None = None,
+    tile: int | None = None,
+    align: int | None = None,
+) -> list[int]:
     """One entry point for every generator (the CLI and config files use it by name).
 
     ``align`` rounds generated buckets up to its multiples; an explicit list is checked
@@ -121,22 +131,23 @@ def make_grid(generator: str, *, min_length: int = 128, max_length: int | None =
         grid = explicit(values)
         return list(validate_grid(grid, name="explicit grid", align=align))
     if max_length is None:
-        raise BucketError(f"generator {generator!r} needs max_length (e.g. max_model_len); "
-                          f"pass --max")
+        raise BucketError(
+            f"generator {generator!r} needs max_length (e.g. max_model_len); pass --max"
+        )
     builders = {
         "nxdi": lambda: nxdi_buckets(min_length, max_length),
         "geometric": lambda: geometric(min_length, max_length, 2 if ratio is None else ratio),
-        "linear": lambda: linear(min_length, max_length,
-                                 _required("linear", "step", step)),
+        "linear": lambda: linear(min_length, max_length, _required("linear", "step", step)),
         "chunk": lambda: nxdi_chunk_sizes(_required("chunk", "tile", tile), max_length),
     }
     if generator not in builders:
-        raise BucketError(f"unknown generator {generator!r}; choose one of "
-                          f"{', '.join(GENERATORS)}")
+        raise BucketError(f"unknown generator {generator!r}; choose one of {', '.join(GENERATORS)}")
     if align and max_length % align:
-        raise BucketError(f"max_length {max_length} is not a multiple of align {align}, so "
-                          f"an aligned grid cannot end at it; use {max_length // align * align} "
-                          f"or {-(-max_length // align) * align}")
+        raise BucketError(
+            f"max_length {max_length} is not a multiple of align {align}, so "
+            f"an aligned grid cannot end at it; use {max_length // align * align} "
+            f"or {-(-max_length // align) * align}"
+        )
     grid = builders[generator]()
     return align_up(grid, align) if align else grid
 
@@ -147,9 +158,15 @@ def _required(generator: str, key: str, value: int | None) -> int:
     return value
 
 
-def validate_grid(values: object, *, name: str, maximum: int | None = None,
-                  covers: int | None = None, align: int | None = None,
-                  limit_name: str = "the maximum") -> tuple[int, ...]:
+def validate_grid(
+    values: object,
+    *,
+    name: str,
+    maximum: int | None = None,
+    covers: int | None = None,
+    align: int | None = None,
+    limit_name: str = "the maximum",
+) -> tuple[int, ...]:
     """The grid as a tuple, or a BucketError naming ``name``, the bad value and the fix.
 
     Checks: a non-empty list of positive whole numbers, strictly increasing (sorted and
@@ -160,33 +177,40 @@ def validate_grid(values: object, *, name: str, maximum: int | None = None,
     smaller cap is allowed and longer requests are then rejected one by one.
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise BucketError(f"{name} must be a list of bucket sizes, got {values!r}; write "
-                          f"e.g. [128, 512, 2048]")
+        raise BucketError(
+            f"{name} must be a list of bucket sizes, got {values!r}; write e.g. [128, 512, 2048]"
+        )
     if not values:
         raise BucketError(f"{name} is empty; list at least one bucket, e.g. [128, 512, 2048]")
     for value in values:
         if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-            raise BucketError(f"{name} has {value!r}; every bucket must be a whole number "
-                              f">= 1")
+            raise BucketError(f"{name} has {value!r}; every bucket must be a whole number >= 1")
     values = [int(value) for value in values]
-    for before, after in zip(values, values[1:]):
+    for before, after in itertools.pairwise(values):
         if after == before:
             raise BucketError(f"{name} lists {after} twice; remove the duplicate")
         if after < before:
-            raise BucketError(f"{name} is not sorted ({before} before {after}); write it in "
-                              f"increasing order: {sorted(set(values))}")
+            raise BucketError(
+                f"{name} is not sorted ({before} before {after}); write it in "
+                f"increasing order: {sorted(set(values))}"
+            )
     if maximum is not None and values[-1] > maximum:
-        raise BucketError(f"{name} has {values[-1]}, above {limit_name} {maximum}; remove "
-                          f"buckets above {maximum} or raise {limit_name}")
+        raise BucketError(
+            f"{name} has {values[-1]}, above {limit_name} {maximum}; remove "
+            f"buckets above {maximum} or raise {limit_name}"
+        )
     if covers is not None and values[-1] < covers:
-        raise BucketError(f"{name} tops out at {values[-1]} but must reach {covers}; add a "
-                          f"bucket >= {covers}")
+        raise BucketError(
+            f"{name} tops out at {values[-1]} but must reach {covers}; add a bucket >= {covers}"
+        )
     if align is not None:
         align = _positive_int("align", align)
         for value in values:
             if value % align:
-                raise BucketError(f"{name} has {value}, not a multiple of {align} (the KV "
-                                  f"block size); use {-(-value // align) * align} instead")
+                raise BucketError(
+                    f"{name} has {value}, not a multiple of {align} (the KV "
+                    f"block size); use {-(-value // align) * align} instead"
+                )
     return tuple(values)
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -35,10 +36,17 @@ def read_lengths(path: str | Path) -> Workload:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise BucketFileError(path, None, f"cannot be read ({exc.strerror}); check the "
-                                          f"path") from None
-    first = next((line.strip() for line in text.splitlines()
-                  if line.strip() and not line.lstrip().startswith("#")), "")
+        raise BucketFileError(
+            path, None, f"cannot be read ({exc.strerror}); check the path"
+        ) from None
+    first = next(
+        (
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ),
+        "",
+    )
     if path.suffix.lower() in SUFFIXES and not _is_json_lines(path, text, first):
         return _histogram_document(path)
     if not first:
@@ -68,11 +76,13 @@ def _json_lines(path: Path, text: str) -> Iterable[tuple[str, dict[str, Any]]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise BucketFileError(path, f"line {number}", f"is not a JSON object ({exc.msg}); "
-                                                          f"write one object per line") from None
+            raise BucketFileError(
+                path,
+                f"line {number}",
+                f"is not a JSON object ({exc.msg}); write one object per line",
+            ) from None
         if not isinstance(record, dict):
-            raise BucketFileError(path, f"line {number}", f"must be a JSON object, got "
-                                                          f"{record!r}")
+            raise BucketFileError(path, f"line {number}", f"must be a JSON object, got {record!r}")
         yield f"line {number}", record
 
 
@@ -80,9 +90,13 @@ def _csv_rows(path: Path, text: str) -> Iterable[tuple[str, dict[str, Any]]]:
     reader = csv.DictReader(io.StringIO(text))
     columns = {CSV_ALIASES.get(name, name) for name in reader.fieldnames or ()}
     if "prompt_tokens" not in columns:
-        raise BucketFileError(path, "header", f"has no prompt-length column (got "
-                                              f"{reader.fieldnames}); name it ContextTokens "
-                                              f"or prompt_tokens")
+        raise BucketFileError(
+            path,
+            "header",
+            f"has no prompt-length column (got "
+            f"{reader.fieldnames}); name it ContextTokens "
+            f"or prompt_tokens",
+        )
     for number, row in enumerate(reader, start=2):
         record = {}
         for name, value in row.items():
@@ -106,33 +120,44 @@ def _records(path: Path, rows: Iterable[tuple[str, dict[str, Any]]]) -> Workload
     count = 0
     for where, record in rows:
         count += 1
-        values = {name: whole_number(path, f"{where}: {name}", record[name], minimum)
-                  for name, minimum in FIELDS.items() if record.get(name) is not None}
+        values = {
+            name: whole_number(path, f"{where}: {name}", record[name], minimum)
+            for name, minimum in FIELDS.items()
+            if record.get(name) is not None
+        }
         if "prompt_tokens" not in values:
-            raise BucketFileError(path, f"{where}: prompt_tokens",
-                                  "is missing; every request needs its prompt length")
+            raise BucketFileError(
+                path, f"{where}: prompt_tokens", "is missing; every request needs its prompt length"
+            )
         for name in FIELDS:
             if name in values:
                 columns[name].append(values[name])
             else:
                 missing.setdefault(name, where)
         if values.get("prefix_hit_tokens", 0) > values["prompt_tokens"]:
-            raise BucketFileError(path, f"{where}: prefix_hit_tokens",
-                                  f"{values['prefix_hit_tokens']} is more than prompt_tokens "
-                                  f"{values['prompt_tokens']}; a cache hit is part of the "
-                                  f"prompt")
+            raise BucketFileError(
+                path,
+                f"{where}: prefix_hit_tokens",
+                f"{values['prefix_hit_tokens']} is more than prompt_tokens "
+                f"{values['prompt_tokens']}; a cache hit is part of the "
+                f"prompt",
+            )
     if count == 0:
         raise BucketFileError(path, None, "holds no requests; give one request per line")
     optional = {}
     for name in ("output_tokens", "batch", "prefix_hit_tokens"):
         if columns[name] and name in missing:
-            raise BucketFileError(path, f"{missing[name]}: {name}",
-                                  f"is missing although other requests have it; record "
-                                  f"{name} for every request or for none")
+            raise BucketFileError(
+                path,
+                f"{missing[name]}: {name}",
+                f"is missing although other requests have it; record "
+                f"{name} for every request or for none",
+            )
         optional[name] = np.array(columns[name], dtype=np.int64) if columns[name] else None
     prompts = np.array(columns["prompt_tokens"], dtype=np.int64)
-    return Workload(prompt_tokens=prompts, counts=np.ones_like(prompts), source=str(path),
-                    **optional)
+    return Workload(
+        prompt_tokens=prompts, counts=np.ones_like(prompts), source=str(path), **optional
+    )
 
 
 def _plain_list(path: Path, text: str) -> Workload:
@@ -144,9 +169,11 @@ def _plain_list(path: Path, text: str) -> Workload:
         try:
             value = int(line)
         except ValueError:
-            raise BucketFileError(path, f"line {number}", f"{line!r} is not a whole number; "
-                                                          f"a plain trace lists one prompt "
-                                                          f"length per line") from None
+            raise BucketFileError(
+                path,
+                f"line {number}",
+                f"{line!r} is not a whole number; a plain trace lists one prompt length per line",
+            ) from None
         lengths.append(whole_number(path, f"line {number}", value, 1))
     return as_workload(lengths, source=str(path))
 
@@ -156,8 +183,9 @@ def _histogram_document(path: Path) -> Workload:
     check_keys(path, data, ("histogram", "source"), required=("histogram",))
     table = data["histogram"]
     if not isinstance(table, dict) or not table:
-        raise BucketFileError(path, "histogram", "must map prompt lengths to request counts, "
-                                                 "e.g. {97: 300, 120: 40}")
+        raise BucketFileError(
+            path, "histogram", "must map prompt lengths to request counts, e.g. {97: 300, 120: 40}"
+        )
     hist: dict[int, int] = {}
     for key, count in table.items():
         try:

@@ -9,8 +9,9 @@ it into what each compiled graph must hold, using the fit rule's definitions in
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence, Union
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,12 +28,14 @@ class Histogram(NamedTuple):
     counts: np.ndarray
 
 
-def histogram(values: Sequence[int] | np.ndarray,
-              counts: Sequence[int] | np.ndarray | None = None) -> Histogram:
+def histogram(
+    values: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray | None = None
+) -> Histogram:
     """Sum ``counts`` (default 1 each) per distinct value; zero counts are dropped."""
     values = np.asarray(values, dtype=np.int64).reshape(-1)
-    counts = (np.ones_like(values) if counts is None
-              else np.asarray(counts, dtype=np.int64).reshape(-1))
+    counts = (
+        np.ones_like(values) if counts is None else np.asarray(counts, dtype=np.int64).reshape(-1)
+    )
     distinct, inverse = np.unique(values, return_inverse=True)
     totals = np.bincount(inverse, weights=counts, minlength=len(distinct)).astype(np.int64)
     keep = totals > 0
@@ -56,13 +59,15 @@ class Workload:
 
 
 # What the analysis functions accept as a workload.
-WorkloadLike = Union[Workload, Histogram, Mapping[int, int], Sequence[int], np.ndarray]
+WorkloadLike = Workload | Histogram | Mapping[int, int] | Sequence[int] | np.ndarray
 
 
 def as_workload(data: WorkloadLike, source: str = "") -> Workload:
     """Accept a Workload, a Histogram, a {length: count} mapping or a list of prompt lengths."""
     if isinstance(data, Workload):
         return data
+    values: Sequence[int] | np.ndarray
+    counts: Sequence[int] | np.ndarray | None
     if isinstance(data, Histogram):
         values, counts = data
     elif isinstance(data, Mapping):
@@ -73,8 +78,9 @@ def as_workload(data: WorkloadLike, source: str = "") -> Workload:
     if hist.values.size == 0:
         raise BucketError("the workload is empty; give at least one request length")
     if hist.values[0] < 0:
-        raise BucketError(f"request length {int(hist.values[0])} is negative; lengths are "
-                          f"token counts >= 0")
+        raise BucketError(
+            f"request length {int(hist.values[0])} is negative; lengths are token counts >= 0"
+        )
     return Workload(prompt_tokens=hist.values, counts=hist.counts, source=source)
 
 
@@ -109,8 +115,13 @@ def decode_needs(workload: Workload, *, speculation_length: int = 0) -> Histogra
     return Histogram(needs.astype(np.int64), per_need[needs])
 
 
-def needs(workload: Workload, phase: str = "context", *, prefix_caching: bool = False,
-          speculation_length: int = 0) -> Histogram:
+def needs(
+    workload: Workload,
+    phase: str = "context",
+    *,
+    prefix_caching: bool = False,
+    speculation_length: int = 0,
+) -> Histogram:
     """The 1-D needs of ``phase`` ("context" or "decode")."""
     if phase == "context":
         return context_needs(workload, prefix_caching=prefix_caching)
@@ -119,8 +130,9 @@ def needs(workload: Workload, phase: str = "context", *, prefix_caching: bool = 
     raise BucketError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
 
 
-def paired_needs(workload: Workload, pair: str, phase: str = "context", *,
-                 speculation_length: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def paired_needs(
+    workload: Workload, pair: str, phase: str = "context", *, speculation_length: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """2-D needs as (distinct rows, counts).
 
     pair "batch": (batch size, length need of ``phase``) for batch-bucketed grids;
@@ -139,14 +151,17 @@ def paired_needs(workload: Workload, pair: str, phase: str = "context", *,
     parts = []
     for size in np.unique(batches):
         rows = batches == size
-        subset = Workload(workload.prompt_tokens[rows], workload.counts[rows],
-                          output_tokens=_subset(workload.output_tokens, rows),
-                          prefix_hit_tokens=_subset(workload.prefix_hit_tokens, rows))
+        subset = Workload(
+            workload.prompt_tokens[rows],
+            workload.counts[rows],
+            output_tokens=_subset(workload.output_tokens, rows),
+            prefix_hit_tokens=_subset(workload.prefix_hit_tokens, rows),
+        )
         hist = needs(subset, phase, speculation_length=speculation_length)
-        parts.append((np.column_stack([np.full(hist.values.size, size), hist.values]),
-                      hist.counts))
-    return _unique_rows(np.concatenate([p for p, _ in parts]),
-                        np.concatenate([c for _, c in parts]))
+        parts.append((np.column_stack([np.full(hist.values.size, size), hist.values]), hist.counts))
+    return _unique_rows(
+        np.concatenate([p for p, _ in parts]), np.concatenate([c for _, c in parts])
+    )
 
 
 def _unique_rows(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +177,9 @@ def _subset(column: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
 def _column(workload: Workload, name: str) -> np.ndarray:
     column = getattr(workload, name)
     if column is None:
-        raise BucketError(f"the workload {workload.source or ''} has no {name}; record it in "
-                          f"the trace (JSONL field {name!r}) or choose an analysis that "
-                          f"does not need it")
+        raise BucketError(
+            f"the workload {workload.source or ''} has no {name}; record it in "
+            f"the trace (JSONL field {name!r}) or choose an analysis that "
+            f"does not need it"
+        )
     return column

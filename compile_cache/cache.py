@@ -78,10 +78,17 @@ class EntryInfo:
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
-        return {"key": r.key, "size": r.size, "files": len(r.files), "created": r.created,
-                "last_used": self.last_used, "created_by": r.created_by,
-                "build_seconds": r.build_seconds, "manifest": r.manifest,
-                "signed_by": r.signature.key_id if r.signature else None}
+        return {
+            "key": r.key,
+            "size": r.size,
+            "files": len(r.files),
+            "created": r.created,
+            "last_used": self.last_used,
+            "created_by": r.created_by,
+            "build_seconds": r.build_seconds,
+            "manifest": r.manifest,
+            "signed_by": r.signature.key_id if r.signature else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class _Say:
 
     def __init__(self, log: Log | None):
         target = logger if log is None else log
+        self.info: Callable[[str], None]
+        self.warning: Callable[[str], None]
         if isinstance(target, logging.Logger):
             self.info, self.warning = target.info, target.warning
         else:
@@ -125,8 +134,9 @@ class CompileCache:
     environment, see compile_cache.signing) decides which entries are loaded and signs
     what this process publishes."""
 
-    def __init__(self, store: Store | None = None, *, log: Log | None = None,
-                 trust: Trust | None = None):
+    def __init__(
+        self, store: Store | None = None, *, log: Log | None = None, trust: Trust | None = None
+    ):
         self.store = store if store is not None else open_store()
         self.trust = trust if trust is not None else Trust.from_env()
         self._log = log
@@ -163,8 +173,11 @@ class CompileCache:
             return store.materialize(record)
         except OSError as err:
             if is_out_of_space(err):
-                raise out_of_space(store.disk, f"copying entry {record.key} from "
-                                   f"{store.url}", f"it needs {record.size} bytes") from err
+                raise out_of_space(
+                    store.disk,
+                    f"copying entry {record.key} from {store.url}",
+                    f"it needs {record.size} bytes",
+                ) from err
             raise
 
     def _may_publish(self, store: Store) -> bool:
@@ -178,32 +191,49 @@ class CompileCache:
             return self.store
         return self.store.read_cache
 
-    def _refuse(self, store: Store, key: str, record: Record | None, problem: EntryCorrupt,
-                say: _Say) -> bool:
+    def _refuse(
+        self, store: Store, key: str, record: Record | None, problem: EntryCorrupt, say: _Say
+    ) -> bool:
         """Log why the entry of `key` is not used and quarantine it, unless it is only
         untrusted and this host could not publish a replacement (so a misconfigured
         host never moves a fleet's entries aside). True if it was moved."""
         if isinstance(problem, EntryUntrusted) and not self._may_publish(store):
-            say.warning(f"compile cache: refusing entry {key} in {store.url}: "
-                        f"{problem.problem}; it stays there ({SIGNING_KEY_ENV} is not set, "
-                        "so this host does not replace entries of a shared store)")
+            say.warning(
+                f"compile cache: refusing entry {key} in {store.url}: "
+                f"{problem.problem}; it stays there ({SIGNING_KEY_ENV} is not set, "
+                "so this host does not replace entries of a shared store)"
+            )
             return False
         moved = store.quarantine(key, record.id if record else None, problem.problem)
-        say.warning(f"compile cache: entry {key} in {store.url} failed verification: "
-                    f"{problem.problem}; "
-                    + ("moved it to quarantine, it will be rebuilt" if moved
-                       else "it was already replaced or removed"))
+        say.warning(
+            f"compile cache: entry {key} in {store.url} failed verification: "
+            f"{problem.problem}; "
+            + (
+                "moved it to quarantine, it will be rebuilt"
+                if moved
+                else "it was already replaced or removed"
+            )
+        )
         return moved
 
     def _check_policy(self, key: str, found: _Found) -> None:
         if isinstance(found.problem, EntryUntrusted) and self.trust.on_untrusted == "fail":
-            raise EntryUntrusted(key, f"{found.problem.problem}. Refusing to build or load "
-                                 f"it because {ON_UNTRUSTED_ENV}=fail: remove the entry "
-                                 f"(neuron-cache rm {key} --store {self.store.url}) or set "
-                                 f"{ON_UNTRUSTED_ENV}=rebuild to compile instead")
+            raise EntryUntrusted(
+                key,
+                f"{found.problem.problem}. Refusing to build or load "
+                f"it because {ON_UNTRUSTED_ENV}=fail: remove the entry "
+                f"(neuron-cache rm {key} --store {self.store.url}) or set "
+                f"{ON_UNTRUSTED_ENV}=rebuild to compile instead",
+            )
 
-    def get_or_build(self, manifest: Mapping[str, Any], build: Callable[[Path], None], *,
-                     wait_timeout: float = 7200.0, log: Log | None = None) -> CacheResult:
+    def get_or_build(
+        self,
+        manifest: Mapping[str, Any],
+        build: Callable[[Path], None],
+        *,
+        wait_timeout: float = 7200.0,
+        log: Log | None = None,
+    ) -> CacheResult:
         """A local verified folder of `manifest`'s artifacts, calling `build(folder)` to
         write them into an empty folder only if no process has built them yet. At most
         one process per key builds at a time; the others wait up to `wait_timeout`
@@ -226,53 +256,84 @@ class CompileCache:
             raise StoreUnreachable(
                 f"{err}; the read cache {cache.url} holds no usable entry {key} either: "
                 f"retry when the store is reachable, or pre-warm hosts with "
-                f"`neuron-cache pull {self.store.url}` while it is") from err
-        say.warning(f"compile cache: {err}; using entry {key} from the read cache "
-                    f"{cache.url}")
-        return CacheResult(found.entry.path, key, True,
-                           f"hit: from the read cache {cache.url} ({self.store.url} "
-                           "unreachable)", in_store=False)
+                f"`neuron-cache pull {self.store.url}` while it is"
+            ) from err
+        say.warning(f"compile cache: {err}; using entry {key} from the read cache {cache.url}")
+        return CacheResult(
+            found.entry.path,
+            key,
+            True,
+            f"hit: from the read cache {cache.url} ({self.store.url} unreachable)",
+            in_store=False,
+        )
 
-    def _get_or_build(self, manifest: Mapping[str, Any], key: str,
-                      build: Callable[[Path], None], wait_timeout: float,
-                      say: _Say) -> CacheResult:
+    def _get_or_build(
+        self,
+        manifest: Mapping[str, Any],
+        key: str,
+        build: Callable[[Path], None],
+        wait_timeout: float,
+        say: _Say,
+    ) -> CacheResult:
         found = self._find(self.store, key)
         if found.entry is not None:
             return CacheResult(found.entry.path, key, True, "hit")
         self._check_policy(key, found)
         target = self._target()
         if target is not self.store and (own := self._find(target, key)).entry is not None:
-            return CacheResult(own.entry.path, key, True, f"hit: built earlier by this "
-                               f"host, in its read cache {target.url}", in_store=False)
+            return CacheResult(
+                own.entry.path,
+                key,
+                True,
+                f"hit: built earlier by this host, in its read cache {target.url}",
+                in_store=False,
+            )
         lock = target.lock(key)
-        waited = acquire(lock, what=f"compile-cache key {key} in {target.url}",
-                         timeout=wait_timeout, on_wait=say.info)
+        waited = acquire(
+            lock,
+            what=f"compile-cache key {key} in {target.url}",
+            timeout=wait_timeout,
+            on_wait=say.info,
+        )
         try:
             found = self._find(self.store, key)
             if found.entry is not None:
-                return CacheResult(found.entry.path, key, True,
-                                   f"hit: built by another process while this one waited "
-                                   f"{waited:.0f} s")
+                return CacheResult(
+                    found.entry.path,
+                    key,
+                    True,
+                    f"hit: built by another process while this one waited {waited:.0f} s",
+                )
             if target is not self.store:
                 own = self._find(target, key)
                 if own.entry is not None:
-                    return CacheResult(own.entry.path, key, True,
-                                       f"hit: built by another process of this host while "
-                                       f"this one waited {waited:.0f} s", in_store=False)
+                    return CacheResult(
+                        own.entry.path,
+                        key,
+                        True,
+                        f"hit: built by another process of this host while "
+                        f"this one waited {waited:.0f} s",
+                        in_store=False,
+                    )
                 if own.problem is not None:
                     self._refuse(target, key, own.record, own.problem, say)
             if found.problem is not None:
                 self._check_policy(key, found)
                 moved = self._refuse(self.store, key, found.record, found.problem, say)
-                reason = (f"miss: entry {key} {'quarantined' if moved else 'refused'}: "
-                          f"{found.problem.problem}")
+                reason = (
+                    f"miss: entry {key} {'quarantined' if moved else 'refused'}: "
+                    f"{found.problem.problem}"
+                )
             else:
-                reason = "miss: " + miss_reason(key, self.store.url,
-                                                 nearest(manifest, self._manifests()))
+                reason = "miss: " + miss_reason(
+                    key, self.store.url, nearest(manifest, self._manifests())
+                )
             if target is not self.store:
-                reason += (f"; building into this host's read cache {target.url} only "
-                           f"({SIGNING_KEY_ENV} is not set, so this host does not publish "
-                           f"to {self.store.url})")
+                reason += (
+                    f"; building into this host's read cache {target.url} only "
+                    f"({SIGNING_KEY_ENV} is not set, so this host does not publish "
+                    f"to {self.store.url})"
+                )
             for leftover in target.sweep(held_key=key):
                 say.info(f"compile cache: removed leftover of an interrupted build: {leftover}")
             path = self._build(target, lock, dict(manifest), key, build, say)
@@ -280,30 +341,46 @@ class CompileCache:
         finally:
             lock.release()
 
-    def _build(self, target: Store, lock: KeyLock, manifest: dict[str, Any], key: str,
-               build: Callable[[Path], None], say: _Say) -> Path:
+    def _build(
+        self,
+        target: Store,
+        lock: KeyLock,
+        manifest: dict[str, Any],
+        key: str,
+        build: Callable[[Path], None],
+        say: _Say,
+    ) -> Path:
         with target.staging(key) as staging:
             lock.building(staging / FILES)
             started = time.monotonic()
             try:
                 build(staging / FILES)
-                record = self.trust.sign(new_record(
-                    manifest, staging / FILES,
-                    build_seconds=round(time.monotonic() - started, 3)))
+                record = self.trust.sign(
+                    new_record(
+                        manifest,
+                        staging / FILES,
+                        build_seconds=round(time.monotonic() - started, 3),
+                    )
+                )
                 path, served = target.publish(record, staging)
             except BaseException as err:
                 say.warning(f"compile cache: build of {key} failed; nothing was published")
                 if is_out_of_space(err):
                     written = tree_size(staging)[1]
-                    raise out_of_space(target.disk, f"building entry {key}",
-                                       f"the build had written {written} bytes when the "
-                                       "disk filled up, so it needs more than that") from err
+                    raise out_of_space(
+                        target.disk,
+                        f"building entry {key}",
+                        f"the build had written {written} bytes when the "
+                        "disk filled up, so it needs more than that",
+                    ) from err
                 raise
         if served.id != record.id:
             self.trust.check(served)  # another process published first: its entry is used
         target.touch(key)
-        say.info(f"compile cache: published {key} ({len(record.files)} files, "
-                 f"{record.size} bytes) in {target.url}")
+        say.info(
+            f"compile cache: published {key} ({len(record.files)} files, "
+            f"{record.size} bytes) in {target.url}"
+        )
         return path
 
     def _manifests(self) -> list[tuple[str, dict[str, Any]]]:
@@ -313,8 +390,14 @@ class CompileCache:
         """Whether `manifest` has an entry (its record, not its file contents: use
         `verify` for those) and, if not, the nearest entries and the fields that differ."""
         key = cache_key(manifest)
-        result: dict[str, Any] = {"key": key, "store": self.store.url, "hit": False,
-                                  "problem": None, "entry": None, "nearest": []}
+        result: dict[str, Any] = {
+            "key": key,
+            "store": self.store.url,
+            "hit": False,
+            "problem": None,
+            "entry": None,
+            "nearest": [],
+        }
         try:
             record = self.store.get_record(key)
             if record is not None:
@@ -361,8 +444,10 @@ class CompileCache:
             return prefix
         matches = [k for k in self.store.list_keys() if prefix and k.startswith(prefix)]
         if len(matches) != 1:
-            raise UnknownKey(f"{prefix!r} matches {len(matches)} entries in {self.store.url}; "
-                             "give more of the key (see `neuron-cache ls`)")
+            raise UnknownKey(
+                f"{prefix!r} matches {len(matches)} entries in {self.store.url}; "
+                "give more of the key (see `neuron-cache ls`)"
+            )
         return matches[0]
 
     def verify(self, keys: list[str] | None = None) -> list[VerifyResult]:
@@ -371,8 +456,7 @@ class CompileCache:
         publish there) and entry folders without a record."""
         incomplete = set(self.store.incomplete_keys())
         results = []
-        for key in keys if keys is not None else sorted(set(self.store.list_keys())
-                                                        | incomplete):
+        for key in keys if keys is not None else sorted(set(self.store.list_keys()) | incomplete):
             record = None
             try:
                 record = self.store.get_record(check_key(key))
@@ -383,35 +467,48 @@ class CompileCache:
                 self.store.check(record)
                 results.append(VerifyResult(key, True))
             except EntryCorrupt as err:
-                moved = ((not isinstance(err, EntryUntrusted) or self._may_publish(self.store))
-                         and self.store.quarantine(key, record.id if record else None,
-                                                   err.problem))
+                moved = (
+                    not isinstance(err, EntryUntrusted) or self._may_publish(self.store)
+                ) and self.store.quarantine(key, record.id if record else None, err.problem)
                 results.append(VerifyResult(key, False, err.problem, moved))
         return results
 
     def _verify_missing(self, key: str, incomplete: bool) -> VerifyResult:
         if not incomplete:
             return VerifyResult(key, False, "no such entry")
-        problem = ("entry folder without a record: left by an interrupted or tampered "
-                   "write, never loaded")
+        problem = (
+            "entry folder without a record: left by an interrupted or tampered write, never loaded"
+        )
         return VerifyResult(key, False, problem, self.store.quarantine(key, None, problem))
 
-    def prune(self, max_size_bytes: int | None = None, max_age_seconds: float | None = None,
-              *, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self,
+        max_size_bytes: int | None = None,
+        max_age_seconds: float | None = None,
+        *,
+        dry_run: bool = False,
+    ) -> PruneReport:
         """Remove entries unused for `max_age_seconds`, then least recently used ones
         until the store fits `max_size_bytes`; also sweep leftovers of dead builds and
         delete quarantined entries. `dry_run` only reports the entries."""
         infos = self.list_entries()
-        doomed = set(plan_prune(infos, max_size_bytes=max_size_bytes,
-                                max_age_seconds=max_age_seconds, now=time.time()))
+        doomed = set(
+            plan_prune(
+                infos,
+                max_size_bytes=max_size_bytes,
+                max_age_seconds=max_age_seconds,
+                now=time.time(),
+            )
+        )
         freed = sum(i.size for i in infos if i.key in doomed)
         kept = sum(i.size for i in infos) - freed
         if dry_run:
             return PruneReport(sorted(doomed), freed, kept)
         for key in sorted(doomed):
             self.store.remove(key)
-        return PruneReport(sorted(doomed), freed, kept, self.store.sweep(),
-                           self.store.purge_quarantine())
+        return PruneReport(
+            sorted(doomed), freed, kept, self.store.sweep(), self.store.purge_quarantine()
+        )
 
     def remove(self, key: str) -> bool:
         """Delete one entry; False if it did not exist."""

@@ -33,7 +33,7 @@ def sha256_file(path: Path) -> str:
 def sha256_files(paths: Mapping[str, Path]) -> dict[str, str]:
     """Digests of many files, hashed on a few threads (hashlib releases the GIL)."""
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        return dict(zip(paths, pool.map(sha256_file, paths.values())))
+        return dict(zip(paths, pool.map(sha256_file, paths.values()), strict=True))
 
 
 def scan_tree(root: Path) -> dict[str, Path]:
@@ -46,8 +46,10 @@ def scan_tree(root: Path) -> dict[str, Path]:
             rel = path.relative_to(root).as_posix()
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode):
-                raise UnsafePathError(rel, f"is a symbolic link to {os.readlink(path)} "
-                                      "(entries hold regular files only)")
+                raise UnsafePathError(
+                    rel,
+                    f"is a symbolic link to {os.readlink(path)} (entries hold regular files only)",
+                )
             if stat.S_ISREG(mode):
                 found[rel] = path
             elif not stat.S_ISDIR(mode):
@@ -65,4 +67,3 @@ def hash_stream(reader: BinaryIO, out: BinaryIO | None = None) -> tuple[str, int
         if out is not None:
             out.write(chunk)
     return digest.hexdigest(), size
-

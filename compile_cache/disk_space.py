@@ -43,4 +43,5 @@ def out_of_space(disk: Path, doing: str, needed: str) -> StoreFull:
         f"{needed}, and {free} bytes ({format_size(free)}) are free there; nothing was "
         f"published. Free space there (e.g. `neuron-cache prune --max-size SIZE`) or point "
         f"{CACHE_URL_ENV} ({LOCAL_DIR_ENV} for the read cache of an S3 store) at a larger "
-        "disk")
+        "disk"
+    )

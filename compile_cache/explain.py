@@ -8,8 +8,9 @@ from typing import Any
 from compile_cache.manifest import diff_manifests
 
 
-def nearest(manifest: Mapping[str, Any], candidates: Iterable[tuple[str, Mapping[str, Any]]],
-            limit: int = 3) -> list[tuple[str, list[str]]]:
+def nearest(
+    manifest: Mapping[str, Any], candidates: Iterable[tuple[str, Mapping[str, Any]]], limit: int = 3
+) -> list[tuple[str, list[str]]]:
     """(key, differing fields) of the `limit` candidates with the fewest differing
     fields; same-backend, same-model candidates first on ties."""
     ranked = []
@@ -21,8 +22,7 @@ def nearest(manifest: Mapping[str, Any], candidates: Iterable[tuple[str, Mapping
     return [(key, differs) for _, _, key, differs in ranked[:limit]]
 
 
-def miss_reason(key: str, store_url: str,
-                ranked: list[tuple[str, list[str]]]) -> str:
+def miss_reason(key: str, store_url: str, ranked: list[tuple[str, list[str]]]) -> str:
     """One line for logs: the key that missed and what the nearest entry differs in."""
     if not ranked:
         return f"no entry for key {key}; the store {store_url} has no entries"

@@ -44,8 +44,7 @@ class KeyLock(Protocol):
     def release(self) -> None: ...
 
 
-def acquire(lock: KeyLock, *, what: str, timeout: float,
-            on_wait: Callable[[str], None]) -> float:
+def acquire(lock: KeyLock, *, what: str, timeout: float, on_wait: Callable[[str], None]) -> float:
     """Block until `lock` is held; return the seconds waited. Reports progress through
     `on_wait` when waiting starts and every REPORT_EVERY seconds; raises LockTimeout
     after `timeout` seconds."""
@@ -59,10 +58,13 @@ def acquire(lock: KeyLock, *, what: str, timeout: float,
                 f"timed out after {waited:.0f} s waiting for {what}, held by "
                 f"{lock.holder()}. Another process is still compiling this configuration "
                 "(or is hung): wait longer (get_or_build(wait_timeout=...)), stop that "
-                "process, or point VLLM_NEURON_CACHE_URL at another store")
+                "process, or point VLLM_NEURON_CACHE_URL at another store"
+            )
         if now >= next_report:
-            on_wait(f"waiting for {what}: being compiled by {lock.holder()} "
-                    f"(waited {waited:.0f} s, timeout {timeout:.0f} s)")
+            on_wait(
+                f"waiting for {what}: being compiled by {lock.holder()} "
+                f"(waited {waited:.0f} s, timeout {timeout:.0f} s)"
+            )
             next_report = now + REPORT_EVERY
         time.sleep(min(lock.poll_interval, max(timeout - waited, 0.0)))
     return time.monotonic() - started

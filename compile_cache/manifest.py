@@ -18,51 +18,88 @@ from typing import Any
 from compile_cache.errors import ManifestError, UnknownKey
 from compile_cache.weights import weights_fingerprint
 
-__all__ = ["make_manifest", "cache_key", "canonical_json", "diff_manifests", "check_key", "is_key",
-           "weights_fingerprint", "VOLATILE_MODEL_KEYS", "KEY_LENGTH"]
+__all__ = [
+    "KEY_LENGTH",
+    "VOLATILE_MODEL_KEYS",
+    "cache_key",
+    "canonical_json",
+    "check_key",
+    "diff_manifests",
+    "is_key",
+    "make_manifest",
+    "weights_fingerprint",
+]
 
 # Hugging Face config keys that never change a compiled graph: names and paths, library
 # versions, token ids only the tokenizer and generation loop read, and switches for
 # outputs the inference graphs do not produce. Dropped at every depth of the model
 # config (multimodal configs nest sub-configs). `torch_dtype`/`dtype` move to the
 # manifest's top-level `dtype`. `architectures` stays: it selects the model class.
-VOLATILE_MODEL_KEYS = frozenset({
-    "_name_or_path", "name_or_path", "_commit_hash", "transformers_version",
-    "torch_dtype", "dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "unk_token_id",
-    "decoder_start_token_id", "tokenizer_class",
-    "use_cache", "return_dict", "output_attentions", "output_hidden_states",
-})
+VOLATILE_MODEL_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "unk_token_id",
+        "decoder_start_token_id",
+        "tokenizer_class",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 # Version keys that name this plugin; refused so a plugin release never changes keys.
-_PLUGIN_VERSION_KEYS = frozenset({"vllm-neuron-plugin", "vllm_neuron_plugin",
-                                  "neuron_plugin", "neuron-plugin"})
+_PLUGIN_VERSION_KEYS = frozenset(
+    {"vllm-neuron-plugin", "vllm_neuron_plugin", "neuron_plugin", "neuron-plugin"}
+)
 # Keys are truncated sha256 digests: 128 bits keep collisions out of reach and folder
 # names short; the full manifest stored with each entry is compared on every lookup.
 KEY_LENGTH = 32
 _KEY_RE = re.compile(f"[0-9a-f]{{{KEY_LENGTH}}}")
 
 
-def make_manifest(*, backend: str, model_config: Mapping[str, Any],
-                  neuron_config: Mapping[str, Any], buckets: Mapping[str, Any],
-                  target: Mapping[str, Any], versions: Mapping[str, Any],
-                  compiler_flags: Sequence[str] = (), weights_fingerprint: str | None = None,
-                  dtype: str | None = None) -> dict[str, Any]:
+def make_manifest(
+    *,
+    backend: str,
+    model_config: Mapping[str, Any],
+    neuron_config: Mapping[str, Any],
+    buckets: Mapping[str, Any],
+    target: Mapping[str, Any],
+    versions: Mapping[str, Any],
+    compiler_flags: Sequence[str] = (),
+    weights_fingerprint: str | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
     """The canonical manifest of one compile: volatile model keys dropped, dtype recorded
     once, tuples turned into lists, keys sorted. Raises ManifestError naming the field
     when a value cannot be represented canonically in JSON."""
     if not isinstance(backend, str) or not backend:
-        raise ManifestError(f"make_manifest(backend={backend!r}): the backend must be a "
-                            "non-empty name such as 'nxd' or 'reference'")
+        raise ManifestError(
+            f"make_manifest(backend={backend!r}): the backend must be a "
+            "non-empty name such as 'nxd' or 'reference'"
+        )
     plugin_keys = sorted(_PLUGIN_VERSION_KEYS & set(versions))
     if plugin_keys:
-        raise ManifestError(f"make_manifest(versions=...) contains {plugin_keys}: the "
-                            "plugin's own version must not be part of the cache key (a "
-                            "plugin release that compiles the same graphs must still hit); "
-                            "list only compiler, NxDI and runtime versions")
+        raise ManifestError(
+            f"make_manifest(versions=...) contains {plugin_keys}: the "
+            "plugin's own version must not be part of the cache key (a "
+            "plugin release that compiles the same graphs must still hit); "
+            "list only compiler, NxDI and runtime versions"
+        )
     if isinstance(compiler_flags, str):
-        raise ManifestError(f"make_manifest(compiler_flags={compiler_flags!r}): pass a "
-                            "list of flags, e.g. shlex.split(flags)")
+        raise ManifestError(
+            f"make_manifest(compiler_flags={compiler_flags!r}): pass a "
+            "list of flags, e.g. shlex.split(flags)"
+        )
     if dtype is None:
         dtype = next((model_config[k] for k in _DTYPE_KEYS if model_config.get(k)), None)
     manifest = {
@@ -81,9 +118,13 @@ def make_manifest(*, backend: str, model_config: Mapping[str, Any],
 
 def canonical_json(manifest: Mapping[str, Any]) -> bytes:
     """The byte string a key is computed from: sorted keys, no whitespace, UTF-8."""
-    return json.dumps(_canonical(manifest, "manifest"), sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(
+        _canonical(manifest, "manifest"),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode("utf-8")
 
 
 def cache_key(manifest: Mapping[str, Any]) -> str:
@@ -100,8 +141,10 @@ def check_key(key: str) -> str:
     """Return `key` if it is a well-formed cache key; keys become folder and object
     names, so anything else is refused before it reaches a path."""
     if not is_key(key):
-        raise UnknownKey(f"{key!r} is not a cache key: keys are {KEY_LENGTH} lowercase hex "
-                         "digits (see `neuron-cache ls`)")
+        raise UnknownKey(
+            f"{key!r} is not a cache key: keys are {KEY_LENGTH} lowercase hex "
+            "digits (see `neuron-cache ls`)"
+        )
     return key
 
 
@@ -124,8 +167,7 @@ def _diff(a: Any, b: Any, path: str) -> list[str]:
 
 def _without_volatile(config: Any) -> Any:
     if isinstance(config, Mapping):
-        return {k: _without_volatile(v) for k, v in config.items()
-                if k not in VOLATILE_MODEL_KEYS}
+        return {k: _without_volatile(v) for k, v in config.items() if k not in VOLATILE_MODEL_KEYS}
     if isinstance(config, (list, tuple)):
         return [_without_volatile(v) for v in config]
     return config
@@ -136,15 +178,21 @@ def _canonical(value: Any, path: str) -> Any:
     if isinstance(value, Mapping):
         bad = [k for k in value if not isinstance(k, str)]
         if bad:
-            raise ManifestError(f"{path} has non-string key {bad[0]!r}: JSON would turn it "
-                                "into a string silently; convert the keys to str first")
+            raise ManifestError(
+                f"{path} has non-string key {bad[0]!r}: JSON would turn it "
+                "into a string silently; convert the keys to str first"
+            )
         return {k: _canonical(value[k], f"{path}.{k}") for k in sorted(value)}
     if isinstance(value, (list, tuple)):
         return [_canonical(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, float) and not math.isfinite(value):
-        raise ManifestError(f"{path}={value!r} is not finite; JSON has no canonical form "
-                            "for it, use null or a string")
+        raise ManifestError(
+            f"{path}={value!r} is not finite; JSON has no canonical form "
+            "for it, use null or a string"
+        )
     if value is None or isinstance(value, (str, int, float)):
         return value
-    raise ManifestError(f"{path}={value!r} has type {type(value).__name__}, which is not "
-                        "JSON-serialisable; convert it to str, int, float, bool, list or dict")
+    raise ManifestError(
+        f"{path}={value!r} has type {type(value).__name__}, which is not "
+        "JSON-serialisable; convert it to str, int, float, bool, list or dict"
+    )

@@ -25,8 +25,7 @@ def compiler_cache_url(store: Store) -> str:
     return store.child_url(SUBFOLDER)
 
 
-def configure_compiler_cache(store: Store,
-                             environ: MutableMapping[str, str] = os.environ) -> str:
+def configure_compiler_cache(store: Store, environ: MutableMapping[str, str] = os.environ) -> str:
     """Set NEURON_COMPILE_CACHE_URL to the store's neuronx-cc area unless the user has
     set it; return the value in effect. Call before neuronx-cc is first imported."""
     if not environ.get(COMPILER_CACHE_ENV):

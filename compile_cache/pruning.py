@@ -7,15 +7,24 @@ from typing import Protocol
 
 
 class Usage(Protocol):
-    key: str
-    size: int
-    last_used: float
+    @property
+    def key(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def last_used(self) -> float: ...
 
 
-def plan_prune(entries: Sequence[Usage], *, max_size_bytes: int | None = None,
-               max_age_seconds: float | None = None, now: float) -> list[str]:
+def plan_prune(
+    entries: Sequence[Usage],
+    *,
+    max_size_bytes: int | None = None,
+    max_age_seconds: float | None = None,
+    now: float,
+) -> list[str]:
     """Keys to remove: every entry unused for longer than `max_age_seconds`, then the
     least recently used until the rest fit in `max_size_bytes`."""
+
     def stale(entry: Usage) -> bool:
         return max_age_seconds is not None and now - entry.last_used > max_age_seconds
 

@@ -70,18 +70,22 @@ class Record:
     def body(self) -> dict[str, Any]:
         """Everything but the signature: what the signature covers."""
         return {
-            "format": FORMAT, "key": self.key, "id": self.id, "manifest": self.manifest,
-            "files": {rel: {"sha256": f.sha256, "size": f.size}
-                      for rel, f in sorted(self.files.items())},
-            "created": self.created, "created_by": self.created_by,
+            "format": FORMAT,
+            "key": self.key,
+            "id": self.id,
+            "manifest": self.manifest,
+            "files": {
+                rel: {"sha256": f.sha256, "size": f.size} for rel, f in sorted(self.files.items())
+            },
+            "created": self.created,
+            "created_by": self.created_by,
             "build_seconds": self.build_seconds,
         }
 
     def to_json(self) -> bytes:
         data = self.body()
         if self.signature is not None:
-            data["signature"] = {"key_id": self.signature.key_id,
-                                 "ed25519": self.signature.value}
+            data["signature"] = {"key_id": self.signature.key_id, "ed25519": self.signature.value}
         return json.dumps(data, indent=1, sort_keys=True).encode()
 
 
@@ -90,22 +94,32 @@ def owner_label() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def new_record(manifest: dict[str, Any], files_dir: Path, *,
-               build_seconds: float | None = None) -> Record:
+def new_record(
+    manifest: dict[str, Any], files_dir: Path, *, build_seconds: float | None = None
+) -> Record:
     """Scan and hash what a build wrote into `files_dir`."""
     try:
         found = scan_tree(files_dir)
     except UnsafePathError as err:
-        raise BuildOutputError(f"the build output in {files_dir} cannot be cached: {err}; "
-                               "write regular files (copy the link targets instead)") from err
+        raise BuildOutputError(
+            f"the build output in {files_dir} cannot be cached: {err}; "
+            "write regular files (copy the link targets instead)"
+        ) from err
     if not found:
-        raise BuildOutputError(f"the build wrote no files into {files_dir}; build(folder) "
-                               "must write the compiled artifacts into the folder it is given")
+        raise BuildOutputError(
+            f"the build wrote no files into {files_dir}; build(folder) "
+            "must write the compiled artifacts into the folder it is given"
+        )
     digests = sha256_files(found)
-    return Record(key=cache_key(manifest), id=uuid.uuid4().hex, manifest=manifest,
-                  files={rel: FileDigest(digests[rel], p.stat().st_size)
-                         for rel, p in found.items()},
-                  created=time.time(), created_by=owner_label(), build_seconds=build_seconds)
+    return Record(
+        key=cache_key(manifest),
+        id=uuid.uuid4().hex,
+        manifest=manifest,
+        files={rel: FileDigest(digests[rel], p.stat().st_size) for rel, p in found.items()},
+        created=time.time(),
+        created_by=owner_label(),
+        build_seconds=build_seconds,
+    )
 
 
 def parse_record(data: bytes, key: str) -> Record:
@@ -134,15 +148,22 @@ def parse_record(data: bytes, key: str) -> Record:
             raise EntryCorrupt(key, f"unsafe path: {err}", rel) from err
         sha = info.get("sha256") if isinstance(info, dict) else None
         size = info.get("size") if isinstance(info, dict) else None
-        if not (isinstance(sha, str) and _SHA_RE.fullmatch(sha)
-                and type(size) is int and size >= 0):
+        if not (
+            isinstance(sha, str) and _SHA_RE.fullmatch(sha) and type(size) is int and size >= 0
+        ):
             raise EntryCorrupt(key, f"file {rel} has no valid sha256/size", rel)
         parsed[rel] = FileDigest(sha, size)
     try:
-        return Record(key=key, id=raw["id"], manifest=manifest, files=parsed,
-                      created=float(raw["created"]), created_by=str(raw["created_by"]),
-                      build_seconds=raw.get("build_seconds"),
-                      signature=_parse_signature(key, raw.get("signature")))
+        return Record(
+            key=key,
+            id=raw["id"],
+            manifest=manifest,
+            files=parsed,
+            created=float(raw["created"]),
+            created_by=str(raw["created_by"]),
+            build_seconds=raw.get("build_seconds"),
+            signature=_parse_signature(key, raw.get("signature")),
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise EntryCorrupt(key, f"record field missing or invalid ({err})") from err
 
@@ -153,8 +174,12 @@ def _parse_signature(key: str, raw: Any) -> Signature | None:
         return None
     key_id = raw.get("key_id") if isinstance(raw, dict) else None
     value = raw.get("ed25519") if isinstance(raw, dict) else None
-    if not (isinstance(key_id, str) and _KEY_ID_RE.fullmatch(key_id)
-            and isinstance(value, str) and _SIGNATURE_RE.fullmatch(value)):
+    if not (
+        isinstance(key_id, str)
+        and _KEY_ID_RE.fullmatch(key_id)
+        and isinstance(value, str)
+        and _SIGNATURE_RE.fullmatch(value)
+    ):
         raise EntryUntrusted(key, "record has a malformed signature")
     return Signature(key_id, value)
 
@@ -177,11 +202,15 @@ def check_files(root: Path, record: Record) -> None:
     for rel, expected in record.files.items():
         size = join_inside(root, rel).stat().st_size
         if size != expected.size:
-            raise EntryCorrupt(record.key, f"file {rel} has {size} bytes, "
-                               f"expected {expected.size}", rel)
+            raise EntryCorrupt(
+                record.key, f"file {rel} has {size} bytes, expected {expected.size}", rel
+            )
     digests = sha256_files({rel: join_inside(root, rel) for rel in record.files})
     for rel, expected in record.files.items():
         if digests[rel] != expected.sha256:
-            raise EntryCorrupt(record.key, f"file {rel} digest mismatch (expected "
-                               f"{expected.sha256[:12]}..., found {digests[rel][:12]}...)",
-                               rel)
+            raise EntryCorrupt(
+                record.key,
+                f"file {rel} digest mismatch (expected "
+                f"{expected.sha256[:12]}..., found {digests[rel][:12]}...)",
+                rel,
+            )

@@ -11,6 +11,7 @@ is the user's configuration and may be a link.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -30,17 +31,23 @@ def _link_error(path: Path) -> UnsafePathError:
         target = f" to {os.readlink(path)}"
     except OSError:
         target = ""
-    return UnsafePathError(str(path), f"is a symbolic link{target} or not a directory; the "
-                           "compile cache never follows links inside its store (someone with "
-                           "write access to the store put it there): remove it")
+    return UnsafePathError(
+        str(path),
+        f"is a symbolic link{target} or not a directory; the "
+        "compile cache never follows links inside its store (someone with "
+        "write access to the store put it there): remove it",
+    )
 
 
 @contextmanager
 def directory(root: Path, parts: Sequence[str] = (), *, create: bool = False) -> Iterator[int]:
     """A file descriptor of `root/parts...`, each component opened without following
     links (created when `create`); FileNotFoundError if a component is missing."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if not create \
+    fd = (
+        os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not create
         else _open_root(root)
+    )
     try:
         for i, part in enumerate(parts):
             try:
@@ -48,14 +55,13 @@ def directory(root: Path, parts: Sequence[str] = (), *, create: bool = False) ->
             except FileNotFoundError:
                 if not create:
                     raise
-                try:
+                # Created concurrently: opened below like any other.
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass  # created concurrently; opened below like any other
-                child = _open_child_dir(fd, part, root.joinpath(*parts[:i + 1]))
+                child = _open_child_dir(fd, part, root.joinpath(*parts[: i + 1]))
             except OSError as err:
                 if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _link_error(root.joinpath(*parts[:i + 1])) from err
+                    raise _link_error(root.joinpath(*parts[: i + 1])) from err
                 raise
             os.close(fd)
             fd = child
@@ -104,8 +110,7 @@ def write_new(root: Path, parts: Sequence[str], data: bytes) -> None:
     planted link is removed, never followed)."""
     with directory(root, parts[:-1], create=True) as dfd:
         _unlink_quietly(dfd, parts[-1])
-        fd = open_file(dfd, parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                       root.joinpath(*parts))
+        fd = open_file(dfd, parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, root.joinpath(*parts))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 

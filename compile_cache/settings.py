@@ -72,6 +72,8 @@ def lease_ttl(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         ttl = -1.0
     if not ttl > 0:
-        raise StoreError(f"{LEASE_TTL_ENV}={value!r} must be a positive number of seconds, "
-                         f"e.g. {DEFAULT_LEASE_TTL:.0f}")
+        raise StoreError(
+            f"{LEASE_TTL_ENV}={value!r} must be a positive number of seconds, "
+            f"e.g. {DEFAULT_LEASE_TTL:.0f}"
+        )
     return ttl

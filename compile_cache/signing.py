@@ -33,14 +33,17 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import (Ed25519PrivateKey,
-                                                               Ed25519PublicKey)
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from compile_cache.errors import CacheError, EntryUntrusted
 from compile_cache.manifest import canonical_json
 from compile_cache.record import Record, Signature
-from compile_cache.settings import (ON_UNTRUSTED_ENV, SIGNING_KEY_ENV, TRUSTED_KEYS_ENV,
-                                    user_config_dir)
+from compile_cache.settings import (
+    ON_UNTRUSTED_ENV,
+    SIGNING_KEY_ENV,
+    TRUSTED_KEYS_ENV,
+    user_config_dir,
+)
 
 POLICIES = ("rebuild", "fail")
 # Domain separation: a signature over a record can never be replayed as anything else.
@@ -70,16 +73,19 @@ def generate_key(path: Path) -> Ed25519PublicKey:
     """Write a new private key to `path` (mode 0600; refuses to overwrite) and its public
     half to `path`.pub; return the public key."""
     private = Ed25519PrivateKey.generate()
-    pem = private.private_bytes(serialization.Encoding.PEM,
-                                serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     public = private.public_key()
-    Path(f"{path}.pub").write_bytes(public.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    Path(f"{path}.pub").write_bytes(
+        public.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return public
 
 
@@ -89,26 +95,35 @@ def _load_private(path: Path, source: str) -> Ed25519PrivateKey:
     except (OSError, ValueError, TypeError) as err:
         raise TrustConfigError(
             f"{source}={str(path)!r} is not a readable unencrypted Ed25519 private key in "
-            f"PEM ({err}); create one with `neuron-cache keygen PATH`") from err
+            f"PEM ({err}); create one with `neuron-cache keygen PATH`"
+        ) from err
     if not isinstance(key, Ed25519PrivateKey):
-        raise TrustConfigError(f"{source}={str(path)!r} is a {type(key).__name__}, not an "
-                               "Ed25519 key; create one with `neuron-cache keygen PATH`")
+        raise TrustConfigError(
+            f"{source}={str(path)!r} is a {type(key).__name__}, not an "
+            "Ed25519 key; create one with `neuron-cache keygen PATH`"
+        )
     return key
 
 
 def _load_public(path: Path) -> Ed25519PublicKey:
     try:
         data = path.read_bytes()
-        key: Any = (serialization.load_ssh_public_key(data) if data.startswith(b"ssh-")
-                    else serialization.load_pem_public_key(data))
+        key: Any = (
+            serialization.load_ssh_public_key(data)
+            if data.startswith(b"ssh-")
+            else serialization.load_pem_public_key(data)
+        )
     except (OSError, ValueError, TypeError) as err:
         raise TrustConfigError(
             f"{TRUSTED_KEYS_ENV} names {str(path)!r}, which is not a readable public key "
             f"({err}); list PEM or OpenSSH ssh-ed25519 public-key files separated by "
-            "commas, e.g. the .pub file `neuron-cache keygen` wrote") from err
+            "commas, e.g. the .pub file `neuron-cache keygen` wrote"
+        ) from err
     if not isinstance(key, Ed25519PublicKey):
-        raise TrustConfigError(f"{TRUSTED_KEYS_ENV} names {str(path)!r}, a "
-                               f"{type(key).__name__}; only Ed25519 keys are accepted")
+        raise TrustConfigError(
+            f"{TRUSTED_KEYS_ENV} names {str(path)!r}, a "
+            f"{type(key).__name__}; only Ed25519 keys are accepted"
+        )
     return key
 
 
@@ -128,7 +143,8 @@ def _own_key(path: Path) -> Ed25519PrivateKey:
             raise TrustConfigError(
                 f"cannot create this user's compile-cache signing key {path} ({err}); "
                 f"set {SIGNING_KEY_ENV} to a key file (`neuron-cache keygen PATH`) or make "
-                f"{path.parent} writable (it follows XDG_CONFIG_HOME)") from err
+                f"{path.parent} writable (it follows XDG_CONFIG_HOME)"
+            ) from err
         finally:
             for leftover in (temp, Path(f"{temp}.pub")):
                 leftover.unlink(missing_ok=True)
@@ -139,15 +155,23 @@ class Trust:
     """The signing key of this host, the keys whose signatures it accepts, and what to
     do with an entry that carries none of them."""
 
-    def __init__(self, *, signing_key: Path | None = None,
-                 trusted_keys: list[Path] | tuple[Path, ...] = (),
-                 own_key: Path | None = None, on_untrusted: str = "rebuild"):
+    def __init__(
+        self,
+        *,
+        signing_key: Path | None = None,
+        trusted_keys: list[Path] | tuple[Path, ...] = (),
+        own_key: Path | None = None,
+        on_untrusted: str = "rebuild",
+    ):
         if on_untrusted not in POLICIES:
-            raise TrustConfigError(f"{ON_UNTRUSTED_ENV}={on_untrusted!r} is not a policy; use "
-                                   "'rebuild' (refuse the entry and compile) or 'fail'")
+            raise TrustConfigError(
+                f"{ON_UNTRUSTED_ENV}={on_untrusted!r} is not a policy; use "
+                "'rebuild' (refuse the entry and compile) or 'fail'"
+            )
         self.on_untrusted = on_untrusted
-        self._explicit = (_load_private(signing_key, SIGNING_KEY_ENV)
-                          if signing_key is not None else None)
+        self._explicit = (
+            _load_private(signing_key, SIGNING_KEY_ENV) if signing_key is not None else None
+        )
         self._own_path = own_key if own_key is not None else own_key_path()
         self._own: Ed25519PrivateKey | None = None
         self._trusted = {key_id(k): k for k in map(_load_public, trusted_keys)}
@@ -158,11 +182,17 @@ class Trust:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Trust:
         """The trust configuration the environment variables describe (module doc)."""
         signing = environ.get(SIGNING_KEY_ENV)
-        trusted = [Path(p.strip()).expanduser()
-                   for p in environ.get(TRUSTED_KEYS_ENV, "").split(",") if p.strip()]
-        return cls(signing_key=Path(signing).expanduser() if signing else None,
-                   trusted_keys=trusted, own_key=own_key_path(environ),
-                   on_untrusted=environ.get(ON_UNTRUSTED_ENV) or "rebuild")
+        trusted = [
+            Path(p.strip()).expanduser()
+            for p in environ.get(TRUSTED_KEYS_ENV, "").split(",")
+            if p.strip()
+        ]
+        return cls(
+            signing_key=Path(signing).expanduser() if signing else None,
+            trusted_keys=trusted,
+            own_key=own_key_path(environ),
+            on_untrusted=environ.get(ON_UNTRUSTED_ENV) or "rebuild",
+        )
 
     @property
     def publishes_to_shared_stores(self) -> bool:
@@ -186,8 +216,9 @@ class Trust:
     def sign(self, record: Record) -> Record:
         """`record` with this host's signature."""
         value = self._signer().sign(_payload(record))
-        return dataclasses.replace(record, signature=Signature(
-            self.signer_id, base64.b64encode(value).decode("ascii")))
+        return dataclasses.replace(
+            record, signature=Signature(self.signer_id, base64.b64encode(value).decode("ascii"))
+        )
 
     def trusted_ids(self) -> list[str]:
         """Ids of every key accepted now (the user's own key once it exists)."""
@@ -201,20 +232,28 @@ class Trust:
         sig = record.signature
         trusted = self.trusted_ids()
         if sig is None:
-            raise EntryUntrusted(record.key, "record is not signed; this host loads only "
-                                 "entries signed by a key it trusts "
-                                 f"({', '.join(trusted) or 'none yet'})")
+            raise EntryUntrusted(
+                record.key,
+                "record is not signed; this host loads only "
+                "entries signed by a key it trusts "
+                f"({', '.join(trusted) or 'none yet'})",
+            )
         public = self._trusted.get(sig.key_id)
         if public is None:
             raise EntryUntrusted(
-                record.key, f"record is signed by key {sig.key_id}, which this host does not "
+                record.key,
+                f"record is signed by key {sig.key_id}, which this host does not "
                 f"trust (trusted: {', '.join(trusted) or 'none'}); if that is your fleet's "
-                f"compile host, add its public key to {TRUSTED_KEYS_ENV}")
+                f"compile host, add its public key to {TRUSTED_KEYS_ENV}",
+            )
         try:
             public.verify(base64.b64decode(sig.value), _payload(record))
         except InvalidSignature as err:
-            raise EntryUntrusted(record.key, f"record's signature by key {sig.key_id} does "
-                                 "not match its content: it was altered after signing") from err
+            raise EntryUntrusted(
+                record.key,
+                f"record's signature by key {sig.key_id} does "
+                "not match its content: it was altered after signing",
+            ) from err
 
     def describe(self, record: Record) -> str:
         """'signed by K (trusted)' or why not, for listings."""

@@ -26,16 +26,21 @@ class TransferReport:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def push(src: Store, dst: Store, keys: list[str] | None = None, *,
-         progress: bool = False, trust: Trust | None = None) -> TransferReport:
+def push(
+    src: Store,
+    dst: Store,
+    keys: list[str] | None = None,
+    *,
+    progress: bool = False,
+    trust: Trust | None = None,
+) -> TransferReport:
     """Copy the entries of `src` (all, or `keys`) that `dst` lacks. Entries that fail
     verification in `src`, or are not signed by a key `trust` (default: from the
     environment) accepts, are reported in `failed`, never copied."""
     trust = trust if trust is not None else Trust.from_env()
     report = TransferReport()
     wanted = [check_key(k) for k in keys] if keys is not None else src.list_keys()
-    for key in tqdm(wanted, desc=f"{src.url} -> {dst.url}", unit="entry",
-                    disable=not progress):
+    for key in tqdm(wanted, desc=f"{src.url} -> {dst.url}", unit="entry", disable=not progress):
         try:
             if dst.get_record(key) is not None:
                 report.skipped.append(key)
@@ -53,8 +58,11 @@ def push(src: Store, dst: Store, keys: list[str] | None = None, *,
                 dst.import_entry(record, src.materialize(record))
             except OSError as err:
                 if is_out_of_space(err):
-                    raise out_of_space(dst.disk, f"copying entry {key} from {src.url} to "
-                                       f"{dst.url}", f"it needs {record.size} bytes") from err
+                    raise out_of_space(
+                        dst.disk,
+                        f"copying entry {key} from {src.url} to {dst.url}",
+                        f"it needs {record.size} bytes",
+                    ) from err
                 raise
         except EntryCorrupt as err:
             report.failed[key] = str(err)
@@ -63,10 +71,21 @@ def push(src: Store, dst: Store, keys: list[str] | None = None, *,
     return report
 
 
-def pull(src: Store, dst: Store | None = None, keys: list[str] | None = None, *,
-         progress: bool = False, trust: Trust | None = None) -> TransferReport:
+def pull(
+    src: Store,
+    dst: Store | None = None,
+    keys: list[str] | None = None,
+    *,
+    progress: bool = False,
+    trust: Trust | None = None,
+) -> TransferReport:
     """Copy entries from `src` (typically S3) into `dst`, by default this host's read
     cache of S3 entries ($VLLM_NEURON_CACHE_LOCAL_DIR, else the default local store),
     so later starts load them without downloading."""
-    return push(src, dst if dst is not None else LocalStore(local_read_cache_dir()), keys,
-                progress=progress, trust=trust)
+    return push(
+        src,
+        dst if dst is not None else LocalStore(local_read_cache_dir()),
+        keys,
+        progress=progress,
+        trust=trust,
+    )

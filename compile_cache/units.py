@@ -14,8 +14,9 @@ def parse_size(text: str) -> int:
     accepted)."""
     match = re.fullmatch(_NUMBER + r"\s*([KMGT]?)(?:i?B)?", text.strip(), re.IGNORECASE)
     if not match:
-        raise ValueError(f"size {text!r} not understood: use bytes or a number with K, M, "
-                         "G or T, e.g. 50G")
+        raise ValueError(
+            f"size {text!r} not understood: use bytes or a number with K, M, G or T, e.g. 50G"
+        )
     return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
 
 
@@ -23,8 +24,10 @@ def parse_duration(text: str) -> float:
     """Seconds from '90', '90s', '30m', '12h', '7d', '2w'."""
     match = re.fullmatch(_NUMBER + r"\s*([smhdw]?)", text.strip())
     if not match:
-        raise ValueError(f"duration {text!r} not understood: use seconds or a number "
-                         "with s, m, h, d or w, e.g. 30d")
+        raise ValueError(
+            f"duration {text!r} not understood: use seconds or a number "
+            "with s, m, h, d or w, e.g. 30d"
+        )
     return float(match[1]) * _TIME_UNITS[match[2]]
 
 

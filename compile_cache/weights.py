@@ -27,15 +27,16 @@ def weights_fingerprint(folder: str | Path, *, full: bool = False) -> str:
     in `folder` (Hugging Face layout; symlinked hub snapshots are followed)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"weights_fingerprint({str(folder)!r}): not a directory; "
-                                "pass the checkpoint folder")
-    files = sorted(p for p in folder.iterdir()
-                   if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+        raise FileNotFoundError(
+            f"weights_fingerprint({str(folder)!r}): not a directory; pass the checkpoint folder"
+        )
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
     if not files:
         raise FileNotFoundError(
             f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {folder}: "
             "pass the checkpoint folder, or weights_fingerprint=None when the compiled "
-            "artifacts do not embed weights")
+            "artifacts do not embed weights"
+        )
     total = hashlib.sha256(b"weights-fingerprint-v1\0")
     for path in files:
         size = path.stat().st_size

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 def plugin_logger(name: str) -> logging.Logger:
     """A logger under vLLM's `vllm` logger, so plugin lines share its format and level."""
     return logging.getLogger(f"vllm.{name}")
@@ -52,7 +51,9 @@ def asks_for_neuron(argv: Sequence[str]) -> bool:
     return False
 
 
-def choose_backend(env: Mapping[str, str], argv: Sequence[str], devices: Sequence[str]) -> str | None:
+def choose_backend(
+    env: Mapping[str, str], argv: Sequence[str], devices: Sequence[str]
+) -> str | None:
     """The backend to run, or None when this platform should stay inactive (pure)."""
     chosen = env.get(BACKEND_ENV, "").strip().lower()
     if chosen:
@@ -91,9 +92,12 @@ def engine_start_method(main: Any) -> str:
     if _GUARD.search(source):
         return "spawn"
     logger.warning(
-        "%s has no `if __name__ == \"__main__\":` guard, so vLLM's engine starts with "
+        '%s has no `if __name__ == "__main__":` guard, so vLLM\'s engine starts with '
         "fork instead of spawn; add the guard around LLM(...) (spawn is safer once torch "
-        "has run in this process), or set %s to choose.", path, MULTIPROC_ENV)
+        "has run in this process), or set %s to choose.",
+        path,
+        MULTIPROC_ENV,
+    )
     return "fork"
 
 
@@ -113,5 +117,7 @@ def register() -> str | None:
                 "--device neuron on a host without Neuron devices: serving on the CPU "
                 "reference backend (same buckets, KV layouts and compile cache as NxD). "
                 "Set %s=nxd on an inf2/trn host, or drop --device neuron to use vLLM's "
-                "own platform.", BACKEND_ENV)
+                "own platform.",
+                BACKEND_ENV,
+            )
     return PLATFORM_QUALNAME

@@ -43,8 +43,9 @@ def vllm_is_cpu_build() -> bool:
         return False
 
 
-ADDITIONAL_CONFIG_EXAMPLE = ("--additional-config "
-                             "'{\"override_neuron_config\": {\"skip_warmup\": true}}'")
+ADDITIONAL_CONFIG_EXAMPLE = (
+    '--additional-config \'{"override_neuron_config": {"skip_warmup": true}}\''
+)
 
 
 def additional_config_json(value: str) -> dict[str, Any]:
@@ -55,11 +56,13 @@ def additional_config_json(value: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not valid JSON ({exc.msg} at character {exc.pos}); pass one "
-            f"JSON object in single quotes, e.g. {ADDITIONAL_CONFIG_EXAMPLE}") from None
+            f"JSON object in single quotes, e.g. {ADDITIONAL_CONFIG_EXAMPLE}"
+        ) from None
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(
             f"{value!r} is a JSON {type(parsed).__name__}, not an object; pass e.g. "
-            f"{ADDITIONAL_CONFIG_EXAMPLE}")
+            f"{ADDITIONAL_CONFIG_EXAMPLE}"
+        )
     return parsed
 
 
@@ -71,7 +74,8 @@ def max_num_seqs(value: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"{value!r} must be a whole number >= 1: the requests decoded together, one "
             f"KV-cache slot each (e.g. --max-num-seqs 4), or leave the flag out for "
-            f"vLLM's default")
+            f"vLLM's default"
+        )
     return int(value)
 
 
@@ -80,12 +84,12 @@ def refuse_override_flag(value: str) -> None:
     the spelling that replaced it."""
     raise argparse.ArgumentTypeError(
         f"this flag of vLLM's old Neuron integration no longer exists; pass "
-        f"--additional-config '{{\"override_neuron_config\": {value}}}' instead")
+        f"--additional-config '{{\"override_neuron_config\": {value}}}' instead"
+    )
 
 
 # vLLM flags whose values the platform parses itself, for messages naming flag and fix.
-CHECKED_FLAGS = {"--additional-config": additional_config_json,
-                 "--max-num-seqs": max_num_seqs}
+CHECKED_FLAGS = {"--additional-config": additional_config_json, "--max-num-seqs": max_num_seqs}
 
 
 class NeuronPlatform(Platform):
@@ -98,7 +102,6 @@ class NeuronPlatform(Platform):
     dist_backend: str = "gloo"
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -140,7 +143,7 @@ class NeuronPlatform(Platform):
         return torch.no_grad()
 
     @classmethod
-    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
         return 0.0
 
     @classmethod
@@ -179,13 +182,17 @@ class NeuronPlatform(Platform):
         actions = {opt: action for action in parser._actions for opt in action.option_strings}
         if "--device" not in actions:
             parser.add_argument(
-                "--device", choices=["neuron"], default="neuron",
+                "--device",
+                choices=["neuron"],
+                default="neuron",
                 help="Run on AWS Neuron through the neuron_plugin platform (the "
-                     f"reference CPU backend when no Neuron device exists; choose with "
-                     f"{BACKEND_ENV}=nxd|reference).")
+                f"reference CPU backend when no Neuron device exists; choose with "
+                f"{BACKEND_ENV}=nxd|reference).",
+            )
         if "--override-neuron-config" not in actions:
-            parser.add_argument("--override-neuron-config", type=refuse_override_flag,
-                                help=argparse.SUPPRESS)
+            parser.add_argument(
+                "--override-neuron-config", type=refuse_override_flag, help=argparse.SUPPRESS
+            )
         for flag, parse in CHECKED_FLAGS.items():
             if flag in actions:
                 actions[flag].type = parse
@@ -199,30 +206,43 @@ class NeuronPlatform(Platform):
             return
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         if cache.enable_prefix_caching:
-            logger.warning("neuron platform: prefix caching is on; %s. Pass "
-                           "--no-enable-prefix-caching (LLM: enable_prefix_caching=False) "
-                           "unless prompts share long prefixes.", PREFIX_CACHING_EVIDENCE)
+            logger.warning(
+                "neuron platform: prefix caching is on; %s. Pass "
+                "--no-enable-prefix-caching (LLM: enable_prefix_caching=False) "
+                "unless prompts share long prefixes.",
+                PREFIX_CACHING_EVIDENCE,
+            )
         else:
-            logger.info("neuron platform: prefix caching off by default on Neuron (%s); "
-                        "--enable-prefix-caching turns it on.", PREFIX_CACHING_EVIDENCE)
+            logger.info(
+                "neuron platform: prefix caching off by default on Neuron (%s); "
+                "--enable-prefix-caching turns it on.",
+                PREFIX_CACHING_EVIDENCE,
+            )
         if sched.enable_chunked_prefill:
-            logger.warning("neuron platform: chunked prefill is on, which needs the block "
-                           "KV layout and 2-D (chunk x prefix) context-encoding graphs; "
-                           "pass --no-enable-chunked-prefill (LLM: "
-                           "enable_chunked_prefill=False) to encode whole prompts.")
+            logger.warning(
+                "neuron platform: chunked prefill is on, which needs the block "
+                "KV layout and 2-D (chunk x prefix) context-encoding graphs; "
+                "pass --no-enable-chunked-prefill (LLM: "
+                "enable_chunked_prefill=False) to encode whole prompts."
+            )
         settings = resolve_from_vllm_config(vllm_config)
         apply(settings, vllm_config)
         logger.info(
             "neuron platform: backend=%s%s, KV layout %s (%s), block_size=%d, blocks=%d, "
             "context-encoding buckets %s%s, token-generation buckets %s x batches %s, "
-            "%d graphs", settings.backend,
+            "%d graphs",
+            settings.backend,
             f" (runner: {settings.backend_python})" if settings.backend_python else "",
-            settings.kv_layout, settings.kv_layout_reason,
-            settings.block_size, settings.num_blocks,
+            settings.kv_layout,
+            settings.kv_layout_reason,
+            settings.block_size,
+            settings.num_blocks,
             list(settings.context_encoding_buckets),
             f" x prefix {list(settings.prefix_buckets)}" if settings.prefix_buckets else "",
             list(settings.token_generation_buckets),
-            list(settings.token_generation_batches), settings.graph_count())
+            list(settings.token_generation_batches),
+            settings.graph_count(),
+        )
         logger.info("neuron platform: KV cache capacity %s", settings.capacity())
 
     @classmethod
@@ -241,9 +261,12 @@ class NeuronPlatform(Platform):
                 "prompt_logprobs asks for them, and so does echo=true with logprobs in "
                 "/v1/completions or echo=true in /v1/chat/completions; remove "
                 "prompt_logprobs or drop echo (logprobs of generated tokens work).",
-                parameter="prompt_logprobs", value=params.prompt_logprobs)
-        token_ids = processed_inputs.get("prompt_token_ids") if isinstance(
-            processed_inputs, dict) else None
+                parameter="prompt_logprobs",
+                value=params.prompt_logprobs,
+            )
+        token_ids = (
+            processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+        )
         if token_ids is None or settings.is_chunked_prefill:
             return
         largest = max(settings.context_encoding_buckets)
@@ -254,4 +277,6 @@ class NeuronPlatform(Platform):
                 f"{list(settings.context_encoding_buckets)}); shorten the prompt or add a "
                 f"bucket >= {len(token_ids)} in override_neuron_config."
                 f"context_encoding_buckets (at most max_model_len={settings.max_model_len}).",
-                parameter="input_tokens", value=len(token_ids))
+                parameter="input_tokens",
+                value=len(token_ids),
+            )

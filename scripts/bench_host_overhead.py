@@ -24,8 +24,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from neuron_plugin.backends.base import StepOutput
+    from neuron_plugin.core.inputs import ForwardInputs
+    from neuron_plugin.core.sampling import SamplingInputs
+    from neuron_plugin.core.settings import NeuronSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -44,30 +53,50 @@ class HostOnlyBackend:
     """Returns zero logits at once: what remains of a step is host work."""
 
     name = "host-only"
+    module = None
 
-    def __init__(self, vocab: int):
-        import torch
-
-        self.torch = torch
+    def __init__(self, settings: NeuronSettings, vocab: int):
+        self.settings = settings
         self.vocab = vocab
 
-    def forward(self, inputs):
-        return self.torch.zeros((inputs.num_real, self.vocab))
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        import torch
+
+        return torch.zeros((inputs.num_real, self.vocab))
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        import torch
+
+        from neuron_plugin.backends.base import StepOutput
+
+        return StepOutput(
+            tokens=np.zeros(inputs.num_real, dtype=np.int32),
+            logits=torch.zeros((int(sampling.needs_logits.sum()), self.vocab)),
+        )
 
 
 def vllm_config_for(model: Path, batch: int, length: int):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=str(model), dtype="float32", max_model_len=length,
-                      max_num_seqs=batch, enable_prefix_caching=False,
-                      enable_chunked_prefill=False,
-                      additional_config={"override_neuron_config": {
-                          # Host sampling: this measures vLLM's sampler on every row
-                          # (scripts/bench_sampling.py measures on-device sampling).
-                          "on_device_sampling_config": None,
-                          "token_generation_batches": sorted({1, 4, 32, 128, batch}
-                                                             & set(range(1, batch + 1)))}})
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        max_model_len=length,
+        max_num_seqs=batch,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        additional_config={
+            "override_neuron_config": {
+                # Host sampling: this measures vLLM's sampler on every row
+                # (scripts/bench_sampling.py measures on-device sampling).
+                "on_device_sampling_config": None,
+                "token_generation_batches": sorted(
+                    {1, 4, 32, 128, batch} & set(range(1, batch + 1))
+                ),
+            }
+        },
+    )
     config = args.create_engine_config()
     return config, set_current_vllm_config(config)
 
@@ -77,11 +106,19 @@ def new_requests(batch: int, vocab: int, length: int):
     from vllm.v1.core.sched.output import NewRequestData
 
     rng = np.random.default_rng(0)
-    return [NewRequestData(
-        req_id=f"r{i}", prompt_token_ids=rng.integers(5, vocab, PROMPT).tolist(),
-        mm_features=[], sampling_params=SamplingParams(temperature=0.0, max_tokens=length),
-        pooling_params=None, block_ids=([i + 1],), num_computed_tokens=0,
-        lora_request=None) for i in range(batch)]
+    return [
+        NewRequestData(
+            req_id=f"r{i}",
+            prompt_token_ids=rng.integers(5, vocab, PROMPT).tolist(),
+            mm_features=[],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=length),
+            pooling_params=None,
+            block_ids=([i + 1],),
+            num_computed_tokens=0,
+            lora_request=None,
+        )
+        for i in range(batch)
+    ]
 
 
 def scheduler_output(new=(), cached=None, scheduled=None):
@@ -89,10 +126,15 @@ def scheduler_output(new=(), cached=None, scheduled=None):
 
     scheduled = scheduled or {}
     return SchedulerOutput(
-        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
-        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-        free_encoder_mm_hashes=[])
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
 
 
 def measure_host(model: Path, batch: int, length: int, steps: int) -> dict:
@@ -100,15 +142,16 @@ def measure_host(model: Path, batch: int, length: int, steps: int) -> dict:
 
     from neuron_plugin.core.inputs import token_generation_inputs
     from neuron_plugin.serving.model_runner import NeuronModelRunner
-    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
     from neuron_plugin.serving.telemetry import StepTelemetry
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
     config, context = vllm_config_for(model, batch, length)
     with context:
         settings = settings_from_vllm_config(config)
         vocab = config.model_config.get_vocab_size()
-        runner = NeuronModelRunner(config, settings, HostOnlyBackend(vocab),
-                                   [StepTelemetry(publish_dir=None)])
+        runner = NeuronModelRunner(
+            config, settings, HostOnlyBackend(settings, vocab), [StepTelemetry(publish_dir=None)]
+        )
         reqs = new_requests(batch, vocab, length)
         runner.execute_model(scheduler_output(new=reqs, scheduled={r.req_id: PROMPT for r in reqs}))
         runner.sample_tokens(None)
@@ -118,9 +161,14 @@ def measure_host(model: Path, batch: int, length: int, steps: int) -> dict:
         times = []
         for step in range(steps):
             cached = CachedRequestData(
-                req_ids=ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
-                new_block_ids=[None] * batch, num_computed_tokens=[position + step] * batch,
-                num_output_tokens=[1 + step] * batch)
+                req_ids=ids,
+                resumed_req_ids=set(),
+                new_token_ids=[],
+                all_token_ids={},
+                new_block_ids=[None] * batch,
+                num_computed_tokens=[position + step] * batch,
+                num_output_tokens=[1 + step] * batch,
+            )
             out = scheduler_output(cached=cached, scheduled=dict.fromkeys(ids, 1))
             start = time.perf_counter()
             runner.execute_model(out)
@@ -136,9 +184,13 @@ def measure_host(model: Path, batch: int, length: int, steps: int) -> dict:
             start = time.perf_counter()
             inputs = token_generation_inputs(settings, tokens, positions, seq_ids, None)
             prep.append(time.perf_counter() - start)
-    return {"batch": batch, "max_model_len": length, "bucket": list(inputs.bucket),
-            "step_us": 1e6 * statistics.median(times[steps // 5:]),
-            "inputs_us": 1e6 * statistics.median(prep[steps // 5:])}
+    return {
+        "batch": batch,
+        "max_model_len": length,
+        "bucket": list(inputs.bucket),
+        "step_us": 1e6 * statistics.median(times[steps // 5 :]),
+        "inputs_us": 1e6 * statistics.median(prep[steps // 5 :]),
+    }
 
 
 def measure_forward(model: Path, batch: int, length: int, bucket: list[int], repeats: int):
@@ -187,22 +239,46 @@ def main(argv: list[str] | None = None) -> int:
             row = measure_host(args.model, batch, length, args.steps)
             ms = measure_forward(args.model, batch, length, row["bucket"], args.forward_repeats)
             row["forward_ms"] = ms
-            row["host_fraction"] = (None if ms is None else
-                                    row["step_us"] / (row["step_us"] + 1000 * ms))
+            row["host_fraction"] = (
+                None if ms is None else row["step_us"] / (row["step_us"] + 1000 * ms)
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = run_meta("bench_host_overhead.py", argv, steps=args.steps, prompt_tokens=PROMPT)
     table = []
     for r in rows:
-        fwd = ("not measured (KV cache > 3 GiB)" if r["forward_ms"] is None
-               else f"{r['forward_ms']:.2f}")
+        fwd = (
+            "not measured (KV cache > 3 GiB)"
+            if r["forward_ms"] is None
+            else f"{r['forward_ms']:.2f}"
+        )
         frac = "-" if r["host_fraction"] is None else f"{100 * r['host_fraction']:.1f}%"
-        table.append([str(r["max_model_len"]), str(r["batch"]), "x".join(map(str, r["bucket"])),
-                      f"{r['step_us']:.0f}", f"{r['inputs_us']:.0f}", fwd, frac])
-    write_results(args.out, meta, {"rows": rows},
-                  ["max_model_len", "batch", "TKG bucket", "host us/step (median)",
-                   "of which inputs us", "reference forward ms", "host fraction of step"],
-                  table)
+        table.append(
+            [
+                str(r["max_model_len"]),
+                str(r["batch"]),
+                "x".join(map(str, r["bucket"])),
+                f"{r['step_us']:.0f}",
+                f"{r['inputs_us']:.0f}",
+                fwd,
+                frac,
+            ]
+        )
+    write_results(
+        args.out,
+        meta,
+        {"rows": rows},
+        [
+            "max_model_len",
+            "batch",
+            "TKG bucket",
+            "host us/step (median)",
+            "of which inputs us",
+            "reference forward ms",
+            "host fraction of step",
+        ],
+        table,
+    )
     return 0
 
 

@@ -71,8 +71,10 @@ def workloads(ids: list[int], lengths: np.ndarray, iterations: int, seed: int) -
     rng = np.random.default_rng(seed)
     fixed = [prompt(ids, FIXED_LENGTH, 101 * j) for j in range(BATCH)]
     total = WARMUP + iterations
-    variable = [[prompt(ids, int(n), int(rng.integers(len(ids))))
-                 for n in rng.choice(lengths, BATCH)] for _ in range(total)]
+    variable = [
+        [prompt(ids, int(n), int(rng.integers(len(ids)))) for n in rng.choice(lengths, BATCH)]
+        for _ in range(total)
+    ]
     return {"fixed": [fixed] * total, "variable": variable}
 
 
@@ -81,8 +83,13 @@ def stats(ms: list[float]) -> dict:
     mean = statistics.fmean(ms)
     half = 1.96 * statistics.stdev(ms) / math.sqrt(len(ms)) if len(ms) > 1 else 0.0
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"mean_ms": mean, "p50_ms": statistics.median(ms), "p99_ms": p99,
-            "ci95_ms": [mean - half, mean + half], "n": len(ms)}
+    return {
+        "mean_ms": mean,
+        "p50_ms": statistics.median(ms),
+        "p99_ms": p99,
+        "ci95_ms": [mean - half, mean + half],
+        "n": len(ms),
+    }
 
 
 def override(bucketing: bool) -> dict:
@@ -91,18 +98,26 @@ def override(bucketing: bool) -> dict:
 
 def run_vllm(model: Path, bucketing: bool, prefix: bool, loads: dict) -> dict:
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=BATCH, block_size=32, enable_prefix_caching=prefix,
-              enable_chunked_prefill=False, seed=0,
-              additional_config={"override_neuron_config": override(bucketing)})
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=BATCH,
+        block_size=32,
+        enable_prefix_caching=prefix,
+        enable_chunked_prefill=False,
+        seed=0,
+        additional_config={"override_neuron_config": override(bucketing)},
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     results = {}
     for name, batches in loads.items():
         times = []
         for batch in batches:
             start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
             times.append(1000 * (time.perf_counter() - start))
         results[name] = stats(times[WARMUP:])
     llm.llm_engine.engine_core.shutdown()
@@ -113,15 +128,19 @@ def run_direct(model: Path, bucketing: bool, loads: dict) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    from neuron_plugin.core.inputs import context_encoding_inputs
     from neuron_plugin.backends.loader import load_backend
+    from neuron_plugin.core.inputs import context_encoding_inputs
     from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
-    config = EngineArgs(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                        max_num_seqs=BATCH, enable_prefix_caching=False,
-                        enable_chunked_prefill=False,
-                        additional_config={"override_neuron_config": override(bucketing)}
-                        ).create_engine_config()
+    config = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=BATCH,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        additional_config={"override_neuron_config": override(bucketing)},
+    ).create_engine_config()
     with set_current_vllm_config(config):
         settings = settings_from_vllm_config(config)
     backend, _ = load_backend(settings, model)
@@ -149,29 +168,71 @@ def main(argv: list[str] | None = None) -> int:
     from build_tiny_model import build
 
     build("qwen3", args.model)
-    loads = workloads(corpus_ids(args.model), trace_lengths(args.trace), args.iterations,
-                      args.seed)
+    loads = workloads(corpus_ids(args.model), trace_lengths(args.trace), args.iterations, args.seed)
     rows = []
     for bucketing in (False, True):
         for name, result in run_direct(args.model, bucketing, loads).items():
-            rows.append({"path": "direct", "bucketing": bucketing, "prefix_caching": False,
-                         "workload": name, **result})
+            rows.append(
+                {
+                    "path": "direct",
+                    "bucketing": bucketing,
+                    "prefix_caching": False,
+                    "workload": name,
+                    **result,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         for prefix in (False, True):
             for name, result in run_vllm(args.model, bucketing, prefix, loads).items():
-                rows.append({"path": "vllm", "bucketing": bucketing, "prefix_caching": prefix,
-                             "workload": name, **result})
+                rows.append(
+                    {
+                        "path": "vllm",
+                        "bucketing": bucketing,
+                        "prefix_caching": prefix,
+                        "workload": name,
+                        **result,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
-    meta = run_meta("bench_matrix.py", argv, backend="reference", model=args.model.name,
-                    max_model_len=MAX_MODEL_LEN, batch=BATCH, warmup=WARMUP,
-                    iterations=args.iterations)
+    meta = run_meta(
+        "bench_matrix.py",
+        argv,
+        backend="reference",
+        model=args.model.name,
+        max_model_len=MAX_MODEL_LEN,
+        batch=BATCH,
+        warmup=WARMUP,
+        iterations=args.iterations,
+    )
     on = {True: "on", False: "off"}
-    write_results(args.out, meta, {"rows": rows},
-                  ["path", "bucketing", "prefix caching", "workload", "mean ms", "p50 ms",
-                   "p99 ms", "95% CI ms"],
-                  [[r["path"], on[r["bucketing"]], on[r["prefix_caching"]], r["workload"],
-                    f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
-                    f"{r['ci95_ms'][0]:.2f}-{r['ci95_ms'][1]:.2f}"] for r in rows])
+    write_results(
+        args.out,
+        meta,
+        {"rows": rows},
+        [
+            "path",
+            "bucketing",
+            "prefix caching",
+            "workload",
+            "mean ms",
+            "p50 ms",
+            "p99 ms",
+            "95% CI ms",
+        ],
+        [
+            [
+                r["path"],
+                on[r["bucketing"]],
+                on[r["prefix_caching"]],
+                r["workload"],
+                f"{r['mean_ms']:.2f}",
+                f"{r['p50_ms']:.2f}",
+                f"{r['p99_ms']:.2f}",
+                f"{r['ci95_ms'][0]:.2f}-{r['ci95_ms'][1]:.2f}",
+            ]
+            for r in rows
+        ],
+    )
     return 0
 
 

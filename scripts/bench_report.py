@@ -13,13 +13,21 @@ from typing import Any
 
 
 def run_meta(script: str, argv: Sequence[str] | None, **extra: Any) -> dict[str, Any]:
-    return {"command": " ".join(["python", f"scripts/{script}", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores",
-            **extra}
+    return {
+        "command": " ".join(["python", f"scripts/{script}", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores",
+        **extra,
+    }
 
 
-def write_results(out: Path, meta: dict[str, Any], data: dict[str, Any],
-                  header: Sequence[str], table: Sequence[Sequence[str]]) -> str:
+def write_results(
+    out: Path,
+    meta: dict[str, Any],
+    data: dict[str, Any],
+    header: Sequence[str],
+    table: Sequence[Sequence[str]],
+) -> str:
     """OUT.json ({"meta": ..., **data}) and OUT.md (the table); returns the table."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, **data}, indent=2))

@@ -30,8 +30,14 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from neuron_plugin.backends.base import LoadedBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -64,8 +70,9 @@ class StepClock:
 class SeamMeter:
     """The backend, counting the bytes its calls move across the seam."""
 
-    def __init__(self, backend):
+    def __init__(self, backend: LoadedBackend):
         self.backend = backend
+        self.name = backend.name
         self.settings = backend.settings
         self.counts = {"in": 0, "tokens": 0, "logits": 0, "control": 0, "device_rows": 0}
         runner = getattr(backend, "runner", None)
@@ -78,6 +85,7 @@ class SeamMeter:
             for message in ({"op": op, **fields}, reply):  # 4-byte length + JSON
                 self.counts["control"] += 4 + len(json.dumps(message, separators=(",", ":")))
             return reply
+
         return counted
 
     def _arrays_in(self, inputs, extra) -> None:
@@ -100,6 +108,10 @@ class SeamMeter:
         self.counts["device_rows"] += int((~sampling.needs_logits).sum())
         return out
 
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self.backend.module
+
     def reset(self) -> None:
         self.counts = dict.fromkeys(self.counts, 0)
 
@@ -107,43 +119,58 @@ class SeamMeter:
 def engine_config(model: Path, batch: int, on_device: bool, python: str | None):
     from vllm.engine.arg_utils import EngineArgs
 
-    override = {"context_encoding_buckets": [PROMPT * 2],
-                "token_generation_buckets": [MAX_MODEL_LEN],
-                "token_generation_batches": [batch]}
+    override: dict[str, list[int] | None] = {
+        "context_encoding_buckets": [PROMPT * 2],
+        "token_generation_buckets": [MAX_MODEL_LEN],
+        "token_generation_batches": [batch],
+    }
     if not on_device:
         override["on_device_sampling_config"] = None
     extra = {"backend_python": python} if python else {}
-    return EngineArgs(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=batch, enable_prefix_caching=False,
-                      enable_chunked_prefill=False,
-                      additional_config={"override_neuron_config": override, **extra}
-                      ).create_engine_config()
+    return EngineArgs(
+        model=str(model),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=batch,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        additional_config={"override_neuron_config": override, **extra},
+    ).create_engine_config()
 
 
 def sampling_params(workload: str, index: int):
     from vllm import SamplingParams
 
     if workload == "greedy" or (workload == "mixed" and index == 0):
-        return SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN,
-                              logprobs=1 if workload == "mixed" else None)
+        return SamplingParams(
+            temperature=0.0, max_tokens=MAX_MODEL_LEN, logprobs=1 if workload == "mixed" else None
+        )
     return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=MAX_MODEL_LEN)
 
 
 def decode_steps(config, settings, backend, workload: str, batch: int, steps: int) -> dict:
     """Prefill `batch` requests, then `steps` decode steps; per-step medians."""
+    from bench_host_overhead import scheduler_output
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 
-    from bench_host_overhead import scheduler_output
     from neuron_plugin.serving.model_runner import NeuronModelRunner
 
     clock, meter = StepClock(), SeamMeter(backend)
     runner = NeuronModelRunner(config, settings, meter, [clock])
     rng = np.random.default_rng(0)
-    requests = [NewRequestData(
-        req_id=f"r{i}", prompt_token_ids=rng.integers(5, 900, PROMPT).tolist(),
-        mm_features=[], sampling_params=sampling_params(workload, i), pooling_params=None,
-        block_ids=([i + 1],), num_computed_tokens=0, lora_request=None)
-        for i in range(batch)]
+    requests = [
+        NewRequestData(
+            req_id=f"r{i}",
+            prompt_token_ids=rng.integers(5, 900, PROMPT).tolist(),
+            mm_features=[],
+            sampling_params=sampling_params(workload, i),
+            pooling_params=None,
+            block_ids=([i + 1],),
+            num_computed_tokens=0,
+            lora_request=None,
+        )
+        for i in range(batch)
+    ]
     ids = [r.req_id for r in requests]
     runner.execute_model(scheduler_output(new=requests, scheduled=dict.fromkeys(ids, PROMPT)))
     runner.sample_tokens(None)
@@ -152,19 +179,28 @@ def decode_steps(config, settings, backend, workload: str, batch: int, steps: in
     meter.reset()
     for step in range(steps):
         cached = CachedRequestData(
-            req_ids=ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
-            new_block_ids=[None] * batch, num_computed_tokens=[PROMPT + step] * batch,
-            num_output_tokens=[1 + step] * batch)
+            req_ids=ids,
+            resumed_req_ids=set(),
+            new_token_ids=[],
+            all_token_ids={},
+            new_block_ids=[None] * batch,
+            num_computed_tokens=[PROMPT + step] * batch,
+            num_output_tokens=[1 + step] * batch,
+        )
         runner.execute_model(scheduler_output(cached=cached, scheduled=dict.fromkeys(ids, 1)))
         runner.sample_tokens(None)
     skip = steps // 5  # warm-up
     per_step = {f"{k}_per_step": v / steps for k, v in meter.counts.items()}
-    return {"host_us": 1e6 * statistics.median(clock.host_s[skip:]),
-            "call_ms": 1e3 * statistics.median(clock.forward_s[skip:]), **per_step}
+    return {
+        "host_us": 1e6 * statistics.median(clock.host_s[skip:]),
+        "call_ms": 1e3 * statistics.median(clock.forward_s[skip:]),
+        **per_step,
+    }
 
 
-def measure(model: Path, batch: int, on_device: bool, python: str | None, steps: int,
-            cache: str) -> list[dict]:
+def measure(
+    model: Path, batch: int, on_device: bool, python: str | None, steps: int, cache: str
+) -> list[dict]:
     from vllm.config import set_current_vllm_config
 
     from neuron_plugin.backends.loader import open_backend
@@ -178,8 +214,12 @@ def measure(model: Path, batch: int, on_device: bool, python: str | None, steps:
             rows = []
             for workload in WORKLOADS:
                 row = decode_steps(config, settings, backend, workload, batch, steps)
-                row.update(batch=batch, workload=workload, on_device=on_device,
-                           path="runner" if python else "in-process")
+                row.update(
+                    batch=batch,
+                    workload=workload,
+                    on_device=on_device,
+                    path="runner" if python else "in-process",
+                )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             return rows
@@ -201,23 +241,31 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
                 local = by_key[(batch, workload, on_device, "in-process")]
                 remote = by_key.get((batch, workload, on_device, "runner"))
                 arrays = local["in_per_step"] + local["tokens_per_step"]
-                lines.append([
-                    str(batch), workload, "on" if on_device else "off",
-                    f"{local['host_us']:.0f}",
-                    "-" if remote is None else f"{remote['host_us']:.0f}",
-                    f"{local['logits_per_step']:,.0f}", f"{arrays:,.0f}",
-                    f"{arrays / batch:.0f}" if on_device else "-",
-                    "-" if remote is None else f"{remote['control_per_step']:,.0f}",
-                    f"{local['call_ms']:.1f}"])
+                lines.append(
+                    [
+                        str(batch),
+                        workload,
+                        "on" if on_device else "off",
+                        f"{local['host_us']:.0f}",
+                        "-" if remote is None else f"{remote['host_us']:.0f}",
+                        f"{local['logits_per_step']:,.0f}",
+                        f"{arrays:,.0f}",
+                        f"{arrays / batch:.0f}" if on_device else "-",
+                        "-" if remote is None else f"{remote['control_per_step']:,.0f}",
+                        f"{local['call_ms']:.1f}",
+                    ]
+                )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "qwen3-vocab151936")
-    parser.add_argument("--python", default=str(ROOT / ".venv-sdk" / "bin" / "python"),
-                        help="the runner's interpreter (default: .venv-sdk's); '' skips "
-                             "the runner")
+    parser.add_argument(
+        "--python",
+        default=str(ROOT / ".venv-sdk" / "bin" / "python"),
+        help="the runner's interpreter (default: .venv-sdk's); '' skips the runner",
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "sampling")
     args = parser.parse_args(argv)
@@ -226,16 +274,34 @@ def main(argv: list[str] | None = None) -> int:
     model = build("qwen3", args.model, layers=1, model_vocab=QWEN3_VOCAB)
     paths = [None, args.python] if args.python else [None]
     with tempfile.TemporaryDirectory() as cache:
-        rows = [row for batch in BATCHES for on_device in (False, True) for python in paths
-                for row in measure(model, batch, on_device, python, args.steps, cache)]
-    meta = run_meta("bench_sampling.py", argv, vocab=QWEN3_VOCAB, steps=args.steps,
-                    prompt_tokens=PROMPT)
-    write_results(args.out, meta, {"rows": rows},
-                  ["batch", "workload", "on-device sampling", "host us/step in-process",
-                   "host us/step runner", "logits bytes/step", "other array bytes/step",
-                   "array bytes per row", "control bytes/step (runner)",
-                   "backend call ms in-process"],
-                  table_rows(rows))
+        rows = [
+            row
+            for batch in BATCHES
+            for on_device in (False, True)
+            for python in paths
+            for row in measure(model, batch, on_device, python, args.steps, cache)
+        ]
+    meta = run_meta(
+        "bench_sampling.py", argv, vocab=QWEN3_VOCAB, steps=args.steps, prompt_tokens=PROMPT
+    )
+    write_results(
+        args.out,
+        meta,
+        {"rows": rows},
+        [
+            "batch",
+            "workload",
+            "on-device sampling",
+            "host us/step in-process",
+            "host us/step runner",
+            "logits bytes/step",
+            "other array bytes/step",
+            "array bytes per row",
+            "control bytes/step (runner)",
+            "backend call ms in-process",
+        ],
+        table_rows(rows),
+    )
     return 0
 
 

@@ -52,21 +52,35 @@ def phase_totals() -> dict[str, float]:
     return totals
 
 
-def serve(model: Path, prompts: list[list[int]], max_tokens: list[int], override: dict,
-          max_model_len: int, max_num_seqs: int) -> dict[str, float]:
+def serve(
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    override: dict,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> dict[str, float]:
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model), dtype="float32", max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-              enable_chunked_prefill=False, seed=0,
-              additional_config={"override_neuron_config": override})
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        seed=0,
+        additional_config={"override_neuron_config": override},
+    )
     from neuron_plugin.serving.telemetry import register_collector
 
     register_collector(llm.llm_engine.vllm_config)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.generate({"prompt_token_ids": prompts[0][:8]}, SamplingParams(max_tokens=1),
-                 use_tqdm=False)  # one more step reports the last batch as finished
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    llm.generate(
+        TokensPrompt(prompt_token_ids=prompts[0][:8]), SamplingParams(max_tokens=1), use_tqdm=False
+    )  # one more step reports the last batch as finished
     time.sleep(1.5)  # the engine publishes its counters every 0.5 s
     totals = phase_totals()
     llm.llm_engine.engine_core.shutdown()
@@ -75,9 +89,25 @@ def serve(model: Path, prompts: list[list[int]], max_tokens: list[int], override
 
 def tune(trace: Path, phase: str, max_len: int, k: int, out: Path) -> dict:
     cli = str(Path(sys.executable).with_name("neuron-buckets"))
-    result = subprocess.run([cli, "tune", str(trace), "--phase", phase, "--max", str(max_len),
-                             "--max-buckets", str(k), "--json", "--output", str(out)],
-                            check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            cli,
+            "tune",
+            str(trace),
+            "--phase",
+            phase,
+            "--max",
+            str(max_len),
+            "--max-buckets",
+            str(k),
+            "--json",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(result.stdout)
 
 
@@ -110,27 +140,61 @@ def main(argv: list[str] | None = None) -> int:
     before = serve(args.model, prompts, max_tokens, {}, args.max_model_len, args.max_num_seqs)
     del os.environ["VLLM_NEURON_TRACE"]
 
-    context = tune(trace, "context", args.max_model_len, args.max_buckets, args.out / "context.yaml")
+    context = tune(
+        trace, "context", args.max_model_len, args.max_buckets, args.out / "context.yaml"
+    )
     decode = tune(trace, "decode", args.max_model_len, args.max_buckets, args.out / "decode.yaml")
     tuned = args.out / "tuned-buckets.yaml"
-    dump_bucket_set(tuned, description=f"tuned on {trace.name} by scripts/bench_tuning_loop.py",
-                    **load_bucket_set(args.out / "context.yaml"),
-                    **load_bucket_set(args.out / "decode.yaml"))
-    after = serve(args.model, prompts, max_tokens, {"bucket_set": str(tuned)},
-                  args.max_model_len, args.max_num_seqs)
+    dump_bucket_set(
+        tuned,
+        description=f"tuned on {trace.name} by scripts/bench_tuning_loop.py",
+        context_encoding_buckets=load_bucket_set(args.out / "context.yaml")[
+            "context_encoding_buckets"
+        ],
+        token_generation_buckets=load_bucket_set(args.out / "decode.yaml")[
+            "token_generation_buckets"
+        ],
+    )
+    after = serve(
+        args.model,
+        prompts,
+        max_tokens,
+        {"bucket_set": str(tuned)},
+        args.max_model_len,
+        args.max_num_seqs,
+    )
 
-    meta = run_meta("bench_tuning_loop.py", argv, backend="reference", requests=len(prompts),
-                    max_model_len=args.max_model_len)
-    table = [[phase, name, f"{run[f'{phase}.padded_tokens_total']:,.0f}",
-              f"{run[f'{phase}.real_tokens_total']:,.0f}",
-              f"{run[f'{phase}.forward_seconds_sum']:.2f}"]
-             for phase in ("context_encoding", "token_generation")
-             for name, run in (("NxDI default", before), ("tuned", after))]
+    meta = run_meta(
+        "bench_tuning_loop.py",
+        argv,
+        backend="reference",
+        requests=len(prompts),
+        max_model_len=args.max_model_len,
+    )
+    table = [
+        [
+            phase,
+            name,
+            f"{run[f'{phase}.padded_tokens_total']:,.0f}",
+            f"{run[f'{phase}.real_tokens_total']:,.0f}",
+            f"{run[f'{phase}.forward_seconds_sum']:.2f}",
+        ]
+        for phase in ("context_encoding", "token_generation")
+        for name, run in (("NxDI default", before), ("tuned", after))
+    ]
     print(json.dumps(load_bucket_set(tuned)))
-    write_results(args.out / "result", meta,
-                  {"tuned": load_bucket_set(tuned), "default": before, "tuned_run": after,
-                   "tuner_reports": {"context": context["report"], "decode": decode["report"]}},
-                  ["phase", "grid", "padded tokens", "real tokens", "forward s (sum)"], table)
+    write_results(
+        args.out / "result",
+        meta,
+        {
+            "tuned": load_bucket_set(tuned),
+            "default": before,
+            "tuned_run": after,
+            "tuner_reports": {"context": context["report"], "decode": decode["report"]},
+        },
+        ["phase", "grid", "padded tokens", "real tokens", "forward s (sum)"],
+        table,
+    )
     return 0
 
 

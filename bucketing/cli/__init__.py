@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuron-buckets",
         description="Bucket grids for Neuron graphs: show a grid, fit a need to it, replay a "
-                    "trace against it, tune one from a trace, plot it.")
+        "trace against it, tune one from a trace, plot it.",
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for module in VERB_MODULES:
         module.add_parser(verbs)

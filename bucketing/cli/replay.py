@@ -8,21 +8,27 @@ import argparse
 from ..grids import batch_grid, prefix_grid
 from ..trace import read_lengths
 from .arguments import against_default, cost_model, grid, phase_needs, second_dimension
-from .options import (cost_option, grid_options, json_option, second_dimension_options,
-                      trace_options)
+from .options import cost_option, grid_options, json_option, second_dimension_options, trace_options
 from .output import print_json, print_report, workload_summary
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     """Register ``replay`` and its flags."""
-    parser = verbs.add_parser("replay", help="replay a trace against a grid: waste report",
-                              description="Replay a trace (JSONL, CSV, plain list or "
-                                          "histogram) against a grid and report padded "
-                                          "tokens, padding ratio, expected cost and each "
-                                          "bucket's share, next to NxDI's default grid.")
+    parser = verbs.add_parser(
+        "replay",
+        help="replay a trace against a grid: waste report",
+        description="Replay a trace (JSONL, CSV, plain list or "
+        "histogram) against a grid and report padded "
+        "tokens, padding ratio, expected cost and each "
+        "bucket's share, next to NxDI's default grid.",
+    )
     trace_options(parser)
-    parser.add_argument("--rule", choices=("first_fit", "strict"), default="first_fit",
-                        help="fit rule for 1-D grids: this project's >= or NxDI's strict <")
+    parser.add_argument(
+        "--rule",
+        choices=("first_fit", "strict"),
+        default="first_fit",
+        help="fit rule for 1-D grids: this project's >= or NxDI's strict <",
+    )
     grid_options(parser)
     second_dimension_options(parser)
     cost_option(parser)
@@ -36,18 +42,26 @@ def run(args: argparse.Namespace) -> int:
     data = phase_needs(args, workload, args.phase, args.pair)
     lengths = grid(args, args.phase)
     shapes = _shapes(args, lengths) if args.pair else lengths
-    report, baseline, comparison = against_default(shapes, data, cost_model(args.cost, args.pair),
-                                                   args.pair, rule=args.rule)
+    report, baseline, comparison = against_default(
+        shapes, data, cost_model(args.cost, args.pair), args.pair, rule=args.rule
+    )
     if args.json:
-        print_json("replay", {
-            "workload": workload_summary(args, workload, args.phase,
-                                         report.served + report.rejected),
-            "report": report.to_dict(),
-            "baseline": {"name": "nxdi_default", **baseline.to_dict()},
-            "comparison": comparison})
+        print_json(
+            "replay",
+            {
+                "workload": workload_summary(
+                    args, workload, args.phase, report.served + report.rejected
+                ),
+                "report": report.to_dict(),
+                "baseline": {"name": "nxdi_default", **baseline.to_dict()},
+                "comparison": comparison,
+            },
+        )
         return 0
-    print(f"{args.trace}: {workload.requests:,} requests, {args.phase} phase; grid "
-          f"{report.grid} ({report.rule}); cost: {report.cost_model}")
+    print(
+        f"{args.trace}: {workload.requests:,} requests, {args.phase} phase; grid "
+        f"{report.grid} ({report.rule}); cost: {report.cost_model}"
+    )
     print_report(report, baseline, comparison)
     return 0
 

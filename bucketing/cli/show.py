@@ -12,10 +12,13 @@ from .output import print_json
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     """Register ``show`` and its flags."""
-    parser = verbs.add_parser("show", help="print a grid for given limits and generator",
-                              description="Print the grid a generator builds (and its 2-D "
-                                          "cross products with --batches or "
-                                          "--prefix-buckets).")
+    parser = verbs.add_parser(
+        "show",
+        help="print a grid for given limits and generator",
+        description="Print the grid a generator builds (and its 2-D "
+        "cross products with --batches or "
+        "--prefix-buckets).",
+    )
     grid_options(parser)
     second_dimension_options(parser)
     json_option(parser)
@@ -27,12 +30,23 @@ def run(args: argparse.Namespace) -> int:
     lengths = grid(args)
     batches = second_dimension(args, "--batches", "token_generation_batches")
     prefixes = second_dimension(args, "--prefix-buckets", "prefix_buckets")
-    shapes = (batch_grid(batches, lengths) if batches
-              else prefix_grid(lengths, prefixes) if prefixes else None)
+    shapes = (
+        batch_grid(batches, lengths)
+        if batches
+        else prefix_grid(lengths, prefixes)
+        if prefixes
+        else None
+    )
     graphs = len(shapes) if shapes else len(lengths)
     if args.json:
-        print_json("show", {"grid": lengths, "graphs": graphs,
-                            "shapes": [list(s) for s in shapes] if shapes else None})
+        print_json(
+            "show",
+            {
+                "grid": lengths,
+                "graphs": graphs,
+                "shapes": [list(s) for s in shapes] if shapes else None,
+            },
+        )
         return 0
     print(f"{len(lengths)} buckets: {lengths}")
     if shapes:

@@ -15,7 +15,7 @@ from ..grids import batch_grid, prefix_grid
 from ..report import Report
 from ..trace import read_lengths
 from ..tune import buckets_within_budget, tune_1d, tune_2d
-from ..workload import PHASES, Workload
+from ..workload import PHASES, Histogram, Workload
 from .arguments import against_default, cost_model, phase_needs
 from .options import PHASE_KEYS, cost_option, json_option, trace_options
 from .output import print_json, print_report, workload_summary
@@ -37,41 +37,80 @@ class Tuned:
 
     def to_json(self) -> dict:
         """The report/baseline/comparison part of tune's stable JSON."""
-        return {"report": self.report.to_dict(),
-                "baseline": {"name": "nxdi_default", **self.baseline.to_dict()},
-                "comparison": self.comparison}
+        return {
+            "report": self.report.to_dict(),
+            "baseline": {"name": "nxdi_default", **self.baseline.to_dict()},
+            "comparison": self.comparison,
+        }
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     """Register ``tune`` and its flags."""
-    parser = verbs.add_parser("tune", help="tune a grid to a trace or histogram",
-                              description="Find the grid of at most K buckets (largest = "
-                                          "--max) with least expected cost on the trace; "
-                                          "exact for 1-D, alternating exact solves for 2-D "
-                                          "(--pair). --phase both tunes context encoding "
-                                          "and token generation into one bucket set.")
+    parser = verbs.add_parser(
+        "tune",
+        help="tune a grid to a trace or histogram",
+        description="Find the grid of at most K buckets (largest = "
+        "--max) with least expected cost on the trace; "
+        "exact for 1-D, alternating exact solves for 2-D "
+        "(--pair). --phase both tunes context encoding "
+        "and token generation into one bucket set.",
+    )
     trace_options(parser, phases=(*PHASES, "both"))
-    parser.add_argument("--max", type=int, required=True, metavar="N",
-                        help="largest bucket: max_model_len (or max context length)")
-    parser.add_argument("--max-buckets", "-k", type=int, default=6, metavar="K",
-                        help="at most K buckets in the length dimension, per phase "
-                             "(default 6)")
-    parser.add_argument("--align", type=int, metavar="A",
-                        help="buckets must be multiples of A (the KV block size)")
-    parser.add_argument("--max-batch-buckets", type=int, default=3, metavar="K",
-                        help="--pair batch: at most K batch buckets (default 3)")
-    parser.add_argument("--max-num-seqs", type=int, metavar="N",
-                        help="--pair batch: largest batch bucket")
-    parser.add_argument("--max-prefix-buckets", type=int, default=4, metavar="K",
-                        help="--pair prefix: at most K prefix buckets, prefix 0 included "
-                             "(default 4)")
-    parser.add_argument("--compile-budget", type=float, metavar="SECONDS",
-                        help="cap the number of graphs to what this compile time pays for "
-                             "(needs --seconds-per-graph; --phase both shares it equally)")
-    parser.add_argument("--seconds-per-graph", type=float, metavar="SECONDS",
-                        help="measured compile time of one graph")
-    parser.add_argument("--output", "-o", type=Path, metavar="FILE",
-                        help="write the tuned bucket set (.yaml, .yml or .json)")
+    parser.add_argument(
+        "--max",
+        type=int,
+        required=True,
+        metavar="N",
+        help="largest bucket: max_model_len (or max context length)",
+    )
+    parser.add_argument(
+        "--max-buckets",
+        "-k",
+        type=int,
+        default=6,
+        metavar="K",
+        help="at most K buckets in the length dimension, per phase (default 6)",
+    )
+    parser.add_argument(
+        "--align", type=int, metavar="A", help="buckets must be multiples of A (the KV block size)"
+    )
+    parser.add_argument(
+        "--max-batch-buckets",
+        type=int,
+        default=3,
+        metavar="K",
+        help="--pair batch: at most K batch buckets (default 3)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, metavar="N", help="--pair batch: largest batch bucket"
+    )
+    parser.add_argument(
+        "--max-prefix-buckets",
+        type=int,
+        default=4,
+        metavar="K",
+        help="--pair prefix: at most K prefix buckets, prefix 0 included (default 4)",
+    )
+    parser.add_argument(
+        "--compile-budget",
+        type=float,
+        metavar="SECONDS",
+        help="cap the number of graphs to what this compile time pays for "
+        "(needs --seconds-per-graph; --phase both shares it equally)",
+    )
+    parser.add_argument(
+        "--seconds-per-graph",
+        type=float,
+        metavar="SECONDS",
+        help="measured compile time of one graph",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        type=Path,
+        metavar="FILE",
+        help="write the tuned bucket set (.yaml, .yml or .json)",
+    )
     cost_option(parser)
     json_option(parser)
     parser.set_defaults(run=run)
@@ -82,19 +121,29 @@ def run(args: argparse.Namespace) -> int:
     workload = read_lengths(args.trace)
     phases = PHASES if args.phase == "both" else (args.phase,)
     graphs = _graph_budget(args, len(phases))
-    results = [_tune_phase(args, workload, phase, _pair(args, phase), graphs)
-               for phase in phases]
+    results = [_tune_phase(args, workload, phase, _pair(args, phase), graphs) for phase in phases]
     lists = {key: values for result in results for key, values in result.lists.items()}
     if args.output:
         _write(args, workload, results, lists)
     if args.json:
-        body = {"workload": workload_summary(args, workload, args.phase, sum(
-                    r.report.served + r.report.rejected for r in results)),
-                "limits": {"max": args.max, "max_buckets": args.max_buckets,
-                           "align": args.align, "max_graphs": graphs, "cost": args.cost},
-                "buckets": lists,
-                "phases": {r.phase: {"pair": r.pair, **r.to_json()} for r in results},
-                "output": str(args.output) if args.output else None}
+        body = {
+            "workload": workload_summary(
+                args,
+                workload,
+                args.phase,
+                sum(r.report.served + r.report.rejected for r in results),
+            ),
+            "limits": {
+                "max": args.max,
+                "max_buckets": args.max_buckets,
+                "align": args.align,
+                "max_graphs": graphs,
+                "cost": args.cost,
+            },
+            "buckets": lists,
+            "phases": {r.phase: {"pair": r.pair, **r.to_json()} for r in results},
+            "output": str(args.output) if args.output else None,
+        }
         if len(results) == 1:
             body.update(results[0].to_json())
         print_json("tune", body)
@@ -126,39 +175,57 @@ def _graph_budget(args: argparse.Namespace, phases: int) -> int | None:
         raise BucketError("--compile-budget and --seconds-per-graph go together; pass both")
     graphs = buckets_within_budget(args.compile_budget, args.seconds_per_graph) // phases
     if graphs < 1:
-        raise BucketError(f"--compile-budget {args.compile_budget} pays for fewer than one "
-                          f"graph per phase at {args.seconds_per_graph} s each; raise it or "
-                          f"tune one --phase")
+        raise BucketError(
+            f"--compile-budget {args.compile_budget} pays for fewer than one "
+            f"graph per phase at {args.seconds_per_graph} s each; raise it or "
+            f"tune one --phase"
+        )
     return graphs
 
 
-def _tune_phase(args: argparse.Namespace, workload: Workload, phase: str, pair: str | None,
-                graphs: int | None) -> Tuned:
+def _tune_phase(
+    args: argparse.Namespace, workload: Workload, phase: str, pair: str | None, graphs: int | None
+) -> Tuned:
     data = phase_needs(args, workload, phase, pair)
     cost = cost_model(args.cost, pair)
     if pair == "batch":
         if args.max_num_seqs is None:
             raise BucketError("--pair batch needs --max-num-seqs (the largest batch)")
-        batches, lengths = tune_2d(*data, (args.max_batch_buckets, args.max_buckets),
-                                   maxima=(args.max_num_seqs, args.max), pair=pair,
-                                   cost=cost, align=(None, args.align), max_graphs=graphs)
+        batches, lengths = tune_2d(
+            *data,
+            (args.max_batch_buckets, args.max_buckets),
+            maxima=(args.max_num_seqs, args.max),
+            pair=pair,
+            cost=cost,
+            align=(None, args.align),
+            max_graphs=graphs,
+        )
         lists = {PHASE_KEYS[phase]: lengths, "token_generation_batches": batches}
         shapes = batch_grid(batches, lengths)
     elif pair == "prefix":
-        active, prefixes = tune_2d(*data, (args.max_buckets, args.max_prefix_buckets),
-                                   maxima=(args.max, args.max), pair=pair, cost=cost,
-                                   align=(args.align, args.align), max_graphs=graphs)
+        active, prefixes = tune_2d(
+            *data,
+            (args.max_buckets, args.max_prefix_buckets),
+            maxima=(args.max, args.max),
+            pair=pair,
+            cost=cost,
+            align=(args.align, args.align),
+            max_graphs=graphs,
+        )
         lists = {"context_encoding_buckets": active, "prefix_buckets": [p for p in prefixes if p]}
         shapes = prefix_grid(active, prefixes)
     else:
         limit = min(args.max_buckets, graphs) if graphs else args.max_buckets
-        shapes = tune_1d(data, limit, maximum=args.max, cost=cost, align=args.align)
-        lists = {PHASE_KEYS[phase]: shapes}
+        lengths = tune_1d(Histogram(*data), limit, maximum=args.max, cost=cost, align=args.align)
+        return Tuned(
+            phase, pair, {PHASE_KEYS[phase]: lengths}, *against_default(lengths, data, cost, pair)
+        )
     return Tuned(phase, pair, lists, *against_default(shapes, data, cost, pair))
 
 
-def _write(args: argparse.Namespace, workload: Workload, results: list[Tuned],
-           lists: dict[str, list[int]]) -> None:
+def _write(
+    args: argparse.Namespace, workload: Workload, results: list[Tuned], lists: dict[str, list[int]]
+) -> None:
     """The bucket set, headed by the command that produced it."""
     command = "neuron-buckets " + shlex.join(args.argv)
     if len(results) == 1:
@@ -166,9 +233,15 @@ def _write(args: argparse.Namespace, workload: Workload, results: list[Tuned],
         saved = f"{results[0].comparison['padded_tokens_saved_pct']}%"
     else:
         phases, grids = " and ".join(r.phase for r in results) + " phases", "grids"
-        saved = ", ".join(f"{r.comparison['padded_tokens_saved_pct']}% ({r.phase})"
-                          for r in results)
-    dump_bucket_set(args.output, **lists, description=(
-        f"tuned by neuron-buckets on {args.trace} ({workload.requests} requests, {phases}): "
-        f"padded tokens {saved} below NxDI's default {grids}"),
-        comment=f"generated by: {command}")
+        saved = ", ".join(
+            f"{r.comparison['padded_tokens_saved_pct']}% ({r.phase})" for r in results
+        )
+    dump_bucket_set(
+        args.output,
+        **lists,
+        description=(
+            f"tuned by neuron-buckets on {args.trace} ({workload.requests} requests, {phases}): "
+            f"padded tokens {saved} below NxDI's default {grids}"
+        ),
+        comment=f"generated by: {command}",
+    )

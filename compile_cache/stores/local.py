@@ -58,8 +58,11 @@ class LocalStore(Store):
         return self.root / "entries" / check_key(key) / FILES
 
     def _keys(self, complete: bool) -> list[str]:
-        return sorted(n for n in safe_fs.listdir(self.root, ("entries",)) if is_key(n)
-                      and safe_fs.is_file(self.root, ("entries", n, RECORD)) == complete)
+        return sorted(
+            n
+            for n in safe_fs.listdir(self.root, ("entries",))
+            if is_key(n) and safe_fs.is_file(self.root, ("entries", n, RECORD)) == complete
+        )
 
     def list_keys(self) -> list[str]:
         return self._keys(complete=True)
@@ -128,8 +131,9 @@ class LocalStore(Store):
         link); return its sha256 and size."""
         parts = (FILES, *safe_relpath(rel).parts)
         with safe_fs.directory(staging, parts[:-1], create=True) as dfd:
-            fd = safe_fs.open_file(dfd, parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                   staging.joinpath(*parts))
+            fd = safe_fs.open_file(
+                dfd, parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, staging.joinpath(*parts)
+            )
         with os.fdopen(fd, "wb") as out:
             return hash_stream(reader, out)
 
@@ -162,8 +166,9 @@ class LocalStore(Store):
                 with os.fdopen(fd, "rb") as src:
                     digest, _ = self.write_artifact(staging, rel, src)
                 if digest != expected.sha256:
-                    raise EntryCorrupt(record.key, f"file {rel} changed while being "
-                                       "copied (digest mismatch)", rel)
+                    raise EntryCorrupt(
+                        record.key, f"file {rel} changed while being copied (digest mismatch)", rel
+                    )
             self.publish(record, staging)
         return True
 
@@ -183,8 +188,11 @@ class LocalStore(Store):
         except FileNotFoundError:
             return False
         if safe_fs.is_dir(self.root, ("quarantine", name)):
-            safe_fs.write_new(self.root, ("quarantine", name, "reason.txt"),
-                              f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {problem}\n".encode())
+            safe_fs.write_new(
+                self.root,
+                ("quarantine", name, "reason.txt"),
+                f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {problem}\n".encode(),
+            )
         else:  # a link or file in place of an entry folder: nothing worth inspecting
             safe_fs.remove(self.root, ("quarantine", name))
         return True

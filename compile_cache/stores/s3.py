@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compile_cache.digests import hash_stream
 from compile_cache.errors import EntryCorrupt, StoreError, StoreUnreachable
@@ -36,11 +36,20 @@ from compile_cache.stores.local import FILES, LocalStore
 from compile_cache.stores.s3_errors import error_code, is_conflict, is_missing
 from compile_cache.stores.s3_lease import S3Lease
 
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client  # the boto3-stubs[s3] types (test extra)
+
 logger = logging.getLogger("compile_cache")
 
 ORPHAN_GRACE = 3600.0
-_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-           "ExpiredToken", "InvalidToken"}
+_DENIED = {
+    "AccessDenied",
+    "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+}
 _OUTAGE = {"InternalError", "ServiceUnavailable", "SlowDown", "500", "502", "503", "504"}
 
 
@@ -49,15 +58,22 @@ class S3Store(Store):
 
     shared = True
 
-    def __init__(self, bucket: str, prefix: str, *, local: LocalStore,
-                 lease_ttl: float = DEFAULT_LEASE_TTL, orphan_grace: float = ORPHAN_GRACE):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        local: LocalStore,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        orphan_grace: float = ORPHAN_GRACE,
+    ):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.local = local
         self.lease_ttl = lease_ttl
         self.orphan_grace = orphan_grace
-        self._client = None
+        self._client: S3Client | None = None
 
     @property
     def disk(self) -> Path:
@@ -77,37 +93,54 @@ class S3Store(Store):
         failures turned into StoreError messages that say what to fix."""
         import boto3
         from boto3.exceptions import Boto3Error
-        from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError,
-                                         HTTPClientError, NoCredentialsError)
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+        )
 
         if self._client is None:
             self._client = boto3.client("s3")
         try:
             return getattr(self._client, operation)(Bucket=self.bucket, **kwargs)
         except NoCredentialsError as err:
-            raise StoreError(f"no AWS credentials found for {self.url}: configure the "
-                             "normal AWS chain (AWS_PROFILE, AWS_ACCESS_KEY_ID/"
-                             "AWS_SECRET_ACCESS_KEY, or an instance role)") from err
+            raise StoreError(
+                f"no AWS credentials found for {self.url}: configure the "
+                "normal AWS chain (AWS_PROFILE, AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY, or an instance role)"
+            ) from err
         except ClientError as err:
             code = error_code(err)
             if code == "NoSuchBucket":
-                raise StoreError(f"S3 bucket {self.bucket!r} does not exist ({self.url}): "
-                                 f"create it or fix {CACHE_URL_ENV}") from err
+                raise StoreError(
+                    f"S3 bucket {self.bucket!r} does not exist ({self.url}): "
+                    f"create it or fix {CACHE_URL_ENV}"
+                ) from err
             if code in _DENIED:
-                raise StoreError(f"S3 denied {operation} on {self.url} ({code}): grant "
-                                 "s3:GetObject, PutObject, DeleteObject and ListBucket on "
-                                 "the prefix, or check the credentials") from err
+                raise StoreError(
+                    f"S3 denied {operation} on {self.url} ({code}): grant "
+                    "s3:GetObject, PutObject, DeleteObject and ListBucket on "
+                    "the prefix, or check the credentials"
+                ) from err
             if code in _OUTAGE:
-                raise StoreUnreachable(f"S3 {operation} on {self.url} failed: the service "
-                                       f"answered {code} after retries") from err
+                raise StoreUnreachable(
+                    f"S3 {operation} on {self.url} failed: the service "
+                    f"answered {code} after retries"
+                ) from err
             raise
         except (ConnectionError, HTTPClientError) as err:
-            raise StoreUnreachable(f"S3 is unreachable for {self.url} ({operation}: "
-                                   f"{err}); check the network, AWS_REGION and "
-                                   "AWS_ENDPOINT_URL_S3") from err
+            raise StoreUnreachable(
+                f"S3 is unreachable for {self.url} ({operation}: "
+                f"{err}); check the network, AWS_REGION and "
+                "AWS_ENDPOINT_URL_S3"
+            ) from err
         except (BotoCoreError, Boto3Error) as err:
-            raise StoreError(f"S3 {operation} on {self.url} failed: {err}; check the "
-                             "network, AWS_REGION and AWS_ENDPOINT_URL_S3") from err
+            raise StoreError(
+                f"S3 {operation} on {self.url} failed: {err}; check the "
+                "network, AWS_REGION and AWS_ENDPOINT_URL_S3"
+            ) from err
 
     def read_object(self, name: str) -> tuple[bytes, str] | None:
         """Body and ETag of an object, None if it does not exist."""
@@ -131,7 +164,7 @@ class S3Store(Store):
 
     def _delete(self, names: list[str]) -> None:
         for start in range(0, len(names), 1000):
-            batch = [{"Key": n} for n in names[start:start + 1000]]
+            batch = [{"Key": n} for n in names[start : start + 1000]]
             self.call("delete_objects", Delete={"Objects": batch, "Quiet": True})
 
     def _object(self, record: Record, rel: str) -> str:
@@ -139,8 +172,9 @@ class S3Store(Store):
 
     # -- reading ----------------------------------------------------------------------
     def list_keys(self) -> list[str]:
-        keys = (o["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-                for o in self.list_objects("entries"))
+        keys = (
+            o["Key"].rsplit("/", 1)[-1].removesuffix(".json") for o in self.list_objects("entries")
+        )
         return sorted(k for k in keys if is_key(k))
 
     def get_record(self, key: str) -> Record | None:
@@ -148,8 +182,10 @@ class S3Store(Store):
         return None if found is None else parse_record(found[0], key)
 
     def last_used_times(self) -> dict[str, float]:
-        return {o["Key"].rsplit("/", 1)[-1]: o["LastModified"].timestamp()
-                for o in self.list_objects("used")}
+        return {
+            o["Key"].rsplit("/", 1)[-1]: o["LastModified"].timestamp()
+            for o in self.list_objects("used")
+        }
 
     def touch(self, key: str) -> None:
         self.call("put_object", Key=self.name("used", check_key(key)), Body=b"")
@@ -179,8 +215,10 @@ class S3Store(Store):
             self._download(record, staging)
             path, served = self.local.publish(record, staging)
         if served.files != record.files:
-            raise StoreError(f"the read cache {self.local.url} received another copy of "
-                             f"entry {record.key} while it was being downloaded; retry")
+            raise StoreError(
+                f"the read cache {self.local.url} received another copy of "
+                f"entry {record.key} while it was being downloaded; retry"
+            )
         return path
 
     def _local_copy(self, record: Record) -> Path | None:
@@ -194,16 +232,20 @@ class S3Store(Store):
                 return None
             return self.local.materialize(local)
         except EntryCorrupt as err:
-            logger.warning("compile cache: local copy of %s in %s failed verification (%s); "
-                           "downloading it again from %s", record.key, self.local.url,
-                           err.problem, self.url)
+            logger.warning(
+                "compile cache: local copy of %s in %s failed verification (%s); "
+                "downloading it again from %s",
+                record.key,
+                self.local.url,
+                err.problem,
+                self.url,
+            )
             self.local.quarantine(record.key, local.id if local else None, err.problem)
             return None
 
     def _download(self, record: Record, staging: Path) -> None:
         for rel in record.files:
-            _verify(record, rel, *self.local.write_artifact(staging, rel,
-                                                            self._body(record, rel)))
+            _verify(record, rel, *self.local.write_artifact(staging, rel, self._body(record, rel)))
 
     # -- writing ----------------------------------------------------------------------
     def staging(self, key: str) -> AbstractContextManager[Path]:
@@ -213,15 +255,23 @@ class S3Store(Store):
         try:
             published = self.import_entry(record, staging / FILES)
         except StoreUnreachable as err:
-            logger.warning("compile cache: %s; kept entry %s in the read cache %s only "
-                           "(`neuron-cache push %s %s` publishes it later)", err,
-                           record.key, self.local.url, self.local.url, self.url)
+            logger.warning(
+                "compile cache: %s; kept entry %s in the read cache %s only "
+                "(`neuron-cache push %s %s` publishes it later)",
+                err,
+                record.key,
+                self.local.url,
+                self.local.url,
+                self.url,
+            )
             return self.local.publish(record, staging)
         if not published:
             winner = self.get_record(record.key)
             if winner is None:
-                raise StoreError(f"entry {record.key} vanished from {self.url} while it "
-                                 "was being published; retry")
+                raise StoreError(
+                    f"entry {record.key} vanished from {self.url} while it "
+                    "was being published; retry"
+                )
             return self.materialize(winner), winner
         return self.local.publish(record, staging)
 
@@ -234,8 +284,12 @@ class S3Store(Store):
             self.call("upload_file", Filename=str(join_inside(files, rel)), Key=name)
             uploaded.append(name)
         try:
-            self.call("put_object", Key=self.name("entries", f"{record.key}.json"),
-                      Body=record.to_json(), IfNoneMatch="*")
+            self.call(
+                "put_object",
+                Key=self.name("entries", f"{record.key}.json"),
+                Body=record.to_json(),
+                IfNoneMatch="*",
+            )
         except Exception as err:
             if not is_conflict(err):
                 raise
@@ -255,11 +309,16 @@ class S3Store(Store):
             current_id = None
         if current_id != record_id:
             return False
-        note = {"reason": problem, "quarantined": time.time(),
-                "record": data.decode("utf-8", "replace")}
-        self.call("put_object",
-                  Key=self.name("quarantine", key, f"{record_id or uuid.uuid4().hex}.json"),
-                  Body=json.dumps(note).encode())
+        note = {
+            "reason": problem,
+            "quarantined": time.time(),
+            "record": data.decode("utf-8", "replace"),
+        }
+        self.call(
+            "put_object",
+            Key=self.name("quarantine", key, f"{record_id or uuid.uuid4().hex}.json"),
+            Body=json.dumps(note).encode(),
+        )
         try:
             self.call("delete_object", Key=name, IfMatch=etag)
         except Exception as err:
@@ -271,8 +330,9 @@ class S3Store(Store):
     def remove(self, key: str) -> bool:
         existed = self.read_object(self.name("entries", f"{check_key(key)}.json")) is not None
         self.call("delete_object", Key=self.name("entries", f"{key}.json"))
-        self._delete([o["Key"] for o in self.list_objects("objects", key)]
-                     + [self.name("used", key)])
+        self._delete(
+            [o["Key"] for o in self.list_objects("objects", key)] + [self.name("used", key)]
+        )
         return existed
 
     def lock(self, key: str) -> S3Lease:
@@ -285,12 +345,13 @@ class S3Store(Store):
         swept = self.local.sweep()
         uploads: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for obj in self.list_objects(*(("objects", held_key) if held_key else ("objects",))):
-            parts = obj["Key"][len(self.name("objects")) + 1:].split("/")
+            parts = obj["Key"][len(self.name("objects")) + 1 :].split("/")
             if len(parts) >= 3:
                 uploads.setdefault((parts[0], parts[1]), []).append(obj)
         keep = self._referenced_uploads({key for key, _ in uploads})
-        leased = {o["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-                  for o in self.list_objects("leases")}
+        leased = {
+            o["Key"].rsplit("/", 1)[-1].removesuffix(".json") for o in self.list_objects("leases")
+        }
         now = time.time()
         for (key, upload), objects in sorted(uploads.items()):
             newest = max(o["LastModified"].timestamp() for o in objects)
@@ -312,17 +373,20 @@ class S3Store(Store):
                 record = None
             if record is not None:
                 keep.add((key, record.id))
-            keep.update((key, o["Key"].rsplit("/", 1)[-1].removesuffix(".json"))
-                        for o in self.list_objects("quarantine", key))
+            keep.update(
+                (key, o["Key"].rsplit("/", 1)[-1].removesuffix(".json"))
+                for o in self.list_objects("quarantine", key)
+            )
         return keep
 
     def purge_quarantine(self) -> list[str]:
         purged = []
         for obj in self.list_objects("quarantine"):
-            key, upload = obj["Key"][len(self.name("quarantine")) + 1:].split("/", 1)
+            key, upload = obj["Key"][len(self.name("quarantine")) + 1 :].split("/", 1)
             upload = upload.removesuffix(".json")
-            self._delete([o["Key"] for o in self.list_objects("objects", key, upload)]
-                         + [obj["Key"]])
+            self._delete(
+                [o["Key"] for o in self.list_objects("objects", key, upload)] + [obj["Key"]]
+            )
             purged.append(f"{self.url}/quarantine/{key}/{upload}")
         return purged
 
@@ -333,5 +397,9 @@ class S3Store(Store):
 def _verify(record: Record, rel: str, digest: str, size: int) -> None:
     expected = record.files[rel]
     if digest != expected.sha256 or size != expected.size:
-        raise EntryCorrupt(record.key, f"file {rel} digest mismatch in S3 (expected "
-                           f"{expected.sha256[:12]}..., found {digest[:12]}...)", rel)
+        raise EntryCorrupt(
+            record.key,
+            f"file {rel} digest mismatch in S3 (expected "
+            f"{expected.sha256[:12]}..., found {digest[:12]}...)",
+            rel,
+        )

@@ -55,8 +55,12 @@ class S3Lease:
     def _body(self) -> bytes:
         now = time.time()
         body: dict[str, Any] = {
-            "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-            "acquired": self._acquired or now, "renewed": now, "renewals": self._renewals,
+            "owner": self.owner,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "acquired": self._acquired or now,
+            "renewed": now,
+            "renewals": self._renewals,
             "ttl_seconds": self.ttl,
         }
         if self._building is not None:
@@ -70,8 +74,9 @@ class S3Lease:
     def _put(self, **condition: str) -> str | None:
         """The new ETag, or None if the condition failed."""
         try:
-            response = self._store.call("put_object", Key=self.object, Body=self._body(),
-                                        **condition)
+            response = self._store.call(
+                "put_object", Key=self.object, Body=self._body(), **condition
+            )
         except Exception as err:
             if is_conflict(err):
                 return None
@@ -87,8 +92,9 @@ class S3Lease:
         self._etag = etag
         self._acquired = time.time()
         self._stop.clear()
-        self._heartbeat = threading.Thread(target=self._renew, daemon=True,
-                                           name=f"lease {self.object}")
+        self._heartbeat = threading.Thread(
+            target=self._renew, daemon=True, name=f"lease {self.object}"
+        )
         self._heartbeat.start()
         return True
 
@@ -112,28 +118,33 @@ class S3Lease:
             return None
         new = self._put(IfMatch=etag)
         if new is not None:
-            logger.warning("compile cache: took over the lease %s of %s, which was not "
-                           "renewed for %.0f s (its owner died or lost S3)",
-                           self.object, body.get("owner", "an unknown owner"), now - first_seen)
+            logger.warning(
+                "compile cache: took over the lease %s of %s, which was not "
+                "renewed for %.0f s (its owner died or lost S3)",
+                self.object,
+                body.get("owner", "an unknown owner"),
+                now - first_seen,
+            )
         return new
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             with self._mutex:
-                if self._stop.is_set():
+                if self._stop.is_set() or self._etag is None:  # released
                     return
                 self._renewals += 1
                 try:
                     etag = self._put(IfMatch=self._etag)
                 except Exception as err:  # keep trying: the lease outlives one failure
-                    logger.warning("compile cache: renewing lease %s failed: %s",
-                                   self.object, err)
+                    logger.warning("compile cache: renewing lease %s failed: %s", self.object, err)
                     continue
                 if etag is None:
                     self.lost = True
-                    logger.warning("compile cache: lease %s was taken over by another host "
-                                   "while this one still builds; the first to publish wins",
-                                   self.object)
+                    logger.warning(
+                        "compile cache: lease %s was taken over by another host "
+                        "while this one still builds; the first to publish wins",
+                        self.object,
+                    )
                     return
                 self._etag = etag
 
@@ -145,12 +156,17 @@ class S3Lease:
         if isinstance(body.get("acquired"), (int, float)):
             text += f"{since_text(body['acquired'])} on its clock; "
         progress = body.get("progress")
-        if isinstance(progress, dict) and isinstance(progress.get("files"), int) \
-                and isinstance(progress.get("bytes"), int):
+        if (
+            isinstance(progress, dict)
+            and isinstance(progress.get("files"), int)
+            and isinstance(progress.get("bytes"), int)
+        ):
             text += f"{progress_text(progress['files'], progress['bytes'])}; "
-        return (text + f"S3 lease {self.object}, unchanged for "
-                f"{time.monotonic() - first_seen:.0f} s; expires after "
-                f"{body.get('ttl_seconds', self.ttl)} s without renewal)")
+        return (
+            text + f"S3 lease {self.object}, unchanged for "
+            f"{time.monotonic() - first_seen:.0f} s; expires after "
+            f"{body.get('ttl_seconds', self.ttl)} s without renewal)"
+        )
 
     def release(self) -> None:
         with self._mutex:
@@ -164,8 +180,13 @@ class S3Lease:
         try:
             self._store.call("delete_object", Key=self.object, IfMatch=etag)
         except StoreUnreachable as err:
-            logger.warning("compile cache: could not release the lease %s (%s); it expires "
-                           "after %.0f s without renewal", self.object, err, self.ttl)
+            logger.warning(
+                "compile cache: could not release the lease %s (%s); it expires "
+                "after %.0f s without renewal",
+                self.object,
+                err,
+                self.ttl,
+            )
         except Exception as err:
             if not (is_conflict(err) or is_missing(err)):
                 raise

@@ -8,8 +8,14 @@ with a token per row from the on-device sampler plus logits for only the rows wh
 sampling needs the host, so at a 151,936-token vocabulary a device-sampled row costs a
 few bytes instead of 600 KB; `forward` returns every real row's logits (warm-up,
 measurement, host sampling when on-device sampling is off).
-`nxd.py` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
+`nxd/` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
 CPU, so everything above this seam is exercised without hardware.
+
+Two Protocols, because a backend has two users: `LoadedBackend` is what the model runner
+and the worker call once a model is loaded, wherever it runs (`runner.client.
+RunnerBackend` serves it across a process boundary); `Backend` adds what the loader
+drives in the process where the backend runs: compile graphs into a folder, load them
+from one. mypy holds each implementation to its Protocol (`loader.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, TOKEN_GENERATION, ForwardInputs
 from neuron_plugin.core.sampling import SamplingInputs
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 GRAPHS_FILE = "graphs.json"
 Progress = Callable[[str], None]
@@ -46,8 +52,9 @@ class GraphSpec:
 
 def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
     """Every graph a configuration needs, in compile order."""
-    return ([GraphSpec(CONTEXT_ENCODING, s) for s in settings.context_encoding_shapes()]
-            + [GraphSpec(TOKEN_GENERATION, s) for s in settings.token_generation_shapes()])
+    return [GraphSpec(CONTEXT_ENCODING, s) for s in settings.context_encoding_shapes()] + [
+        GraphSpec(TOKEN_GENERATION, s) for s in settings.token_generation_shapes()
+    ]
 
 
 def artifact_record(settings: NeuronSettings, extra: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +88,9 @@ def check_artifact_record(folder: Path, expected: dict[str, Any]) -> None:
     found = json.loads(path.read_text())
     differing = sorted(k for k in expected if found.get(k) != expected[k])
     if differing:
-        details = "; ".join(f"{k}: compiled {found.get(k)!r}, configured {expected[k]!r}"
-                            for k in differing)
+        details = "; ".join(
+            f"{k}: compiled {found.get(k)!r}, configured {expected[k]!r}" for k in differing
+        )
         raise NeuronConfigError(
             f"compiled artifacts in {folder} do not match this configuration ({details}); "
             f"recompile (remove the folder) or restore the settings they were built with."
@@ -95,15 +103,30 @@ class StepOutput:
     i (meaningful where the call's `needs_logits[i]` is false), `logits` holds the rows
     whose `needs_logits` is true, in row order."""
 
-    tokens: np.ndarray    # [num_real] int32
+    tokens: np.ndarray  # [num_real] int32
     logits: torch.Tensor  # [needs_logits.sum(), vocab] float32
 
 
-class Backend(Protocol):
-    """What the model runner and the loader need from a backend."""
+class LoadedBackend(Protocol):
+    """What the model runner and the worker need from a loaded backend."""
 
     name: str
     settings: NeuronSettings
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The model as a torch module, for vLLM's `get_model` (None where it has none)."""
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [inputs.num_real, vocab] for the last real token of each real row."""
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """One serving call with on-device sampling (`sampling` has a row per real row)."""
+
+
+class Backend(LoadedBackend, Protocol):
+    """A backend in this process: what the loader needs to compile and load it through
+    the compile cache."""
 
     def cache_manifest_fields(self) -> dict[str, Any]:
         """Everything besides the settings that changes the compiled graphs."""
@@ -113,9 +136,3 @@ class Backend(Protocol):
 
     def load(self, folder: Path) -> None:
         """Load compiled graphs and weights; allocate the KV cache."""
-
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """Logits [inputs.num_real, vocab] for the last real token of each real row."""
-
-    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
-        """One serving call with on-device sampling (`sampling` has a row per real row)."""

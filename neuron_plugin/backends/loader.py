@@ -10,24 +10,43 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compile_cache.cache import CacheResult, CompileCache
 from compile_cache.manifest import make_manifest
 from compile_cache.stores import open_store
-from neuron_plugin.backends.base import Backend, Progress, graph_specs
-from neuron_plugin.core.settings import GRID_KEYS, NeuronSettings
-from neuron_plugin.core.inputs import padding_inputs
 from neuron_plugin import plugin_logger
+from neuron_plugin.backends.base import Backend, LoadedBackend, Progress, graph_specs
+from neuron_plugin.core.inputs import padding_inputs
+from neuron_plugin.core.settings import GRID_KEYS, NeuronSettings
+
+if TYPE_CHECKING:
+    # mypy holds each implementation to the contract it serves (backends/base.py).
+    from neuron_plugin.backends.nxd.backend import NxDBackend
+    from neuron_plugin.backends.reference.backend import ReferenceBackend
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    _IN_PROCESS: tuple[type[Backend], ...] = (ReferenceBackend, NxDBackend)
+    _ACROSS_PROCESSES: type[LoadedBackend] = RunnerBackend
 
 logger = plugin_logger(__name__)
 
 # Settings that do not change a compiled graph: excluded from the cache key so that
 # toggling them never forces a recompile.
-_RUNTIME_ONLY = frozenset({"backend", "architecture", "kv_layout_reason", "skip_warmup",
-                           "backend_python", "dp_degree", "rank_cores",
-                           "max_num_seqs_reason",
-                           "dtype", *GRID_KEYS})
+_RUNTIME_ONLY = frozenset(
+    {
+        "backend",
+        "architecture",
+        "kv_layout_reason",
+        "skip_warmup",
+        "backend_python",
+        "dp_degree",
+        "rank_cores",
+        "max_num_seqs_reason",
+        "dtype",
+        *GRID_KEYS,
+    }
+)
 
 
 def make_backend(settings: NeuronSettings, model_dir: str | Path) -> Backend:
@@ -36,7 +55,7 @@ def make_backend(settings: NeuronSettings, model_dir: str | Path) -> Backend:
         from neuron_plugin.backends.reference.backend import ReferenceBackend
 
         return ReferenceBackend(settings, model_dir)
-    from neuron_plugin.backends.nxd import NxDBackend
+    from neuron_plugin.backends.nxd.backend import NxDBackend
 
     return NxDBackend(settings, model_dir)
 
@@ -58,8 +77,9 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     )
 
 
-def compile_into_cache(backend: Backend, cache: CompileCache,
-                       progress: Progress | None = None) -> CacheResult:
+def compile_into_cache(
+    backend: Backend, cache: CompileCache, progress: Progress | None = None
+) -> CacheResult:
     """Return a verified local folder of compiled graphs, compiling only on a miss. Each
     compiled graph is logged (name, n of N, elapsed), so a serve-time miss shows where
     it is; `progress` also gets each graph's name (precompile's progress bar)."""
@@ -67,16 +87,22 @@ def compile_into_cache(backend: Backend, cache: CompileCache,
     total = len(graph_specs(backend.settings))
 
     def build(folder: Path) -> None:
-        logger.info("compiling %d graphs for %s backend into the compile cache", total,
-                    backend.name)
+        logger.info(
+            "compiling %d graphs for %s backend into the compile cache", total, backend.name
+        )
         started = time.perf_counter()
         done = 0
 
         def compiled(name: str) -> None:
             nonlocal done
             done += 1
-            logger.info("compiled graph %s (%d of %d), %.1f s so far", name, done, total,
-                        time.perf_counter() - started)
+            logger.info(
+                "compiled graph %s (%d of %d), %.1f s so far",
+                name,
+                done,
+                total,
+                time.perf_counter() - started,
+            )
             if progress is not None:
                 progress(name)
 
@@ -87,17 +113,26 @@ def compile_into_cache(backend: Backend, cache: CompileCache,
     # compile (who, since when, progress) and refusals are visible in the serving log.
     result = cache.get_or_build(manifest, build, log=logger)
     if result.hit:
-        logger.info("compile cache hit: key %s, loading %d compiled graphs from %s",
-                    result.key, total, result.path)
+        logger.info(
+            "compile cache hit: key %s, loading %d compiled graphs from %s",
+            result.key,
+            total,
+            result.path,
+        )
     else:
-        logger.info("compile cache %s; compiled and %s %d graphs under key %s",
-                    result.reason, "published" if result.in_store else "kept on this host",
-                    total, result.key)
+        logger.info(
+            "compile cache %s; compiled and %s %d graphs under key %s",
+            result.reason,
+            "published" if result.in_store else "kept on this host",
+            total,
+            result.key,
+        )
     return result
 
 
-def load_backend(settings: NeuronSettings, model_dir: str | Path,
-                 cache_url: str | None = None) -> tuple[Backend, CacheResult]:
+def load_backend(
+    settings: NeuronSettings, model_dir: str | Path, cache_url: str | None = None
+) -> tuple[Backend, CacheResult]:
     """Build, compile-or-fetch, and load the backend for one configuration."""
     backend = make_backend(settings, model_dir)
     cache = CompileCache(open_store(cache_url))
@@ -107,13 +142,17 @@ def load_backend(settings: NeuronSettings, model_dir: str | Path,
         started = time.perf_counter()
         for graph in graph_specs(settings):
             backend.forward(padding_inputs(settings, graph.phase, graph.shape))
-        logger.info("warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true "
-                    "skips it)", len(graph_specs(settings)), time.perf_counter() - started)
+        logger.info(
+            "warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true skips it)",
+            len(graph_specs(settings)),
+            time.perf_counter() - started,
+        )
     return backend, result
 
 
-def open_backend(settings: NeuronSettings, model_dir: str | Path,
-                 cache_url: str | None = None) -> Backend:
+def open_backend(
+    settings: NeuronSettings, model_dir: str | Path, cache_url: str | None = None
+) -> LoadedBackend:
     """The loaded backend: in this process, or in a runner process started under
     `settings.backend_python` (the Neuron SDK's interpreter)."""
     if not settings.backend_python:
@@ -129,14 +168,18 @@ def open_backend(settings: NeuronSettings, model_dir: str | Path,
     return backend
 
 
-def compile_configuration(settings: NeuronSettings, model_dir: str | Path,
-                          cache_url: str | None = None,
-                          progress: Progress | None = None) -> CacheResult:
+def compile_configuration(
+    settings: NeuronSettings,
+    model_dir: str | Path,
+    cache_url: str | None = None,
+    progress: Progress | None = None,
+) -> CacheResult:
     """Compile-or-fetch without loading (precompile), where the backend runs: in this
     process, or in its runner (whose progress arrives as log lines, not callbacks)."""
     if not settings.backend_python:
-        return compile_into_cache(make_backend(settings, model_dir),
-                                  CompileCache(open_store(cache_url)), progress)
+        return compile_into_cache(
+            make_backend(settings, model_dir), CompileCache(open_store(cache_url)), progress
+        )
     from neuron_plugin.backends.runner.client import RunnerBackend
 
     backend = RunnerBackend(settings, model_dir)

@@ -36,6 +36,7 @@ def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        shapes.update({name: list(entry["shape"]) for name, entry in header.items()
-                       if name != "__metadata__"})
+        shapes.update(
+            {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+        )
     return shapes

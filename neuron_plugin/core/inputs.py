@@ -36,17 +36,35 @@ class ForwardInputs:
 
     phase: str
     bucket: tuple[int, ...]
-    input_ids: np.ndarray            # [batch, active] int64
-    position_ids: np.ndarray         # [batch, active] int64
-    seq_ids: np.ndarray              # [batch] int64
+    input_ids: np.ndarray  # [batch, active] int64
+    position_ids: np.ndarray  # [batch, active] int64
+    seq_ids: np.ndarray  # [batch] int64
     slot_mapping: np.ndarray | None  # [batch, active] int64, block layout only
-    block_table: np.ndarray | None   # [batch, max_blocks] int64, block layout only
-    full_context_lens: np.ndarray    # [batch] int64
+    block_table: np.ndarray | None  # [batch, max_blocks] int64, block layout only
+    full_context_lens: np.ndarray  # [batch] int64
     computed_context_lens: np.ndarray  # [batch] int64
     num_real: int
     # Context encoding only: the request's token ids [0, full_context_len). NxDI's
     # prefix-caching graphs take the whole context as input_ids (vllm-neuron does too).
     context_ids: np.ndarray | None = None
+
+    def block_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_mapping, block_table) of a block-layout call."""
+        if self.slot_mapping is None or self.block_table is None:
+            raise ValueError(
+                "a block-layout call without slot_mapping/block_table; this is a plugin "
+                "bug, please report it with your --enable-prefix-caching/--block-size."
+            )
+        return self.slot_mapping, self.block_table
+
+    def whole_context(self) -> np.ndarray:
+        """The request's token ids [0, full_context_len) of a context encoding."""
+        if self.context_ids is None:
+            raise ValueError(
+                f"a {self.phase} call carries no context ids; this is a plugin bug, "
+                f"please report it."
+            )
+        return self.context_ids
 
     @property
     def real_tokens(self) -> int:
@@ -78,15 +96,23 @@ def pad_block_tables(block_ids: Sequence[Sequence[int]], rows: int, width: int) 
     return table
 
 
-def context_encoding_bucket(settings: NeuronSettings, num_tokens: int, start: int) -> tuple[int, ...]:
+def context_encoding_bucket(
+    settings: NeuronSettings, num_tokens: int, start: int
+) -> tuple[int, ...]:
     """The graph for a prefill of `num_tokens` new tokens after `start` computed ones:
     the first fit, or in the block layout NxDI's own prefix-caching choice (which moves
     the tail of the prefix into spare active slots; see bucketing.fit)."""
     if settings.is_block_layout:
-        return prefix_caching_fit(settings.context_encoding_buckets, settings.prefix_buckets,
-                                  num_tokens, start)
-    return (first_fit(settings.context_encoding_buckets, num_tokens,
-                      what="context-encoding bucket (prompt tokens)"),)
+        return prefix_caching_fit(
+            settings.context_encoding_buckets, settings.prefix_buckets, num_tokens, start
+        )
+    return (
+        first_fit(
+            settings.context_encoding_buckets,
+            num_tokens,
+            what="context-encoding bucket (prompt tokens)",
+        ),
+    )
 
 
 def context_encoding_need(settings: NeuronSettings, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -94,28 +120,49 @@ def context_encoding_need(settings: NeuronSettings, shape: tuple[int, ...]) -> t
     `shape` (warm-up and measurement drive each graph with one)."""
     if not settings.is_block_layout:
         return shape[0], 0
-    need = prefix_caching_need(settings.context_encoding_buckets, settings.prefix_buckets,
-                               tuple(shape), settings.max_model_len)
+    need = prefix_caching_need(
+        settings.context_encoding_buckets,
+        settings.prefix_buckets,
+        (shape[0], shape[1]),
+        settings.max_model_len,
+    )
     if need is None:
-        raise ValueError(f"no prefill of at most max_model_len={settings.max_model_len} "
-                         f"tokens runs the context-encoding graph {tuple(shape)}; it is not "
-                         f"one of settings.context_encoding_shapes()")
+        raise ValueError(
+            f"no prefill of at most max_model_len={settings.max_model_len} "
+            f"tokens runs the context-encoding graph {tuple(shape)}; it is not "
+            f"one of settings.context_encoding_shapes()"
+        )
     return need
 
 
-def token_generation_bucket(settings: NeuronSettings, batch: int, context_len: int) -> tuple[int, int]:
+def token_generation_bucket(
+    settings: NeuronSettings, batch: int, context_len: int
+) -> tuple[int, int]:
     """First fit for a decode batch that needs `batch` rows and whose longest row needs
     `context_len` positions. The token-generation grid is a full cross product and cost
     grows in both dimensions, so the least-cost fitting shape is the first fit of each
     dimension."""
-    return (first_fit(settings.token_generation_batches, batch,
-                      what="token_generation_batches (decode batch size)"),
-            first_fit(settings.token_generation_buckets, context_len,
-                      what="token_generation_buckets (context length)"))
+    return (
+        first_fit(
+            settings.token_generation_batches,
+            batch,
+            what="token_generation_batches (decode batch size)",
+        ),
+        first_fit(
+            settings.token_generation_buckets,
+            context_len,
+            what="token_generation_buckets (context length)",
+        ),
+    )
 
 
-def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, start: int,
-                            seq_id: int, block_ids: Sequence[int] | None) -> ForwardInputs:
+def context_encoding_inputs(
+    settings: NeuronSettings,
+    context_ids: np.ndarray,
+    start: int,
+    seq_id: int,
+    block_ids: Sequence[int] | None,
+) -> ForwardInputs:
     """One prefill (batch 1) of tokens [start, len(context_ids)) of a request, whose
     first `start` tokens are already in the KV cache (a prefix hit or earlier chunks).
 
@@ -125,9 +172,13 @@ def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, s
     end = int(context_ids.shape[0])
     count = end - start
     if settings.is_block_layout and end == 1:
-        return token_generation_inputs(settings, np.asarray(context_ids[:1]),
-                                       np.zeros(1, dtype=np.int64),
-                                       np.array([seq_id], dtype=np.int64), [block_ids or []])
+        return token_generation_inputs(
+            settings,
+            np.asarray(context_ids[:1]),
+            np.zeros(1, dtype=np.int64),
+            np.array([seq_id], dtype=np.int64),
+            [block_ids or []],
+        )
     bucket = context_encoding_bucket(settings, count, start)
     active = bucket[0]
     ids = np.zeros((1, active), dtype=np.int64)
@@ -140,17 +191,27 @@ def context_encoding_inputs(settings: NeuronSettings, context_ids: np.ndarray, s
         slots = np.full((1, active), PAD_SLOT, dtype=np.int64)
         slots[:, :count] = slot_mapping(table, positions[:, :count], settings.block_size)
     return ForwardInputs(
-        phase=CONTEXT_ENCODING, bucket=bucket, input_ids=ids, position_ids=positions,
-        seq_ids=np.array([seq_id], dtype=np.int64), slot_mapping=slots, block_table=table,
+        phase=CONTEXT_ENCODING,
+        bucket=bucket,
+        input_ids=ids,
+        position_ids=positions,
+        seq_ids=np.array([seq_id], dtype=np.int64),
+        slot_mapping=slots,
+        block_table=table,
         full_context_lens=np.array([end], dtype=np.int64),
-        computed_context_lens=np.array([start], dtype=np.int64), num_real=1,
+        computed_context_lens=np.array([start], dtype=np.int64),
+        num_real=1,
         context_ids=context_ids,
     )
 
 
-def token_generation_inputs(settings: NeuronSettings, token_ids: np.ndarray,
-                            positions: np.ndarray, seq_ids: np.ndarray,
-                            block_ids: Sequence[Sequence[int]] | None) -> ForwardInputs:
+def token_generation_inputs(
+    settings: NeuronSettings,
+    token_ids: np.ndarray,
+    positions: np.ndarray,
+    seq_ids: np.ndarray,
+    block_ids: Sequence[Sequence[int]] | None,
+) -> ForwardInputs:
     """One decode batch: row i generates from token_ids[i] at positions[i].
 
     In the contiguous layout a graph of batch b serves cache lines (seq_ids) 0..b-1 only:
@@ -177,9 +238,16 @@ def token_generation_inputs(settings: NeuronSettings, token_ids: np.ndarray,
         slots = np.full((rows, 1), PAD_SLOT, dtype=np.int64)
         slots[:real] = slot_mapping(table[:real], pos[:real], settings.block_size)
     return ForwardInputs(
-        phase=TOKEN_GENERATION, bucket=bucket, input_ids=ids, position_ids=pos,
-        seq_ids=seq, slot_mapping=slots, block_table=table, full_context_lens=full,
-        computed_context_lens=computed, num_real=real,
+        phase=TOKEN_GENERATION,
+        bucket=bucket,
+        input_ids=ids,
+        position_ids=pos,
+        seq_ids=seq,
+        slot_mapping=slots,
+        block_table=table,
+        full_context_lens=full,
+        computed_context_lens=computed,
+        num_real=real,
     )
 
 
@@ -192,12 +260,16 @@ def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...])
         rows, active = shape[0], 1
     block = settings.is_block_layout
     return ForwardInputs(
-        phase=phase, bucket=tuple(shape),
+        phase=phase,
+        bucket=tuple(shape),
         input_ids=np.zeros((rows, active), dtype=np.int64),
         position_ids=np.zeros((rows, active), dtype=np.int64),
         seq_ids=np.full(rows, PAD_SEQ_ID, dtype=np.int64),
         slot_mapping=np.full((rows, active), PAD_SLOT, dtype=np.int64) if block else None,
-        block_table=np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64) if block else None,
+        block_table=np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64)
+        if block
+        else None,
         full_context_lens=np.zeros(rows, dtype=np.int64),
-        computed_context_lens=np.zeros(rows, dtype=np.int64), num_real=0,
+        computed_context_lens=np.zeros(rows, dtype=np.int64),
+        num_real=0,
     )

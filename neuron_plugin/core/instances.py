@@ -60,18 +60,21 @@ class InstanceType:
         return self.chip.hbm_bytes // self.chip.logical_cores(lnc)
 
 
-INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
-    InstanceType("inf2.xlarge", INFERENTIA2, 1),
-    InstanceType("inf2.8xlarge", INFERENTIA2, 1),
-    InstanceType("inf2.24xlarge", INFERENTIA2, 6),
-    InstanceType("inf2.48xlarge", INFERENTIA2, 12),
-    InstanceType("trn1.2xlarge", TRAINIUM, 1),
-    InstanceType("trn1.32xlarge", TRAINIUM, 16),
-    InstanceType("trn1n.32xlarge", TRAINIUM, 16),
-    InstanceType("trn2.3xlarge", TRAINIUM2, 1),
-    InstanceType("trn2.48xlarge", TRAINIUM2, 16),
-    InstanceType("trn2u.48xlarge", TRAINIUM2, 16),
-)}
+INSTANCE_TYPES: dict[str, InstanceType] = {
+    t.name: t
+    for t in (
+        InstanceType("inf2.xlarge", INFERENTIA2, 1),
+        InstanceType("inf2.8xlarge", INFERENTIA2, 1),
+        InstanceType("inf2.24xlarge", INFERENTIA2, 6),
+        InstanceType("inf2.48xlarge", INFERENTIA2, 12),
+        InstanceType("trn1.2xlarge", TRAINIUM, 1),
+        InstanceType("trn1.32xlarge", TRAINIUM, 16),
+        InstanceType("trn1n.32xlarge", TRAINIUM, 16),
+        InstanceType("trn2.3xlarge", TRAINIUM2, 1),
+        InstanceType("trn2.48xlarge", TRAINIUM2, 16),
+        InstanceType("trn2u.48xlarge", TRAINIUM2, 16),
+    )
+}
 
 
 def package_version(distribution: str) -> str | None:
@@ -105,8 +108,7 @@ def parse_core_list(value: str) -> list[int]:
         first, last = int(low), int(high) if sep else int(low)
         if last < first:
             raise ValueError(
-                f"{VISIBLE_CORES_ENV}={value!r}: range {part} runs backwards; write "
-                f"{last}-{first}."
+                f"{VISIBLE_CORES_ENV}={value!r}: range {part} runs backwards; write {last}-{first}."
             )
         cores.extend(range(first, last + 1))
     return sorted(set(cores))
@@ -127,35 +129,39 @@ def format_core_list(cores: Sequence[int]) -> str:
     return ",".join(map(str, ordered))
 
 
-def visible_core_ids(environ: Mapping[str, str], devices: Sequence[str],
-                     instance: InstanceType | None) -> tuple[list[int] | None, str]:
+def visible_core_ids(
+    environ: Mapping[str, str], devices: Sequence[str], instance: InstanceType | None
+) -> tuple[list[int] | None, str]:
     """(the NeuronCore ids this process may use, where they come from); None when
     neither the environment nor the host tells."""
     value = environ.get(VISIBLE_CORES_ENV)
     if value:
         return parse_core_list(value), f"{VISIBLE_CORES_ENV}={value}"
     if devices and instance is not None:
-        return (list(range(len(devices) * instance.chip.logical_cores(lnc(environ)))),
-                f"{len(devices)} device(s) of {instance.name}")
+        return (
+            list(range(len(devices) * instance.chip.logical_cores(lnc(environ)))),
+            f"{len(devices)} device(s) of {instance.name}",
+        )
     if devices:
         return None, f"{len(devices)} device(s) of an unknown instance type"
     return None, "no Neuron devices (/dev/neuron*)"
 
 
-def visible_cores(environ: Mapping[str, str], devices: Sequence[str],
-                  instance: InstanceType | None) -> tuple[int | None, str]:
+def visible_cores(
+    environ: Mapping[str, str], devices: Sequence[str], instance: InstanceType | None
+) -> tuple[int | None, str]:
     """(number of NeuronCores this process may use, where that number comes from);
     None when neither the environment nor the host tells."""
     ids, source = visible_core_ids(environ, devices, instance)
     return (None if ids is None else len(ids)), source
 
 
-def host_visible_core_ids(environ: Mapping[str, str] = os.environ
-                          ) -> tuple[list[int] | None, str]:
+def host_visible_core_ids(environ: Mapping[str, str] = os.environ) -> tuple[list[int] | None, str]:
     """`visible_core_ids` for this host."""
     detected = detect_instance_type()
-    return visible_core_ids(environ, neuron_devices(),
-                            INSTANCE_TYPES[detected] if detected else None)
+    return visible_core_ids(
+        environ, neuron_devices(), INSTANCE_TYPES[detected] if detected else None
+    )
 
 
 def host_visible_cores(environ: Mapping[str, str] = os.environ) -> tuple[int | None, str]:
@@ -168,18 +174,20 @@ def rank_cores(tp_degree: int, rank: int, visible: Sequence[int], source: str) -
     """The NeuronCores of data-parallel engine `rank` on this host: the rank-th run of
     `tp_degree` visible cores, in the order they are visible (so a user's range is
     respected and ranks never share a core)."""
-    cores = list(visible[rank * tp_degree:(rank + 1) * tp_degree])
+    cores = list(visible[rank * tp_degree : (rank + 1) * tp_degree])
     if len(cores) < tp_degree:
         raise NeuronConfigError(
             f"data-parallel rank {rank} needs NeuronCores {rank * tp_degree} to "
             f"{(rank + 1) * tp_degree - 1} of the visible ones (--tensor-parallel-size "
             f"{tp_degree} per engine) but only {len(visible)} are visible ({source}); "
-            f"{_fewer_engines(tp_degree, len(visible))}")
+            f"{_fewer_engines(tp_degree, len(visible))}"
+        )
     return cores
 
 
-def core_slices(tp_degree: int, dp_degree: int, visible: Sequence[int],
-                source: str) -> list[list[int]]:
+def core_slices(
+    tp_degree: int, dp_degree: int, visible: Sequence[int], source: str
+) -> list[list[int]]:
     """Each data-parallel rank's NeuronCores (`rank_cores` for ranks 0..dp-1), refused
     as a whole with the arithmetic when TP x DP exceeds the visible cores."""
     needed = tp_degree * dp_degree
@@ -188,14 +196,17 @@ def core_slices(tp_degree: int, dp_degree: int, visible: Sequence[int],
             f"--tensor-parallel-size {tp_degree} x --data-parallel-size {dp_degree} needs "
             f"{needed} NeuronCores ({dp_degree} engine(s) of {tp_degree}) but "
             f"{len(visible)} are visible ({source}); "
-            f"{_fewer_engines(tp_degree, len(visible))}")
+            f"{_fewer_engines(tp_degree, len(visible))}"
+        )
     return [rank_cores(tp_degree, rank, visible, source) for rank in range(dp_degree)]
 
 
 def _fewer_engines(tp_degree: int, visible: int) -> str:
     """The fix for too few cores, as the end of an error message."""
-    more = (f"or make more cores visible ({VISIBLE_CORES_ENV}, or a larger "
-            f"aws.amazon.com/neuroncore request on Kubernetes).")
+    more = (
+        f"or make more cores visible ({VISIBLE_CORES_ENV}, or a larger "
+        f"aws.amazon.com/neuroncore request on Kubernetes)."
+    )
     if visible >= tp_degree:
         return f"lower --data-parallel-size to at most {visible // tp_degree}, {more}"
     return f"lower --tensor-parallel-size to at most {visible}, {more}"

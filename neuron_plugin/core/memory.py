@@ -13,12 +13,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neuron_plugin.core.checkpoint import safetensors_shapes
-
-if TYPE_CHECKING:
-    from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.neuron_settings import NeuronSettings
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,8 +50,13 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int)
     text = hf_config.get("text_config", hf_config)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     kv_heads = text.get("num_key_value_heads", text["num_attention_heads"])
-    return (2 * text["num_hidden_layers"] * kv_heads_per_core(kv_heads, tp_degree) * head_dim
-            * DTYPE_BYTES[dtype])
+    return (
+        2
+        * text["num_hidden_layers"]
+        * kv_heads_per_core(kv_heads, tp_degree)
+        * head_dim
+        * DTYPE_BYTES[dtype]
+    )
 
 
 def weights_per_core(parameters: int | None, dtype: str, tp_degree: int) -> int | None:
@@ -76,14 +79,23 @@ class SequenceBudget:
         return f"{self.free_bytes / GIB:.1f} GiB of HBM per NeuronCore ({self.source})"
 
 
-def sequence_budget(hf_config: Mapping[str, Any], parameters: int | None, dtype: str,
-                    tp_degree: int, memory_per_core: int, source: str) -> SequenceBudget | None:
+def sequence_budget(
+    hf_config: Mapping[str, Any],
+    parameters: int | None,
+    dtype: str,
+    tp_degree: int,
+    memory_per_core: int,
+    source: str,
+) -> SequenceBudget | None:
     """None when the weights' size is unknown (not a local safetensors checkpoint)."""
     weights = weights_per_core(parameters, dtype, tp_degree)
     if weights is None:
         return None
-    return SequenceBudget(int(memory_per_core * USABLE_FRACTION) - weights,
-                          kv_bytes_per_token(hf_config, dtype, tp_degree), source)
+    return SequenceBudget(
+        int(memory_per_core * USABLE_FRACTION) - weights,
+        kv_bytes_per_token(hf_config, dtype, tp_degree),
+        source,
+    )
 
 
 @dataclass(frozen=True)
@@ -99,11 +111,16 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def estimate(settings: NeuronSettings, hf_config: Mapping[str, Any], parameters: int | None,
-             memory_per_core: int) -> MemoryEstimate:
+def estimate(
+    settings: NeuronSettings,
+    hf_config: Mapping[str, Any],
+    parameters: int | None,
+    memory_per_core: int,
+) -> MemoryEstimate:
     """Weights and KV cache per NeuronCore against the core's share of device HBM."""
-    kv = (kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree)
-          * kv_cache_slots(settings))
+    kv = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree) * kv_cache_slots(
+        settings
+    )
     weights = weights_per_core(parameters, settings.dtype, settings.tp_degree)
     total = None if weights is None else weights + kv
     return MemoryEstimate(

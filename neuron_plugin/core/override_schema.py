@@ -51,13 +51,16 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "positive_number": (Annotated[StrictFloat, Field(gt=0)], "a number > 0"),
     "probability": (Annotated[StrictFloat, Field(gt=0, le=1)], "a number in (0, 1]"),
     "text": (StrictStr, "a string"),
-    "dtype": (Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"],
-              "one of 'float32', 'float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2'"),
+    "dtype": (
+        Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"],
+        "one of 'float32', 'float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2'",
+    ),
     "padding_side": (Literal["left", "right"], "'left' or 'right'"),
     "cast_type": (Literal["config", "as-declared"], "'config' or 'as-declared'"),
-    "grid": (Annotated[list[_Positive], Field(min_length=1)],
-             "a non-empty list of positive integers in increasing order, "
-             "e.g. [128, 512, 2048]"),
+    "grid": (
+        Annotated[list[_Positive], Field(min_length=1)],
+        "a non-empty list of positive integers in increasing order, e.g. [128, 512, 2048]",
+    ),
     "prefix_grid": (list[_Count], "a list of whole numbers >= 0, e.g. [0, 512, 2048]"),
     "list": (list, "a list"),
     "object": (dict[str, Any], "an object"),
@@ -131,11 +134,18 @@ _NXDI_KEYS = {
 
 # Keys a release added; every other key is in all of NXDI_RELEASES.
 ADDED_IN = {
-    "0.8": frozenset({
-        "attn_block_tkg_nki_kernel_disable_gpsimd_sb2sb", "disable_argmax_kernel",
-        "dma_order_config", "eagle_rolling_buffer_kernel_enabled", "ep_dispatch_cc_option",
-        "kv_quant_config", "token_generation_batches",
-        "weights_to_skip_layout_optimization"}),
+    "0.8": frozenset(
+        {
+            "attn_block_tkg_nki_kernel_disable_gpsimd_sb2sb",
+            "disable_argmax_kernel",
+            "dma_order_config",
+            "eagle_rolling_buffer_kernel_enabled",
+            "ep_dispatch_cc_option",
+            "kv_quant_config",
+            "token_generation_batches",
+            "weights_to_skip_layout_optimization",
+        }
+    ),
     "0.9": frozenset({"enable_ve_data_parallel"}),
 }
 
@@ -153,25 +163,44 @@ def _field(kind: str, nullable: bool, description: str | None = None) -> tuple[A
 
 
 def _sub_config(name: str, kinds: Mapping[str, str]) -> type[BaseModel]:
-    return create_model(name, __config__=_STRICT,
-                        **{key: _field(kind, False) for key, kind in kinds.items()})
+    fields = {key: _field(kind, False) for key, kind in kinds.items()}
+    # pydantic's stub: mypy matches a **dict against __config__/__base__ as well
+    return create_model(  # type: ignore[call-overload]  # pydantic's **fields stub
+        name, __config__=_STRICT, **fields
+    )
 
 
 # NxDI's nested configs by field (OnDeviceSamplingConfig.sampling_dp_degree is 0.8+),
 # typed so that a refusal names the field rather than a Python type.
 _SUB_CONFIGS: dict[str, type[BaseModel]] = {
-    "on_device_sampling_config": _sub_config("OnDeviceSamplingConfig", {
-        "do_sample": "bool", "dynamic": "bool", "deterministic": "bool",
-        "top_k": "positive", "top_p": "probability", "temperature": "positive_number",
-        "global_topk": "positive", "on_device_sampling_config": "bool",
-        "top_k_kernel_enabled": "bool", "sampling_dp_degree": "positive"}),
-    "chunked_prefill_config": _sub_config("ChunkedPrefillConfig", {
-        "max_num_seqs": "count", "tkg_model_enabled": "bool",
-        "kernel_q_tile_size": "positive", "kernel_kv_tile_size": "positive"}),
+    "on_device_sampling_config": _sub_config(
+        "OnDeviceSamplingConfig",
+        {
+            "do_sample": "bool",
+            "dynamic": "bool",
+            "deterministic": "bool",
+            "top_k": "positive",
+            "top_p": "probability",
+            "temperature": "positive_number",
+            "global_topk": "positive",
+            "on_device_sampling_config": "bool",
+            "top_k_kernel_enabled": "bool",
+            "sampling_dp_degree": "positive",
+        },
+    ),
+    "chunked_prefill_config": _sub_config(
+        "ChunkedPrefillConfig",
+        {
+            "max_num_seqs": "count",
+            "tkg_model_enabled": "bool",
+            "kernel_q_tile_size": "positive",
+            "kernel_kv_tile_size": "positive",
+        },
+    ),
 }
 _SUB_CONFIG_SAYS = {
     "on_device_sampling_config": "an object of NxDI OnDeviceSamplingConfig fields, e.g. "
-                                 "{\"global_topk\": 256}, or null (off)",
+    '{"global_topk": 256}, or null (off)',
     "chunked_prefill_config": "an object of NxDI ChunkedPrefillConfig fields",
 }
 
@@ -203,9 +232,9 @@ VLLM_SETTINGS = {
 # Keys vllm-neuron reads itself (not NeuronConfig keys), with why they cannot work here.
 VLLM_NEURON_KEYS = {
     "text_neuron_config": "it configures vllm-neuron's image-to-text models, and this "
-                          "plugin serves text-only decoder models",
+    "plugin serves text-only decoder models",
     "vision_neuron_config": "it configures vllm-neuron's image-to-text models, and this "
-                            "plugin serves text-only decoder models",
+    "plugin serves text-only decoder models",
 }
 
 
@@ -220,19 +249,28 @@ def nxdi_release(version: str | None) -> str | None:
 
 def release_keys(release: str | None) -> frozenset[str]:
     """Keys NxDI `release` reads; None: every supported release's keys."""
-    later = [keys for added, keys in ADDED_IN.items()
-             if release is not None and NXDI_RELEASES.index(added) > NXDI_RELEASES.index(release)]
+    later = [
+        keys
+        for added, keys in ADDED_IN.items()
+        if release is not None and NXDI_RELEASES.index(added) > NXDI_RELEASES.index(release)
+    ]
     return _ALL_KEYS.difference(*later)
 
 
 @functools.cache
 def _schema(release: str | None) -> type[BaseModel]:
-    fields = {key: _field(*NXDI_KEYS[key]) for key in release_keys(release)
-              if key in NXDI_KEYS}
+    fields = {key: _field(*NXDI_KEYS[key]) for key in release_keys(release) if key in NXDI_KEYS}
     fields.update({key: _field(kind, False) for key, kind in PLUGIN_KEYS.items()})
-    fields.update({key: (model | None, Field(default=None, description=_SUB_CONFIG_SAYS[key]))
-                   for key, model in _SUB_CONFIGS.items()})
-    return create_model("OverrideNeuronConfig", __config__=_STRICT, **fields)
+    fields.update(
+        {
+            key: (model | None, Field(default=None, description=_SUB_CONFIG_SAYS[key]))
+            for key, model in _SUB_CONFIGS.items()
+        }
+    )
+    # pydantic's stub: mypy matches a **dict against __config__/__base__ as well
+    return create_model(  # type: ignore[call-overload]  # pydantic's **fields stub
+        "OverrideNeuronConfig", __config__=_STRICT, **fields
+    )
 
 
 def _closest(word: str, known: set[str] | frozenset[str]) -> str | None:
@@ -246,32 +284,40 @@ def _closest(word: str, known: set[str] | frozenset[str]) -> str | None:
 def _unknown_key(key: str, value: Any, release: str | None, version: str | None) -> str:
     where = f"{PREFIX}.{key}={value!r}"
     if key in VLLM_SETTINGS:
-        return (f"{where} is a vLLM setting, not an NxDI key: set it with vLLM's "
-                f"{VLLM_SETTINGS[key]} and remove it here (the plugin derives NxDI's "
-                f"values from vLLM's).")
+        return (
+            f"{where} is a vLLM setting, not an NxDI key: set it with vLLM's "
+            f"{VLLM_SETTINGS[key]} and remove it here (the plugin derives NxDI's "
+            f"values from vLLM's)."
+        )
     if key in VLLM_NEURON_KEYS:
         return f"{where} is not supported: {VLLM_NEURON_KEYS[key]}; remove {key}."
     if key in _ALL_KEYS:
         added = next(r for r, keys in ADDED_IN.items() if key in keys)
-        return (f"{where} needs NxDI {added} or newer, but the installed NxDI is {version} "
-                f"(release {release}), which ignores it; upgrade NxDI or remove {key}.")
+        return (
+            f"{where} needs NxDI {added} or newer, but the installed NxDI is {version} "
+            f"(release {release}), which ignores it; upgrade NxDI or remove {key}."
+        )
     suggestion = _closest(key, release_keys(release) | set(PLUGIN_KEYS))
-    hint = (f"did you mean {suggestion}?" if suggestion
-            else "remove it (the keys are NxDI NeuronConfig's, see README 'Configuration').")
+    hint = (
+        f"did you mean {suggestion}?"
+        if suggestion
+        else "remove it (the keys are NxDI NeuronConfig's, see README 'Configuration')."
+    )
     releases = f"NxDI {release}" if release else f"NxDI {NXDI_RELEASES[0]}-{NXDI_RELEASES[-1]}"
     return f"{where} is not a key of {releases}'s NeuronConfig nor of this plugin; {hint}"
 
 
-def _describe(model: type[BaseModel], loc: tuple[Any, ...],
-              override: Mapping[str, Any]) -> tuple[str, Any, str]:
+def _describe(
+    model: type[BaseModel], loc: tuple[Any, ...], override: Mapping[str, Any]
+) -> tuple[str, Any, str]:
     """(dotted key, its value, what it must be) for a pydantic error location: the
     sub-config field when the error is inside one, else the top-level key."""
-    key = loc[0]
+    key = str(loc[0])  # a field name: the top level is a mapping
     sub = _SUB_CONFIGS.get(key)
-    if sub is not None and len(loc) > 1 and loc[1] in sub.model_fields:
-        return (f"{key}.{loc[1]}", override[key][loc[1]],
-                sub.model_fields[loc[1]].description)
-    return key, override[key], model.model_fields[key].description
+    field = sub.model_fields.get(str(loc[1])) if sub is not None and len(loc) > 1 else None
+    if field is not None:
+        return f"{key}.{loc[1]}", override[key][loc[1]], field.description or "valid"
+    return key, override[key], model.model_fields[key].description or "valid"
 
 
 def override_problems(override: Mapping[str, Any], nxdi_version: str | None = None) -> list[str]:
@@ -280,8 +326,11 @@ def override_problems(override: Mapping[str, Any], nxdi_version: str | None = No
     `nxdi_version` is None), values of the wrong type or out of range."""
     release = nxdi_release(nxdi_version)
     known = release_keys(release) | set(PLUGIN_KEYS)
-    problems = [_unknown_key(key, value, release, nxdi_version)
-                for key, value in override.items() if key not in known]
+    problems = [
+        _unknown_key(key, value, release, nxdi_version)
+        for key, value in override.items()
+        if key not in known
+    ]
     model = _schema(release)
     try:
         model.model_validate({k: v for k, v in override.items() if k in known})
@@ -290,18 +339,23 @@ def override_problems(override: Mapping[str, Any], nxdi_version: str | None = No
         for error in exc.errors():
             loc = error["loc"]
             if error["type"] == "extra_forbidden":  # a field inside a sub-config
-                parent, field = loc[0], loc[-1]
+                parent, field = str(loc[0]), loc[-1]
                 fields = set(_SUB_CONFIGS[parent].model_fields)
                 suggestion = _closest(str(field), fields)
                 problems.append(
                     f"{PREFIX}.{parent}.{field} is not a field of NxDI's "
                     f"{_SUB_CONFIGS[parent].__name__}; "
-                    + (f"did you mean {suggestion}?" if suggestion
-                       else f"use one of {', '.join(sorted(fields))}."))
+                    + (
+                        f"did you mean {suggestion}?"
+                        if suggestion
+                        else f"use one of {', '.join(sorted(fields))}."
+                    )
+                )
                 continue
             name, value, says = _describe(model, loc, override)
             if name not in seen:
                 seen.add(name)
-                problems.append(f"{PREFIX}.{name}={value!r} must be {says}; fix the value "
-                                f"or remove the key.")
+                problems.append(
+                    f"{PREFIX}.{name}={value!r} must be {says}; fix the value or remove the key."
+                )
     return problems

@@ -56,8 +56,9 @@ def on_device_refusal(params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK) -> st
             return f"{name} needs the host sampler"
     greedy = params.temperature < SAMPLING_EPS
     if not greedy and not 0 < params.top_k <= global_topk:
-        return (f"top_k={params.top_k} samples beyond the on-device sampler's "
-                f"global_topk={global_topk}")
+        return (
+            f"top_k={params.top_k} samples beyond the on-device sampler's global_topk={global_topk}"
+        )
     return None
 
 
@@ -65,10 +66,10 @@ def on_device_refusal(params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK) -> st
 class SamplingInputs:
     """Per real row of one call (see the module docstring); arrays of equal length."""
 
-    top_k: np.ndarray         # int32, 1 = greedy
-    top_p: np.ndarray         # float32 in (0, 1]
-    temperature: np.ndarray   # float32 > 0
-    uniform: np.ndarray       # float32 in [0, 1)
+    top_k: np.ndarray  # int32, 1 = greedy
+    top_p: np.ndarray  # float32 in (0, 1]
+    temperature: np.ndarray  # float32 > 0
+    uniform: np.ndarray  # float32 in [0, 1)
     needs_logits: np.ndarray  # bool: the host samples this row from its logits
 
     ARRAYS = ("top_k", "top_p", "temperature", "uniform", "needs_logits")
@@ -76,23 +77,33 @@ class SamplingInputs:
     @classmethod
     def greedy(cls, rows: int) -> SamplingInputs:
         """Rows nobody samples on the host (padding, warm-up): argmax, no logits."""
-        return cls(top_k=np.ones(rows, dtype=np.int32),
-                   top_p=np.ones(rows, dtype=np.float32),
-                   temperature=np.ones(rows, dtype=np.float32),
-                   uniform=np.zeros(rows, dtype=np.float32),
-                   needs_logits=np.zeros(rows, dtype=bool))
+        return cls(
+            top_k=np.ones(rows, dtype=np.int32),
+            top_p=np.ones(rows, dtype=np.float32),
+            temperature=np.ones(rows, dtype=np.float32),
+            uniform=np.zeros(rows, dtype=np.float32),
+            needs_logits=np.zeros(rows, dtype=bool),
+        )
 
     @classmethod
-    def for_rows(cls, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-                 needs_logits: np.ndarray, uniform: np.ndarray) -> SamplingInputs:
+    def for_rows(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        needs_logits: np.ndarray,
+        uniform: np.ndarray,
+    ) -> SamplingInputs:
         """Encode vLLM's per-row values (temperature 0 = greedy; top_k >= vocab = off)
         as the device sampler takes them."""
         sampled = (temperature >= SAMPLING_EPS) & ~needs_logits
-        return cls(top_k=np.where(sampled, top_k, 1).astype(np.int32),
-                   top_p=np.where(sampled, top_p, 1.0).astype(np.float32),
-                   temperature=np.where(sampled, temperature, 1.0).astype(np.float32),
-                   uniform=uniform.astype(np.float32, copy=False),
-                   needs_logits=needs_logits)
+        return cls(
+            top_k=np.where(sampled, top_k, 1).astype(np.int32),
+            top_p=np.where(sampled, top_p, 1.0).astype(np.float32),
+            temperature=np.where(sampled, temperature, 1.0).astype(np.float32),
+            uniform=uniform.astype(np.float32, copy=False),
+            needs_logits=needs_logits,
+        )
 
     @property
     def rows(self) -> int:
@@ -105,9 +116,9 @@ class SamplingInputs:
     def padded(self, rows: int) -> SamplingInputs:
         """Extended to a graph's `rows` with greedy pad rows."""
         pad = SamplingInputs.greedy(rows - self.rows)
-        return SamplingInputs(*(np.concatenate([getattr(self, n), getattr(pad, n)])
-                                for n in self.ARRAYS))
+        return SamplingInputs(
+            *(np.concatenate([getattr(self, n), getattr(pad, n)]) for n in self.ARRAYS)
+        )
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.ARRAYS}
-

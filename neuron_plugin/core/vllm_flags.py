@@ -24,8 +24,8 @@ WORKER_CLS = "neuron_plugin.serving.worker.NeuronWorker"
 class VllmFlag:
     """One vLLM flag: where VllmConfig holds its value and which values Neuron serves."""
 
-    flag: str           # as on `vllm serve`'s command line
-    path: str           # dotted attribute path from VllmConfig
+    flag: str  # as on `vllm serve`'s command line
+    path: str  # dotted attribute path from VllmConfig
     served: tuple[Any, ...]
     reason: str
     fix: str
@@ -45,85 +45,178 @@ class VllmFlag:
         return f"{given} is not supported on Neuron: {self.reason}; {self.fix}."
 
 
-_NO_GPU_KV = ("the KV cache lives in the compiled NxD graphs' device memory, which vLLM's "
-              "cache managers never see")
+_NO_GPU_KV = (
+    "the KV cache lives in the compiled NxD graphs' device memory, which vLLM's "
+    "cache managers never see"
+)
 _WEIGHTS_ON_DEVICE = "weights live in NeuronCore memory inside the compiled graphs"
-_NOT_GENERATE = ("the Neuron model runner serves text generation only (no pooling, "
-                 "embedding or scoring graphs)")
+_NOT_GENERATE = (
+    "the Neuron model runner serves text generation only (no pooling, embedding or scoring graphs)"
+)
 _OTHER_PLATFORM = "serve this model with vLLM's own platform (without --device neuron)"
 
 VLLM_FLAGS = (
-    VllmFlag("--kv-cache-dtype", "cache_config.cache_dtype", ("auto",),
-             "the compiled graphs keep the KV cache in the model's dtype (--dtype) and "
-             "never read vLLM's KV-cache dtype", "remove --kv-cache-dtype"),
-    VllmFlag("--pipeline-parallel-size", "parallel_config.pipeline_parallel_size", (1,),
-             "NxDI shards a model over NeuronCores with tensor parallelism inside one "
-             "process, so pipeline stages would wait for each other at start-up forever",
-             "use --tensor-parallel-size N (N NeuronCores) instead"),
-    VllmFlag("--decode-context-parallel-size",
-             "parallel_config.decode_context_parallel_size", (1,),
-             "context parallelism is a feature of vLLM's GPU attention kernels, which do "
-             "not run here", "remove --decode-context-parallel-size"),
-    VllmFlag("--enable-expert-parallel", "parallel_config.enable_expert_parallel", (False,),
-             "experts are sharded inside the compiled NxD graphs",
-             "remove it and set NxDI's moe_ep_degree / moe_tp_degree in "
-             "override_neuron_config"),
-    VllmFlag("--distributed-executor-backend",
-             "parallel_config.distributed_executor_backend", (None, "uni", "mp"),
-             "NxDI shards across NeuronCores inside one process (vLLM's uni executor)",
-             "remove --distributed-executor-backend"),
-    VllmFlag("--cpu-offload-gb", "offload_config.uva.cpu_offload_gb", (0, 0.0),
-             _WEIGHTS_ON_DEVICE,
-             "remove it; a larger --tensor-parallel-size spreads the weights over more "
-             "NeuronCores"),
-    VllmFlag("--offload-group-size", "offload_config.prefetch.offload_group_size", (0,),
-             _WEIGHTS_ON_DEVICE, "remove --offload-group-size"),
-    VllmFlag("--kv-offloading-size", "cache_config.kv_offloading_size", (None,),
-             _NO_GPU_KV, "remove --kv-offloading-size"),
-    VllmFlag("--kv-cache-memory-bytes", "cache_config.kv_cache_memory_bytes", (None,),
-             "the KV cache holds exactly the blocks the graphs are compiled for",
-             "size it with --max-num-seqs (and --num-gpu-blocks-override in the block "
-             "layout)"),
-    VllmFlag("--kv-transfer-config", "kv_transfer_config", (None,), _NO_GPU_KV,
-             "remove --kv-transfer-config (disaggregated prefill is not supported)"),
-    VllmFlag("--ec-transfer-config", "ec_transfer_config", (None,),
-             "encoder-cache transfer serves multimodal encoders, which this plugin does "
-             "not run", "remove --ec-transfer-config"),
-    VllmFlag("--quantization", "model_config.quantization", (None,),
-             "vLLM's quantized kernels do not run on NeuronCores (a quantization_config "
-             "in the checkpoint's config.json sets this too)",
-             "serve an unquantized checkpoint and let NxDI quantize it with "
-             "override_neuron_config keys quantized, quantization_dtype and "
-             "quantized_checkpoints_path"),
-    VllmFlag("--enable-prompt-embeds", "model_config.enable_prompt_embeds", (False,),
-             "the compiled graphs take token ids",
-             "remove it and send prompts as text or token ids"),
-    VllmFlag("--runner", "model_config.runner_type", ("generate",), _NOT_GENERATE,
-             f"remove --runner, or {_OTHER_PLATFORM}"),
-    VllmFlag("--convert", "model_config.convert_type", ("none",), _NOT_GENERATE,
-             f"remove --convert, or {_OTHER_PLATFORM}"),
-    VllmFlag("--hf-overrides", "model_config.hf_overrides", ({},),
-             "the backend builds the model from the checkpoint's own config.json, so "
-             "the overrides would change vLLM's view of the model but not the graphs",
-             "edit config.json in a copy of the checkpoint instead"),
-    VllmFlag("--load-format", "load_config.load_format", ("auto", "safetensors"),
-             "the backend reads the checkpoint's *.safetensors files itself",
-             "remove --load-format (convert other formats to safetensors first)"),
-    VllmFlag("--attention-backend", "attention_config.backend", (None,),
-             "attention runs inside the compiled NxD graphs, not in a vLLM attention "
-             "backend", "remove --attention-backend"),
-    VllmFlag("--worker-cls", "parallel_config.worker_cls", ("auto", WORKER_CLS),
-             "the Neuron worker drives the backend", "remove --worker-cls"),
-    VllmFlag("--enable-lora", "lora_config", (None,),
-             "LoRA adapters are not supported by the neuron_plugin platform yet",
-             "remove --enable-lora or merge the adapter into the weights"),
-    VllmFlag("--speculative-config", "speculative_config", (None,),
-             "speculative decoding is not supported by the neuron_plugin platform yet",
-             "remove --speculative-config"),
+    VllmFlag(
+        "--kv-cache-dtype",
+        "cache_config.cache_dtype",
+        ("auto",),
+        "the compiled graphs keep the KV cache in the model's dtype (--dtype) and "
+        "never read vLLM's KV-cache dtype",
+        "remove --kv-cache-dtype",
+    ),
+    VllmFlag(
+        "--pipeline-parallel-size",
+        "parallel_config.pipeline_parallel_size",
+        (1,),
+        "NxDI shards a model over NeuronCores with tensor parallelism inside one "
+        "process, so pipeline stages would wait for each other at start-up forever",
+        "use --tensor-parallel-size N (N NeuronCores) instead",
+    ),
+    VllmFlag(
+        "--decode-context-parallel-size",
+        "parallel_config.decode_context_parallel_size",
+        (1,),
+        "context parallelism is a feature of vLLM's GPU attention kernels, which do not run here",
+        "remove --decode-context-parallel-size",
+    ),
+    VllmFlag(
+        "--enable-expert-parallel",
+        "parallel_config.enable_expert_parallel",
+        (False,),
+        "experts are sharded inside the compiled NxD graphs",
+        "remove it and set NxDI's moe_ep_degree / moe_tp_degree in override_neuron_config",
+    ),
+    VllmFlag(
+        "--distributed-executor-backend",
+        "parallel_config.distributed_executor_backend",
+        (None, "uni", "mp"),
+        "NxDI shards across NeuronCores inside one process (vLLM's uni executor)",
+        "remove --distributed-executor-backend",
+    ),
+    VllmFlag(
+        "--cpu-offload-gb",
+        "offload_config.uva.cpu_offload_gb",
+        (0, 0.0),
+        _WEIGHTS_ON_DEVICE,
+        "remove it; a larger --tensor-parallel-size spreads the weights over more NeuronCores",
+    ),
+    VllmFlag(
+        "--offload-group-size",
+        "offload_config.prefetch.offload_group_size",
+        (0,),
+        _WEIGHTS_ON_DEVICE,
+        "remove --offload-group-size",
+    ),
+    VllmFlag(
+        "--kv-offloading-size",
+        "cache_config.kv_offloading_size",
+        (None,),
+        _NO_GPU_KV,
+        "remove --kv-offloading-size",
+    ),
+    VllmFlag(
+        "--kv-cache-memory-bytes",
+        "cache_config.kv_cache_memory_bytes",
+        (None,),
+        "the KV cache holds exactly the blocks the graphs are compiled for",
+        "size it with --max-num-seqs (and --num-gpu-blocks-override in the block layout)",
+    ),
+    VllmFlag(
+        "--kv-transfer-config",
+        "kv_transfer_config",
+        (None,),
+        _NO_GPU_KV,
+        "remove --kv-transfer-config (disaggregated prefill is not supported)",
+    ),
+    VllmFlag(
+        "--ec-transfer-config",
+        "ec_transfer_config",
+        (None,),
+        "encoder-cache transfer serves multimodal encoders, which this plugin does not run",
+        "remove --ec-transfer-config",
+    ),
+    VllmFlag(
+        "--quantization",
+        "model_config.quantization",
+        (None,),
+        "vLLM's quantized kernels do not run on NeuronCores (a quantization_config "
+        "in the checkpoint's config.json sets this too)",
+        "serve an unquantized checkpoint and let NxDI quantize it with "
+        "override_neuron_config keys quantized, quantization_dtype and "
+        "quantized_checkpoints_path",
+    ),
+    VllmFlag(
+        "--enable-prompt-embeds",
+        "model_config.enable_prompt_embeds",
+        (False,),
+        "the compiled graphs take token ids",
+        "remove it and send prompts as text or token ids",
+    ),
+    VllmFlag(
+        "--runner",
+        "model_config.runner_type",
+        ("generate",),
+        _NOT_GENERATE,
+        f"remove --runner, or {_OTHER_PLATFORM}",
+    ),
+    VllmFlag(
+        "--convert",
+        "model_config.convert_type",
+        ("none",),
+        _NOT_GENERATE,
+        f"remove --convert, or {_OTHER_PLATFORM}",
+    ),
+    VllmFlag(
+        "--hf-overrides",
+        "model_config.hf_overrides",
+        ({},),
+        "the backend builds the model from the checkpoint's own config.json, so "
+        "the overrides would change vLLM's view of the model but not the graphs",
+        "edit config.json in a copy of the checkpoint instead",
+    ),
+    VllmFlag(
+        "--load-format",
+        "load_config.load_format",
+        ("auto", "safetensors"),
+        "the backend reads the checkpoint's *.safetensors files itself",
+        "remove --load-format (convert other formats to safetensors first)",
+    ),
+    VllmFlag(
+        "--attention-backend",
+        "attention_config.backend",
+        (None,),
+        "attention runs inside the compiled NxD graphs, not in a vLLM attention backend",
+        "remove --attention-backend",
+    ),
+    VllmFlag(
+        "--worker-cls",
+        "parallel_config.worker_cls",
+        ("auto", WORKER_CLS),
+        "the Neuron worker drives the backend",
+        "remove --worker-cls",
+    ),
+    VllmFlag(
+        "--enable-lora",
+        "lora_config",
+        (None,),
+        "LoRA adapters are not supported by the neuron_plugin platform yet",
+        "remove --enable-lora or merge the adapter into the weights",
+    ),
+    VllmFlag(
+        "--speculative-config",
+        "speculative_config",
+        (None,),
+        "speculative decoding is not supported by the neuron_plugin platform yet",
+        "remove --speculative-config",
+    ),
 )
 
 
 def flag_problems(values: Mapping[str, Any]) -> list[str]:
     """One message per flag in `values` (flag -> vLLM's value) that Neuron cannot serve."""
-    return [message for flag in VLLM_FLAGS if flag.flag in values
-            if (message := flag.refusal(values[flag.flag])) is not None]
+    return [
+        message
+        for flag in VLLM_FLAGS
+        if flag.flag in values
+        if (message := flag.refusal(values[flag.flag])) is not None
+    ]

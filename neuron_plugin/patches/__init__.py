@@ -16,16 +16,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from neuron_plugin import plugin_logger
-from neuron_plugin.patches import adapter_inputs, bucket_fit, prefix_lens
+from neuron_plugin.patches import (
+    adapter_inputs,
+    bucket_fit,
+    prefix_lens,
+    prefix_prefill_mask,
+    sampler_top_p,
+)
 from neuron_plugin.patches.base import NxDIModules, Patch
 
 logger = plugin_logger(__name__)
 
 DISABLE_ENV = "VLLM_NEURON_DISABLE_PATCHES"
-PATCHES: tuple[Patch, ...] = (adapter_inputs.PATCH, prefix_lens.PATCH, bucket_fit.PATCH)
+PATCHES: tuple[Patch, ...] = (
+    adapter_inputs.PATCH,
+    prefix_lens.PATCH,
+    bucket_fit.PATCH,
+    prefix_prefill_mask.PATCH,
+    sampler_top_p.PATCH,
+)
 
-__all__ = ["DISABLE_ENV", "PATCHES", "NxDIModules", "Patch", "PatchOutcome",
-           "apply_patches", "disabled_patches"]
+__all__ = [
+    "DISABLE_ENV",
+    "PATCHES",
+    "NxDIModules",
+    "Patch",
+    "PatchOutcome",
+    "apply_patches",
+    "disabled_patches",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +73,9 @@ def disabled_patches(environ: Mapping[str, str] = os.environ) -> frozenset[str]:
     return frozenset(chosen)
 
 
-def apply_patches(modules: NxDIModules,
-                  environ: Mapping[str, str] = os.environ) -> list[PatchOutcome]:
+def apply_patches(
+    modules: NxDIModules, environ: Mapping[str, str] = os.environ
+) -> list[PatchOutcome]:
     """Probe and, where the defect is present, fix each registered defect once."""
     disabled = disabled_patches(environ)
     outcomes = []
@@ -65,13 +85,15 @@ def apply_patches(modules: NxDIModules,
         else:
             evidence = patch.probe(modules)
             if evidence is None:
-                outcome = PatchOutcome(patch.name, "not needed",
-                                       "the installed NxDI does not have this defect")
+                outcome = PatchOutcome(
+                    patch.name, "not needed", "the installed NxDI does not have this defect"
+                )
             elif patch.apply(modules):
                 outcome = PatchOutcome(patch.name, "applied", evidence)
             else:
                 outcome = PatchOutcome(patch.name, "already applied", evidence)
-        logger.info("NxDI patch %s: %s (%s; %s)", outcome.name, outcome.status,
-                    patch.defect, outcome.detail)
+        logger.info(
+            "NxDI patch %s: %s (%s; %s)", outcome.name, outcome.status, patch.defect, outcome.detail
+        )
         outcomes.append(outcome)
     return outcomes

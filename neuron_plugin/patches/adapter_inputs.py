@@ -37,32 +37,42 @@ def accepted_inputs(forward: Callable, inputs: Mapping[str, Any]) -> dict[str, A
         return dict(inputs)
     dropped = [k for k, v in inputs.items() if k not in params and v is not None]
     if dropped:
-        logger.warning("NxDI patch %s: this NxDI's forward() takes no %s; the values "
-                       "given are ignored", NAME, ", ".join(dropped))
+        logger.warning(
+            "NxDI patch %s: this NxDI's forward() takes no %s; the values given are ignored",
+            NAME,
+            ", ".join(dropped),
+        )
     return {k: v for k, v in inputs.items() if k in params}
 
 
 def _missing_global(modules: NxDIModules) -> bool:
-    prepare = unpatched(modules.hf_adapter.HuggingFaceGenerationAdapter
-                        .prepare_inputs_for_generation)
-    return (HOOK in prepare.__code__.co_names and not hasattr(modules.hf_adapter, HOOK)
-            and not hasattr(builtins, HOOK))
+    prepare = unpatched(
+        modules.hf_adapter.HuggingFaceGenerationAdapter.prepare_inputs_for_generation
+    )
+    return (
+        HOOK in prepare.__code__.co_names
+        and not hasattr(modules.hf_adapter, HOOK)
+        and not hasattr(builtins, HOOK)
+    )
 
 
 def probe(modules: NxDIModules) -> str | None:
     forward = modules.model_base.NeuronBaseForCausalLM.forward
     params = inspect.signature(forward).parameters
     takes_hook = HOOK in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    prepare = unpatched(modules.hf_adapter.HuggingFaceGenerationAdapter
-                        .prepare_inputs_for_generation)
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+    prepare = unpatched(
+        modules.hf_adapter.HuggingFaceGenerationAdapter.prepare_inputs_for_generation
+    )
     if _missing_global(modules):
-        return (f"prepare_inputs_for_generation reads {HOOK} as an undefined global "
-                f"(NameError)")
+        return f"prepare_inputs_for_generation reads {HOOK} as an undefined global (NameError)"
     if takes_hook or not code_mentions(prepare.__code__, HOOK):
         return None
-    return (f"prepare_inputs_for_generation passes {HOOK} but "
-            f"NeuronBaseForCausalLM.forward() has no such parameter (TypeError)")
+    return (
+        f"prepare_inputs_for_generation passes {HOOK} but "
+        f"NeuronBaseForCausalLM.forward() has no such parameter (TypeError)"
+    )
 
 
 def apply(modules: NxDIModules) -> bool:
@@ -73,10 +83,12 @@ def apply(modules: NxDIModules) -> bool:
         def prepare_inputs_for_generation(self, *args, **kwargs):
             inputs = original(self, *args, **kwargs)
             return accepted_inputs(self.neuron_model.forward, inputs)
+
         return prepare_inputs_for_generation
 
-    return replace_method(modules.hf_adapter.HuggingFaceGenerationAdapter,
-                          "prepare_inputs_for_generation", NAME, make)
+    return replace_method(
+        modules.hf_adapter.HuggingFaceGenerationAdapter, "prepare_inputs_for_generation", NAME, make
+    )
 
 
 PATCH = Patch(

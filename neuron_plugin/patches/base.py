@@ -16,9 +16,11 @@ MARKER = "__neuron_plugin_patch__"
 class NxDIModules:
     """The NxDI modules the patches touch (imported by `backends.nxd`)."""
 
-    model_base: ModuleType      # neuronx_distributed_inference.models.model_base
-    model_wrapper: ModuleType   # neuronx_distributed_inference.models.model_wrapper
-    hf_adapter: ModuleType      # neuronx_distributed_inference.utils.hf_adapter
+    model_base: ModuleType  # neuronx_distributed_inference.models.model_base
+    model_wrapper: ModuleType  # neuronx_distributed_inference.models.model_wrapper
+    hf_adapter: ModuleType  # neuronx_distributed_inference.utils.hf_adapter
+    attention_base: ModuleType  # neuronx_distributed_inference.modules.attention.attention_base
+    sampling: ModuleType  # neuronx_distributed_inference.modules.generation.sampling
 
 
 @dataclass(frozen=True)
@@ -33,29 +35,31 @@ class Patch:
 
 
 def unpatched(function: Callable) -> Callable:
-    """The function as NxDI defined it, under any wrappers of this package."""
-    while getattr(function, MARKER, None):
-        function = function.__wrapped__
+    """The function as NxDI defined it, under any wrappers of this package (each marked
+    with (patch name, the function it wraps) by `replace_method`)."""
+    while (mark := getattr(function, MARKER, None)) is not None:
+        function = mark[1]
     return function
 
 
 def is_patched(function: Callable, name: str) -> bool:
-    while getattr(function, MARKER, None):
-        if getattr(function, MARKER) == name:
+    while (mark := getattr(function, MARKER, None)) is not None:
+        if mark[0] == name:
             return True
-        function = function.__wrapped__
+        function = mark[1]
     return False
 
 
-def replace_method(cls: type, attribute: str, name: str,
-                   make: Callable[[Callable], Callable]) -> bool:
+def replace_method(
+    cls: type, attribute: str, name: str, make: Callable[[Callable], Callable]
+) -> bool:
     """Set `cls.attribute = make(current)`, marked with `name`; False (and no change)
     when a wrapper with that name is already in place."""
     current = getattr(cls, attribute)
     if is_patched(current, name):
         return False
     wrapper = functools.wraps(current)(make(current))
-    setattr(wrapper, MARKER, name)
+    setattr(wrapper, MARKER, (name, current))
     setattr(cls, attribute, wrapper)
     return True
 

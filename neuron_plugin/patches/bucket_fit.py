@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpatched
 
@@ -37,15 +38,19 @@ def _stand_in_wrapper(model_wrapper_module) -> object:
     """An object with ModelWrapper's methods and the attributes bucket selection reads,
     without building a torch module."""
     cls = model_wrapper_module.ModelWrapper
-    methods = {name: value for name, value in vars(cls).items() if callable(value)
-               and not name.startswith("__")}
+    methods = {
+        name: value
+        for name, value in vars(cls).items()
+        if callable(value) and not name.startswith("__")
+    }
     probe_cls = type("ModelWrapperProbe", (), methods)
-    stand_in = object.__new__(probe_cls)
+    stand_in: Any = object.__new__(probe_cls)
     stand_in.tag = model_wrapper_module.CONTEXT_ENCODING_MODEL_TAG
     stand_in.is_batch_bucketing = False
     stand_in.async_mode = False
-    stand_in.neuron_config = SimpleNamespace(buckets=list(PROBE_BUCKETS), speculation_length=0,
-                                             allow_input_truncation=False)
+    stand_in.neuron_config = SimpleNamespace(
+        buckets=list(PROBE_BUCKETS), speculation_length=0, allow_input_truncation=False
+    )
     return stand_in
 
 
@@ -57,8 +62,10 @@ def probe(modules: NxDIModules) -> str | None:
     chosen = select(_stand_in_wrapper(modules.model_wrapper), tokens, tokens, tokens)
     if chosen == PROBE_BUCKETS[0]:
         return None
-    return (f"get_target_bucket puts a {PROBE_BUCKETS[0]}-token context into bucket "
-            f"{chosen} of {PROBE_BUCKETS} (strict <)")
+    return (
+        f"get_target_bucket puts a {PROBE_BUCKETS[0]}-token context into bucket "
+        f"{chosen} of {PROBE_BUCKETS} (strict <)"
+    )
 
 
 def apply(modules: NxDIModules) -> bool:
@@ -71,6 +78,7 @@ def apply(modules: NxDIModules) -> bool:
                 if bucket is not None:
                     return bucket
             return original(self, *args, strategy=strategy)
+
         return get_target_bucket
 
     return replace_method(modules.model_wrapper.ModelWrapper, "get_target_bucket", NAME, make)

@@ -25,8 +25,9 @@ from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpat
 NAME = "adapter-prefix-lens"
 
 
-def prefix_cache_inputs(attention_mask: Any, decoding: bool, *, block_size: int,
-                        seq_len: int, num_blocks: int) -> dict[str, Any]:
+def prefix_cache_inputs(
+    attention_mask: Any, decoding: bool, *, block_size: int, seq_len: int, num_blocks: int
+) -> dict[str, Any]:
     """NxD contract arrays for one adapter step: full/computed context lengths
     [batch, 1], a block table [batch, active blocks] and the slot of every input token
     (-1 for padding). `attention_mask` covers every token so far, this step's included."""
@@ -52,22 +53,34 @@ def prefix_cache_inputs(attention_mask: Any, decoding: bool, *, block_size: int,
         positions, real = mask.cumsum(dim=-1) - 1, mask.bool()
     positions = positions.clamp(min=0)
     blocks = torch.gather(table, 1, (positions // block_size).clamp(max=table.shape[1] - 1))
-    slots = torch.where(real, blocks * block_size + positions % block_size,
-                        torch.full_like(positions, -1))
-    return {"full_context_lens": full, "computed_context_lens": computed,
-            "block_table": table, "slot_mapping": slots}
+    slots = torch.where(
+        real, blocks * block_size + positions % block_size, torch.full_like(positions, -1)
+    )
+    return {
+        "full_context_lens": full,
+        "computed_context_lens": computed,
+        "block_table": table,
+        "slot_mapping": slots,
+    }
 
 
 def _stand_in_adapter() -> SimpleNamespace:
     """The attributes prepare_inputs_for_generation reads, for a prefill step of a
     prefix-caching configuration (a fixed adapter may read any of them)."""
     return SimpleNamespace(
-        neuron_model=SimpleNamespace(kv_cache_populated=False,
-                                     get_required_kwargs=lambda: []),
+        neuron_model=SimpleNamespace(kv_cache_populated=False, get_required_kwargs=list),
         neuron_config=SimpleNamespace(
-            is_prefix_caching=True, is_block_kv_layout=True, seq_len=8, pa_block_size=4,
-            pa_num_blocks=4, padding_side="right", tensor_replacement_config=None,
-            on_device_sampling_config=None, lora_config=None, speculation_length=0),
+            is_prefix_caching=True,
+            is_block_kv_layout=True,
+            seq_len=8,
+            pa_block_size=4,
+            pa_num_blocks=4,
+            padding_side="right",
+            tensor_replacement_config=None,
+            on_device_sampling_config=None,
+            lora_config=None,
+            speculation_length=0,
+        ),
         input_start_offsets=None,
         prev_kv_cache_populated=False,
     )
@@ -76,17 +89,22 @@ def _stand_in_adapter() -> SimpleNamespace:
 def probe(modules: NxDIModules) -> str | None:
     import torch
 
-    prepare = unpatched(modules.hf_adapter.HuggingFaceGenerationAdapter
-                        .prepare_inputs_for_generation)
+    prepare = unpatched(
+        modules.hf_adapter.HuggingFaceGenerationAdapter.prepare_inputs_for_generation
+    )
     ids = torch.tensor([[11, 12, 13]])
     try:
         inputs = prepare(_stand_in_adapter(), ids, attention_mask=torch.ones_like(ids))
     except Exception as exc:  # the probe input is valid; any failure means "defective"
-        return (f"prepare_inputs_for_generation fails on a prefix-caching prefill "
-                f"({type(exc).__name__}: {exc})")
+        return (
+            f"prepare_inputs_for_generation fails on a prefix-caching prefill "
+            f"({type(exc).__name__}: {exc})"
+        )
     if inputs.get("full_context_lens") is None or inputs.get("computed_context_lens") is None:
-        return ("with is_prefix_caching the adapter passes no full_context_lens / "
-                "computed_context_lens (forward fails: NoneType - NoneType)")
+        return (
+            "with is_prefix_caching the adapter passes no full_context_lens / "
+            "computed_context_lens (forward fails: NoneType - NoneType)"
+        )
     return None
 
 
@@ -100,8 +118,9 @@ def _cover_generated(input_ids: Any, attention_mask: Any) -> Any:
     missing = input_ids.shape[1] - attention_mask.shape[1]
     if missing <= 0:
         return attention_mask
-    return torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0],
-                                                               missing))], dim=-1)
+    return torch.cat(
+        [attention_mask, attention_mask.new_ones((attention_mask.shape[0], missing))], dim=-1
+    )
 
 
 def apply(modules: NxDIModules) -> bool:
@@ -122,14 +141,20 @@ def apply(modules: NxDIModules) -> bool:
                     "returns one)."
                 )
             derived = prefix_cache_inputs(
-                inputs["attention_mask"], populated, block_size=config.pa_block_size,
-                seq_len=config.seq_len, num_blocks=config.pa_num_blocks)
+                inputs["attention_mask"],
+                populated,
+                block_size=config.pa_block_size,
+                seq_len=config.seq_len,
+                num_blocks=config.pa_num_blocks,
+            )
             inputs.update({k: v for k, v in derived.items() if inputs.get(k) is None})
             return inputs
+
         return prepare_inputs_for_generation
 
-    return replace_method(modules.hf_adapter.HuggingFaceGenerationAdapter,
-                          "prepare_inputs_for_generation", NAME, make)
+    return replace_method(
+        modules.hf_adapter.HuggingFaceGenerationAdapter, "prepare_inputs_for_generation", NAME, make
+    )
 
 
 PATCH = Patch(

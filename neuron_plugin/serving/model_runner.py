@@ -25,9 +25,9 @@ on finish, abort and preemption without a second allocator that could drift.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,8 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from neuron_plugin.backends.base import Backend
+from neuron_plugin import plugin_logger
+from neuron_plugin.backends.base import LoadedBackend
 from neuron_plugin.core.inputs import (
     ForwardInputs,
     context_encoding_inputs,
@@ -52,7 +53,6 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.sampling import SAMPLING_EPS, SamplingInputs, on_device_refusal
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
-from neuron_plugin import plugin_logger
 
 logger = plugin_logger(__name__)
 
@@ -62,11 +62,11 @@ class _PendingStep:
     """What execute_model computed, waiting for sample_tokens (rows: batch order)."""
 
     scheduler_output: SchedulerOutput
-    samples: np.ndarray             # bool: does this row produce a token now
-    host: np.ndarray                # bool: vLLM's Sampler samples this row from `logits`
-    logits: torch.Tensor | None     # [rows, vocab] float32, when any row is `host`
+    samples: np.ndarray  # bool: does this row produce a token now
+    host: np.ndarray  # bool: vLLM's Sampler samples this row from `logits`
+    logits: torch.Tensor  # [rows, vocab] float32 when any row is `host`, else [0, vocab]
     sampling: SamplingInputs | None  # with on-device sampling
-    tokens: np.ndarray | None       # int32: the device's token, with on-device sampling
+    tokens: np.ndarray  # int32: the device's token (unused without on-device sampling)
 
 
 @dataclass
@@ -82,8 +82,13 @@ class _Timeline:
 class NeuronModelRunner:
     """See the module docstring."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: NeuronSettings,
-                 backend: Backend, observers: Sequence[StepObserver] = ()):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        settings: NeuronSettings,
+        backend: LoadedBackend,
+        observers: Sequence[StepObserver] = (),
+    ):
         self.vllm_config = vllm_config
         self.settings = settings
         self.backend = backend
@@ -125,8 +130,9 @@ class NeuronModelRunner:
             or self.hf_config.hidden_size // self.hf_config.num_attention_heads,
             dtype=dtype,
         )
-        return {f"model.layers.{i}.self_attn": spec
-                for i in range(self.hf_config.num_hidden_layers)}
+        return {
+            f"model.layers.{i}.self_attn": spec for i in range(self.hf_config.num_hidden_layers)
+        }
 
     # -- request state -------------------------------------------------------------
     def _new_state(self, data) -> CachedRequestState:
@@ -175,11 +181,13 @@ class NeuronModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_blocks = cached.new_block_ids[i]
             # Output tokens beyond what the scheduler kept were discarded.
-            del state.output_token_ids[cached.num_output_tokens[i]:]
+            del state.output_token_ids[cached.num_output_tokens[i] :]
             if req_id in resumed:
+                if new_blocks is None:  # vLLM's runners assume it never is
+                    raise RuntimeError(f"vLLM resumed request {req_id} without its KV blocks")
                 state.block_ids = tuple(list(ids) for ids in new_blocks)
             elif new_blocks is not None:
-                for ids, extra in zip(state.block_ids, new_blocks):
+                for ids, extra in zip(state.block_ids, new_blocks, strict=True):
                     ids.extend(extra)
             index = batch.req_id_to_index.get(req_id)
             if index is None:
@@ -219,23 +227,25 @@ class NeuronModelRunner:
             return index
         return state.block_ids[0][0] - 1
 
-    def _run(self, inputs: ForwardInputs, rows: np.ndarray, step: _PendingStep,
-             host_start: float) -> None:
+    def _run(
+        self, inputs: ForwardInputs, rows: np.ndarray, step: _PendingStep, host_start: float
+    ) -> None:
         """One backend call for batch rows `rows`: their tokens and needed logits into
         `step`."""
-        sampling = None if step.sampling is None else step.sampling.take(rows)
         forward_start = time.perf_counter()
-        out = (self.backend.forward(inputs) if sampling is None
-               else self.backend.run(inputs, sampling))
-        forward_s = time.perf_counter() - forward_start
-        self._step_forward_s += forward_s
-        if sampling is None:
-            step.logits[torch.from_numpy(rows)] = out
+        if step.sampling is None:
+            logits = self.backend.forward(inputs)
+            forward_s = time.perf_counter() - forward_start
+            host = rows
         else:
+            sampling = step.sampling.take(rows)
+            out = self.backend.run(inputs, sampling)
+            forward_s = time.perf_counter() - forward_start
             step.tokens[rows] = out.tokens
-            host = rows[sampling.needs_logits]
-            if host.size:
-                step.logits[torch.from_numpy(host)] = out.logits
+            host, logits = rows[sampling.needs_logits], out.logits
+        self._step_forward_s += forward_s
+        if host.size:
+            step.logits[torch.from_numpy(host)] = logits
         for observer in self.observers:
             observer.on_backend_call(inputs, forward_s, forward_start - host_start)
 
@@ -244,16 +254,25 @@ class NeuronModelRunner:
         batch = self.input_batch
         n = batch.num_reqs
         if not self.settings.on_device_sampling:
-            return _PendingStep(so, samples, np.ones(n, dtype=bool),
-                                torch.empty((n, self.vocab_size), dtype=torch.float32),
-                                None, None)
-        host = np.fromiter((self._refusals[r] is not None for r in batch.req_ids),
-                           dtype=bool, count=n)
+            return _PendingStep(
+                so,
+                samples,
+                np.ones(n, dtype=bool),
+                torch.empty((n, self.vocab_size), dtype=torch.float32),
+                None,
+                np.zeros(n, dtype=np.int32),
+            )
+        host = np.fromiter(
+            (self._refusals[r] is not None for r in batch.req_ids), dtype=bool, count=n
+        )
         sampling = SamplingInputs.for_rows(
-            batch.temperature_cpu[:n], batch.top_k_cpu[:n], batch.top_p_cpu[:n], host,
-            self._draws.random(n, dtype=np.float32))
-        logits = (torch.empty((n, self.vocab_size), dtype=torch.float32)
-                  if host.any() else None)
+            batch.temperature_cpu[:n],
+            batch.top_k_cpu[:n],
+            batch.top_p_cpu[:n],
+            host,
+            self._draws.random(n, dtype=np.float32),
+        )
+        logits = torch.empty((n if host.any() else 0, self.vocab_size), dtype=torch.float32)
         return _PendingStep(so, samples, host, logits, sampling, np.zeros(n, dtype=np.int32))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -272,40 +291,52 @@ class NeuronModelRunner:
         decoding = (scheduled == 1) & (computed > 0)
         step = self._new_step(so, samples)
 
-        for index in np.flatnonzero(~decoding):
-            host_start = time.perf_counter()
-            state = self.requests[req_ids[index]]
-            start, count = int(computed[index]), int(scheduled[index])
-            inputs = context_encoding_inputs(
-                self.settings, batch.token_ids_cpu[index, :start + count], start,
-                self._seq_id(state, int(index)), state.block_ids[0])
-            self._run(inputs, np.array([index]), step, host_start)
-            if state.req_id not in self._timelines:
-                self._timelines[state.req_id] = _Timeline(host_start, start,
-                                                          list(inputs.bucket))
-
+        # The decode batch runs first: its pad rows write into the cache lines of the
+        # seq_ids it lacks, which must not yet hold a request prefilled in this step (a
+        # sliding-window line is a rolling buffer with no position left unread).
         rows = np.flatnonzero(decoding)
         if rows.size:
             host_start = time.perf_counter()
             positions = computed[rows]
             states = [self.requests[req_ids[i]] for i in rows]
             inputs = token_generation_inputs(
-                self.settings, batch.token_ids_cpu[rows, positions], positions,
-                np.array([self._seq_id(s, int(i)) for s, i in zip(states, rows)], dtype=np.int64),
-                [s.block_ids[0] for s in states] if self.settings.is_block_layout else None)
+                self.settings,
+                batch.token_ids_cpu[rows, positions],
+                positions,
+                np.array(
+                    [self._seq_id(s, int(i)) for s, i in zip(states, rows, strict=True)],
+                    dtype=np.int64,
+                ),
+                [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
+            )
             self._run(inputs, rows, step, host_start)
+
+        for index in np.flatnonzero(~decoding):
+            host_start = time.perf_counter()
+            state = self.requests[req_ids[index]]
+            start, count = int(computed[index]), int(scheduled[index])
+            inputs = context_encoding_inputs(
+                self.settings,
+                batch.token_ids_cpu[index, : start + count],
+                start,
+                self._seq_id(state, int(index)),
+                state.block_ids[0],
+            )
+            self._run(inputs, np.array([index]), step, host_start)
+            if state.req_id not in self._timelines:
+                self._timelines[state.req_id] = _Timeline(host_start, start, list(inputs.bucket))
 
         self._pending = step
         return None
 
-    def _host_sample(self, pending: _PendingStep,
-                     grammar_output: GrammarOutput | None
-                     ) -> tuple[list[int], LogprobsTensors | None]:
+    def _host_sample(
+        self, pending: _PendingStep, grammar_output: GrammarOutput | None
+    ) -> tuple[list[int], LogprobsTensors | None]:
         """vLLM's Sampler over the whole batch; device rows return their device token."""
         batch = self.input_batch
         logits = pending.logits
         metadata = batch.sampling_metadata
-        if pending.tokens is not None and not pending.host.all():
+        if not pending.host.all():
             device = torch.from_numpy(np.flatnonzero(~pending.host))
             logits[device] = float("-inf")
             logits[device, torch.from_numpy(pending.tokens)[device].long()] = 0.0
@@ -313,19 +344,16 @@ class NeuronModelRunner:
         if grammar_output is not None:
             apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, logits)
         # A seeded request whose prefill is still partial must not consume a draw.
-        kept = {i: g.get_state() for i, g in batch.generators.items()
-                if not pending.samples[i]}
+        kept = {i: g.get_state() for i, g in batch.generators.items() if not pending.samples[i]}
         sampler_output = self.sampler(logits, metadata)
         for index, state in kept.items():
             batch.generators[index].set_state(state)
-        return (sampler_output.sampled_token_ids[:, 0].tolist(),
-                sampler_output.logprobs_tensors)
+        return (sampler_output.sampled_token_ids[:, 0].tolist(), sampler_output.logprobs_tensors)
 
-    def _greedy_device_rows(self, metadata: SamplingMetadata,
-                            host: np.ndarray) -> SamplingMetadata:
+    def _greedy_device_rows(self, metadata: SamplingMetadata, host: np.ndarray) -> SamplingMetadata:
         """The batch's metadata with the device rows greedy and without top-k/top-p (see
         the module docstring); the host rows' values are untouched."""
-        if metadata.all_greedy:
+        if metadata.all_greedy or metadata.temperature is None:
             return metadata
         keep = torch.from_numpy(host)
         temperature = torch.where(keep, metadata.temperature, 0.0)
@@ -338,16 +366,20 @@ class NeuronModelRunner:
             return values if bool((values != off).any()) else None
 
         return dataclasses.replace(
-            metadata, temperature=temperature if random else None, all_greedy=not random,
-            all_random=False, top_p=host_only(metadata.top_p, 1.0),
-            top_k=host_only(metadata.top_k, self.vocab_size))
+            metadata,
+            temperature=temperature if random else None,
+            all_greedy=not random,
+            all_random=False,
+            top_p=host_only(metadata.top_p, 1.0),
+            top_k=host_only(metadata.top_k, self.vocab_size),
+        )
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
-        if pending.logits is None:  # every row sampled on the device
+        if not pending.host.any():  # every row sampled on the device
             sampled, logprobs = pending.tokens.tolist(), None
         else:
             sampled, logprobs = self._host_sample(pending, grammar_output)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import functools
 import json
 import os
@@ -50,8 +51,24 @@ logger = plugin_logger(__name__)
 PUBLISH_INTERVAL_S = 0.5
 SUMMARY_INTERVAL_S = 300.0
 # Histogram upper bounds in seconds: 100 us (host work) to 10 s (a large prefill).
-SECONDS_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SECONDS_BOUNDS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 ENGINE_LABELS = ("model_name", "engine")
 BUCKET_LABELS = (*ENGINE_LABELS, "phase", "bucket")
 # Snapshot field -> (Prometheus name, help); the order is that of `Call.counts`.
@@ -60,10 +77,11 @@ COUNTER_FAMILIES = {
     "rows": ("neuron:bucket_rows", "Batch rows computed (real plus padding)"),
     "real_rows": ("neuron:bucket_real_rows", "Batch rows holding a real request"),
     "real_tokens": ("neuron:real_tokens", "Tokens that were real work"),
-    "padded_tokens": ("neuron:padded_tokens",
-                      "Token slots computed for padding (bucket minus real)"),
-    "prefix_hit_tokens": ("neuron:prefix_hit_tokens",
-                          "Prompt tokens served from the prefix cache"),
+    "padded_tokens": (
+        "neuron:padded_tokens",
+        "Token slots computed for padding (bucket minus real)",
+    ),
+    "prefix_hit_tokens": ("neuron:prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
 }
 COUNTERS = tuple(COUNTER_FAMILIES)
 HISTOGRAM_FAMILIES = {
@@ -73,7 +91,8 @@ HISTOGRAM_FAMILIES = {
 STEP_HOST_FAMILY = (
     "neuron:step_host_seconds",
     "Host time of an engine step outside backend forwards (state updates, inputs, "
-    "sampling, output)")
+    "sampling, output)",
+)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -100,7 +119,7 @@ class Histogram:
 
     def merge(self, snapshot: dict[str, Any]) -> None:
         """Add a published histogram ({"counts": [...], "sum": s})."""
-        self.counts = [a + b for a, b in zip(self.counts, snapshot["counts"])]
+        self.counts = [a + b for a, b in zip(self.counts, snapshot["counts"], strict=True)]
         self.total += snapshot["sum"]
 
 
@@ -126,7 +145,7 @@ class BucketStats:
     host: Histogram = field(default_factory=Histogram)
 
     def add(self, call: Call) -> None:
-        for name, count in zip(COUNTERS, call.counts):
+        for name, count in zip(COUNTERS, call.counts, strict=True):
             setattr(self, name, getattr(self, name) + count)
         self.forward.observe(call.forward_s)
         self.host.observe(call.host_s)
@@ -135,8 +154,9 @@ class BucketStats:
 class StepTelemetry:
     """Counters for one engine process, a `StepObserver` (see the module docstring)."""
 
-    def __init__(self, publish_dir: str | Path | None = None, *, model_name: str = "",
-                 engine: int = 0):
+    def __init__(
+        self, publish_dir: str | Path | None = None, *, model_name: str = "", engine: int = 0
+    ):
         self.labels = {"model_name": model_name, "engine": str(engine)}
         self.buckets: dict[tuple[str, tuple[int, ...]], BucketStats] = defaultdict(BucketStats)
         self.step_host = Histogram()
@@ -145,21 +165,39 @@ class StepTelemetry:
         self._native = _native_metrics() if multiprocess_mode() else None
         self._pending_calls: list[Call] = []
         self._pending_steps: list[float] = []
-        self._publish_path = (Path(publish_dir) / f"engine-{os.getpid()}.json"
-                              if publish_dir and self._native is None else None)
+        self._publish_path = (
+            Path(publish_dir) / f"engine-{os.getpid()}.json"
+            if publish_dir and self._native is None
+            else None
+        )
         self._dirty = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._publish_loop, daemon=True,
-                                        name="neuron-telemetry")
+        self._thread = threading.Thread(
+            target=self._publish_loop, daemon=True, name="neuron-telemetry"
+        )
         self._thread.start()
 
     def on_backend_call(self, inputs: ForwardInputs, forward_s: float, host_s: float) -> None:
         real = inputs.num_real
-        prefix_hits = (int(inputs.computed_context_lens[:real].sum())
-                       if inputs.phase == CONTEXT_ENCODING else 0)
-        call = Call(inputs.phase, inputs.bucket,
-                    (1, int(inputs.input_ids.shape[0]), real, inputs.real_tokens,
-                     inputs.padded_tokens, prefix_hits), forward_s, host_s)
+        prefix_hits = (
+            int(inputs.computed_context_lens[:real].sum())
+            if inputs.phase == CONTEXT_ENCODING
+            else 0
+        )
+        call = Call(
+            inputs.phase,
+            inputs.bucket,
+            (
+                1,
+                int(inputs.input_ids.shape[0]),
+                real,
+                inputs.real_tokens,
+                inputs.padded_tokens,
+                prefix_hits,
+            ),
+            forward_s,
+            host_s,
+        )
         with self._lock:
             self.buckets[(call.phase, call.bucket)].add(call)
             if self._native is not None:
@@ -197,10 +235,8 @@ class StepTelemetry:
             self.publish()
         if self._publish_path is not None:
             self._publish_path.unlink(missing_ok=True)
-            try:
-                self._publish_path.parent.rmdir()  # the last engine out; else not empty
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # the last engine out; else not empty
+                self._publish_path.parent.rmdir()
         self.log_summary()
 
     def snapshot(self) -> dict[str, Any]:
@@ -208,14 +244,16 @@ class StepTelemetry:
         with self._lock:
             rows = []
             for (phase, bucket), s in sorted(self.buckets.items()):
-                row = {"phase": phase, "bucket": list(bucket)}
+                row: dict[str, Any] = {"phase": phase, "bucket": list(bucket)}
                 row.update({name: getattr(s, name) for name in COUNTERS})
                 row["forward"] = {"counts": list(s.forward.counts), "sum": s.forward.total}
                 row["host"] = {"counts": list(s.host.counts), "sum": s.host.total}
                 rows.append(row)
-            return {"labels": dict(self.labels), "buckets": rows,
-                    "step_host": {"counts": list(self.step_host.counts),
-                                  "sum": self.step_host.total}}
+            return {
+                "labels": dict(self.labels),
+                "buckets": rows,
+                "step_host": {"counts": list(self.step_host.counts), "sum": self.step_host.total},
+            }
 
     def publish(self) -> None:
         """Hand what changed to the exporter of the serving mode (module docstring):
@@ -245,7 +283,8 @@ class StepTelemetry:
                 f"{row['phase']:>16} {bucket_label(row['bucket']):>10}: {row['calls']} calls, "
                 f"{row['real_tokens']} real / {row['padded_tokens']} padded tokens "
                 f"({waste:.0%} padding), forward "
-                f"{1000 * row['forward']['sum'] / max(row['calls'], 1):.2f} ms/call")
+                f"{1000 * row['forward']['sum'] / max(row['calls'], 1):.2f} ms/call"
+            )
         return lines
 
     def log_summary(self) -> None:
@@ -263,18 +302,22 @@ class _NativeMetrics:
         from prometheus_client import Counter
         from prometheus_client import Histogram as PromHistogram
 
-        self.counters = [Counter(name, doc, BUCKET_LABELS, registry=None)
-                         for name, doc in COUNTER_FAMILIES.values()]
+        self.counters = [
+            Counter(name, doc, BUCKET_LABELS, registry=None)
+            for name, doc in COUNTER_FAMILIES.values()
+        ]
         self.forward, self.host = (
             PromHistogram(name, doc, BUCKET_LABELS, buckets=SECONDS_BOUNDS, registry=None)
-            for name, doc in HISTOGRAM_FAMILIES.values())
-        self.step = PromHistogram(*STEP_HOST_FAMILY, ENGINE_LABELS, buckets=SECONDS_BOUNDS,
-                                  registry=None)
+            for name, doc in HISTOGRAM_FAMILIES.values()
+        )
+        self.step = PromHistogram(
+            *STEP_HOST_FAMILY, ENGINE_LABELS, buckets=SECONDS_BOUNDS, registry=None
+        )
 
     def record(self, labels: dict[str, str], calls: list[Call], steps: list[float]) -> None:
         for call in calls:
             series = {**labels, "phase": call.phase, "bucket": bucket_label(call.bucket)}
-            for counter, count in zip(self.counters, call.counts):
+            for counter, count in zip(self.counters, call.counts, strict=True):
                 counter.labels(**series).inc(count)
             self.forward.labels(**series).observe(call.forward_s)
             self.host.labels(**series).observe(call.host_s)
@@ -311,10 +354,14 @@ class NeuronMetricsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-        families = {key: CounterMetricFamily(name, doc, labels=BUCKET_LABELS)
-                    for key, (name, doc) in COUNTER_FAMILIES.items()}
-        histograms = {key: HistogramMetricFamily(name, doc, labels=BUCKET_LABELS)
-                      for key, (name, doc) in HISTOGRAM_FAMILIES.items()}
+        families = {
+            key: CounterMetricFamily(name, doc, labels=BUCKET_LABELS)
+            for key, (name, doc) in COUNTER_FAMILIES.items()
+        }
+        histograms = {
+            key: HistogramMetricFamily(name, doc, labels=BUCKET_LABELS)
+            for key, (name, doc) in HISTOGRAM_FAMILIES.items()
+        }
         step = HistogramMetricFamily(*STEP_HOST_FAMILY, labels=ENGINE_LABELS)
         steps: dict[tuple[str, ...], Histogram] = defaultdict(Histogram)
         merged: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -323,8 +370,10 @@ class NeuronMetricsCollector:
             steps[engine].merge(snap["step_host"])
             for row in snap["buckets"]:
                 key = (*engine, row["phase"], bucket_label(row["bucket"]))
-                into = merged.setdefault(key, {name: 0 for name in COUNTERS} | {
-                    name: Histogram() for name in HISTOGRAM_FAMILIES})
+                into = merged.setdefault(
+                    key,
+                    dict.fromkeys(COUNTERS, 0) | {name: Histogram() for name in HISTOGRAM_FAMILIES},
+                )
                 for name in COUNTERS:
                     into[name] += row[name]
                 for name in HISTOGRAM_FAMILIES:
@@ -332,8 +381,8 @@ class NeuronMetricsCollector:
         for key, values in sorted(merged.items()):
             for name, family in families.items():
                 family.add_metric(list(key), values[name])
-            for name, family in histograms.items():
-                family.add_metric(list(key), _cumulative(values[name]), values[name].total)
+            for name, histogram in histograms.items():
+                histogram.add_metric(list(key), _cumulative(values[name]), values[name].total)
         for engine, hist in sorted(steps.items()):
             step.add_metric(list(engine), _cumulative(hist), hist.total)
         yield from families.values()
@@ -353,7 +402,7 @@ def _alive(pid: int) -> bool:
 
 def _cumulative(hist: Histogram) -> list[tuple[str, int]]:
     running, out = 0, []
-    for bound, count in zip([*map(str, SECONDS_BOUNDS), "+Inf"], hist.counts):
+    for bound, count in zip([*map(str, SECONDS_BOUNDS), "+Inf"], hist.counts, strict=True):
         running += count
         out.append((bound, running))
     return out
@@ -388,8 +437,13 @@ class NeuronStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0):
         register_collector(vllm_config)
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
         """vLLM's per-step stats; the Neuron counters come from the engines' snapshots."""
 
     def log_engine_initialized(self) -> None:

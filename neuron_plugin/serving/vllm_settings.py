@@ -38,7 +38,8 @@ from neuron_plugin.core.settings import (
     resolve_settings,
 )
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
-from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV, environment_updates
+from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV
+from neuron_plugin.core.vllm_neuron_env import environment_updates
 
 logger = plugin_logger(__name__)
 
@@ -53,8 +54,13 @@ BACKEND_PYTHON_KEY = "backend_python"
 # the first engine to publish creates it (serving.telemetry).
 TELEMETRY_DIR_KEY = "neuron_telemetry_dir"
 # Keys of `additional_config` this platform reads; anything else is a mistake.
-ADDITIONAL_CONFIG_KEYS = (OVERRIDE_KEY, OVERRIDE_ALIAS, BACKEND_PYTHON_KEY, SETTINGS_KEY,
-                          TELEMETRY_DIR_KEY)
+ADDITIONAL_CONFIG_KEYS = (
+    OVERRIDE_KEY,
+    OVERRIDE_ALIAS,
+    BACKEND_PYTHON_KEY,
+    SETTINGS_KEY,
+    TELEMETRY_DIR_KEY,
+)
 NXDI_DISTRIBUTION = "neuronx-distributed-inference"
 _MISSING = object()
 
@@ -70,8 +76,11 @@ def _dtype_name(dtype: Any) -> str:
 def engine_limits(vllm_config: Any) -> EngineLimits:
     """vLLM's limits before the platform changes anything (vLLM fills in its default
     block size itself; only a block size the user chose counts)."""
-    model, cache, sched = (vllm_config.model_config, vllm_config.cache_config,
-                           vllm_config.scheduler_config)
+    model, cache, sched = (
+        vllm_config.model_config,
+        vllm_config.cache_config,
+        vllm_config.scheduler_config,
+    )
     return EngineLimits(
         max_model_len=model.max_model_len,
         max_num_seqs=sched.max_num_seqs,
@@ -96,8 +105,10 @@ def vllm_default_max_num_seqs(vllm_config: Any) -> set[int]:
 
     parallel = vllm_config.parallel_config
     world_size = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
-    return {SchedulerConfig.DEFAULT_MAX_NUM_SEQS,
-            *EngineArgs.get_batch_defaults(world_size)[1].values()}
+    return {
+        SchedulerConfig.DEFAULT_MAX_NUM_SEQS,
+        *EngineArgs.get_batch_defaults(world_size)[1].values(),
+    }
 
 
 def device_budget(vllm_config: Any) -> SequenceBudget | None:
@@ -107,10 +118,14 @@ def device_budget(vllm_config: Any) -> SequenceBudget | None:
     model = vllm_config.model_config
     if instance is None or not Path(model.model).is_dir():
         return None
-    return sequence_budget(model.hf_config.to_dict(), checkpoint_parameters(model.model),
-                           _dtype_name(model.dtype),
-                           vllm_config.parallel_config.tensor_parallel_size,
-                           INSTANCE_TYPES[instance].memory_per_core(lnc()), instance)
+    return sequence_budget(
+        model.hf_config.to_dict(),
+        checkpoint_parameters(model.model),
+        _dtype_name(model.dtype),
+        vllm_config.parallel_config.tensor_parallel_size,
+        INSTANCE_TYPES[instance].memory_per_core(lnc()),
+        instance,
+    )
 
 
 def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
@@ -118,8 +133,9 @@ def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
     vLLM does not have is left out)."""
     values = {}
     for flag in VLLM_FLAGS:
-        value = functools.reduce(lambda obj, name: getattr(obj, name, _MISSING),
-                                 flag.path.split("."), vllm_config)
+        value = functools.reduce(
+            lambda obj, name: getattr(obj, name, _MISSING), flag.path.split("."), vllm_config
+        )
         if value is not _MISSING:
             values[flag.flag] = value
     return values
@@ -143,7 +159,8 @@ def with_bucket_set(override: dict[str, Any]) -> dict[str, Any]:
     if both:
         raise NeuronConfigError(
             f"override_neuron_config sets {', '.join(both)} both inline and in "
-            f"{BUCKET_SET_KEY}={path}; keep one of them.")
+            f"{BUCKET_SET_KEY}={path}; keep one of them."
+        )
     merged = {k: v for k, v in override.items() if k != BUCKET_SET_KEY}
     merged.update(loaded)
     return merged
@@ -158,7 +175,8 @@ def additional_config(vllm_config: Any) -> dict[str, Any]:
         raise NeuronConfigError(
             f"--additional-config has unknown key(s) {', '.join(map(repr, unknown))}; the "
             f"Neuron platform reads {OVERRIDE_KEY!r} (NxDI settings) and "
-            f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter): fix or remove them.")
+            f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter): fix or remove them."
+        )
     return additional
 
 
@@ -170,16 +188,21 @@ def override_neuron_config(vllm_config: Any) -> dict[str, Any]:
         if OVERRIDE_KEY in additional:
             raise NeuronConfigError(
                 f"--additional-config has both {OVERRIDE_KEY!r} and {OVERRIDE_ALIAS!r}; "
-                f"keep one ({OVERRIDE_KEY!r}).")
-        logger.warning("neuron platform: --additional-config key %r read as %r; write %r "
-                       "(the spelling vLLM plugins read).", OVERRIDE_ALIAS, OVERRIDE_KEY,
-                       OVERRIDE_KEY)
+                f"keep one ({OVERRIDE_KEY!r})."
+            )
+        logger.warning(
+            "neuron platform: --additional-config key %r read as %r; write %r "
+            "(the spelling vLLM plugins read).",
+            OVERRIDE_ALIAS,
+            OVERRIDE_KEY,
+            OVERRIDE_KEY,
+        )
     override = additional.get(OVERRIDE_KEY, additional.get(OVERRIDE_ALIAS)) or {}
     if not isinstance(override, dict):
         raise NeuronConfigError(
             f"additional_config.{OVERRIDE_KEY} must be a JSON object, got "
             f"{type(override).__name__}; pass e.g. --additional-config "
-            f"'{{\"{OVERRIDE_KEY}\": {{\"enable_bucketing\": true}}}}'."
+            f'\'{{"{OVERRIDE_KEY}": {{"enable_bucketing": true}}}}\'.'
         )
     return with_bucket_set(override)
 
@@ -199,7 +222,8 @@ def backend_python(vllm_config: Any) -> str | None:
             f"{source}={given!r} is not an executable file; point it at the Python of "
             f"the environment that has the backend installed (e.g. the Neuron SDK venv's "
             f"bin/python with `pip install 'vllm-neuron-plugin[backend]'`), or unset it "
-            f"to run the backend inside vLLM's process.")
+            f"to run the backend inside vLLM's process."
+        )
     return given
 
 
@@ -212,16 +236,20 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
     architecture = (vllm_config.model_config.architectures or ["unknown"])[0]
     python = backend_python(vllm_config)
     cores, cores_source = host_visible_core_ids()
-    return resolve_settings(engine_limits(vllm_config), override_neuron_config(vllm_config),
-                            backend=backend or selected_backend(),
-                            architecture=architecture,
-                            backend_python=python,
-                            on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
-                            environ=vllm_neuron_environment(),
-                            # A runner's NxDI lives in its own environment: unknown here.
-                            nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),
-                            visible_cores=cores, cores_source=cores_source,
-                            budget=device_budget(vllm_config))
+    return resolve_settings(
+        engine_limits(vllm_config),
+        override_neuron_config(vllm_config),
+        backend=backend or selected_backend(),
+        architecture=architecture,
+        backend_python=python,
+        on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
+        environ=vllm_neuron_environment(),
+        # A runner's NxDI lives in its own environment: unknown here.
+        nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),
+        visible_cores=cores,
+        cores_source=cores_source,
+        budget=device_budget(vllm_config),
+    )
 
 
 def apply(settings: NeuronSettings, vllm_config: Any) -> None:
@@ -232,8 +260,9 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
         old = getattr(target, update.name)
         if old != update.value:
             setattr(target, update.name, update.value)
-            logger.info("neuron platform: %s %r -> %r (%s)", update.name, old,
-                        update.value, update.reason)
+            logger.info(
+                "neuron platform: %s %r -> %r (%s)", update.name, old, update.value, update.reason
+            )
     for name, value, reason in environment_updates(vllm_neuron_environment()):
         if os.environ.get(name) != value:
             os.environ[name] = value
@@ -242,11 +271,13 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
         vllm_config.additional_config = {}
     if OVERRIDE_ALIAS in vllm_config.additional_config:  # read (and warned about) once
         vllm_config.additional_config[OVERRIDE_KEY] = vllm_config.additional_config.pop(
-            OVERRIDE_ALIAS)
+            OVERRIDE_ALIAS
+        )
     vllm_config.additional_config[SETTINGS_KEY] = settings.to_dict()
     vllm_config.additional_config.setdefault(
         TELEMETRY_DIR_KEY,
-        os.path.join(tempfile.gettempdir(), f"vllm-neuron-telemetry-{uuid.uuid4().hex}"))
+        os.path.join(tempfile.gettempdir(), f"vllm-neuron-telemetry-{uuid.uuid4().hex}"),
+    )
     global _resolved_config
     _resolved_config = weakref.ref(vllm_config)
 

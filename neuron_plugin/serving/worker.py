@@ -21,6 +21,7 @@ import time
 
 import torch
 from vllm.config import VllmConfig
+from vllm.config.model import get_served_model_name
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -28,7 +29,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_plugin import plugin_logger
-from neuron_plugin.backends.base import Backend
+from neuron_plugin.backends.base import LoadedBackend
 from neuron_plugin.backends.loader import open_backend
 from neuron_plugin.core.instances import VISIBLE_CORES_ENV, format_core_list
 from neuron_plugin.core.lifecycle import die_with_parent
@@ -44,10 +45,15 @@ logger = plugin_logger(__name__)
 class NeuronWorker(WorkerBase):
     """See the module docstring."""
 
-    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
-                 distributed_init_method: str, is_driver_worker: bool = False):
-        super().__init__(vllm_config, local_rank, rank, distributed_init_method,
-                         is_driver_worker)
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         # vLLM 0.32's engine process outlives an API server killed with SIGKILL, and with
         # it the backend and its NeuronCores: end it the way vLLM's own SIGTERM does.
         # Only in a process vLLM started (never a server running its engine in-process).
@@ -61,15 +67,27 @@ class NeuronWorker(WorkerBase):
         if self.settings.rank_cores:
             cores = format_core_list(self.settings.rank_cores[local_rank])
             os.environ[VISIBLE_CORES_ENV] = cores
-            logger.info("engine %d (data-parallel rank %d on this host): %s=%s", engine,
-                        local_rank, VISIBLE_CORES_ENV, cores)
+            logger.info(
+                "engine %d (data-parallel rank %d on this host): %s=%s",
+                engine,
+                local_rank,
+                VISIBLE_CORES_ENV,
+                cores,
+            )
+        extra = vllm_config.additional_config
         self.telemetry = StepTelemetry(
-            (vllm_config.additional_config or {}).get(TELEMETRY_DIR_KEY),
-            model_name=vllm_config.model_config.served_model_name, engine=engine)
+            extra.get(TELEMETRY_DIR_KEY) if isinstance(extra, dict) else None,
+            model_name=get_served_model_name(
+                vllm_config.model_config.model, vllm_config.model_config.served_model_name
+            ),
+            engine=engine,
+        )
         trace = RequestTrace.from_env()
         self.observers: list[StepObserver] = [self.telemetry, *([trace] if trace else [])]
-        self.backend: Backend | None = None
-        self.model_runner: NeuronModelRunner | None = None
+        self.backend: LoadedBackend | None = None
+        # vLLM's WorkerBase types this nn.Module, which no model runner is (vLLM's own
+        # workers override it the same way).
+        self.model_runner: NeuronModelRunner | None = None  # type: ignore[assignment]
         self.load_seconds = 0.0
 
     def init_device(self) -> None:
@@ -77,18 +95,27 @@ class NeuronWorker(WorkerBase):
 
         self.device = torch.device("cpu")
         init_worker_distributed_environment(
-            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
-            "gloo")
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank, "gloo"
+        )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         started = time.perf_counter()
         self.backend = open_backend(self.settings, self.model_config.model)
-        self.model_runner = NeuronModelRunner(self.vllm_config, self.settings, self.backend,
-                                              self.observers)
+        self.model_runner = NeuronModelRunner(
+            self.vllm_config, self.settings, self.backend, self.observers
+        )
         self.load_seconds = time.perf_counter() - started
 
+    def _runner(self) -> NeuronModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError(
+                "the Neuron worker has no model yet: vLLM calls load_model "
+                "before anything that needs one"
+            )
+        return self.model_runner
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return self.model_runner.get_kv_cache_spec()
+        return self._runner().get_kv_cache_spec()
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return [KVCacheLayout.LBNHC.name]
@@ -119,16 +146,19 @@ class NeuronWorker(WorkerBase):
         return ("generate",)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+        return self._runner().execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.model_runner.sample_tokens(grammar_output)
+        return self._runner().sample_tokens(grammar_output)
 
     def take_draft_token_ids(self) -> None:
         return None
 
     def get_model(self) -> torch.nn.Module:
-        return self.model_runner.backend.module
+        module = self._runner().backend.module
+        if module is None:
+            raise RuntimeError(f"the {self.settings.backend} backend holds no torch module")
+        return module
 
     def shutdown(self) -> None:
         self.telemetry.close()

@@ -18,8 +18,8 @@ VERB_MODULES = (explain, doctor, precompile)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="neuron-plugin",
-        description="Tools of the vLLM Neuron platform plugin.")
+        prog="neuron-plugin", description="Tools of the vLLM Neuron platform plugin."
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for module in VERB_MODULES:
         module.add_parser(verbs)
@@ -31,8 +31,7 @@ def error_message(exc: Exception) -> str:
     pydantic ValidationError whose own text adds noise around it."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ")
-                         for e in errors())
+        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
     return str(exc)
 
 

@@ -7,7 +7,9 @@ neuron_plugin/tools/CLI.md), the version pins those packages declare (NxDI pins 
 and torch-neuronx pins torch), the platform entry point, compile-cache reachability and
 disk space. With a backend runner (`VLLM_NEURON_BACKEND_PYTHON` or `--backend-python`) it
 also starts the runner in that interpreter and shakes hands (the backend must import
-there), and checks the NxD packages in the runner's environment, where they live.
+there), and checks the NxD packages in the runner's environment, where they live. Whether
+NxD Inference imports (there, or here without a runner) says where the nxd backend can
+run: on the devices, or in NxDI's CPU mode only.
 Each check has a status (ok, info, warn, fail) and, unless ok, a fix; the
 exit code is 1 when any check fails. `--json` prints {"ok": ..., "checks": [...]}.
 """
@@ -19,6 +21,8 @@ import importlib.metadata
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +32,6 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, BACKENDS, neuron_devices
-from neuron_plugin.core.settings import NeuronConfigError
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     VISIBLE_CORES_ENV,
@@ -38,6 +41,7 @@ from neuron_plugin.core.instances import (
     parse_core_list,
     visible_cores,
 )
+from neuron_plugin.core.settings import NeuronConfigError
 
 GIB = 1 << 30
 DISK_WARN_BYTES = 20 * GIB
@@ -56,11 +60,19 @@ class Supported:
 
 
 SUPPORTED = (
-    Supported("vllm", "==0.32.*", "all",
-              "the plugin implements vLLM 0.32's platform, worker and scheduler interfaces"),
-    Supported(NXDI, ">=0.7,<0.11", "nxd",
-              "the NxD seam follows NxDI 0.7-0.10 (Neuron SDK 2.27-2.31); inf2/trn1 "
-              "need < 0.9 (SDK 2.27/2.28)"),
+    Supported(
+        "vllm",
+        "==0.32.*",
+        "all",
+        "the plugin implements vLLM 0.32's platform, worker and scheduler interfaces",
+    ),
+    Supported(
+        NXDI,
+        ">=0.7,<0.11",
+        "nxd",
+        "the NxD seam follows NxDI 0.7-0.10 (Neuron SDK 2.27-2.31); inf2/trn1 "
+        "need < 0.9 (SDK 2.27/2.28)",
+    ),
     Supported("torch-neuronx", ">=2.8", "nxd", "runs NxDI's traced graphs"),
     Supported("neuronx-cc", ">=2", "nxd", "compiles NxDI's graphs"),
 )
@@ -82,48 +94,66 @@ def installed(names: Iterable[str]) -> dict[str, str | None]:
 def check_devices(devices: Sequence[str]) -> Check:
     if devices:
         return Check("neuron devices", "ok", f"{len(devices)}: {', '.join(devices)}")
-    return Check("neuron devices", "warn",
-                 "no Neuron devices (/dev/neuron*): only the CPU reference backend can run "
-                 "here (VLLM_NEURON_BACKEND=reference)",
-                 "run on an inf2/trn1/trn2 instance with the Neuron driver "
-                 "(aws-neuronx-dkms) loaded")
+    return Check(
+        "neuron devices",
+        "warn",
+        "no Neuron devices (/dev/neuron*): only the CPU reference backend can run "
+        "here (VLLM_NEURON_BACKEND=reference)",
+        "run on an inf2/trn1/trn2 instance with the Neuron driver (aws-neuronx-dkms) loaded",
+    )
 
 
-def check_cores(environ: Mapping[str, str], devices: Sequence[str],
-                instance: str | None) -> Check:
+def check_cores(environ: Mapping[str, str], devices: Sequence[str], instance: str | None) -> Check:
     try:
-        count, source = visible_cores(environ, devices,
-                                      INSTANCE_TYPES[instance] if instance else None)
+        count, source = visible_cores(
+            environ, devices, INSTANCE_TYPES[instance] if instance else None
+        )
     except ValueError as exc:
         return Check("visible cores", "fail", str(exc), f"fix or unset {VISIBLE_CORES_ENV}")
     if count is None and not devices:
         return Check("visible cores", "warn", source)
     if count is None:
-        return Check("visible cores", "warn", source,
-                     f"set {VISIBLE_CORES_ENV} to the cores to use (neuron-ls lists them)")
-    total = len(devices) * INSTANCE_TYPES[instance].chip.logical_cores(lnc(environ)) \
-        if devices and instance else None
+        return Check(
+            "visible cores",
+            "warn",
+            source,
+            f"set {VISIBLE_CORES_ENV} to the cores to use (neuron-ls lists them)",
+        )
+    total = (
+        len(devices) * INSTANCE_TYPES[instance].chip.logical_cores(lnc(environ))
+        if devices and instance
+        else None
+    )
     value = environ.get(VISIBLE_CORES_ENV)
     if value and total is not None and max(parse_core_list(value)) >= total:
-        return Check("visible cores", "fail",
-                     f"{VISIBLE_CORES_ENV}={value} names cores beyond the {total} of this host",
-                     f"use core ids 0-{total - 1}")
-    return Check("visible cores", "ok", f"{count} ({source}); --tensor-parallel-size may "
-                                        f"be at most {count}")
+        return Check(
+            "visible cores",
+            "fail",
+            f"{VISIBLE_CORES_ENV}={value} names cores beyond the {total} of this host",
+            f"use core ids 0-{total - 1}",
+        )
+    return Check(
+        "visible cores", "ok", f"{count} ({source}); --tensor-parallel-size may be at most {count}"
+    )
 
 
 def check_instance(instance: str | None) -> Check:
     if instance:
         t = INSTANCE_TYPES[instance]
-        return Check("instance type", "ok",
-                     f"{instance}: {t.chips} x {t.chip.name}, {t.cores(lnc())} NeuronCores, "
-                     f"{t.memory_per_core(lnc()) / GIB:.0f} GiB HBM per core")
-    return Check("instance type", "info", "not an EC2 Neuron instance type (DMI product "
-                                          "name unknown)")
+        return Check(
+            "instance type",
+            "ok",
+            f"{instance}: {t.chips} x {t.chip.name}, {t.cores(lnc())} NeuronCores, "
+            f"{t.memory_per_core(lnc()) / GIB:.0f} GiB HBM per core",
+        )
+    return Check(
+        "instance type", "info", "not an EC2 Neuron instance type (DMI product name unknown)"
+    )
 
 
-def check_versions(versions: Mapping[str, str | None], has_devices: bool,
-                   chip_target: str | None) -> list[Check]:
+def check_versions(
+    versions: Mapping[str, str | None], has_devices: bool, chip_target: str | None
+) -> list[Check]:
     """Each supported package against its specifier; NxD-only packages are required
     only where Neuron devices exist."""
     checks = []
@@ -132,29 +162,47 @@ def check_versions(versions: Mapping[str, str | None], has_devices: bool,
         name = f"{item.distribution} version"
         required = item.needed_for == "all" or has_devices
         if found is None:
-            checks.append(Check(
-                name, "fail" if required else "info",
-                f"not installed ({item.why})",
-                "see README 'Running on inf2'" if required else ""))
+            checks.append(
+                Check(
+                    name,
+                    "fail" if required else "info",
+                    f"not installed ({item.why})",
+                    "see README 'Running on inf2'" if required else "",
+                )
+            )
             continue
         base = Version(found).base_version
         if Version(base) not in SpecifierSet(item.specifier):
-            checks.append(Check(name, "fail", f"{found} is outside {item.specifier} "
-                                              f"({item.why})",
-                                f"install {item.distribution}{item.specifier}"))
+            checks.append(
+                Check(
+                    name,
+                    "fail",
+                    f"{found} is outside {item.specifier} ({item.why})",
+                    f"install {item.distribution}{item.specifier}",
+                )
+            )
             continue
-        if (item.distribution == NXDI and chip_target in ("inf2", "trn1")
-                and Version(base) >= Version(NXDI_LAST_FOR_V2_CORES)):
-            checks.append(Check(name, "fail", f"{found} supports Trn2 and newer only "
-                                              f"(Neuron SDK 2.29 release notes)",
-                                "install Neuron SDK 2.28 (NxDI 0.8) on inf2/trn1"))
+        if (
+            item.distribution == NXDI
+            and chip_target in ("inf2", "trn1")
+            and Version(base) >= Version(NXDI_LAST_FOR_V2_CORES)
+        ):
+            checks.append(
+                Check(
+                    name,
+                    "fail",
+                    f"{found} supports Trn2 and newer only (Neuron SDK 2.29 release notes)",
+                    "install Neuron SDK 2.28 (NxDI 0.8) on inf2/trn1",
+                )
+            )
             continue
         checks.append(Check(name, "ok", found))
     return checks
 
 
-def unmet_requirements(distribution: str, versions: Mapping[str, str | None],
-                       requires: Sequence[str]) -> list[str]:
+def unmet_requirements(
+    distribution: str, versions: Mapping[str, str | None], requires: Sequence[str]
+) -> list[str]:
     """`distribution`'s declared requirements that the installed versions break."""
     unmet = []
     for line in requires:
@@ -166,9 +214,63 @@ def unmet_requirements(distribution: str, versions: Mapping[str, str | None],
             continue
         found = versions.get(requirement.name)
         if found is not None and not requirement.specifier.contains(found, prereleases=True):
-            unmet.append(f"{distribution} requires {requirement.name}"
-                         f"{requirement.specifier} but {found} is installed")
+            unmet.append(
+                f"{distribution} requires {requirement.name}"
+                f"{requirement.specifier} but {found} is installed"
+            )
     return unmet
+
+
+# What the nxd backend imports first (backends/nxd/nxdi.py); its version from metadata.
+NXDI_IMPORT = (
+    "import importlib.metadata, neuronx_distributed_inference.models.model_base; "
+    "print(importlib.metadata.version('neuronx-distributed-inference'))"
+)
+
+
+def check_nxdi_import(python: str, devices: Sequence[str], environ: Mapping[str, str]) -> Check:
+    """Whether NxD Inference imports under `python` (the runner's interpreter or this
+    one), and so where the nxd backend can run: on the Neuron devices, or only in NxDI's
+    own CPU mode on a host without one."""
+    try:
+        done = subprocess.run(
+            [python, "-c", NXDI_IMPORT],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(environ),
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(
+            "nxdi import",
+            "fail",
+            f"{python}: {exc}",
+            "fix VLLM_NEURON_BACKEND_PYTHON (or --backend-python)",
+        )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check(
+            "nxdi import",
+            "fail" if devices else "info",
+            f"NxD Inference does not import under {python}: {last}",
+            "install the Neuron SDK's NxDI in the backend runner's environment "
+            "(README 'Running on inf2')",
+        )
+    version = done.stdout.strip().splitlines()[-1]
+    if devices:
+        return Check(
+            "nxdi import",
+            "ok",
+            f"NxDI {version} imports under {python}; the nxd backend runs on the Neuron devices",
+        )
+    return Check(
+        "nxdi import",
+        "info",
+        f"NxDI {version} imports under {python} but there is no Neuron device: the "
+        f"nxd backend runs only in NxDI's CPU mode, for accuracy checks",
+        "VLLM_NEURON_BACKEND=nxd with --additional-config "
+        '\'{"override_neuron_config": {"on_cpu": true}}\'',
+    )
 
 
 def check_requirements(versions: Mapping[str, str | None]) -> list[Check]:
@@ -179,11 +281,17 @@ def check_requirements(versions: Mapping[str, str | None]) -> list[Check]:
         requires = importlib.metadata.requires(dist) or []
         names = {Requirement(r).name for r in requires if _parses(r)}
         unmet = unmet_requirements(dist, {**installed(names), **versions}, requires)
-        checks.append(Check(f"{dist} pins", "fail" if unmet else "ok",
-                            "; ".join(unmet) or "declared requirements met",
-                            "install the versions the Neuron SDK release pins in its own "
-                            "environment (vLLM 0.32 needs torch 2.13 and transformers 5)"
-                            if unmet else ""))
+        checks.append(
+            Check(
+                f"{dist} pins",
+                "fail" if unmet else "ok",
+                "; ".join(unmet) or "declared requirements met",
+                "install the versions the Neuron SDK release pins in its own "
+                "environment (vLLM 0.32 needs torch 2.13 and transformers 5)"
+                if unmet
+                else "",
+            )
+        )
     return checks
 
 
@@ -199,27 +307,38 @@ def check_platform_entry_point() -> Check:
     names = {ep.name for ep in importlib.metadata.entry_points(group="vllm.platform_plugins")}
     if "neuron" in names:
         return Check("vllm platform plugin", "ok", "entry point vllm.platform_plugins:neuron")
-    return Check("vllm platform plugin", "fail", "the neuron platform entry point is not "
-                                                 "registered", "pip install -e . (this repo)")
+    return Check(
+        "vllm platform plugin",
+        "fail",
+        "the neuron platform entry point is not registered",
+        "pip install -e . (this repo)",
+    )
 
 
 def check_cache(environ: Mapping[str, str]) -> tuple[Check, Path | None]:
     """Reachability of the compile cache, and the local folder its entries land in."""
     from compile_cache.errors import CacheError
-    from compile_cache.stores import LocalStore, open_store
+    from compile_cache.stores import open_store
 
     try:
         store = open_store(environ=environ)
         store.list_keys()
     except (CacheError, OSError) as exc:
-        return Check("compile cache", "fail", str(exc),
-                     "fix VLLM_NEURON_CACHE_URL or the store's credentials"), None
-    local = store if isinstance(store, LocalStore) else store.local
-    root = local.root
+        return Check(
+            "compile cache",
+            "fail",
+            str(exc),
+            "fix VLLM_NEURON_CACHE_URL or the store's credentials",
+        ), None
+    root = store.disk
     existing = next((p for p in (root, *root.parents) if p.exists()), None)
     if existing is None or not os.access(existing, os.W_OK):
-        return Check("compile cache", "fail", f"{store.url}: {root} is not writable",
-                     "set VLLM_NEURON_CACHE_URL to a writable directory"), root
+        return Check(
+            "compile cache",
+            "fail",
+            f"{store.url}: {root} is not writable",
+            "set VLLM_NEURON_CACHE_URL to a writable directory",
+        ), root
     return Check("compile cache", "ok", store.url), root
 
 
@@ -230,10 +349,14 @@ def check_disk(label: str, path: Path) -> Check:
     if free < DISK_FAIL_BYTES:
         return Check(f"disk space ({label})", "fail", detail, f"free space under {existing}")
     if free < DISK_WARN_BYTES:
-        return Check(f"disk space ({label})", "warn", detail,
-                     "compiled artifacts (with save_sharded_checkpoint, plus a copy of the "
-                     "weights) need tens of GiB for 8B-class models; free space or move "
-                     "the cache")
+        return Check(
+            f"disk space ({label})",
+            "warn",
+            detail,
+            "compiled artifacts (with save_sharded_checkpoint, plus a copy of the "
+            "weights) need tens of GiB for 8B-class models; free space or move "
+            "the cache",
+        )
     return Check(f"disk space ({label})", "ok", detail)
 
 
@@ -244,17 +367,27 @@ def check_runner(python: str, backend: str) -> tuple[Check, dict[str, str | None
     try:
         handshake = probe(python, backend)
     except (RunnerError, NeuronConfigError) as exc:
-        return Check("backend runner", "fail", str(exc).splitlines()[0][:400],
-                     f"{python} -m pip install 'vllm-neuron-plugin[backend]' (and the Neuron "
-                     f"SDK packages for nxd), or fix VLLM_NEURON_BACKEND_PYTHON"), {}
+        return Check(
+            "backend runner",
+            "fail",
+            str(exc).splitlines()[0][:400],
+            f"{python} -m pip install 'vllm-neuron-plugin[backend]' (and the Neuron "
+            f"SDK packages for nxd), or fix VLLM_NEURON_BACKEND_PYTHON",
+        ), {}
     v = handshake["versions"]
-    return Check("backend runner", "ok",
-                 f"{backend} backend in {python}: Python {v['python']}, torch {v['torch']}, "
-                 f"transformers {v['transformers']}, NxDI {v[NXDI]}"), v
+    return Check(
+        "backend runner",
+        "ok",
+        f"{backend} backend in {python}: Python {v['python']}, torch {v['torch']}, "
+        f"transformers {v['transformers']}, NxDI {v[NXDI]}",
+    ), v
 
 
-def collect(environ: Mapping[str, str] = os.environ, backend_python: str | None = None,
-            backend: str | None = None) -> list[Check]:
+def collect(
+    environ: Mapping[str, str] = os.environ,
+    backend_python: str | None = None,
+    backend: str | None = None,
+) -> list[Check]:
     """Every check for this host; with a runner interpreter, the NxD packages are
     those of the runner's environment."""
     devices = neuron_devices()
@@ -270,11 +403,18 @@ def collect(environ: Mapping[str, str] = os.environ, backend_python: str | None 
         runner_checks.append(runner)
         nxd_only = {s.distribution for s in SUPPORTED if s.needed_for == "nxd"}
         versions = {**versions, **{d: runner_versions.get(d) for d in nxd_only}}
-    checks = [check_devices(devices), check_instance(instance),
-              check_cores(environ, devices, instance), *runner_checks,
-              *check_versions(versions, bool(devices), target),
-              *([] if backend_python else check_requirements(versions)),
-              check_platform_entry_point(), cache]
+    nxdi = check_nxdi_import(backend_python or sys.executable, devices, environ)
+    checks = [
+        check_devices(devices),
+        check_instance(instance),
+        check_cores(environ, devices, instance),
+        *runner_checks,
+        nxdi,
+        *check_versions(versions, bool(devices), target),
+        *([] if backend_python else check_requirements(versions)),
+        check_platform_entry_point(),
+        cache,
+    ]
     if root is not None:
         checks.append(check_disk("compile cache", root))
     checks.append(check_disk("neuronx-cc work dir", Path("/tmp")))
@@ -293,16 +433,25 @@ def render(checks: Sequence[Check]) -> str:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "doctor", help="check devices, packages, compile cache and disk for serving on "
-                       "Neuron")
-    parser.add_argument("--json", action="store_true",
-                        help='print {"ok": bool, "checks": [...]} (see neuron_plugin/tools/CLI.md)')
-    parser.add_argument("--backend-python", metavar="PYTHON",
-                        help=f"the backend runner's interpreter (default: "
-                             f"${BACKEND_PYTHON_ENV}); starts it and checks the handshake")
-    parser.add_argument("--backend", choices=BACKENDS,
-                        help=f"the backend the runner must host (default: ${BACKEND_ENV}, "
-                             f"else nxd on a Neuron host, reference elsewhere)")
+        "doctor", help="check devices, packages, compile cache and disk for serving on Neuron"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ok": bool, "checks": [...]} (see neuron_plugin/tools/CLI.md)',
+    )
+    parser.add_argument(
+        "--backend-python",
+        metavar="PYTHON",
+        help=f"the backend runner's interpreter (default: "
+        f"${BACKEND_PYTHON_ENV}); starts it and checks the handshake",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help=f"the backend the runner must host (default: ${BACKEND_ENV}, "
+        f"else nxd on a Neuron host, reference elsewhere)",
+    )
     parser.set_defaults(run=run)
 
 

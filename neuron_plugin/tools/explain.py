@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKENDS
-from neuron_plugin.core.settings import MAX_NUM_SEQS_CHOSEN, NeuronConfigError, NeuronSettings
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     InstanceType,
@@ -37,45 +36,57 @@ from neuron_plugin.core.memory import (
     checkpoint_parameters,
     estimate,
 )
+from neuron_plugin.core.settings import MAX_NUM_SEQS_CHOSEN, NeuronConfigError, NeuronSettings
 from neuron_plugin.tools.serve_args import engine_config_from_serve_args
 
 DEFAULT_INSTANCE = "inf2.xlarge"
 BUCKETING_OFF_EVIDENCE = (
     "bucketing off compiles one graph of the full length, so a short prompt pays for "
     "all of it: a 94-token prompt measured 211 ms in the 2048 graph vs 13.4 ms in the "
-    "128 bucket on inf2 (15.8x)")
+    "128 bucket on inf2 (15.8x)"
+)
 CHUNKED_EVIDENCE = (
     "chunked prefill needs the block KV layout, whose graphs measured 40-45% slower "
-    "than the contiguous layout on inf2")
+    "than the contiguous layout on inf2"
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "explain-config", add_help=False,
+        "explain-config",
+        add_help=False,
         help="show the resolved Neuron settings, buckets, graphs and memory for a model "
-             "and `vllm serve` flags, without compiling",
-        description="Takes the same flags as `vllm serve` (see --help).")
+        "and `vllm serve` flags, without compiling",
+        description="Takes the same flags as `vllm serve` (see --help).",
+    )
     parser.set_defaults(run=run, argv=[])
 
 
 def _own_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("explain-config")
-    group.add_argument("--json", action="store_true",
-                       help="print the report as one JSON object (see neuron_plugin/tools/CLI.md)")
-    group.add_argument("--backend", choices=BACKENDS,
-                       help=f"backend to resolve for (default: ${BACKEND_ENV}, else what "
-                            f"`vllm serve` with these flags would use, else nxd)")
-    group.add_argument("--instance-type", choices=sorted(INSTANCE_TYPES),
-                       help="instance to size memory against (default: this host's, "
-                            f"else {DEFAULT_INSTANCE})")
+    group.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object (see neuron_plugin/tools/CLI.md)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help=f"backend to resolve for (default: ${BACKEND_ENV}, else what "
+        f"`vllm serve` with these flags would use, else nxd)",
+    )
+    group.add_argument(
+        "--instance-type",
+        choices=sorted(INSTANCE_TYPES),
+        help=f"instance to size memory against (default: this host's, else {DEFAULT_INSTANCE})",
+    )
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
     """Our options plus `vllm serve`'s flags -> (options, VllmConfig)."""
     # The report owns stdout (--json is read by programs); vLLM's log lines go to stderr.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    return engine_config_from_serve_args(argv, _own_options,
-                                         prog="neuron-plugin explain-config")
+    return engine_config_from_serve_args(argv, _own_options, prog="neuron-plugin explain-config")
 
 
 def choose_instance(requested: str | None) -> tuple[InstanceType, str]:
@@ -90,13 +101,14 @@ def choose_instance(requested: str | None) -> tuple[InstanceType, str]:
 def nxdi_model(settings: NeuronSettings) -> str | None:
     if settings.backend != "nxd":
         return None
-    from neuron_plugin.backends.nxd import describe_architecture, model_entry_points
+    from neuron_plugin.backends.nxd.models import describe_architecture, model_entry_points
 
     return describe_architecture(settings.architecture, model_entry_points())
 
 
-def engine_cores(settings: NeuronSettings, instance: InstanceType, instance_source: str,
-                 host_source: str) -> tuple[list[list[int]], str]:
+def engine_cores(
+    settings: NeuronSettings, instance: InstanceType, instance_source: str, host_source: str
+) -> tuple[list[list[int]], str]:
     """(each data-parallel engine's NeuronCores, where the cores come from): the slices
     the settings resolved on this host, else the instance's cores split the same way
     (refused, with the arithmetic, when TP x DP does not fit)."""
@@ -107,27 +119,32 @@ def engine_cores(settings: NeuronSettings, instance: InstanceType, instance_sour
     return core_slices(settings.tp_degree, settings.dp_degree, range(cores), source), source
 
 
-def warnings_for(settings: NeuronSettings, memory: MemoryEstimate,
-                 instance: InstanceType) -> list[str]:
+def warnings_for(
+    settings: NeuronSettings, memory: MemoryEstimate, instance: InstanceType
+) -> list[str]:
     """Known slow or failing combinations, each with the measurement or the fix."""
     from neuron_plugin.platform import PREFIX_CACHING_EVIDENCE
 
     found = []
     if settings.is_prefix_caching and settings.enable_bucketing:
-        found.append(f"prefix caching with bucketing: {PREFIX_CACHING_EVIDENCE}; pass "
-                     f"--no-enable-prefix-caching unless prompts share long prefixes.")
+        found.append(
+            f"prefix caching with bucketing: {PREFIX_CACHING_EVIDENCE}; pass "
+            f"--no-enable-prefix-caching unless prompts share long prefixes."
+        )
     if settings.is_chunked_prefill:
-        found.append(f"{CHUNKED_EVIDENCE}; pass --no-enable-chunked-prefill to encode "
-                     f"whole prompts.")
+        found.append(
+            f"{CHUNKED_EVIDENCE}; pass --no-enable-chunked-prefill to encode whole prompts."
+        )
     if not settings.enable_bucketing:
         found.append(f"{BUCKETING_OFF_EVIDENCE}; remove enable_bucketing=false.")
-    fraction = memory.fraction_of_core_memory
-    if fraction is not None and fraction > USABLE_FRACTION:
+    total, fraction = memory.total_per_core_bytes, memory.fraction_of_core_memory
+    if total is not None and fraction is not None and fraction > USABLE_FRACTION:
         found.append(
-            f"weights and KV cache need {memory.total_per_core_bytes / GIB:.1f} GiB per "
+            f"weights and KV cache need {total / GIB:.1f} GiB per "
             f"NeuronCore, {fraction:.0%} of the {memory.device_memory_per_core_bytes / GIB:.0f}"
             f" GiB a core of {instance.name} has, before graphs and scratchpad; raise "
-            f"--tensor-parallel-size or lower --max-num-seqs / --max-model-len.")
+            f"--tensor-parallel-size or lower --max-num-seqs / --max-model-len."
+        )
     return found
 
 
@@ -136,17 +153,27 @@ def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str
     if settings.max_num_seqs_reason != MAX_NUM_SEQS_CHOSEN:
         notes.append(f"max_num_seqs={settings.max_num_seqs}: {settings.max_num_seqs_reason}.")
     if settings.backend == "nxd" and host_cores is None:
-        notes.append(f"this host cannot run the nxd backend ({host_source}); the report "
-                     f"is computed without compiling.")
+        notes.append(
+            f"this host cannot run the nxd backend ({host_source}); the report "
+            f"is computed without compiling."
+        )
     if settings.on_device_sampling:
-        notes.append("on-device sampling serves requests that use only temperature, "
-                     "top_k (up to global_topk) and top_p; others are sampled on the host.")
+        notes.append(
+            "on-device sampling serves requests that use only temperature, "
+            "top_k (up to global_topk) and top_p; others are sampled on the host."
+        )
     return notes
 
 
-def build_report(settings: NeuronSettings, model: str, hf_config: dict,
-                 parameters: int | None, instance: InstanceType, instance_source: str,
-                 host: tuple[int | None, str]) -> dict[str, Any]:
+def build_report(
+    settings: NeuronSettings,
+    model: str,
+    hf_config: dict,
+    parameters: int | None,
+    instance: InstanceType,
+    instance_source: str,
+    host: tuple[int | None, str],
+) -> dict[str, Any]:
     """The explain-config report (the --json schema)."""
     cores = instance.cores(lnc())
     ranks, ranks_source = engine_cores(settings, instance, instance_source, host[1])
@@ -180,8 +207,11 @@ def build_report(settings: NeuronSettings, model: str, hf_config: dict,
             "context_encoding_shapes": cte,
             "token_generation_shapes": tkg,
         },
-        "graphs": {"context_encoding": len(cte), "token_generation": len(tkg),
-                   "total": len(cte) + len(tkg)},
+        "graphs": {
+            "context_encoding": len(cte),
+            "token_generation": len(tkg),
+            "total": len(cte) + len(tkg),
+        },
         "memory": {
             "instance_type": instance.name,
             "instance_source": instance_source,
@@ -189,8 +219,11 @@ def build_report(settings: NeuronSettings, model: str, hf_config: dict,
             "instance_cores": cores,
             **memory.to_dict(),
         },
-        "data_parallel": {"engines": settings.dp_degree, "engine_cores": ranks,
-                          "source": ranks_source},
+        "data_parallel": {
+            "engines": settings.dp_degree,
+            "engine_cores": ranks,
+            "source": ranks_source,
+        },
         "host": {"visible_cores": host[0], "source": host[1]},
         "warnings": problems + warnings_for(settings, memory, instance),
         "notes": notes_for(settings, *host),
@@ -206,24 +239,35 @@ def _size(value: int | None) -> str:
 
 def _blocks_line(kv: dict[str, Any], settings: dict[str, Any]) -> str:
     if kv["layout"] == "contiguous":
-        return (f"{kv['num_blocks']} vLLM blocks of {kv['block_size']} tokens: one per "
-                f"sequence slot plus vLLM's null block; NxDI holds "
-                f"{settings['max_num_seqs']} x {settings['max_model_len']} positions")
-    return (f"{kv['num_blocks']} of {kv['block_size']} tokens including vLLM's null block "
-            f"({kv['usable_blocks']} usable) = NxDI pa_num_blocks")
+        return (
+            f"{kv['num_blocks']} vLLM blocks of {kv['block_size']} tokens: one per "
+            f"sequence slot plus vLLM's null block; NxDI holds "
+            f"{settings['max_num_seqs']} x {settings['max_model_len']} positions"
+        )
+    return (
+        f"{kv['num_blocks']} of {kv['block_size']} tokens including vLLM's null block "
+        f"({kv['usable_blocks']} usable) = NxDI pa_num_blocks"
+    )
 
 
 def _engines_line(dp: dict[str, Any]) -> str:
-    cores = ", ".join(f"{rank}: {format_core_list(ids)}"
-                      for rank, ids in enumerate(dp["engine_cores"]))
-    return (f"{dp['engines']} (data-parallel rank -> NEURON_RT_VISIBLE_CORES: {cores}; "
-            f"from {dp['source']})")
+    cores = ", ".join(
+        f"{rank}: {format_core_list(ids)}" for rank, ids in enumerate(dp["engine_cores"])
+    )
+    return (
+        f"{dp['engines']} (data-parallel rank -> NEURON_RT_VISIBLE_CORES: {cores}; "
+        f"from {dp['source']})"
+    )
 
 
 def render(report: dict[str, Any]) -> str:
     """The report for people."""
-    kv, buckets, graphs, mem = (report["kv_layout"], report["buckets"], report["graphs"],
-                                report["memory"])
+    kv, buckets, graphs, mem = (
+        report["kv_layout"],
+        report["buckets"],
+        report["graphs"],
+        report["memory"],
+    )
     lines = [
         f"model            {report['model']} ({report['architecture']})",
         f"backend          {report['backend']}"
@@ -258,8 +302,15 @@ def explain(argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
     model = vllm_config.model_config.model
     instance, source = choose_instance(options.instance_type)
     parameters = checkpoint_parameters(model) if Path(model).is_dir() else None
-    report = build_report(settings, model, vllm_config.model_config.hf_config.to_dict(),
-                          parameters, instance, source, host_visible_cores())
+    report = build_report(
+        settings,
+        model,
+        vllm_config.model_config.hf_config.to_dict(),
+        parameters,
+        instance,
+        source,
+        host_visible_cores(),
+    )
     return report, options.json
 
 

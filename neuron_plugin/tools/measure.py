@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from bucketing.cost import dump_cost_table
-from neuron_plugin.backends.base import Backend, graph_specs
+from neuron_plugin.backends.base import LoadedBackend, graph_specs
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, padding_inputs
 
 
@@ -24,8 +24,9 @@ def table_phase(phase: str, shape: tuple[int, ...]) -> str:
     return phase
 
 
-def time_buckets(backend: Backend, repeats: int = 10,
-                 warmup: int = 2) -> dict[str, list[tuple[tuple[int, ...], float]]]:
+def time_buckets(
+    backend: LoadedBackend, repeats: int = 10, warmup: int = 2
+) -> dict[str, list[tuple[tuple[int, ...], float]]]:
     """Median forward milliseconds per graph, grouped by cost-table phase."""
     settings = backend.settings
     timings: dict[str, list[tuple[tuple[int, ...], float]]] = {}
@@ -39,7 +40,8 @@ def time_buckets(backend: Backend, repeats: int = 10,
             backend.forward(inputs)
             samples.append(1000 * (time.perf_counter() - start))
         timings.setdefault(table_phase(graph.phase, graph.shape), []).append(
-            (graph.shape, statistics.median(samples)))
+            (graph.shape, statistics.median(samples))
+        )
     return timings
 
 
@@ -49,16 +51,20 @@ def prepare_output(prefix: Path) -> None:
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--output {prefix}: cannot create the folder {prefix.parent} "
-                         f"({exc.strerror}); pass -o PREFIX inside a writable folder") from None
+        raise ValueError(
+            f"--output {prefix}: cannot create the folder {prefix.parent} "
+            f"({exc.strerror}); pass -o PREFIX inside a writable folder"
+        ) from None
 
 
-def write_cost_tables(timings: dict[str, list[tuple[tuple[int, ...], float]]],
-                      prefix: Path, source: str, repeats: int) -> list[Path]:
+def write_cost_tables(
+    timings: dict[str, list[tuple[tuple[int, ...], float]]], prefix: Path, source: str, repeats: int
+) -> list[Path]:
     """One table per phase: PREFIX-context_encoding.yaml, PREFIX-token_generation.yaml."""
     written = []
     for phase, rows in sorted(timings.items()):
         path = prefix.with_name(f"{prefix.name}-{phase}.yaml")
-        written.append(dump_cost_table(path, phase=phase, timings=rows, source=source,
-                                       samples=repeats))
+        written.append(
+            dump_cost_table(path, phase=phase, timings=rows, source=source, samples=repeats)
+        )
     return written

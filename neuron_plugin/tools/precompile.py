@@ -30,50 +30,79 @@ if TYPE_CHECKING:  # backends import torch: keep `neuron-plugin --help` and doct
 
 
 def _common(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--backend", choices=BACKENDS,
-                       help=f"backend to compile for (default: ${BACKEND_ENV}, else what "
-                            f"`vllm serve` with these flags would use, else nxd)")
-    group.add_argument("--cache", metavar="URL",
-                       help="compile-cache store: a path, file:///path or s3://bucket/prefix "
-                            "(default: $VLLM_NEURON_CACHE_URL, else "
-                            "~/.cache/vllm-neuron/compile-cache)")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help=f"backend to compile for (default: ${BACKEND_ENV}, else what "
+        f"`vllm serve` with these flags would use, else nxd)",
+    )
+    group.add_argument(
+        "--cache",
+        metavar="URL",
+        help="compile-cache store: a path, file:///path or s3://bucket/prefix "
+        "(default: $VLLM_NEURON_CACHE_URL, else "
+        "~/.cache/vllm-neuron/compile-cache)",
+    )
 
 
 def _precompile_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("precompile")
     _common(group)
-    group.add_argument("--dry-run", metavar="MANIFEST.json", type=Path,
-                       help="write the cache manifest of this configuration and stop "
-                            "(then: neuron-cache explain MANIFEST.json)")
+    group.add_argument(
+        "--dry-run",
+        metavar="MANIFEST.json",
+        type=Path,
+        help="write the cache manifest of this configuration and stop "
+        "(then: neuron-cache explain MANIFEST.json)",
+    )
 
 
 def _measure_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("measure-buckets")
     _common(group)
-    group.add_argument("--output", "-o", type=Path, required=True, metavar="PREFIX",
-                       help="writes PREFIX-<phase>.yaml cost tables")
-    group.add_argument("--repeats", type=int, default=10,
-                       help="timed calls per bucket; the median is kept (default 10)")
+    group.add_argument(
+        "--output",
+        "-o",
+        type=Path,
+        required=True,
+        metavar="PREFIX",
+        help="writes PREFIX-<phase>.yaml cost tables",
+    )
+    group.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="timed calls per bucket; the median is kept (default 10)",
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for name, options, runner, text in (
-        ("precompile", _precompile_options, run_precompile,
-         "compile every bucket of a `vllm serve` configuration into the compile cache"),
-        ("measure-buckets", _measure_options, run_measure,
-         "time every compiled bucket and write cost tables for `neuron-buckets tune`"),
+        (
+            "precompile",
+            _precompile_options,
+            run_precompile,
+            "compile every bucket of a `vllm serve` configuration into the compile cache",
+        ),
+        (
+            "measure-buckets",
+            _measure_options,
+            run_measure,
+            "time every compiled bucket and write cost tables for `neuron-buckets tune`",
+        ),
     ):
-        parser = subparsers.add_parser(name, add_help=False, help=text,
-                                       description="Takes the same flags as `vllm serve`.")
-        parser.set_defaults(run=runner, argv=[], own_options=options,
-                            prog=f"neuron-plugin {name}")
+        parser = subparsers.add_parser(
+            name, add_help=False, help=text, description="Takes the same flags as `vllm serve`."
+        )
+        parser.set_defaults(run=runner, argv=[], own_options=options, prog=f"neuron-plugin {name}")
 
 
 def _resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, Any]:
     from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
-    options, vllm_config = engine_config_from_serve_args(args.argv, args.own_options,
-                                                         prog=args.prog)
+    options, vllm_config = engine_config_from_serve_args(
+        args.argv, args.own_options, prog=args.prog
+    )
     return options, vllm_config, settings_from_vllm_config(vllm_config)
 
 
@@ -83,19 +112,23 @@ def run_precompile(args: argparse.Namespace) -> int:
     options, vllm_config, settings = _resolve(args)
     model = vllm_config.model_config.model
     if options.dry_run:
-        options.dry_run.write_text(json.dumps(configuration_manifest(settings, model),
-                                              indent=2, sort_keys=True))
+        options.dry_run.write_text(
+            json.dumps(configuration_manifest(settings, model), indent=2, sort_keys=True)
+        )
         print(f"wrote the cache manifest to {options.dry_run}")
         return 0
     with bucket_bar(settings.graph_count()) as progress:
         result = compile_configuration(settings, model, options.cache, progress)
     if not result.in_store:
         # A precompile exists to fill the store the serving hosts read: fail loudly.
-        print(f"{settings.graph_count()} graphs are only in this host's read cache, not in "
-              f"the store the serving hosts read: key {result.key} ({result.reason}). A "
-              f"host publishes to a shared store only with {SIGNING_KEY_ENV} set to the "
-              f"fleet's signing key (`neuron-cache keygen`); set it, or run again once the "
-              f"store is reachable.", file=sys.stderr)
+        print(
+            f"{settings.graph_count()} graphs are only in this host's read cache, not in "
+            f"the store the serving hosts read: key {result.key} ({result.reason}). A "
+            f"host publishes to a shared store only with {SIGNING_KEY_ENV} set to the "
+            f"fleet's signing key (`neuron-cache keygen`); set it, or run again once the "
+            f"store is reachable.",
+            file=sys.stderr,
+        )
         return 1
     state = "already in the cache" if result.hit else "compiled and published"
     print(f"{settings.graph_count()} graphs {state}: key {result.key} ({result.reason})")
@@ -137,8 +170,10 @@ def run_measure(args: argparse.Namespace) -> int:
         close = getattr(backend, "close", None)  # a runner process has one
         if close is not None:
             close()
-    source = (f"neuron-plugin measure-buckets, {settings.backend} backend, "
-              f"{vllm_config.model_config.model}")
+    source = (
+        f"neuron-plugin measure-buckets, {settings.backend} backend, "
+        f"{vllm_config.model_config.model}"
+    )
     for path in write_cost_tables(timings, options.output, source, options.repeats):
         print(path)
     return 0

@@ -16,8 +16,8 @@ from neuron_plugin import BACKEND_ENV, choose_backend, neuron_devices
 
 
 def engine_config_from_serve_args(
-        argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *,
-        prog: str) -> tuple[argparse.Namespace, Any]:
+    argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
+) -> tuple[argparse.Namespace, Any]:
     """(parsed options, VllmConfig). `own_options` adds the command's options, which must
     include `--backend` (default None): it is read first, because vLLM resolves its
     platform (and so the backend) while parsing. Without it the backend is chosen as
@@ -26,14 +26,16 @@ def engine_config_from_serve_args(
     pre = argparse.ArgumentParser(add_help=False)
     own_options(pre)
     known, _ = pre.parse_known_args(argv)
-    os.environ[BACKEND_ENV] = (known.backend
-                               or choose_backend(os.environ, argv, neuron_devices()) or "nxd")
+    os.environ[BACKEND_ENV] = (
+        known.backend or choose_backend(os.environ, argv, neuron_devices()) or "nxd"
+    )
 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(
-        prog=prog, description="Resolve a configuration as `vllm serve MODEL [flags]` would.")
+        prog=prog, description="Resolve a configuration as `vllm serve MODEL [flags]` would."
+    )
     parser.add_argument("model_tag", nargs="?", help="the model, as for `vllm serve`")
     own_options(parser)
     AsyncEngineArgs.add_cli_args(parser)

@@ -272,6 +272,30 @@ def test_doctor_says_clearly_there_is_no_device(capsys):
     assert code == (1 if any(c.status == "fail" for c in checks.values()) else 0)
 
 
+def test_doctor_reports_whether_nxdi_imports_and_where_it_runs(tmp_path, sdk_python):
+    """Under an interpreter without NxDI (the SDK-pinned test environment), and with a
+    package named like NxDI on its path: no device, so NxDI's CPU mode is named."""
+    missing = doctor.check_nxdi_import(sdk_python, [], {"PATH": os.environ["PATH"]})
+    assert missing.status == "info" and "does not import" in missing.detail
+    assert doctor.check_nxdi_import(sdk_python, ["/dev/neuron0"],
+                                    {"PATH": os.environ["PATH"]}).status == "fail"
+    package = tmp_path / "neuronx_distributed_inference" / "models"
+    package.mkdir(parents=True)
+    for folder in (package.parent, package):
+        (folder / "__init__.py").write_text("")
+    (package / "model_base.py").write_text("")
+    info = tmp_path / "neuronx_distributed_inference-0.9.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-distributed-"
+                                   "inference\nVersion: 0.9.0\n")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)}
+    cpu = doctor.check_nxdi_import(sdk_python, [], env)
+    assert cpu.status == "info" and "NxDI 0.9.0 imports" in cpu.detail
+    assert "CPU mode" in cpu.detail and '"on_cpu": true' in cpu.fix
+    device = doctor.check_nxdi_import(sdk_python, ["/dev/neuron0"], env)
+    assert device.status == "ok" and "on the Neuron devices" in device.detail
+
+
 @pytest.mark.parametrize("versions,devices,target,expected", [
     ({"vllm": "0.32.0+cpu"}, False, None, {"vllm": "ok", "neuronx-distributed-inference": "info"}),
     ({"vllm": "0.31.2"}, False, None, {"vllm": "fail"}),

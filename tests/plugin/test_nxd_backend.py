@@ -17,18 +17,22 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_plugin.backends import nxd
-from neuron_plugin.backends.nxd import (
-    DISTRIBUTIONS,
+from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.backend import DISTRIBUTIONS, NxDBackend
+from neuron_plugin.backends.nxd.models import (
     ENTRY_POINT_GROUP,
-    NxDBackend,
     describe_architecture,
-    model_arguments,
-    neuron_config_kwargs,
-    padding_arguments,
+    model_entry_points,
     resolve_model_class,
+)
+from neuron_plugin.backends.nxd.neuron_config import (
+    batch_bucketing,
+    neuron_config_kwargs,
     unknown_kwargs,
 )
+from neuron_plugin.backends.nxd.nxdi import import_nxdi
+from neuron_plugin.core.instances import detect_instance_type, host_visible_cores
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 from neuron_plugin.core.inputs import (
     TOKEN_GENERATION,
@@ -154,7 +158,7 @@ def test_entry_point_registered_contrib_model(release, monkeypatch, tmp_path):
                               "LlamaForCausalLM = "
                               "fake_contrib.modeling_tiny:NeuronTinyContribForCausalLM")
     monkeypatch.syspath_prepend(str(tmp_path))
-    found = nxd.model_entry_points()
+    found = model_entry_points()
     assert {ep.name for ep in found} == {"TinyContribForCausalLM", "LlamaForCausalLM"}
     contrib = resolve_model_class("TinyContribForCausalLM", MODEL_TYPES, found)
     assert contrib.__name__ == "NeuronTinyContribForCausalLM"
@@ -183,7 +187,7 @@ def test_missing_nxdi_is_a_clear_error(monkeypatch):
     purge()
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
     with pytest.raises(NeuronConfigError, match="VLLM_NEURON_BACKEND=reference"):
-        nxd.import_nxdi()
+        import_nxdi()
 
 
 # -- settings -> NeuronConfig -------------------------------------------------------------
@@ -308,7 +312,7 @@ def test_context_encoding_arguments_keep_the_bucket_width():
     args, answer = model_arguments(s, inputs)
     assert args["input_ids"].shape == args["position_ids"].shape == (1, 128)
     assert args["input_ids"][0, :4].tolist() == [5, 6, 7, 0]
-    assert args["position_ids"][0, :4].tolist() == [0, 1, 2, 0]  # pads keep position 0
+    assert args["position_ids"][0, :4].tolist() == [0, 1, 2, 1]  # NxDI's pad position
     assert args["attention_mask"].tolist() == [[1, 1, 1]]
     assert answer.tolist() == [0]
 
@@ -381,7 +385,7 @@ def nxdi_bucket(s, graph) -> tuple:
     [1, length] for prefix-caching token generation (one active token)."""
     if graph.phase == TOKEN_GENERATION and s.is_block_layout:
         return 1, graph.shape[1]
-    if graph.phase == TOKEN_GENERATION and not nxd.batch_bucketing(s):
+    if graph.phase == TOKEN_GENERATION and not batch_bucketing(s):
         return (graph.shape[1],)
     return graph.shape
 
@@ -393,10 +397,10 @@ def test_padding_only_calls_run_each_graph(seam, tiny, tmp_path, limits, overrid
         pytest.skip("NxDI 0.7 has no batch bucketing")
     s = settings(limits, override)
     backend = loaded(s, tiny, tmp_path / "graphs")
-    for graph in nxd.graph_specs(s):
+    for graph in graph_specs(s):
         logits = backend.forward(padding_inputs(s, graph.phase, graph.shape))
         assert logits.shape == (0, VOCAB)
-    assert ran(backend) == [(g.phase, nxdi_bucket(s, g)) for g in nxd.graph_specs(s)]
+    assert ran(backend) == [(g.phase, nxdi_bucket(s, g)) for g in graph_specs(s)]
 
 
 # -- the seam defects, each against every release whose code differs ---------------------------
@@ -476,6 +480,24 @@ def test_5_batch_bucketing_decode_runs_the_plugins_bucket(seam, tiny, tmp_path):
     assert high_seq.bucket == (4, 128)
     assert backend.forward(high_seq).argmax(-1).tolist() == [expected([5, 6, 12])]
     assert ran(backend)[-1] == ("token_generation", (4, 128))
+
+
+def test_prefix_cache_hit_in_a_128_bucket_is_wrong_unpatched_and_right_patched(
+        seam, tiny, tmp_path, monkeypatch):
+    """NxDI's unmasked prefix prefill (patch prefix-prefill-mask): 40 new tokens after 96
+    cached run the (128, 128) graph, whose active part re-encodes 88 cached positions."""
+    s = settings({**PREFIX, "max_model_len": 1024})
+    context = np.random.default_rng(1).integers(1, VOCAB, 136)
+    blocks = list(range(1, 6))
+    for disabled, right in (("prefix-prefill-mask", False), ("", True)):
+        monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", disabled)
+        use_release(seam, monkeypatch, tmp_path / disabled)  # a fresh, unpatched import
+        backend = loaded(s, tiny, tmp_path / disabled / "graphs")
+        backend.forward(context_encoding_inputs(s, context[:96], 0, 0, blocks))
+        hit = context_encoding_inputs(s, context, 96, 0, blocks)
+        assert hit.bucket == (128, 128)
+        got = backend.forward(hit).argmax(-1).tolist()
+        assert (got == [expected(context)]) is right
 
 
 def test_6_prefix_caching_bucket_is_nxdis_choice(seam, tiny, tmp_path):
@@ -573,7 +595,7 @@ def test_tensor_parallel_above_visible_cores_fails_up_front(release, tiny, monke
                                                 "but only 1 are visible"):
         NxDBackend(settings(), tiny)
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
-    if not nxd.host_visible_cores()[0]:
+    if not host_visible_cores()[0]:
         with pytest.raises(NeuronConfigError, match="none are visible"):
             NxDBackend(settings(), tiny)
 
@@ -584,12 +606,16 @@ def test_cache_manifest_fields(release, tiny, monkeypatch):
     backend = NxDBackend(settings(), tiny)
     fields = backend.cache_manifest_fields()
     assert fields["weights_fingerprint"] is None
-    assert set(fields["versions"]) == set(DISTRIBUTIONS)
+    assert set(fields["versions"]) == {*DISTRIBUTIONS, "nxdi_patches"}
+    # The patches change what NxDI traces (0.7 needs all five), so they key the cache.
+    assert fields["versions"]["nxdi_patches"] == (
+        "adapter-forward-kwargs,adapter-prefix-lens,cte-exact-bucket,prefix-prefill-mask,"
+        "sampler-top-p")
     assert fields["compiler_flags"] == ["--model-type", "transformer", "-O1"]
     manifest = cache_manifest(backend.settings, backend)
     assert manifest["model"]["num_hidden_layers"] == 2
     assert "transformers_version" not in manifest["model"]  # volatile: dropped
-    if nxd.detect_instance_type() is None:
+    if detect_instance_type() is None:
         assert fields["target"]["platform"] == "inf2"
     embedded = NxDBackend(settings(override={"save_sharded_checkpoint": True}), tiny)
     assert len(embedded.cache_manifest_fields()["weights_fingerprint"]) == 64

@@ -1,7 +1,7 @@
 """The NxDI patch registry against the NxDI double's releases (0.7, 0.8 and 0.9 as
 published, and the ef2731e sync that fixed the adapter's tensor_capture_hook): each probe
 tells defective from fixed code, each fix makes the real call path work, and applying is
-idempotent and switchable. No NxDI release fixes the other two defects; their probes'
+idempotent and switchable. No NxDI release fixes the other four defects; their probes'
 negative side is shown on a hypothetical fix written here."""
 
 from __future__ import annotations
@@ -20,17 +20,21 @@ from neuron_plugin.patches import (
     bucket_fit,
     disabled_patches,
     prefix_lens,
+    prefix_prefill_mask,
+    sampler_top_p,
 )
 from neuron_plugin.patches.base import code_mentions, replace_method, unpatched
 
 VOCAB = 977  # the tiny checkpoints' vocabulary
 NAMES = [p.name for p in PATCHES]
 # release -> names of the patches whose defect it has (read in each release's source)
+EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask",
+                 "sampler-top-p"}
 DEFECTS = {
-    "0.7": {"adapter-forward-kwargs", "adapter-prefix-lens", "cte-exact-bucket"},
-    "0.8": {"adapter-forward-kwargs", "adapter-prefix-lens", "cte-exact-bucket"},
-    "0.9": {"adapter-forward-kwargs", "adapter-prefix-lens", "cte-exact-bucket"},
-    "0.9-ef2731e": {"adapter-prefix-lens", "cte-exact-bucket"},
+    "0.7": {"adapter-forward-kwargs", *EVERY_RELEASE},
+    "0.8": {"adapter-forward-kwargs", *EVERY_RELEASE},
+    "0.9": {"adapter-forward-kwargs", *EVERY_RELEASE},
+    "0.9-ef2731e": EVERY_RELEASE,
 }
 PUBLISHED = ["0.7", "0.8", "0.9"]
 
@@ -71,8 +75,9 @@ def greedy_continuation(prompt: list[int], steps: int) -> list[int]:
 
 
 def hypothetically_fixed(modules, monkeypatch) -> None:
-    """An NxDI whose adapter passes prefix-caching context lengths and whose context
-    encoding takes a bucket equal to the context: no release has either fix."""
+    """An NxDI whose adapter passes prefix-caching context lengths, whose context
+    encoding takes a bucket equal to the context, whose prefix prefill masks the prior
+    scores and whose nucleus keeps the crossing token: no release has any of these."""
     adapter = modules.hf_adapter.HuggingFaceGenerationAdapter
     published_prepare = adapter.prepare_inputs_for_generation
 
@@ -98,8 +103,21 @@ def hypothetically_fixed(modules, monkeypatch) -> None:
             return input_len
         return published_bucket(self, buckets, input_len, speculation_length, strategy)
 
+    def perform_prefix_prefill(self, Q, K, V, q_len, bsz, attention_mask, past_key_value,
+                               active_mask):
+        masked = prefix_prefill_mask.masked_prefix_prefill(
+            self, modules.attention_base, Q, K, V, attention_mask, past_key_value, active_mask)
+        return masked, modules.attention_base.FlashAttentionStrategy.NONE
+
+    def _multinomial_sample(self, token_logits, sampling_params, return_values, dim, rank_id):
+        return sampler_top_p.vllm_nucleus_sample(self, modules.sampling, token_logits,
+                                                 sampling_params, return_values, dim, rank_id)
+
     monkeypatch.setattr(adapter, "prepare_inputs_for_generation", prepare_inputs_for_generation)
     monkeypatch.setattr(wrapper, "_get_seq_bucket", _get_seq_bucket)
+    monkeypatch.setattr(modules.attention_base.NeuronAttentionBase, "perform_prefix_prefill",
+                        perform_prefix_prefill)
+    monkeypatch.setattr(modules.sampling.Sampler, "_multinomial_sample", _multinomial_sample)
 
 
 PREFIX_CACHING = dict(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=8,
@@ -134,7 +152,7 @@ def test_probe_evidence_for_an_adapter_that_defines_the_hook(nxdi, monkeypatch):
 @pytest.mark.parametrize("nxdi", ["0.9-ef2731e"], indirect=True)
 def test_probes_recognise_fixed_code(nxdi, monkeypatch):
     hypothetically_fixed(nxdi, monkeypatch)
-    assert [p.probe(nxdi) for p in PATCHES] == [None, None, None]
+    assert [p.probe(nxdi) for p in PATCHES] == [None] * len(PATCHES)
 
 
 # -- registry -----------------------------------------------------------------------------
@@ -156,7 +174,8 @@ def test_disable_switch(nxdi):
     before = adapter.prepare_inputs_for_generation
     outcomes = apply_patches(nxdi, environ={DISABLE_ENV: "adapter-forward-kwargs, "
                                                          "adapter-prefix-lens"})
-    assert [o.status for o in outcomes] == ["disabled", "disabled", "applied"]
+    assert [o.status for o in outcomes] == ["disabled", "disabled", "applied", "applied",
+                                            "applied"]
     assert adapter.prepare_inputs_for_generation is before
     assert disabled_patches({DISABLE_ENV: "all"}) == frozenset(NAMES)
     with pytest.raises(ValueError, match="unknown patch.*cte-exact-bucket"):
@@ -312,3 +331,64 @@ def test_context_equal_to_bucket_uses_that_bucket_after_patch(nxdi, model_dirs, 
     ([128, 256], 128, 128), ([128, 256], 129, None), ([[128, 0], [128, 512]], 128, None)])
 def test_exact_bucket(buckets, length, expected):
     assert bucket_fit.exact_bucket(buckets, length) == expected
+
+
+# -- (d) prefix-prefill-mask --------------------------------------------------------------
+@pytest.mark.parametrize("nxdi", PUBLISHED, indirect=True)
+def test_prefix_prefill_attends_the_cached_prefix_once_after_patch(nxdi):
+    """One query over a cached prefix of 3 positions (the mask excludes the third, a
+    position NxDI moved into the active part) and one active key: NxDI's non-kernel
+    branch weighs all four keys, the patch the three the query may see."""
+    attention = nxdi.attention_base.NeuronAttentionBase()
+    q = torch.zeros(1, 1, 1, 2)
+    v_prior = torch.tensor([[[[1.0, 0.0], [2.0, 0.0], [40.0, 0.0]]]])
+    args = (q, torch.zeros(1, 1, 1, 2), torch.tensor([[[[3.0, 0.0]]]]), 1, 1,
+            torch.tensor([[1, 1, 0]]), (torch.zeros(1, 1, 3, 2), v_prior),
+            torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    unpatched_out, _ = attention.perform_prefix_prefill(*args)
+    assert unpatched_out[0, 0, 0, 0].item() == pytest.approx((1 + 2 + 40 + 3) / 4)
+    assert prefix_prefill_mask.PATCH.apply(nxdi)
+    patched_out, strategy = attention.perform_prefix_prefill(*args)
+    assert patched_out[0, 0, 0, 0].item() == pytest.approx((1 + 2 + 3) / 3)
+    assert strategy == nxdi.attention_base.FlashAttentionStrategy.NONE
+
+
+@pytest.mark.parametrize("nxdi", ["0.9"], indirect=True)
+def test_prefix_prefill_kernel_branch_is_left_to_nxdi(nxdi, monkeypatch):
+    calls = []
+    monkeypatch.setattr(nxdi.attention_base.NeuronAttentionBase, "perform_prefix_prefill",
+                        lambda self, *args: calls.append(args) or ("kernel", "strategy"))
+    prefix_prefill_mask.PATCH.apply(nxdi)
+    attention = nxdi.attention_base.NeuronAttentionBase()
+    monkeypatch.setattr(attention, "get_flash_attention_strategy",
+                        lambda *a, **k: nxdi.attention_base.FlashAttentionStrategy.SHARDED_KERNEL)
+    assert attention.perform_prefix_prefill(*range(8)) == ("kernel", "strategy")
+    assert calls == [tuple(range(8))]
+
+
+# -- (e) sampler-top-p --------------------------------------------------------------------
+def _nucleus(nxdi, logits, top_p):
+    """The probabilities NxDI's sampler draws from for one row (global top-k = vocab)."""
+    sampler = sampler_top_p._stand_in(nxdi.sampling.Sampler)
+    object.__setattr__(sampler, "global_topk", logits.shape[-1])
+    params = torch.tensor([[float(logits.shape[-1]), top_p, 1.0]])
+    indices, probs = sampler._multinomial_sample(logits[None, :], params, True, 1, None)
+    nucleus = torch.zeros_like(logits)
+    nucleus[indices[0]] = probs[0]
+    return nucleus
+
+
+@pytest.mark.parametrize("nxdi", PUBLISHED, indirect=True)
+@pytest.mark.parametrize("top_p", [0.5, 0.7, 0.8, 0.9, 0.95])
+def test_device_nucleus_equals_vllms_after_patch(nxdi, top_p):
+    """vLLM's own top-k/top-p (vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p) is
+    the oracle: unpatched, NxDI's nucleus lacks the crossing token; patched, it is vLLM's."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    logits = torch.log(torch.tensor([0.35, 0.25, 0.2, 0.12, 0.05, 0.03]))
+    expected = torch.softmax(apply_top_k_top_p(logits[None, :].clone(), None,
+                                               torch.tensor([top_p])), -1)[0]
+    before = _nucleus(nxdi, logits, top_p)
+    assert int((before > 0).sum()) == int((expected > 0).sum()) - 1
+    assert sampler_top_p.PATCH.apply(nxdi)
+    assert torch.allclose(_nucleus(nxdi, logits, top_p), expected, atol=1e-6)

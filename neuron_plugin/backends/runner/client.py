@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from compile_cache.cache import CacheResult
-from neuron_plugin import plugin_logger
+from neuron_plugin import BACKEND_PYTHON_ENV, plugin_logger
 from neuron_plugin.backends.base import StepOutput
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
@@ -68,36 +68,57 @@ class RunnerProcess:
         fds = (self.inputs.fd, self.outputs.fd)
         try:
             self.process = subprocess.Popen(
-                [python, "-m", "neuron_plugin.backends.runner",
-                 "--input-fd", str(fds[0]), "--input-bytes", str(input_bytes),
-                 "--output-fd", str(fds[1]), "--output-bytes", str(output_bytes),
-                 "--parent-pid", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=fds)
+                [
+                    python,
+                    "-m",
+                    "neuron_plugin.backends.runner",
+                    "--input-fd",
+                    str(fds[0]),
+                    "--input-bytes",
+                    str(input_bytes),
+                    "--output-fd",
+                    str(fds[1]),
+                    "--output-bytes",
+                    str(output_bytes),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=fds,
+            )
         except OSError as exc:
             self._close_arenas()
             raise RunnerError(
                 f"cannot start the backend runner with VLLM_NEURON_BACKEND_PYTHON="
                 f"{python!r}: {exc}; point it at the Python of the environment that "
-                f"has the backend installed.") from exc
-        self._relay = threading.Thread(target=self._relay_log, daemon=True,
-                                       name="neuron-runner-log")
+                f"has the backend installed."
+            ) from exc
+        stdin, stdout, stderr = self.process.stdin, self.process.stdout, self.process.stderr
+        assert stdin and stdout and stderr  # Popen made all three pipes (typed optional)
+        self._stdin, self._stdout, self._stderr = stdin, stdout, stderr
+        self._relay = threading.Thread(
+            target=self._relay_log, daemon=True, name="neuron-runner-log"
+        )
         self._relay.start()
         self.handshake = self.request("hello", protocol=PROTOCOL_VERSION, backend=backend)
 
     def describe(self) -> str:
         """The handshake in one line: who runs the backend, with which versions."""
         v = self.handshake["versions"]
-        return (f"backend runner pid {self.handshake['pid']}: {self.handshake['backend']} "
-                f"backend in {v['executable']} (Python {v['python']}, torch {v['torch']}, "
-                f"transformers {v['transformers']}, NxDI "
-                f"{v['neuronx-distributed-inference']}, neuronx-cc {v['neuronx-cc']}), "
-                f"protocol {PROTOCOL_VERSION}")
+        return (
+            f"backend runner pid {self.handshake['pid']}: {self.handshake['backend']} "
+            f"backend in {v['executable']} (Python {v['python']}, torch {v['torch']}, "
+            f"transformers {v['transformers']}, NxDI "
+            f"{v['neuronx-distributed-inference']}, neuronx-cc {v['neuronx-cc']}), "
+            f"protocol {PROTOCOL_VERSION}"
+        )
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         try:
-            write_message(self.process.stdin, {"op": op, **fields})
-            reply = read_message(self.process.stdout)
+            write_message(self._stdin, {"op": op, **fields})
+            reply = read_message(self._stdout)
         except (BrokenPipeError, ConnectionResetError):
             reply = None
         if reply is None:
@@ -106,15 +127,17 @@ class RunnerProcess:
             error = reply.get("error", "unknown error")
             if reply.get("type") == "NeuronConfigError":
                 raise NeuronConfigError(error.removeprefix("NeuronConfigError: "))
-            raise RunnerError(f"the backend runner ({self.python}) failed {op}: {error}"
-                              + (self._fix_for_start() if op == "hello" else ""))
+            raise RunnerError(
+                f"the backend runner ({self.python}) failed {op}: {error}"
+                + (self._fix_for_start() if op == "hello" else "")
+            )
         return reply
 
     def close(self) -> None:
         """Stop the runner (it would also die with this process)."""
         if self.process.poll() is None:
             try:
-                write_message(self.process.stdin, {"op": "shutdown"})
+                write_message(self._stdin, {"op": "shutdown"})
                 self.process.wait(EXIT_WAIT_S)
             except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
@@ -123,7 +146,7 @@ class RunnerProcess:
 
     def _relay_log(self) -> None:
         """The runner's stderr into vLLM's log, keeping the last lines for errors."""
-        for raw in iter(self.process.stderr.readline, b""):
+        for raw in iter(self._stderr.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             self._tail.append(line)
             logger.info("backend runner: %s", line)
@@ -138,18 +161,23 @@ class RunnerProcess:
         if op == "hello":
             fix = self._fix_for_start()
         else:
-            fix = ("; the engine cannot continue without its backend, so the requests in "
-                   "flight fail and the server stops: restart it once the cause above is "
-                   "fixed")
+            fix = (
+                "; the engine cannot continue without its backend, so the requests in "
+                "flight fail and the server stops: restart it once the cause above is "
+                "fixed"
+            )
         return RunnerError(
             f"the backend runner (pid {self.process.pid}, {self.python}) "
-            f"{describe_exit(code)} during {op}. Its last lines:\n{tail}\n{fix}")
+            f"{describe_exit(code)} during {op}. Its last lines:\n{tail}\n{fix}"
+        )
 
     def _fix_for_start(self) -> str:
-        return (f"; install the backend side in that environment ({self.python} -m pip "
-                f"install 'vllm-neuron-plugin[backend]', plus the Neuron SDK packages for "
-                f"the nxd backend), or point VLLM_NEURON_BACKEND_PYTHON at the right "
-                f"interpreter; `neuron-plugin doctor` checks both.")
+        return (
+            f"; install the backend side in that environment ({self.python} -m pip "
+            f"install 'vllm-neuron-plugin[backend]', plus the Neuron SDK packages for "
+            f"the nxd backend), or point VLLM_NEURON_BACKEND_PYTHON at the right "
+            f"interpreter; `neuron-plugin doctor` checks both."
+        )
 
     def _close_arenas(self) -> None:
         self.inputs.close()
@@ -166,9 +194,13 @@ def probe(python: str, backend: str) -> dict[str, Any]:
 
 
 def _cache_result(fields: dict[str, Any]) -> CacheResult:
-    return CacheResult(path=Path(fields["path"]), key=fields["key"], hit=fields["hit"],
-                       in_store=fields["in_store"],
-                       reason=fields["reason"])
+    return CacheResult(
+        path=Path(fields["path"]),
+        key=fields["key"],
+        hit=fields["hit"],
+        in_store=fields["in_store"],
+        reason=fields["reason"],
+    )
 
 
 class RunnerBackend:
@@ -176,12 +208,21 @@ class RunnerBackend:
     `settings.backend_python`."""
 
     def __init__(self, settings: NeuronSettings, model_dir: str | Path):
+        if not settings.backend_python:
+            raise NeuronConfigError(
+                f"the backend runner needs the interpreter of the backend's environment; "
+                f"set {BACKEND_PYTHON_ENV} to it, or leave it unset to run the "
+                f"{settings.backend} backend in this process."
+            )
         self.name = settings.backend
         self.settings = settings
         self.model_dir = os.path.abspath(model_dir)  # the runner may run elsewhere
-        self.runner = RunnerProcess(settings.backend_python, settings.backend,
-                                    input_arena_bytes(settings),
-                                    output_arena_bytes(settings, vocab_size(model_dir)))
+        self.runner = RunnerProcess(
+            settings.backend_python,
+            settings.backend,
+            input_arena_bytes(settings),
+            output_arena_bytes(settings, vocab_size(model_dir)),
+        )
         self.handshake = self.runner.handshake
         # The backend's own time in the last forward/run (the rest was the boundary's).
         self.last_backend_s = 0.0
@@ -189,27 +230,41 @@ class RunnerBackend:
 
     @property
     def module(self) -> torch.nn.Module:
-        raise RunnerError("the model lives in the backend runner process "
-                          f"({self.runner.python}); it cannot be handed to vLLM as a module.")
+        raise RunnerError(
+            "the model lives in the backend runner process "
+            f"({self.runner.python}); it cannot be handed to vLLM as a module."
+        )
 
     def load(self, cache_url: str | None = None) -> CacheResult:
         """Compile-or-fetch through the compile cache, load and warm up, in the runner."""
-        return _cache_result(self.runner.request(
-            "load", settings=self.settings.to_dict(), model_dir=self.model_dir,
-            cache_url=cache_url)["cache"])
+        return _cache_result(
+            self.runner.request(
+                "load",
+                settings=self.settings.to_dict(),
+                model_dir=self.model_dir,
+                cache_url=cache_url,
+            )["cache"]
+        )
 
     def compile(self, cache_url: str | None = None) -> CacheResult:
         """Compile-or-fetch without loading (precompile), in the runner."""
-        return _cache_result(self.runner.request(
-            "compile", settings=self.settings.to_dict(), model_dir=self.model_dir,
-            cache_url=cache_url)["cache"])
+        return _cache_result(
+            self.runner.request(
+                "compile",
+                settings=self.settings.to_dict(),
+                model_dir=self.model_dir,
+                cache_url=cache_url,
+            )["cache"]
+        )
 
     def manifest(self) -> dict[str, Any]:
-        return self.runner.request("manifest", settings=self.settings.to_dict(),
-                                   model_dir=self.model_dir)["manifest"]
+        return self.runner.request(
+            "manifest", settings=self.settings.to_dict(), model_dir=self.model_dir
+        )["manifest"]
 
-    def _call(self, op: str, inputs: ForwardInputs,
-              extra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _call(
+        self, op: str, inputs: ForwardInputs, extra: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """Inputs into the input arena, the reply's arrays as views of the output arena
         (valid until the next call)."""
         fields, arrays = encode_inputs(inputs)

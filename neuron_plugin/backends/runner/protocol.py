@@ -15,13 +15,14 @@ the last process holding them: nothing is left in /dev/shm after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import mmap
 import os
 import struct
 from collections.abc import Mapping
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import numpy as np
 
@@ -44,13 +45,13 @@ class ProtocolError(RuntimeError):
     """The other side sent something this protocol version does not allow."""
 
 
-def write_message(stream: BinaryIO, message: Mapping[str, Any]) -> None:
+def write_message(stream: IO[bytes], message: Mapping[str, Any]) -> None:
     data = json.dumps(message, separators=(",", ":")).encode()
     stream.write(_LENGTH.pack(len(data)) + data)
     stream.flush()
 
 
-def read_message(stream: BinaryIO) -> dict[str, Any] | None:
+def read_message(stream: IO[bytes]) -> dict[str, Any] | None:
     """The next message, or None at end of stream (the other side is gone)."""
     head = stream.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
@@ -93,7 +94,8 @@ class Arena:
                 raise ProtocolError(
                     f"a call's arrays need more than the {self.size} bytes sized from the "
                     f"settings (at {name}, shape {array.shape}); report this with your "
-                    f"configuration")
+                    f"configuration"
+                )
             view = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
             view[...] = array
             layout[name] = [array.dtype.name, list(array.shape), offset]
@@ -105,16 +107,17 @@ class Arena:
         arrays = {}
         for name, (dtype, shape, offset) in layout.items():
             if dtype not in DTYPES:
-                raise ProtocolError(f"array {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}")
+                raise ProtocolError(
+                    f"array {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}"
+                )
             view = np.ndarray(tuple(shape), np.dtype(dtype), buffer=self.map, offset=offset)
             arrays[name] = view
         return arrays
 
     def close(self) -> None:
-        try:
+        # A caller may still hold a view; the mapping then goes when that view does.
+        with contextlib.suppress(BufferError):
             self.map.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes when that view does
         os.close(self.fd)
 
 
@@ -148,9 +151,10 @@ def decode_inputs(fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     unknown = sorted((set(fields) | set(arrays)) - known)
     if unknown:
         raise ProtocolError(f"unknown ForwardInputs fields {unknown}")
-    values: dict[str, Any] = {**fields, **arrays}
+    # A field the sender left out is one it held as None (see encode_inputs).
+    values: dict[str, Any] = dict.fromkeys(known) | dict(fields) | arrays
     values["bucket"] = tuple(values["bucket"])
-    return ForwardInputs(**{name: values.get(name) for name in known})
+    return ForwardInputs(**values)
 
 
 def input_arena_bytes(settings: NeuronSettings) -> int:

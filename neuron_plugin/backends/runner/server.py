@@ -37,13 +37,22 @@ logger = logging.getLogger("neuron_plugin.runner")
 
 # Distributions whose versions the handshake reports (those of the Neuron SDK decide
 # which graphs neuronx-cc builds; the backends put them in the compile-cache key).
-REPORTED = ("torch", "transformers", "numpy", "neuronx-distributed-inference",
-            "neuronx-distributed", "neuronx-cc", "torch-neuronx")
+REPORTED = (
+    "torch",
+    "transformers",
+    "numpy",
+    "neuronx-distributed-inference",
+    "neuronx-distributed",
+    "neuronx-cc",
+    "torch-neuronx",
+)
 
 
 def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version(),
-                                    "executable": sys.executable}
+    found: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+    }
     for name in REPORTED:
         try:
             found[name] = importlib.metadata.version(name)
@@ -55,10 +64,10 @@ def versions() -> dict[str, str | None]:
 def check_backend_importable(name: str) -> None:
     """Import what the backend needs now, so a missing package stops start-up with its
     name rather than failing later inside a load."""
-    import neuron_plugin.backends.loader  # noqa: F401  (the compile cache, too)
+    import neuron_plugin.backends.loader
 
     if name == "nxd":
-        from neuron_plugin.backends.nxd import import_nxdi
+        from neuron_plugin.backends.nxd.nxdi import import_nxdi
 
         import_nxdi()
     else:
@@ -78,10 +87,15 @@ class Runner:
             raise ValueError(
                 f"the vLLM side speaks runner protocol {message.get('protocol')}, this "
                 f"runner ({sys.executable}) speaks {PROTOCOL_VERSION}: install the same "
-                f"vllm-neuron-plugin version in both environments")
+                f"vllm-neuron-plugin version in both environments"
+            )
         check_backend_importable(message["backend"])
-        return {"protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                "backend": message["backend"], "versions": versions()}
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "backend": message["backend"],
+            "versions": versions(),
+        }
 
     def _settings(self, message: dict[str, Any]) -> NeuronSettings:
         return NeuronSettings.from_dict(message["settings"])
@@ -89,8 +103,9 @@ class Runner:
     def load(self, message: dict[str, Any]) -> dict[str, Any]:
         from neuron_plugin.backends.loader import load_backend
 
-        self.backend, result = load_backend(self._settings(message), message["model_dir"],
-                                            message.get("cache_url"))
+        self.backend, result = load_backend(
+            self._settings(message), message["model_dir"], message.get("cache_url")
+        )
         return {"cache": _cache_result(result)}
 
     def compile(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -124,16 +139,23 @@ class Runner:
         started = time.perf_counter()
         out = self.backend.run(inputs, sampling)
         backend_s = time.perf_counter() - started
-        return {"arrays": self.outputs.put({"tokens": out.tokens, "logits": out.logits.numpy()}),
-                "backend_s": backend_s}
+        return {
+            "arrays": self.outputs.put({"tokens": out.tokens, "logits": out.logits.numpy()}),
+            "backend_s": backend_s,
+        }
 
     def ping(self, message: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
 def _cache_result(result: Any) -> dict[str, Any]:
-    return {"key": result.key, "hit": result.hit, "path": str(result.path),
-            "reason": result.reason, "in_store": result.in_store}
+    return {
+        "key": result.key,
+        "hit": result.hit,
+        "path": str(result.path),
+        "reason": result.reason,
+        "in_store": result.in_store,
+    }
 
 
 def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
@@ -154,8 +176,11 @@ def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
             reply = {"ok": True, **handler(message)}
         except Exception as exc:  # every failure goes back to the worker with its cause
             logger.error("%s failed:\n%s", op, traceback.format_exc())
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                     "type": type(exc).__name__}
+            reply = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "type": type(exc).__name__,
+            }
         write_message(replies, reply)
 
 
@@ -163,8 +188,9 @@ OPS = frozenset({"hello", "load", "compile", "manifest", "forward", "run", "ping
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neuron_plugin.backends.runner",
-                                     description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m neuron_plugin.backends.runner", description=__doc__
+    )
     parser.add_argument("--input-fd", type=int, required=True)
     parser.add_argument("--input-bytes", type=int, required=True)
     parser.add_argument("--output-fd", type=int, required=True)
@@ -177,8 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.dup2(2, 1)  # stray prints go to the log, never into the protocol
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    runner = Runner(Arena(args.input_fd, args.input_bytes),
-                    Arena(args.output_fd, args.output_bytes))
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    runner = Runner(
+        Arena(args.input_fd, args.input_bytes), Arena(args.output_fd, args.output_bytes)
+    )
     return serve(runner, requests, replies)

@@ -24,6 +24,8 @@ def load_release(release: str, monkeypatch) -> NxDIModules:
     monkeypatch.syspath_prepend(str(ROOT))
     purge()
     from neuronx_distributed_inference.models import model_base, model_wrapper
+    from neuronx_distributed_inference.modules.attention import attention_base
+    from neuronx_distributed_inference.modules.generation import sampling
     from neuronx_distributed_inference.utils import hf_adapter
 
-    return NxDIModules(model_base, model_wrapper, hf_adapter)
+    return NxDIModules(model_base, model_wrapper, hf_adapter, attention_base, sampling)

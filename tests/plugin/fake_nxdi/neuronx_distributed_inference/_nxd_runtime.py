@@ -11,16 +11,23 @@ The graphs (NxDI models/model_base.py NeuronBaseModel.forward and
 modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
 - contiguous context encoding writes the bucket's input ids into cache line seq_ids[r]
   from position 0 (update_cache_const_indices) and answers for the query at
-  argmax(position_ids) (torch.max(position_ids, dim=1).indices), which attends the
-  keys up to it whose attention mask is 1;
+  argmax(position_ids) (torch.max(position_ids, dim=1).indices; per window with
+  windowed context encoding, see _context_query), which attends the keys up to it whose
+  attention mask is 1;
 - contiguous token generation reads cache positions whose mask is 1 plus the active
-  token, then writes the token at its position. Row r is cache line r, except in a
+  token, then writes the token at its position. With a sliding window W (Mistral,
+  gpt-oss, Gemma3) a cache line is a rolling buffer: key j lives at j % (W - 1), a decode
+  reads the W - 1 newest keys and writes at position % (W - 1), wherever the position. Row r is cache line r, except in a
   batch-bucketing graph smaller than the KV cache (0.8+), where it is line seq_ids[r]
   (update_kv_by_layer_id / get_kv_by_layer_id);
 - block layout: the prefix (context encoding) or cached context (token generation) is
   read through the block table the wrapper cropped to bucket // pa_block_size blocks, so
   positions past the last whole block are not read; new tokens are written to their
-  slot_mapping slots (-1: nowhere).
+  slot_mapping slots (-1: nowhere; token generation recomputes the others from the
+  positions and the cropped block table, see _tokengen_slots). Token generation attends the cached positions whose
+  mask is 1 (attention_base compute_for_token_gen masks its prior scores); a context
+  encoding over a cached prefix runs NeuronAttentionBase.perform_prefix_prefill, which
+  attends every position of the prefix bucket (see modules/attention/attention_base).
 A query's logits peak at (sum over the keys it attends of (token id + 1), minus 1) mod
 vocab, with GARBAGE for a key never written, and fall off by one per token id above
 the peak, so a wrong slot, line, block, prefix, pad or last-token choice shows.
@@ -31,9 +38,14 @@ On-device sampling runs the Sampler on these logits; the outputs are [tokens] or
 import torch
 
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
+from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
 from neuronx_distributed_inference.modules.generation.sampling import Sampler
 
 GARBAGE = 389  # what an attended key contributes that no call ever wrote
+# attention_base NeuronAttentionBase.forward (ef2731e :1745-1751): with prefix caching a
+# context encoding narrower than 128 tokens takes the token-generation attention (prior
+# scores masked); from 128 on it takes perform_prefix_prefill.
+PREFIX_PREFILL_MIN_WIDTH = 128
 
 
 def shape_key(tensors) -> str:
@@ -44,10 +56,11 @@ def shape_key(tensors) -> str:
 class NxDModel:
     """`traced_model.nxd_model`: per-rank state (the KV cache), router and forward."""
 
-    def __init__(self, neuron_config, vocab_size, num_layers, graphs):
+    def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None):
         c = neuron_config
         self.config = c
         self.vocab_size = vocab_size
+        self.window = sliding_window
         self.block = c.is_block_kv_layout
         shape = ((c.pa_num_blocks, c.pa_block_size, 1, 1) if self.block
                  else (c.max_batch_size, 1, c.seq_len, 1))
@@ -58,6 +71,7 @@ class NxDModel:
         self.input_shape_map = {key: (tag, index) for tag, items in graphs.items()
                                 for index, (_, key) in enumerate(items)}
         self.sampler = Sampler(c) if c.on_device_sampling_config is not None else None
+        self.attention = NeuronAttentionBase()
 
     @property
     def memory(self):
@@ -90,12 +104,32 @@ class NxDModel:
         return int(stored) if stored else GARBAGE
 
     def _logits(self, contexts):
-        logits = torch.empty(len(contexts), 1, self.vocab_size)
+        """[rows, 1, vocab padded to a multiple of tp_degree]: the lm_head's padded
+        columns hold the float minimum (model_base.py mask_padded_logits), and with
+        output_logits the shards are gathered whole (_gather_along_dim), pads included."""
+        tp = self.config.tp_degree
+        width = -(-self.vocab_size // tp) * tp
+        logits = torch.full((len(contexts), 1, width), torch.finfo(torch.float32).min)
         ids = torch.arange(self.vocab_size)
         for row, values in enumerate(contexts):
             peak = (sum(values) - 1) % self.vocab_size
-            logits[row, 0] = -((ids - peak) % self.vocab_size).float()
+            logits[row, 0, : self.vocab_size] = -((ids - peak) % self.vocab_size).float()
         return logits
+
+    def _context_query(self, positions):
+        """The query whose hidden state a context encoding answers with: the first
+        maximum of position_ids (torch.max(..).indices); with windowed context encoding
+        the first maximum of the last window whose positions are not all 1, NxDI's pad
+        position (model_base.py NeuronBaseModel.forward, `is_valid_window`)."""
+        size = self.config.windowed_context_encoding_size
+        if not size:
+            return int(torch.argmax(positions))
+        query = 0
+        for start in range(0, positions.shape[0], size):
+            window = positions[start:start + size]
+            if bool(torch.any(window != 1)):
+                query = start + int(torch.argmax(window))
+        return query
 
     def _contiguous(self, tag, inputs):
         input_ids, mask, positions, seq_ids = inputs[:4]
@@ -105,19 +139,77 @@ class NxDModel:
             contexts = []
             for r in range(rows):
                 line = int(seq_ids[r]) if self.config.is_continuous_batching else r
+                query = self._context_query(positions[r])
+                if self.window:
+                    contexts.append(self._window_context(memory[line], input_ids[r],
+                                                         int(mask[r].sum()), query))
+                    continue
                 memory[line, : input_ids.shape[1]] = input_ids[r].float() + 1
-                query = int(torch.argmax(positions[r]))
                 keys = [j for j in range(query + 1) if mask[r, j] == 1 or j == query]
                 contexts.append([int(input_ids[r, j]) + 1 for j in keys])
             return contexts
         lines = (seq_ids if rows < self.config.kv_cache_batch_size
                  else torch.arange(rows)).tolist()
+        if self.window:
+            contexts = [self._window_decode(memory[line], int(input_ids[r, 0]),
+                                            int(positions[r, 0]))
+                        for r, line in enumerate(lines)]
+            return contexts
         contexts = [[self._value(memory[line, j]) for j in range(mask.shape[1])
                      if mask[r, j] == 1] + [int(input_ids[r, 0]) + 1]
                     for r, line in enumerate(lines)]
         for r, line in enumerate(lines):
             memory[line, int(positions[r, 0])] = float(input_ids[r, 0]) + 1
         return contexts
+
+    def _window_context(self, line, ids, length, query):
+        """A sliding-window context encoding (model_base._create_windowed_attn_mask_cte:
+        key j visible to query i iff i - window < j <= i) that leaves the last window - 1
+        keys in the rolling cache line, key j at j % (window - 1)."""
+        size = self.window - 1
+        for j in range(max(0, length - size), length):
+            line[j % size] = float(ids[j]) + 1
+        return [int(ids[j]) + 1 for j in range(max(0, query - self.window + 1), query + 1)]
+
+    def _window_decode(self, line, token, position):
+        """A sliding-window decode: reads cache slots idx < min(position, window - 1)
+        (model_base._create_windowed_attn_mask_tkg), then writes its token at
+        position % (window - 1) (kv_cache_manager._get_index_to_update_new_position)."""
+        size = self.window - 1
+        context = [self._value(line[idx]) for idx in range(min(position, size))]
+        line[position % size] = float(token) + 1
+        return context + [token + 1]
+
+    def _prefix_prefill_sum(self, stored, visible, active):
+        """The sum of the values the last active query attends, through the model's
+        perform_prefix_prefill (so a patch of it takes effect): every key scores 0 and
+        carries the value [v, 0]; one more prior key, always visible, carries [0, 1], so
+        the output [sum / (n + 1), 1 / (n + 1)] gives back the sum over the n keys
+        attended, counted as often as they are attended (NxDI's float32 scores keep the
+        ratio exact to well under one)."""
+        dtype = torch.float64
+        prior = torch.tensor([[v, 0.0] for v in stored] + [[0.0, 1.0]], dtype=dtype)
+        mask = torch.tensor([visible + [True]], dtype=torch.int64)
+        values = torch.tensor([[v, 0.0] for v in active], dtype=dtype)
+        q = len(active)
+        out, _ = self.attention.perform_prefix_prefill(
+            torch.zeros(1, 1, q, 2, dtype=dtype), torch.zeros(1, 1, q, 2, dtype=dtype),
+            values[None, None], q, 1, mask,
+            (torch.zeros_like(prior)[None, None], prior[None, None]),
+            torch.ones(q, q, dtype=torch.bool).tril()[None, None])
+        total, null_share = (float(x) for x in out[0, 0, -1])
+        return round(total / null_share)
+
+    def _tokengen_slots(self, positions, slot_mapping, block_table):
+        """Token generation recomputes its write slots inside the graph from the
+        positions and the cropped block table, keeping only the -1 of pad rows
+        (block_kv_cache_manager.generate_tokengen_slot_mapping, called from
+        NeuronBaseModel.forward in 0.7-0.9)."""
+        size = self.config.pa_block_size
+        rows = torch.arange(positions.shape[0])
+        blocks = block_table[rows, (positions // size).squeeze(1)]
+        slots = (size * blocks + (positions % size).squeeze(1)).unsqueeze(1)
+        return torch.where(slot_mapping >= 0, slots, torch.full_like(slots, -1))
 
     def _block(self, tag, inputs):
         input_ids, mask, positions = inputs[:3]
@@ -128,10 +220,22 @@ class NxDModel:
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
         contexts = []
         for r in range(input_ids.shape[0]):
-            prior = [self._value(flat[int(block_table[r, j // size]) * size + j % size])
-                     for j in range(width) if mask[r, j] == 1]
-            last = int(torch.argmax(positions[r])) if tag == CONTEXT_ENCODING_MODEL_TAG else 0
-            contexts.append(prior + [int(t) + 1 for t in input_ids[r, : last + 1]])
+            blocks = block_table[r].tolist() if readable else []
+            stored = [self._value(flat[blocks[j // size] * size + j % size])
+                      if blocks[j // size] >= 0 else GARBAGE for j in range(readable)]
+            prior = [stored[j] for j in range(width) if mask[r, j] == 1]
+            if tag != CONTEXT_ENCODING_MODEL_TAG:
+                contexts.append(prior + [int(input_ids[r, 0]) + 1])
+                continue
+            last = int(torch.argmax(positions[r]))
+            active = [int(t) + 1 for t in input_ids[r, : last + 1]]
+            if readable and input_ids.shape[1] >= PREFIX_PREFILL_MIN_WIDTH:
+                visible = [j < width and int(mask[r, j]) == 1 for j in range(readable)]
+                contexts.append([self._prefix_prefill_sum(stored, visible, active)])
+            else:
+                contexts.append(prior + active)
+        if tag != CONTEXT_ENCODING_MODEL_TAG:
+            slot_mapping = self._tokengen_slots(positions, slot_mapping, block_table)
         for slots, tokens in zip(slot_mapping.tolist(), input_ids.tolist()):
             for slot, token in zip(slots, tokens):
                 if slot >= flat.numel():
@@ -148,9 +252,12 @@ class TracedModel:
 
     def __init__(self, nxd_model):
         self.nxd_model = nxd_model
-        self.ran = []  # test instrumentation: (tag, bucket) of every model call, in order
+        # test instrumentation: (tag, bucket) and the inputs of every model call, in order
+        self.ran = []
+        self.inputs = []
 
     def __call__(self, *inputs):
         tag, index = self.nxd_model.router(list(inputs))
         self.ran.append((tag, self.nxd_model.buckets[tag][index]))
+        self.inputs.append(inputs)
         return self.nxd_model.forward(list(inputs))

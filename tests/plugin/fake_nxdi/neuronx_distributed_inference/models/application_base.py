@@ -1,7 +1,10 @@
 """models/application_base.py: NeuronApplicationBase's constructor, compile(), load(),
-warmup() and load_weights(). compile() traces every ModelWrapper's buckets (the shapes
-of their input_generator examples, which is what NxD's router will accept); load()
-builds the traced model of _nxd_runtime and hands it to every ModelWrapper."""
+warmup(), load_weights() and to_cpu(). compile() traces every ModelWrapper's buckets (the
+shapes of their input_generator examples, which is what NxD's router will accept); load()
+builds the traced model of _nxd_runtime and hands it to every ModelWrapper. to_cpu()
+builds NxDI's eager submodels only as far as the CPU mode's set-up goes (which module
+each wrapper gets, and the size attributes it starts with); their forward records those
+attributes rather than computing (see EagerModel)."""
 
 import json
 import os
@@ -21,6 +24,26 @@ def normalize_path(path):
 
 def is_compiled(model_path):
     return os.path.isfile(model_path + COMPILED_MODEL_FILE_NAME)
+
+
+class EagerModel(torch.nn.Module):
+    """The eager NeuronBaseModel to_cpu() hands a wrapper, as far as the CPU mode's
+    set-up reaches it: the size attributes it is built with (model_base.py
+    NeuronBaseModel.__init__, ef2731e lines 85-87: n_positions = seq_len, n_active_tokens
+    from its config, prefix_size 0), which tracing would set per bucket. A call records
+    them and the attention mask's dtype (test instrumentation); it computes nothing."""
+
+    def __init__(self, neuron_config):
+        super().__init__()
+        self.n_positions = neuron_config.n_positions
+        self.n_active_tokens = neuron_config.n_active_tokens
+        self.prefix_size = 0
+        self.calls = []
+
+    def forward(self, *args):
+        self.calls.append({"n_positions": self.n_positions,
+                           "n_active_tokens": self.n_active_tokens,
+                           "prefix_size": self.prefix_size, "mask_dtype": args[1].dtype})
 
 
 class NeuronApplicationBase(torch.nn.Module):
@@ -82,7 +105,8 @@ class NeuronApplicationBase(torch.nn.Module):
             raise RuntimeError(f"compiled graphs {graphs} differ from {self._graphs()}")
         text = self.config.get_text_config()
         self.traced_model = TracedModel(NxDModel(self.neuron_config, text.vocab_size,
-                                                 text.num_hidden_layers, graphs))
+                                                 text.num_hidden_layers, graphs,
+                                                 getattr(text, "sliding_window", None)))
         self.load_weights(compiled_model_path)
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
@@ -95,6 +119,20 @@ class NeuronApplicationBase(torch.nn.Module):
         return {model.tag: [[bucket, shape_key(example)] for bucket, example in
                             zip(model.neuron_config.buckets, model.input_generator())]
                 for model in self.models}
+
+    def to_cpu(self):
+        """application_base.to_cpu (ef2731e lines 556-628): with continuous batching one
+        eager model per wrapper, built from the wrapper's config; otherwise one model
+        from the application's config, shared by every wrapper."""
+        if self.neuron_config.speculation_length > 0:
+            raise NotImplementedError("Speculation is not yet supported for CPU inference.")
+        if self.config.neuron_config.is_continuous_batching:
+            for wrapper in self.models:
+                wrapper.model = EagerModel(wrapper.config.neuron_config)
+        else:
+            shared = EagerModel(self.neuron_config)
+            for wrapper in self.models:
+                wrapper.model = shared
 
     def warmup(self):
         for model in self.models:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from neuronx_distributed_inference._release import HAS_BATCH_BUCKETING
+from neuronx_distributed_inference._release import HAS_BATCH_BUCKETING, RELEASE
 
 CONFIG_FILE = "neuron_config.json"
 
@@ -85,6 +85,8 @@ class NeuronConfig:
         self.allow_input_truncation = kwargs.pop("allow_input_truncation", False)
         self.seq_len = kwargs.pop("seq_len", 128)
         self.output_logits = kwargs.pop("output_logits", False)
+        self.n_active_tokens = kwargs.pop("n_active_tokens", self.seq_len)  # ef2731e :99-101
+        self.n_positions = kwargs.pop("n_positions", self.seq_len)
         if "torch_dtype" in kwargs:
             self.torch_dtype = kwargs.pop("torch_dtype")
             if isinstance(self.torch_dtype, str):
@@ -151,6 +153,24 @@ class NeuronConfig:
         self.start_rank_id = kwargs.pop("start_rank_id", 0)
         self.local_ranks_size = kwargs.pop("local_ranks_size", self.tp_degree)
         self.skip_warmup = kwargs.pop("skip_warmup", False)
+        # ef2731e config.py lines 102, 285, 450, 452.
+        self.on_cpu = kwargs.pop("on_cpu", False)
+        self.windowed_context_encoding_size = kwargs.pop("windowed_context_encoding_size", None)
+        self.attn_tkg_nki_kernel_enabled = kwargs.pop("attn_tkg_nki_kernel_enabled", False)
+        self.attn_tkg_builtin_kernel_enabled = kwargs.pop("attn_tkg_builtin_kernel_enabled",
+                                                          False)
+        self.attn_block_tkg_nki_kernel_enabled = kwargs.pop("attn_block_tkg_nki_kernel_enabled",
+                                                            False)
+        self.qkv_kernel_enabled = kwargs.pop("qkv_kernel_enabled", False)
+        # 0.9 (ef2731e config.py lines 452-466): the block kernel needs a QKV kernel, and
+        # the deprecated TKG kernel switches turn it on.
+        if RELEASE.startswith("0.9") and self.attn_block_tkg_nki_kernel_enabled:
+            assert self.qkv_kernel_enabled or kwargs.get("qkv_nki_kernel_enabled"), \
+                "When attn-block-tkg-nki-kernel-enabled, self.qkv_kernel_enabled or " \
+                "self.qkv_nki_kernel_enabled is also required."
+        if RELEASE.startswith("0.9") and (self.attn_tkg_nki_kernel_enabled
+                                          or self.attn_tkg_builtin_kernel_enabled):
+            self.attn_block_tkg_nki_kernel_enabled = True
         for key in [k for k in kwargs if k in KNOWN_KEYS]:
             setattr(self, key, kwargs.pop(key))
         if kwargs:

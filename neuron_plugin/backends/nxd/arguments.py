@@ -1,0 +1,186 @@
+"""The NxDI forward arguments for a call of the NxD contract (`core.inputs.ForwardInputs`).
+
+Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router):
+- NxD's router looks every input up by its exact shape among the compiled graphs
+  (neuronx-distributed trace/spmd.py NxDModel.router), batch rows included, so every
+  call carries `sampling_params` with exactly its rows (see `backend.NxDBackend._call`).
+- Context encoding: one row (ctx_batch_size=1). Contiguous layout: input ids and
+  positions at the bucket's width, the attention mask at the prompt's width (NxDI picks
+  the bucket from the mask). Block layout: the whole context [0, end) as input_ids (NxDI
+  re-encodes the tail of the prefix into spare active slots) with the slots of the new
+  tokens.
+- Token generation: the bucket's whole batch, sorted by seq_id, pad rows for the missing
+  seq_ids of range(batch) as NxDI completes a batch, so NxDI has nothing to fill: its
+  partial-batch handling (seq_ids completed from range(batch), which loses rows whose
+  seq_id is not below the batch, and the prefix-caching return `logits[:n]` applied to
+  the list [tokens, logits] when output_logits is on) never changes a call. Contiguous
+  calls pass an attention mask whose width makes NxDI's length choice (first bucket >
+  width in its 1-D path, >= width in the 0.8+ batch-bucketing path) the plugin's first
+  fit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from neuron_plugin.backends.nxd.neuron_config import batch_bucketing
+from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
+    PAD_SLOT,
+    ForwardInputs,
+    context_encoding_inputs,
+    context_encoding_need,
+    token_generation_inputs,
+)
+from neuron_plugin.core.settings import NeuronSettings
+
+
+def model_arguments(
+    settings: NeuronSettings, inputs: ForwardInputs
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The NxDI forward arguments for `inputs` (see the module docstring) and, for each
+    real row of `inputs`, the row of NxDI's output that answers it."""
+    if inputs.phase == CONTEXT_ENCODING:
+        return _context_arguments(settings, inputs), np.zeros(1, dtype=np.int64)
+    return _decode_arguments(settings, inputs)
+
+
+def context_positions(length: int, width: int, window: int | None) -> np.ndarray:
+    """[1, width] position ids of a contiguous prefill of `length` tokens, padded as NxDI
+    pads them (model_wrapper.pad_inputs: 1). NxDI answers for the query at
+    argmax(position_ids), the first maximum, and with `windowed_context_encoding_size`
+    takes a window as padding only if all its positions are 1 (model_base.py
+    NeuronBaseModel.forward, `is_valid_window`). A one-token prompt (position 0) would
+    lose the argmax to a pad at 1, so its pads keep 0 within the first window (the whole
+    bucket without windows) and are 1 after it."""
+    positions = np.ones((1, width), dtype=np.int64)
+    positions[0, :length] = np.arange(length)
+    if length == 1:
+        positions[0, : window or width] = 0
+    return positions
+
+
+def _context_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[str, np.ndarray]:
+    end, start = int(inputs.full_context_lens[0]), int(inputs.computed_context_lens[0])
+    args = {
+        "seq_ids": inputs.seq_ids[:1],
+        "full_context_lens": inputs.full_context_lens[:1].reshape(1, 1),
+        "computed_context_lens": inputs.computed_context_lens[:1].reshape(1, 1),
+    }
+    if not settings.is_block_layout:
+        # The mask's width (the prompt's) is what NxDI picks the bucket from.
+        window = settings.passthrough.get("windowed_context_encoding_size")
+        args.update(
+            input_ids=inputs.input_ids[:1],
+            position_ids=context_positions(end, inputs.bucket[0], window),
+            attention_mask=np.ones((1, end), dtype=np.int64),
+        )
+        return args
+    slots, table = inputs.block_arrays()
+    args.update(
+        input_ids=np.asarray(inputs.whole_context()[:end], dtype=np.int64)[None, :],
+        position_ids=np.arange(end, dtype=np.int64)[None, :],
+        slot_mapping=slots[:1, : end - start],
+        block_table=table[:1],
+    )
+    return args
+
+
+def _decode_arguments(
+    settings: NeuronSettings, inputs: ForwardInputs
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rows, real = inputs.bucket[0], inputs.num_real
+    seq = inputs.seq_ids[:real]
+    missing = np.setdiff1d(np.arange(rows), seq)
+    if missing.size != rows - real:
+        raise ValueError(
+            f"decode rows with seq_ids {seq.tolist()} do not fit the batch bucket {rows} "
+            f"(NxDI serves seq_ids 0..{rows - 1} with it); this is a plugin bug, please "
+            f"report it with your --max-num-seqs and token_generation_batches."
+        )
+    seq_ids = np.concatenate([seq, missing])
+    order = np.argsort(seq_ids, kind="stable")
+    pad = order >= real
+    source = np.where(pad, 0, order)
+    args = {
+        "input_ids": inputs.input_ids[source],
+        "position_ids": inputs.position_ids[source],
+        "seq_ids": seq_ids[order],
+        "full_context_lens": inputs.full_context_lens[source].reshape(-1, 1),
+        "computed_context_lens": inputs.computed_context_lens[source].reshape(-1, 1),
+    }
+    if settings.is_block_layout:
+        slots, table = inputs.block_arrays()
+        args["slot_mapping"] = np.where(pad[:, None], PAD_SLOT, slots[source])
+        args["block_table"] = decode_block_table(
+            settings, table[source], args["full_context_lens"][:, 0]
+        )
+        return args, np.argsort(order)[:real]
+    # A pad row writes its token into the cache line of its seq_id, which may hold a
+    # request outside this batch (one prefilled this step): at the last position, which
+    # no request reads before writing it itself (NxDI's own garbage position,
+    # kv_cache_manager.update_kv_by_layer_id), rather than at a copied row's position.
+    last = settings.max_model_len - 1
+    args["input_ids"][pad] = 0
+    args["position_ids"][pad] = last
+    args["full_context_lens"][pad] = last + 1
+    args["computed_context_lens"][pad] = last
+    positions = np.where(pad, 0, args["position_ids"][:, 0])
+    width = int(positions.max()) + int(batch_bucketing(settings))
+    args["attention_mask"] = (np.arange(width)[None, :] < positions[:, None]).astype(np.int64)
+    return args, np.argsort(order)[:real]
+
+
+# NeuronConfig keys of the token-generation attention kernels; 0.9 turns the two older
+# ones into attn_block_tkg_nki_kernel_enabled (models/config.py, ef2731e lines 458-466).
+TKG_KERNEL_KEYS = (
+    "attn_block_tkg_nki_kernel_enabled",
+    "attn_tkg_nki_kernel_enabled",
+    "attn_tkg_builtin_kernel_enabled",
+)
+
+
+def decode_block_table(
+    settings: NeuronSettings, table: np.ndarray, full_context_lens: np.ndarray
+) -> np.ndarray:
+    """A decode call's block tables as NxDI pads them: with a token-generation attention
+    kernel the columns past a row's blocks are -1, which the kernel skips instead of
+    reading vLLM's null block (model_wrapper._pad_prefix_caching_inputs, and vllm-neuron
+    likewise); without one NxDI pads with 0 and the plugin's null-block padding is it."""
+    if not any(settings.passthrough.get(key) for key in TKG_KERNEL_KEYS):
+        return table
+    used = -(-full_context_lens // settings.block_size)
+    return np.where(np.arange(table.shape[1])[None, :] < used[:, None], table, -1)
+
+
+def padding_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[str, np.ndarray]:
+    """Arguments that make NxDI run the graph of `inputs.bucket` for a padding-only call
+    (warm-up, measurement): NxDI has no padding calls, so a stand-in request of zeros
+    whose need runs that graph. In the block layout it writes no KV (slot -1); the
+    contiguous layout has no scratch line, so it writes sequence lines 0.. (call it
+    before serving only)."""
+    block = settings.is_block_layout
+    if inputs.phase == CONTEXT_ENCODING:
+        new, cached = context_encoding_need(settings, inputs.bucket)
+        stand_in = context_encoding_inputs(
+            settings, np.zeros(new + cached, dtype=np.int64), cached, 0, []
+        )
+    else:
+        rows, length = inputs.bucket
+        stand_in = token_generation_inputs(
+            settings,
+            np.zeros(rows, dtype=np.int64),
+            np.full(rows, length - 1, dtype=np.int64),
+            np.arange(rows, dtype=np.int64),
+            [[]] * rows if block else None,
+        )
+    if stand_in.bucket != tuple(inputs.bucket):
+        raise ValueError(
+            f"no request runs the {inputs.phase} graph {inputs.bucket} (a "
+            f"stand-in runs {stand_in.bucket}); it is not one of the settings' "
+            f"graph shapes"
+        )
+    args, _ = model_arguments(settings, stand_in)
+    if block:
+        args["slot_mapping"] = np.full_like(args["slot_mapping"], PAD_SLOT)
+    return args

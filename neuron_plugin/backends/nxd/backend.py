@@ -1,0 +1,249 @@
+"""The NxD Inference backend: the NxD contract fulfilled by an NxDI model on NeuronCores,
+or by NxDI's own CPU mode (`override_neuron_config` `"on_cpu": true`, see `cpu_mode`).
+
+It turns the resolved `NeuronSettings` into NxDI's NeuronConfig/InferenceConfig
+(`neuron_config`), compiles into and loads from a folder of the compile cache, and calls
+the model with the contract's arguments (`arguments`).
+- `run()` is the serving call: a token per row from NxDI's on-device sampler, fed the
+  rows' `SamplingInputs`, and logits (`output_logits=True`) for the rows that need the
+  host; the sampler is compiled with `dynamic=True`, without which it ignores per-row
+  temperature and top-p (argmax unless do_sample). `forward()` is the logits-only call.
+  A padding-only call (warm-up, measurement) runs a graph with a stand-in request that
+  writes no KV block (see `arguments.padding_arguments`).
+- Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
+  with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
+  includes a weights fingerprint only in that case.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neuron_plugin import plugin_logger
+from neuron_plugin.backends.base import (
+    Progress,
+    StepOutput,
+    artifact_record,
+    check_artifact_record,
+    graph_specs,
+    write_artifact_record,
+)
+from neuron_plugin.backends.nxd import cpu_mode
+from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.models import model_entry_points, resolve_model_class
+from neuron_plugin.backends.nxd.neuron_config import neuron_config_kwargs, unknown_kwargs
+from neuron_plugin.backends.nxd.nxdi import import_nxdi
+from neuron_plugin.core.checkpoint import read_hf_config, text_config
+from neuron_plugin.core.inputs import ForwardInputs
+from neuron_plugin.core.instances import (
+    INSTANCE_TYPES,
+    check_tp_fits,
+    detect_instance_type,
+    host_visible_cores,
+    lnc,
+    package_version,
+)
+from neuron_plugin.core.sampling import SamplingInputs
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+
+logger = plugin_logger(__name__)
+
+DISTRIBUTIONS = (
+    "neuronx-cc",
+    "neuronx-distributed",
+    "neuronx-distributed-inference",
+    "torch-neuronx",
+    "torch",
+)
+
+
+def _target(on_cpu: bool) -> dict[str, Any]:
+    """What the compiled graphs are specific to: the chip generation (the compiler's
+    target) and the logical-core grouping; not the instance size, so graphs compiled on
+    an inf2.xlarge serve an inf2.48xlarge at the same TP degree."""
+    if on_cpu:
+        return {"device": "cpu"}
+    detected = detect_instance_type()
+    target = (
+        INSTANCE_TYPES[detected].chip.target
+        if detected
+        else os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "unknown")
+    )
+    return {"device": "neuron", "platform": target, "lnc": lnc()}
+
+
+class NxDBackend:
+    """See the module docstring."""
+
+    name = "nxd"
+
+    def __init__(self, settings: NeuronSettings, model_dir: str | Path):
+        self.settings = settings
+        self.model_dir = Path(model_dir)
+        self.hf_config = read_hf_config(model_dir)
+        self.on_cpu = cpu_mode.requested(settings)
+        if not self.on_cpu:
+            check_tp_fits(settings.tp_degree, *host_visible_cores())
+        self.nxdi = import_nxdi()
+        self.model_cls = resolve_model_class(
+            settings.architecture, self.nxdi.model_types, model_entry_points(), self.nxdi.version
+        )
+        self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self.model
+
+    @property
+    def vocab_size(self) -> int:
+        return int(text_config(self.hf_config)["vocab_size"])
+
+    def _record(self) -> dict[str, Any]:
+        return artifact_record(
+            self.settings,
+            {
+                "architecture": self.settings.architecture,
+                "dtype": self.settings.dtype,
+                "tp_degree": self.settings.tp_degree,
+                "nxdi_model": f"{self.model_cls.__module__}.{self.model_cls.__qualname__}",
+                "on_cpu": self.on_cpu,
+            },
+        )
+
+    def cache_manifest_fields(self) -> dict[str, Any]:
+        from compile_cache.weights import weights_fingerprint
+
+        embeds_weights = bool(self.settings.passthrough.get("save_sharded_checkpoint"))
+        return {
+            # make_manifest drops the keys that never change a graph (names, versions,
+            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
+            "model_config": self.hf_config,
+            "target": _target(self.on_cpu),
+            "versions": {
+                **{d: package_version(d) for d in DISTRIBUTIONS},
+                "nxdi_patches": ",".join(self.nxdi.patches),
+            },
+            "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
+            "weights_fingerprint": (
+                weights_fingerprint(self.model_dir) if embeds_weights else None
+            ),
+        }
+
+    def _new_model(self) -> Any:
+        kwargs = neuron_config_kwargs(self.settings)
+        neuron_config = self.model_cls.get_neuron_config_cls()(**kwargs)
+        ignored = unknown_kwargs(neuron_config, kwargs)
+        if ignored:
+            raise NeuronConfigError(
+                f"the installed NxD Inference {self.nxdi.version or ''} does not know "
+                f"{', '.join(ignored)} (its NeuronConfig would ignore them and compile "
+                f"other graphs); remove them from override_neuron_config or install a "
+                f"newer Neuron SDK."
+            )
+        config = self.model_cls.get_config_cls()(
+            neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
+        )
+        return self.model_cls(str(self.model_dir), config)
+
+    def compile(self, folder: Path, progress: Progress | None = None) -> None:
+        if self.on_cpu:
+            # NxDI's CPU mode runs its modules eagerly: nothing to compile, the folder
+            # records what it is for so a device configuration never loads it.
+            write_artifact_record(Path(folder), self._record())
+            return
+        from compile_cache.neuronx_cc import configure_compiler_cache
+        from compile_cache.stores import open_store
+
+        logger.info("neuronx-cc graph cache: %s", configure_compiler_cache(open_store()))
+        model = self._new_model()
+        if model.neuron_config.quantized:
+            self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
+        model.compile(str(folder))
+        write_artifact_record(Path(folder), self._record())
+        if progress:
+            for graph in graph_specs(self.settings):
+                progress(graph.name)
+
+    def load(self, folder: Path) -> None:
+        check_artifact_record(Path(folder), self._record())
+        model = self._new_model()
+        if self.on_cpu:
+            cpu_mode.load(model)
+        else:
+            # The loader warms every graph up through forward() unless skip_warmup is set.
+            model.load(str(folder), skip_warmup=True)
+        self.model = model
+
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """The KV cache as NxDI holds it: on the device each state tensor of the
+        context-encoding model, for every TP rank in turn (vllm-neuron's order); in the
+        CPU mode the eager model's cache manager's tensors."""
+        if self.on_cpu:
+            return cpu_mode.kv_cache_tensors(self.model)
+        state = self.model.context_encoding_model.model.nxd_model.state
+        names = list(state[0])
+        return [rank_state[name] for name in names for rank_state in state]
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        if inputs.num_real == 0:
+            self._call(padding_arguments(self.settings, inputs))
+            return torch.zeros((0, self.vocab_size))
+        args, answer = model_arguments(self.settings, inputs)
+        return self._logits(self._call(args), answer)
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        """One serving call: NxDI's on-device sampler draws every real row's token with
+        the row's values (NxDI draws its own random numbers, `sampling.uniform` is not
+        used); the logits come back for the rows that need the host only."""
+        if not self.settings.on_device_sampling:
+            raise ValueError(
+                "run() needs on-device sampling compiled in "
+                "(settings.on_device_sampling); call forward() instead"
+            )
+        args, answer = model_arguments(self.settings, inputs)
+        output = self._call(args, sampling, answer)
+        width = int(args["seq_ids"].shape[0])
+        tokens = output.tokens.reshape(width, -1)[torch.from_numpy(answer), -1]
+        return StepOutput(
+            tokens=tokens.numpy().astype(np.int32),
+            logits=self._logits(output, answer[sampling.needs_logits]),
+        )
+
+    def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
+        """The logits of NxDI output `rows` at the last position, vocabulary padding cut."""
+        logits = output.logits
+        if logits.dim() == 3:
+            logits = logits[:, -1, :]
+        return logits[torch.from_numpy(rows), : self.vocab_size].float()
+
+    def _call(
+        self,
+        args: Mapping[str, np.ndarray],
+        sampling: SamplingInputs | None = None,
+        answer: np.ndarray | None = None,
+    ) -> Any:
+        """The model call with `sampling_params` of exactly the call's rows: `sampling`'s
+        values at the `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
+        width = int(args["seq_ids"].shape[0])
+        columns = [np.ones(width, dtype=np.float32) for _ in range(3)]  # top_k, top_p, temp
+        if sampling is not None:
+            for column, values in zip(
+                columns, (sampling.top_k, sampling.top_p, sampling.temperature), strict=True
+            ):
+                column[answer] = values
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in args.items()}
+        tensors["sampling_params"] = self.nxdi.prepare_sampling_params(
+            width, *(column.tolist() for column in columns)
+        )
+        with torch.inference_mode():
+            return self.model(
+                tensors.pop("input_ids"),
+                attention_mask=tensors.pop("attention_mask", None),
+                **tensors,
+            )

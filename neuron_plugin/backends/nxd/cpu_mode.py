@@ -1,0 +1,154 @@
+"""NxD Inference's own CPU mode behind the NxD contract, for accuracy checks of the real
+NxDI modelling code on a host without a Neuron device.
+
+`override_neuron_config` `"on_cpu": true` is NxDI's NeuronConfig flag; with it the backend
+compiles nothing and loads with NxDI's `NeuronApplicationBase.to_cpu()` (eager modules,
+a gloo process group of one, weights sharded from the checkpoint). What tracing does per
+bucket on a device the CPU mode must do per call: NxDI's model builder sets the eager
+module's `n_positions`, `n_active_tokens` and `prefix_size` from the bucket it traces
+(models/model_wrapper.py DecoderModelInstance.get, NxDI 0.9 lines 1548-1570), and
+`to_cpu()` builds each module once with default sizes. A forward pre-hook on each
+submodel finds the call's bucket the way NxD's router finds a graph, by the exact shapes
+of the call's inputs against the submodel's example inputs
+(`ModelWrapper.input_generator`), and sets those attributes from it. On the CPU NxDI
+returns the KV cache as outputs and copies it into every submodel's
+`kv_mgr.past_key_values` (model_base.py `_copy_past_key_values`), which is where the
+cache lives."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from neuron_plugin.backends.nxd.neuron_config import batch_bucketing
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+
+
+def requested(settings: NeuronSettings) -> bool:
+    """Whether the settings ask for NxDI's CPU mode; refuses, naming the fix, what that
+    mode cannot run (NxDI 0.9 application_base.to_cpu, model_wrapper.forward)."""
+    if not settings.passthrough.get("on_cpu"):
+        return False
+    problems = []
+    if settings.tp_degree > 1:
+        problems.append(
+            f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
+            f"process per rank under torchrun, the backend runs one; use 1"
+        )
+    if settings.dtype == "float16":
+        problems.append(
+            "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
+            "accuracy check against transformers wants) or bfloat16"
+        )
+    if settings.on_device_sampling and batch_bucketing(settings):
+        problems.append(
+            f"token_generation_batches={list(settings.token_generation_batches)} with "
+            f"on-device sampling: a decode batch below the compiled one takes NxDI's CPU "
+            f"padding path, which writes the logits into the KV cache and fails "
+            f"(model_wrapper.py forward, `logits, *kv_caches = outputs`); remove "
+            f"token_generation_batches or set on_device_sampling_config to null"
+        )
+    if problems:
+        raise NeuronConfigError(
+            "override_neuron_config.on_cpu=true (NxDI's CPU mode) "
+            "cannot run " + "; ".join(problems) + "."
+        )
+    return True
+
+
+def bucket_attributes(
+    bucket: int | Sequence[int],
+    *,
+    prefix_caching: bool,
+    token_generation: bool,
+    max_context_length: int,
+) -> dict[str, int]:
+    """The eager module's size attributes for `bucket`, as NxDI's model builder sets them
+    when it traces that bucket (DecoderModelInstance.get)."""
+    if prefix_caching:
+        active, prefix = int(bucket[0]), int(bucket[1])  # type: ignore[index]
+        positions = prefix if token_generation else min(prefix + active, max_context_length)
+        return {"prefix_size": prefix, "n_active_tokens": active, "n_positions": positions}
+    if isinstance(bucket, Sequence):  # batch bucketing: [batch, seq_len]
+        return {"n_positions": int(bucket[1])}
+    return {"n_positions": int(bucket)}
+
+
+def _shapes(tensors: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One compiled bucket as the CPU mode finds it: its example input shapes, the module
+    attributes tracing would set, and whether its attention mask must be bool."""
+
+    shapes: list[tuple[int, ...]]
+    attributes: dict[str, int]
+    bool_mask: bool
+
+
+def _bucket_table(wrappers: Sequence[Any]) -> list[_Bucket]:
+    """Every bucket of `wrappers`. A prefill over a cached prefix hands NxDI's integer
+    prefix mask to `torch.where` (model_base.py 198-200, attention_base.py 1425 for
+    prefill buckets under 128), which traced graphs accept and eager torch refuses, so
+    those calls get the same mask as bool."""
+    table = []
+    for wrapper in wrappers:
+        config = wrapper.neuron_config
+        token_generation = wrapper.config.neuron_config.n_active_tokens == 1
+        for bucket, example in zip(config.buckets, wrapper.input_generator(), strict=True):
+            attributes = bucket_attributes(
+                bucket,
+                prefix_caching=bool(config.is_prefix_caching),
+                token_generation=token_generation,
+                max_context_length=config.max_context_length,
+            )
+            table.append(
+                _Bucket(
+                    _shapes(example),
+                    attributes,
+                    not token_generation and attributes.get("prefix_size", 0) > 0,
+                )
+            )
+    return table
+
+
+def _install_bucket_hook(module: torch.nn.Module, wrappers: Sequence[Any]) -> None:
+    """Before each call of `module`, set the attributes of the bucket whose example
+    inputs have the call's shapes. Without continuous batching `to_cpu()` gives every
+    submodel one module, so its table spans all of them."""
+    table = _bucket_table(wrappers)
+
+    def set_bucket(hooked: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        call = _shapes(args)
+        found = next((bucket for bucket in table if bucket.shapes == call), None)
+        if found is None:
+            raise ValueError(
+                f"NxDI CPU mode: a call with input shapes {call} matches no compiled "
+                f"bucket of {[w.tag for w in wrappers]}; this is a plugin bug, please "
+                f"report it with your override_neuron_config."
+            )
+        for name, value in found.attributes.items():
+            setattr(hooked, name, value)
+        return (args[0], args[1].bool(), *args[2:]) if found.bool_mask else None
+
+    module.register_forward_pre_hook(set_bucket)
+
+
+def load(model: Any) -> None:
+    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes."""
+    model.to_cpu()
+    by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
+    for wrapper in model.models:
+        by_module.setdefault(id(wrapper.model), (wrapper.model, []))[1].append(wrapper)
+    for module, wrappers in by_module.values():
+        _install_bucket_hook(module, wrappers)
+
+
+def kv_cache_tensors(model: Any) -> list[torch.Tensor]:
+    """The KV cache as NxDI's CPU mode holds it (one tensor per layer and K/V)."""
+    return list(model.token_generation_model.model.kv_mgr.past_key_values)

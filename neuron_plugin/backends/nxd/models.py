@@ -1,0 +1,103 @@
+"""Which NxD Inference class serves a checkpoint: a built-in table over NxDI's
+`MODEL_TYPES`, plus the entry-point group `neuron_plugin.nxdi_models` where NxDI contrib
+models register a class under a Hugging Face architecture name (a registered entry point
+wins, so a contrib model can replace a built-in one)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from neuron_plugin import plugin_logger
+from neuron_plugin.core.settings import NeuronConfigError
+
+logger = plugin_logger(__name__)
+
+
+class NxDIModelClass(Protocol):
+    """What the backend calls on an NxDI application class (NeuronBaseForCausalLM)."""
+
+    __module__: str
+    __qualname__: str
+
+    def get_neuron_config_cls(self) -> Callable[..., Any]: ...
+
+    def get_config_cls(self) -> Callable[..., Any]: ...
+
+    def save_quantized_state_dict(self, model_path: str, config: Any) -> None: ...
+
+    def __call__(self, model_path: str, config: Any) -> Any: ...
+
+
+ENTRY_POINT_GROUP = "neuron_plugin.nxdi_models"
+TASK = "causal-lm"
+# Hugging Face architecture -> key of NxDI's utils.constants.MODEL_TYPES (text models).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DbrxForCausalLM": "dbrx",
+    "GptOssForCausalLM": "gpt_oss",
+    "Gemma3ForCausalLM": "gemma3",
+}
+
+
+def model_entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def describe_architecture(
+    architecture: str, entry_points: Iterable[importlib.metadata.EntryPoint]
+) -> str:
+    """Which NxDI class would serve `architecture`, without importing NxDI."""
+    for ep in entry_points:
+        if ep.name == architecture:
+            return f"{ep.value} (entry point {ENTRY_POINT_GROUP}:{ep.name})"
+    if architecture in ARCHITECTURES:
+        return f"NxDI MODEL_TYPES[{ARCHITECTURES[architecture]!r}][{TASK!r}]"
+    raise NeuronConfigError(_unsupported(architecture))
+
+
+def _unsupported(architecture: str) -> str:
+    return (
+        f"architecture {architecture!r} has no NxD Inference model: supported are "
+        f"{', '.join(ARCHITECTURES)}; an NxDI contrib model can register its class "
+        f"under this name in the {ENTRY_POINT_GROUP!r} entry-point group "
+        f'({architecture} = "package.module:NeuronClass"), or serve on the CPU with '
+        f"VLLM_NEURON_BACKEND=reference."
+    )
+
+
+def resolve_model_class(
+    architecture: str,
+    model_types: Mapping[str, Mapping[str, NxDIModelClass]],
+    entry_points: Iterable[importlib.metadata.EntryPoint],
+    nxdi_version: str | None = None,
+) -> NxDIModelClass:
+    """The NxDI application class for `architecture`; a registered entry point wins
+    over the built-in table, so a contrib model can replace a built-in one."""
+    for ep in entry_points:
+        if ep.name == architecture:
+            cls = ep.load()
+            if not (hasattr(cls, "get_neuron_config_cls") and hasattr(cls, "get_config_cls")):
+                raise NeuronConfigError(
+                    f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} is not an NxDI "
+                    f"application class (no get_neuron_config_cls/get_config_cls); point it "
+                    f"at a NeuronBaseForCausalLM subclass."
+                )
+            logger.info("NxDI model for %s: %s (entry point)", architecture, ep.value)
+            return cls
+    if architecture not in ARCHITECTURES:
+        raise NeuronConfigError(_unsupported(architecture))
+    key = ARCHITECTURES[architecture]
+    if key not in model_types or TASK not in model_types[key]:
+        raise NeuronConfigError(
+            f"the installed NxD Inference {nxdi_version or '(unknown version)'} has no "
+            f"{key!r} model in MODEL_TYPES, needed for {architecture}; install a Neuron "
+            f"SDK whose NxDI lists it (see README 'Running on inf2')."
+        )
+    return model_types[key][TASK]

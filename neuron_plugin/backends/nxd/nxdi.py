@@ -1,0 +1,57 @@
+"""The one place that imports NxD Inference: the parts of it the backend calls, imported
+when a backend is built (so explain-config, doctor and tests run without NxDI) and
+patched where the installed release has a known defect."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from neuron_plugin.backends.nxd.models import NxDIModelClass
+from neuron_plugin.core.instances import package_version
+from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.patches import NxDIModules, apply_patches
+
+
+@dataclass(frozen=True)
+class NxDI:
+    """The parts of NxD Inference this backend calls."""
+
+    model_types: Mapping[str, Mapping[str, NxDIModelClass]]
+    load_pretrained_config: Callable
+    prepare_sampling_params: Callable
+    version: str | None
+    # The patches in effect: they change what NxDI traces, so they are in the cache key.
+    patches: tuple[str, ...]
+
+
+def import_nxdi() -> NxDI:
+    """Import NxD Inference and apply the patches its installed version needs."""
+    try:
+        from neuronx_distributed_inference.models import model_base, model_wrapper
+        from neuronx_distributed_inference.modules.attention import attention_base
+        from neuronx_distributed_inference.modules.generation import sampling
+        from neuronx_distributed_inference.utils import hf_adapter
+        from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+    except ImportError as exc:
+        raise NeuronConfigError(
+            f"VLLM_NEURON_BACKEND=nxd needs NxD Inference, which cannot be imported by "
+            f"{sys.executable} ({exc}). NxDI pins torch 2.9 and transformers 4.5x, which "
+            f"current vLLM cannot share an environment with: point "
+            f"VLLM_NEURON_BACKEND_PYTHON at the Neuron SDK's interpreter (e.g. "
+            f"/opt/aws_neuronx_venv_pytorch_2_9/bin/python) so the backend runs there as a "
+            f"runner process (README 'Running on inf2'; check with `neuron-plugin "
+            f"doctor`), or set VLLM_NEURON_BACKEND=reference."
+        ) from exc
+    outcomes = apply_patches(
+        NxDIModules(model_base, model_wrapper, hf_adapter, attention_base, sampling)
+    )
+    patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
+    return NxDI(
+        MODEL_TYPES,
+        hf_adapter.load_pretrained_config,
+        sampling.prepare_sampling_params,
+        package_version("neuronx-distributed-inference"),
+        patched,
+    )

@@ -1,0 +1,165 @@
+"""The bucket grids of a configuration: NxDI's defaults, or the user's lists checked
+against the limits they must serve."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from bucketing.errors import BucketError
+from bucketing.grids import align_up, nxdi_buckets, validate_grid
+from neuron_plugin.core.errors import NeuronConfigError
+from neuron_plugin.core.neuron_settings import BLOCK, GRID_KEYS, EngineLimits
+from neuron_plugin.core.override_checks import bool_setting
+
+MIN_BUCKET = 128
+
+
+def _grid(
+    override: Mapping[str, Any],
+    key: str,
+    default: list[int],
+    *,
+    maximum: int,
+    limit_name: str,
+    covers: int | None = None,
+    why: str = "",
+    align: int | None = None,
+) -> tuple[int, ...]:
+    """A user grid validated against its limit (named in the message), with `covers`
+    against the largest need it must serve (`why` says whose need) and with `align`
+    against the KV block size."""
+    if key not in override:
+        return tuple(default)
+    try:
+        return validate_grid(
+            override[key],
+            name=f"override_neuron_config.{key}",
+            maximum=maximum,
+            covers=covers,
+            limit_name=limit_name,
+            align=align,
+        )
+    except BucketError as exc:
+        raise NeuronConfigError(f"{exc} ({why})" if why else str(exc)) from None
+
+
+def resolve_grids(
+    limits: EngineLimits,
+    override: Mapping[str, Any],
+    kv_layout: str,
+    max_context_length: int,
+    *,
+    block_size: int,
+) -> dict[str, tuple[int, ...]]:
+    """Bucket grids: NxDI's powers of two by default (so existing configurations keep
+    their meaning), the user's lists when given, one full-size graph when bucketing is
+    off.
+
+    In the block layout every token-generation and prefix bucket is a whole number of
+    KV blocks: NxDI hands a graph of length L the first L // pa_block_size blocks of the
+    block table (model_wrapper._pad_prefix_caching_inputs), so the positions of a partial
+    last block would never be attended. Defaults are rounded up to whole blocks (the
+    largest to max_model_len rounded up; the nxd backend raises NxDI's seq_len to it),
+    user lists must already be whole blocks. `block_size` is resolve_blocks' choice."""
+    enable = bool_setting(override, "enable_bucketing")
+    enable = True if enable is None else enable
+    seq = limits.max_model_len
+    batch = limits.max_num_seqs
+    block = kv_layout == BLOCK
+    unit = block_size if block else 1
+    reach = -(-seq // unit) * unit
+    reach_name = (
+        f"max_model_len rounded up to whole {unit}-token KV blocks" if block else "max_model_len"
+    )
+    if not enable:
+        given = [key for key in GRID_KEYS if key in override]
+        if given:
+            raise NeuronConfigError(
+                f"override_neuron_config.enable_bucketing=false but {', '.join(given)} "
+                f"given; remove the bucket lists or set enable_bucketing=true."
+            )
+        return {
+            "context_encoding_buckets": (max_context_length,),
+            "token_generation_buckets": (reach,),
+            "prefix_buckets": (0, reach) if block else (),
+            "token_generation_batches": (batch,),
+        }
+    ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
+    tkg_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
+    grids = {
+        # With chunked prefill a chunk of up to max_num_batched_tokens must fit one graph.
+        "context_encoding_buckets": _grid(
+            override,
+            "context_encoding_buckets",
+            ctx_default,
+            maximum=max_context_length,
+            limit_name="max_context_length",
+            covers=min(limits.max_num_batched_tokens, max_context_length)
+            if limits.enable_chunked_prefill
+            else None,
+            why=(
+                f"a chunk of max_num_batched_tokens={limits.max_num_batched_tokens} "
+                f"must fit one graph"
+                if limits.enable_chunked_prefill
+                else ""
+            ),
+        ),
+        # Decoding walks every position up to max_model_len, so the largest
+        # token-generation bucket must reach it or a long request would fail mid-way.
+        "token_generation_buckets": _grid(
+            override,
+            "token_generation_buckets",
+            tkg_default,
+            maximum=reach,
+            limit_name=reach_name,
+            covers=seq,
+            align=unit if block else None,
+            why=f"decoding reaches max_model_len={seq}"
+            + (f"; NxDI reads whole blocks of block_size={unit}" if block else ""),
+        ),
+        "token_generation_batches": _grid(
+            override,
+            "token_generation_batches",
+            [batch],
+            maximum=batch,
+            limit_name="max_num_seqs",
+            covers=batch,
+            why=f"max_num_seqs={batch} requests can decode together",
+        ),
+    }
+    if grids["context_encoding_buckets"][0] < 2:
+        raise NeuronConfigError(
+            f"override_neuron_config.context_encoding_buckets="
+            f"{list(grids['context_encoding_buckets'])} has a bucket of 1 token: NxDI runs "
+            f"an input one token wide through token generation (model_base."
+            f"_is_context_encoding needs more than one), so that graph would be traced as "
+            f"a decode; remove 1 (a one-token prompt runs in the smallest bucket)."
+        )
+    if block:
+        if "prefix_buckets" in override:
+            values = list(override["prefix_buckets"] or [])
+            # A cached prefix or earlier chunks can reach max_model_len - 1 tokens.
+            prefix = _grid(
+                {"prefix_buckets": [v for v in values if v != 0]},
+                "prefix_buckets",
+                [],
+                maximum=reach,
+                limit_name=reach_name,
+                covers=seq - 1,
+                align=unit,
+                why=f"a cached prefix can reach max_model_len - 1 = {seq - 1}; "
+                f"NxDI reads whole blocks of block_size={unit}",
+            )
+            grids["prefix_buckets"] = (0, *prefix)
+        else:
+            grids["prefix_buckets"] = (0, *tuple(tkg_default))
+    elif "prefix_buckets" in override:
+        raise NeuronConfigError(
+            "override_neuron_config.prefix_buckets applies to the block KV layout, but "
+            "prefix caching and chunked prefill are off; remove prefix_buckets or pass "
+            "--enable-prefix-caching."
+        )
+    else:
+        grids["prefix_buckets"] = ()
+    return grids

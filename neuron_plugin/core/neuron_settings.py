@@ -1,0 +1,171 @@
+"""The resolved configuration (`NeuronSettings`) and the vLLM limits it is resolved from.
+
+Values only: `core.settings.resolve_settings` decides them. Kept apart from the
+resolution so that modules the resolution uses (`core.memory`) can name the settings type
+without importing the resolution back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketing.fit import prefix_caching_need
+
+CONTIGUOUS = "contiguous"
+BLOCK = "block"
+# The reason recorded when the user chose max_num_seqs (nothing to log or explain).
+MAX_NUM_SEQS_CHOSEN = "--max-num-seqs"
+
+# Keys of override_neuron_config that hold bucket grids.
+GRID_KEYS = (
+    "context_encoding_buckets",
+    "token_generation_buckets",
+    "prefix_buckets",
+    "token_generation_batches",
+)
+
+
+@dataclass(frozen=True)
+class EngineUpdate:
+    """One value the platform writes back into vLLM's config, and why."""
+
+    section: str  # the VllmConfig attribute: "cache_config", "scheduler_config", ...
+    name: str
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """vLLM's settings as the user left them (before the platform changes anything):
+    `block_size` is None unless the user chose one."""
+
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int | None
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    dtype: str
+    tp_degree: int = 1
+    # True when max_num_seqs is one of vLLM's own defaults (vLLM does not record whether
+    # the user passed it).
+    max_num_seqs_is_default: bool = False
+    # Data-parallel engines on this host (vLLM's --data-parallel-size-local).
+    dp_degree: int = 1
+    num_gpu_blocks_override: int | None = None
+    # vLLM flag -> its value, for the flags of core.vllm_flags.VLLM_FLAGS.
+    vllm_flags: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NeuronSettings:
+    """Everything a backend needs to compile, load and run one configuration."""
+
+    backend: str
+    architecture: str
+    dtype: str
+    tp_degree: int
+    max_model_len: int
+    max_context_length: int
+    max_num_seqs: int
+    ctx_batch_size: int
+    enable_bucketing: bool
+    context_encoding_buckets: tuple[int, ...]
+    prefix_buckets: tuple[int, ...]
+    token_generation_buckets: tuple[int, ...]
+    token_generation_batches: tuple[int, ...]
+    kv_layout: str
+    kv_layout_reason: str
+    block_size: int
+    num_blocks: int
+    is_prefix_caching: bool
+    is_chunked_prefill: bool
+    on_device_sampling: bool
+    # Candidates per row of the on-device sampler (OnDeviceSamplingConfig.global_topk).
+    global_topk: int
+    skip_warmup: bool
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+    # The interpreter of the environment the backend runs in (its own process behind the
+    # runner protocol), or None for in-process. Changes no compiled graph.
+    backend_python: str | None = None
+    # Data-parallel engines on this host and each one's NeuronCores (empty where no core
+    # is visible: the CPU reference backend). Change no compiled graph.
+    dp_degree: int = 1
+    rank_cores: tuple[tuple[int, ...], ...] = ()
+    # Why max_num_seqs has its value (logged when it differs from vLLM's).
+    max_num_seqs_reason: str = MAX_NUM_SEQS_CHOSEN
+
+    @property
+    def is_block_layout(self) -> bool:
+        return self.kv_layout == BLOCK
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a padded block table (the NxD contract pads to this)."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def context_encoding_shapes(self) -> list[tuple[int, ...]]:
+        """(active tokens,) or, for the block layout, (active tokens, prefix length).
+
+        The block layout lists the shapes NxDI's prefix-caching choice
+        (`bucketing.fit.prefix_caching_fit`) sends some context of at most max_model_len
+        tokens to: NxDI compiles the whole cross product, but the others never run, so
+        they are neither warmed up, measured nor counted."""
+        if not self.is_block_layout:
+            return [(n,) for n in self.context_encoding_buckets]
+        return [
+            (n, p)
+            for n in self.context_encoding_buckets
+            for p in self.prefix_buckets
+            if prefix_caching_need(
+                self.context_encoding_buckets, self.prefix_buckets, (n, p), self.max_model_len
+            )
+            is not None
+        ]
+
+    def token_generation_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context length) for every token-generation graph."""
+        return [
+            (b, n) for b in self.token_generation_batches for n in self.token_generation_buckets
+        ]
+
+    def capacity(self) -> str:
+        """The KV cache's capacity in one line, the same in the server log and in
+        explain-config. vLLM's own "KV cache size" line counts its null block, which
+        holds no sequence, so it reads one block more."""
+        vllm_tokens = self.num_blocks * self.block_size
+        if not self.is_block_layout:
+            return (
+                f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens "
+                f"({self.max_num_seqs * self.max_model_len:,} tokens); vLLM's \"KV cache "
+                f'size" line also counts its null block ({vllm_tokens:,} tokens)'
+            )
+        usable = self.num_blocks - 1  # never fewer than max_num_seqs full sequences
+        return (
+            f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}, "
+            f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens at "
+            f'once; vLLM\'s "KV cache size" line also counts its null block '
+            f"({vllm_tokens:,} tokens)"
+        )
+
+    def graph_count(self) -> int:
+        return len(self.context_encoding_shapes()) + len(self.token_generation_shapes())
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["passthrough"] = dict(self.passthrough)
+        return json.loads(json.dumps(data))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
+        values = dict(data)
+        for key in GRID_KEYS:
+            values[key] = tuple(values[key])
+        values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
+        return cls(**values)

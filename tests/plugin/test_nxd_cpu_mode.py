@@ -1,0 +1,103 @@
+"""The nxd backend's CPU mode (`override_neuron_config` `"on_cpu": true`) against the NxDI
+double: what it refuses, the size attributes it sets per call as NxDI's model builder sets
+them per traced bucket, and the eager modules it hooks (one per submodel with continuous
+batching, one shared otherwise, as NxDI's to_cpu builds them). Serving through real NxDI's
+CPU mode is tests/e2e/test_nxdi_cpu_mode.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_plugin.backends.nxd import cpu_mode
+from neuron_plugin.backends.nxd.backend import NxDBackend
+from neuron_plugin.core.settings import NeuronConfigError
+from tests.plugin.test_nxd_backend import (  # noqa: F401  (fixtures)
+    PREFIX,
+    release,
+    settings,
+    tiny,
+)
+
+CPU = {"on_cpu": True}
+
+
+def test_cpu_mode_is_off_unless_asked():
+    assert not cpu_mode.requested(settings())
+    assert cpu_mode.requested(settings({"tp_degree": 1}, CPU))
+
+
+@pytest.mark.parametrize("limits,override,message", [
+    ({}, {}, r"--tensor-parallel-size 2: to_cpu\(\) needs one process per rank"),
+    ({"tp_degree": 1, "dtype": "float16"}, {}, r"--dtype float16: NxDI's CPU mode refuses it"),
+    ({"tp_degree": 1}, {"token_generation_batches": [1, 2, 4]},
+     r"token_generation_batches=\[1, 2, 4\] with on-device sampling"),
+])
+def test_cpu_mode_refuses_what_nxdis_cpu_mode_cannot_run(limits, override, message):
+    with pytest.raises(NeuronConfigError, match=message):
+        cpu_mode.requested(settings(limits, {**CPU, **override}))
+
+
+@pytest.mark.parametrize("bucket,prefix,tkg,expected", [
+    (64, False, False, {"n_positions": 64}),
+    (128, False, True, {"n_positions": 128}),
+    ([2, 256], False, True, {"n_positions": 256}),  # batch bucketing [batch, seq]
+    ([128, 256], True, False, {"prefix_size": 256, "n_active_tokens": 128,
+                               "n_positions": 384}),
+    ([512, 0], True, False, {"prefix_size": 0, "n_active_tokens": 512, "n_positions": 512}),
+    ([1024, 1024], True, False, {"prefix_size": 1024, "n_active_tokens": 1024,
+                                 "n_positions": 1536}),  # capped at max_context_length
+    ([4, 256], True, True, {"prefix_size": 256, "n_active_tokens": 4, "n_positions": 256}),
+])
+def test_bucket_attributes_follow_nxdis_model_builder(bucket, prefix, tkg, expected):
+    assert cpu_mode.bucket_attributes(bucket, prefix_caching=prefix, token_generation=tkg,
+                                      max_context_length=1536) == expected
+
+
+@pytest.mark.parametrize("limits,override,shared", [
+    ({"tp_degree": 1}, {}, False),
+    ({"tp_degree": 1, "max_num_seqs": 1}, {}, True),
+    ({"tp_degree": 1, **PREFIX}, {}, False),
+])
+def test_each_call_runs_with_its_buckets_attributes(release, tiny, limits, override, shared):
+    """Every compiled bucket's example inputs through the hooked eager modules: the module
+    sees the attributes NxDI's tracing would have set, and a prefill over a cached prefix
+    a bool mask (eager torch.where refuses NxDI's integer one)."""
+    s = settings(limits, {**CPU, **override})
+    backend = NxDBackend(s, tiny)
+    model = backend._new_model()
+    cpu_mode.load(model)
+    modules = {id(w.model) for w in model.models}
+    assert len(modules) == (1 if shared else len(model.models))
+    for wrapper in model.models:
+        config = wrapper.neuron_config
+        tkg = wrapper.config.neuron_config.n_active_tokens == 1
+        for bucket, example in zip(config.buckets, wrapper.input_generator(), strict=True):
+            wrapper.model(*example)
+            call = wrapper.model.calls[-1]
+            want = cpu_mode.bucket_attributes(
+                bucket, prefix_caching=config.is_prefix_caching, token_generation=tkg,
+                max_context_length=config.max_context_length)
+            assert {k: call[k] for k in want} == want, (wrapper.tag, bucket)
+            prefix_prefill = not tkg and want.get("prefix_size", 0) > 0
+            assert (call["mask_dtype"] == torch.bool) == prefix_prefill, (wrapper.tag, bucket)
+
+
+def test_a_call_of_no_compiled_shape_is_a_clear_error(release, tiny):
+    s = settings({"tp_degree": 1}, CPU)
+    model = NxDBackend(s, tiny)._new_model()
+    cpu_mode.load(model)
+    wrapper = model.token_generation_model
+    example = list(wrapper.input_generator()[0])
+    example[0] = torch.ones((3, 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="matches no compiled bucket"):
+        wrapper.model(*example)
+
+
+def test_cpu_mode_compiles_nothing_and_keys_its_own_target(release, tiny, tmp_path):
+    s = settings({"tp_degree": 1}, CPU)
+    backend = NxDBackend(s, tiny)
+    (tmp_path / "graphs").mkdir()
+    backend.compile(tmp_path / "graphs")
+    assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == ["graphs.json"]
+    assert backend.cache_manifest_fields()["target"] == {"device": "cpu"}
