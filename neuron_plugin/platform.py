@@ -20,6 +20,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin import BACKEND_ENV, plugin_logger
 from neuron_plugin.core.instances import parse_core_list
+from neuron_plugin.core.sampling import sampling_summary
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -244,6 +245,12 @@ class NeuronPlatform(Platform):
             settings.graph_count(),
         )
         logger.info("neuron platform: KV cache capacity %s", settings.capacity())
+        logger.info(
+            "neuron platform: %s",
+            sampling_summary(
+                settings.on_device_sampling, settings.global_topk, settings.exact_sampling
+            ),
+        )
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

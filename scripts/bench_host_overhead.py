@@ -74,6 +74,12 @@ class HostOnlyBackend:
             logits=torch.zeros((int(sampling.needs_logits.sum()), self.vocab)),
         )
 
+    def submit(self, inputs: ForwardInputs, sampling: SamplingInputs) -> None:
+        self._submitted = self.run(inputs, sampling)
+
+    def collect(self) -> StepOutput:
+        return self._submitted
+
 
 def vllm_config_for(model: Path, batch: int, length: int):
     from vllm.config import set_current_vllm_config

@@ -108,6 +108,12 @@ class SeamMeter:
         self.counts["device_rows"] += int((~sampling.needs_logits).sum())
         return out
 
+    def submit(self, inputs, sampling) -> None:
+        self._submitted = self.run(inputs, sampling)
+
+    def collect(self):
+        return self._submitted
+
     @property
     def module(self) -> torch.nn.Module | None:
         return self.backend.module

@@ -1,4 +1,4 @@
-"""Build small, deterministic Llama- and Qwen3-family checkpoints for tests and the demo.
+"""Build small, deterministic checkpoints of the mapped architectures for tests and the demo.
 
 No model can be downloaded on the machines this project is built on, so the tests, the
 demo and the benchmarks use checkpoints made here: random weights from a fixed seed and a
@@ -10,6 +10,12 @@ Face chat checkpoints ship one) so `/v1/chat/completions` works without
 untouched (a stamp file records the recipe).
 
     python scripts/build_tiny_model.py --arch llama --out models/tiny-llama
+
+The other architectures the nxd backend maps (mistral, qwen2, mixtral, qwen3_moe, gemma3,
+gpt_oss; not dbrx) are tiny too: 16-token sliding windows, 4 experts top-2, and the
+parameters transformers initialises to constants (norms, biases, sinks) randomised. They
+are saved with save_pretrained (the Hub's tensor names, e.g. per-expert MoE weights) and
+a config.json that transformers 4.57 and 5.x read alike (tests/e2e/test_architectures.py).
 
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
@@ -48,6 +54,26 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- 'assistant\\n' }}{%- endif %}"
 )
 
+_SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "perturb": True,
+}
+_GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 1024,
+}
+
 # Small but structurally faithful: head_dim 64, GQA (2 KV heads for 4 query heads).
 ARCHITECTURES: dict[str, dict] = {
     "llama": {
@@ -81,7 +107,93 @@ ARCHITECTURES: dict[str, dict] = {
         "hidden_act": "silu",
         "attention_bias": False,
     },
+    # The other architectures the nxd backend maps, small and fast: head_dim 32, GQA,
+    # sliding windows of 16 tokens (test prompts exceed them), MoE with 4 experts top-2.
+    # "perturb" (not a config key): transformers initialises norm weights, biases and
+    # attention sinks to constants; random values make the tests check they are applied.
+    "mistral": {
+        **_SMALL,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": 16,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        **_SMALL,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+    },
+    "mixtral": {
+        **_SMALL,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        **_SMALL,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "moe_intermediate_size": 128,
+        "num_experts": 4,  # the Hub's key (transformers 5 saves num_local_experts)
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],  # one dense layer between MoE layers
+        "decoder_sparse_step": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    "gemma3": {
+        **_SMALL,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 24,  # not head_dim: the score scale must come from it
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        # transformers 5 reads rope_parameters; 4.57 rope_theta and rope_local_base_freq.
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "gpt_oss": {
+        **_SMALL,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "intermediate_size": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 16,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        # transformers 5 reads rope_parameters; 4.57 rope_theta and rope_scaling.
+        "rope_theta": 150000.0,
+        "rope_scaling": dict(_GPT_OSS_YARN),
+        "rope_parameters": {**_GPT_OSS_YARN, "rope_theta": 150000.0},
+    },
 }
+# transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
+LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
 
 
 def train_tokenizer(vocab_size: int):
@@ -101,11 +213,30 @@ def train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def recipe(arch: str, seed: int, vocab_size: int, max_positions: int,
-           layers: int | None = None, model_vocab: int | None = None) -> dict:
+def _perturb_constants(model, seed: int) -> None:
+    """Random offsets (std 0.1) on the parameters transformers initialises to constants:
+    norm weights, biases, attention sinks."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "sinks")):
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
+
+
+def recipe(
+    arch: str,
+    seed: int,
+    vocab_size: int,
+    max_positions: int,
+    layers: int | None = None,
+    model_vocab: int | None = None,
+) -> dict:
     corpus_digest = __import__("hashlib").sha256(CORPUS.read_bytes()).hexdigest()
-    shape = {k: v for k, v in (("layers", layers), ("model_vocab", model_vocab))
-             if v is not None}  # absent by default, so existing folders stay valid
+    shape = {
+        k: v for k, v in (("layers", layers), ("model_vocab", model_vocab)) if v is not None
+    }  # absent by default, so existing folders stay valid
     return {
         "recipe_version": RECIPE_VERSION,
         "arch": arch,
@@ -117,23 +248,27 @@ def recipe(arch: str, seed: int, vocab_size: int, max_positions: int,
     }
 
 
-def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
-          max_positions: int = 4096, layers: int | None = None,
-          model_vocab: int | None = None) -> Path:
+def build(
+    arch: str,
+    out: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    max_positions: int = 4096,
+    layers: int | None = None,
+    model_vocab: int | None = None,
+) -> Path:
     """Write the checkpoint to `out` unless an identical one is already there.
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
     size) the embedding and output rows; `layers` overrides the architecture's depth."""
     if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}"
-        )
+        raise ValueError(f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab)
     stamp = out / "tiny_model_recipe.json"
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out
 
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer_core = train_tokenizer(vocab_size)
@@ -146,11 +281,21 @@ def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
     )
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
+    perturb = fields.pop("perturb", False)
+    # Keys transformers 5 renames or folds when it saves (rope_theta into rope_parameters,
+    # num_experts into num_local_experts) are written into config.json as given too, so
+    # transformers 4.57 (the Neuron SDK's) reads the same model.
+    given = dict(fields)
+    if "rope_parameters" in fields:
+        for key in LEGACY_KEYS:
+            fields.pop(key, None)
     if layers is not None:
         fields["num_hidden_layers"] = layers
     if model_vocab is not None and model_vocab < len(tokenizer):
-        raise ValueError(f"--model-vocab {model_vocab} is below the tokenizer's "
-                         f"{len(tokenizer)} tokens; pass at least that many rows")
+        raise ValueError(
+            f"--model-vocab {model_vocab} is below the tokenizer's "
+            f"{len(tokenizer)} tokens; pass at least that many rows"
+        )
     config = AutoConfig.for_model(
         model_type,
         **fields,
@@ -167,17 +312,18 @@ def build(arch: str, out: Path, *, seed: int = 0, vocab_size: int = 1024,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if perturb:
+        _perturb_constants(model, seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        config.save_pretrained(staging)
-        tensors = {
-            name: t.detach().contiguous()
-            for name, t in model.state_dict().items()
-            if not (config.tie_word_embeddings and name == "lm_head.weight")
-        }
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        # save_pretrained writes the Hub's tensor names and layout (transformers 5 keeps
+        # MoE experts fused in memory and splits them back per expert when saving).
+        model.save_pretrained(staging)
+        saved = json.loads((staging / "config.json").read_text())
+        saved.update({k: v for k, v in given.items() if k not in saved})
+        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
         # In tokenizer_config.json, where most Hugging Face checkpoints keep it.
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
@@ -198,13 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--max-positions", type=int, default=4096)
     parser.add_argument("--layers", type=int, help="decoder layers (default: the arch's)")
-    parser.add_argument("--model-vocab", type=int,
-                        help=f"embedding/output rows, e.g. {QWEN3_VOCAB} (Qwen3's); "
-                             f"default: the tokenizer's size")
+    parser.add_argument(
+        "--model-vocab",
+        type=int,
+        help=f"embedding/output rows, e.g. {QWEN3_VOCAB} (Qwen3's); default: the tokenizer's size",
+    )
     args = parser.parse_args(argv)
-    path = build(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size,
-                 max_positions=args.max_positions, layers=args.layers,
-                 model_vocab=args.model_vocab)
+    path = build(
+        args.arch,
+        args.out,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        max_positions=args.max_positions,
+        layers=args.layers,
+        model_vocab=args.model_vocab,
+    )
     print(path)
     return 0
 

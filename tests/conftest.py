@@ -24,6 +24,18 @@ def model_dirs() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_model():
+    """arch -> models/tiny-<arch>, for every architecture scripts/build_tiny_model.py
+    knows, built on first use (idempotent)."""
+    from build_tiny_model import build
+
+    def get(arch: str) -> Path:
+        return build(arch, ROOT / "models" / f"tiny-{arch}")
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def sdk_python() -> str:
     """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
     transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend

@@ -7,7 +7,12 @@ real row's sampling values (`neuron_plugin.core.sampling.SamplingInputs`) and an
 with a token per row from the on-device sampler plus logits for only the rows whose
 sampling needs the host, so at a 151,936-token vocabulary a device-sampled row costs a
 few bytes instead of 600 KB; `forward` returns every real row's logits (warm-up,
-measurement, host sampling when on-device sampling is off).
+measurement, host sampling when on-device sampling is off). A serving call can also be
+split in two, `submit` then `collect`, so that the host prepares the next engine step
+while the backend computes this one (vLLM's async scheduling): a backend in another
+process (`runner/`) computes meanwhile; one in this process computes in `submit`
+(`InlineCalls`). At most one call is in flight: nothing else is called between a
+`submit` and its `collect`.
 `nxd/` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
 CPU, so everything above this seam is exercised without hardware.
 
@@ -105,6 +110,9 @@ class StepOutput:
 
     tokens: np.ndarray  # [num_real] int32
     logits: torch.Tensor  # [needs_logits.sum(), vocab] float32
+    # The backend's own time for the call where it reports it (a runner process does),
+    # apart from the process boundary and from what the host did meanwhile.
+    backend_s: float | None = None
 
 
 class LoadedBackend(Protocol):
@@ -122,6 +130,33 @@ class LoadedBackend(Protocol):
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
         """One serving call with on-device sampling (`sampling` has a row per real row)."""
+
+    def submit(self, inputs: ForwardInputs, sampling: SamplingInputs) -> None:
+        """Start the serving call `run` makes; its answer comes from `collect`."""
+
+    def collect(self) -> StepOutput:
+        """The answer of the call `submit` started (waiting for it if need be)."""
+
+
+class InlineCalls:
+    """`submit`/`collect` for a backend whose calls complete in the caller's thread:
+    `submit` runs the call, `collect` hands its answer back."""
+
+    _submitted: StepOutput | None = None
+
+    def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
+        raise NotImplementedError  # the backend's own
+
+    def submit(self, inputs: ForwardInputs, sampling: SamplingInputs) -> None:
+        if self._submitted is not None:
+            raise RuntimeError("a backend call is already in flight: collect it first")
+        self._submitted = self.run(inputs, sampling)
+
+    def collect(self) -> StepOutput:
+        out, self._submitted = self._submitted, None
+        if out is None:
+            raise RuntimeError("collect() without a submitted backend call")
+        return out
 
 
 class Backend(LoadedBackend, Protocol):

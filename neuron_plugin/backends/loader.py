@@ -43,6 +43,7 @@ _RUNTIME_ONLY = frozenset(
         "dp_degree",
         "rank_cores",
         "max_num_seqs_reason",
+        "exact_sampling",
         "dtype",
         *GRID_KEYS,
     }

@@ -100,6 +100,9 @@ class NeuronSettings:
     rank_cores: tuple[tuple[int, ...], ...] = ()
     # Why max_num_seqs has its value (logged when it differs from vLLM's).
     max_num_seqs_reason: str = MAX_NUM_SEQS_CHOSEN
+    # Requests without top_k (or above global_topk) sampled exactly on the host rather
+    # than from the global_topk most likely tokens on the device. Changes no compiled graph.
+    exact_sampling: bool = False
 
     @property
     def is_block_layout(self) -> bool:

@@ -8,9 +8,19 @@ request gets its token from the device and its logits never leave it. The decisi
 pure function of the request's `SamplingParams` (read by attribute, so this module
 imports no vLLM), shared by the model runner and both backends.
 
+A random request without a top-k (vLLM's top_k 0 or -1: the whole vocabulary) or with
+one above `global_topk` is device-sampled by default with its top-k clamped to
+`global_topk`, as vllm-neuron 0.x does (`get_nxd_sampling_params` in
+vllm_neuron/worker/neuronx_distributed_model_runner.py sends `max_topk` for any top_k
+that is not in (0, max_topk)): it then samples from its `global_topk` most likely
+tokens, a distribution the README's "Sampling" section measures against the exact one.
+`additional_config.exact_sampling: true` keeps such requests exact, on the host.
+
 `SamplingInputs` is what one backend call carries per real row, in NxDI's encoding
 (vllm-neuron's `prepare_sampling_params`): greedy rows are top-k 1 at temperature 1, and
-rows the device does not sample get those same harmless values. `uniform` is the row's
+rows the device does not sample get those same harmless values; a device row without a
+top-k gets `global_topk` explicitly (NxDI reads top_k 0 or -1 as uniform over its
+candidates, a different distribution). `uniform` is the row's
 random draw in [0, 1), made on the host from the engine's seeded generator: a backend
 that samples by inverse CDF (the reference backend) uses it, NxDI draws its own.
 """
@@ -22,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from neuron_plugin.core.errors import NeuronConfigError
+
 # OnDeviceSamplingConfig.global_topk's default: the most candidates the device sampler
 # keeps per row.
 DEFAULT_GLOBAL_TOPK = 256
@@ -29,12 +41,32 @@ DEFAULT_GLOBAL_TOPK = 256
 SAMPLING_EPS = 1e-5
 # vllm-neuron's switch: a non-zero integer turns on-device sampling off.
 DISABLED_ENV = "NEURON_ON_DEVICE_SAMPLING_DISABLED"
+# The `additional_config` key that keeps requests without a top-k (or with one above
+# global_topk) exact: sampled on the host over the whole vocabulary.
+EXACT_SAMPLING_KEY = "exact_sampling"
 
 
-def on_device_refusal(params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK) -> str | None:
+def resolve_exact_sampling(value: object) -> bool:
+    """`additional_config.exact_sampling` (absent: False), which must be a JSON boolean."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise NeuronConfigError(
+            f"additional_config.{EXACT_SAMPLING_KEY}={value!r} must be true or false: true "
+            f"samples requests without top_k (or with top_k above global_topk) on the host "
+            f"over the whole vocabulary, false (the default) on the device from the "
+            f"global_topk most likely tokens; fix or remove it."
+        )
+    return value
+
+
+def on_device_refusal(
+    params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK, exact: bool = False
+) -> str | None:
     """Why the on-device sampler cannot serve a request (None: it can). It applies
     temperature, top-k (at most `global_topk`) and top-p only; anything else needs the
-    host sampler and therefore the logits."""
+    host sampler and therefore the logits. A top-k of 0/-1 (the whole vocabulary) or above
+    `global_topk` is clamped to `global_topk` on the device, unless `exact`."""
     checks = (
         (getattr(params, "presence_penalty", 0.0) != 0.0, "presence_penalty"),
         (getattr(params, "frequency_penalty", 0.0) != 0.0, "frequency_penalty"),
@@ -55,11 +87,31 @@ def on_device_refusal(params: Any, global_topk: int = DEFAULT_GLOBAL_TOPK) -> st
         if refused:
             return f"{name} needs the host sampler"
     greedy = params.temperature < SAMPLING_EPS
-    if not greedy and not 0 < params.top_k <= global_topk:
+    if exact and not greedy and not 0 < params.top_k <= global_topk:
         return (
-            f"top_k={params.top_k} samples beyond the on-device sampler's global_topk={global_topk}"
+            f"top_k={params.top_k} samples beyond the on-device sampler's "
+            f"global_topk={global_topk} and {EXACT_SAMPLING_KEY} is on"
         )
     return None
+
+
+def sampling_summary(on_device: bool, global_topk: int, exact: bool) -> str:
+    """What the sampling settings mean for a request (the start-up log line)."""
+    if not on_device:
+        return "on-device sampling off: every request is sampled on the host from its logits"
+    if exact:
+        return (
+            f"on-device sampling with {EXACT_SAMPLING_KEY}: requests without top_k (or "
+            f"with top_k > global_topk={global_topk}) are sampled exactly on the host over "
+            f"the whole vocabulary, their logits leaving the device every step"
+        )
+    return (
+        f"on-device sampling: a request without top_k (or with top_k > "
+        f"global_topk={global_topk}) samples from its {global_topk} most likely tokens, as "
+        f"in vllm-neuron (the README's Sampling section gives the distance from exact "
+        f"sampling); --additional-config '{{\"{EXACT_SAMPLING_KEY}\": true}}' samples "
+        f"them exactly on the host"
+    )
 
 
 @dataclass(frozen=True)
@@ -93,12 +145,15 @@ class SamplingInputs:
         top_p: np.ndarray,
         needs_logits: np.ndarray,
         uniform: np.ndarray,
+        global_topk: int = DEFAULT_GLOBAL_TOPK,
     ) -> SamplingInputs:
-        """Encode vLLM's per-row values (temperature 0 = greedy; top_k >= vocab = off)
-        as the device sampler takes them."""
+        """Encode vLLM's per-row values (temperature 0 = greedy; top_k 0, -1 or >= vocab
+        = off) as the device sampler takes them: a sampled row's top-k outside
+        (0, global_topk] becomes `global_topk`."""
         sampled = (temperature >= SAMPLING_EPS) & ~needs_logits
+        clamped = np.where((top_k <= 0) | (top_k > global_topk), global_topk, top_k)
         return cls(
-            top_k=np.where(sampled, top_k, 1).astype(np.int32),
+            top_k=np.where(sampled, clamped, 1).astype(np.int32),
             top_p=np.where(sampled, top_p, 1.0).astype(np.float32),
             temperature=np.where(sampled, temperature, 1.0).astype(np.float32),
             uniform=uniform.astype(np.float32, copy=False),

@@ -47,7 +47,7 @@ from neuron_plugin.core.override_checks import (
     refuse_what_cannot_work,
     reject_unsupported,
 )
-from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV
+from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.vllm_flags import WORKER_CLS
 
 # The names callers import from here, wherever they are defined.
@@ -163,6 +163,7 @@ def resolve_settings(
     architecture: str,
     backend_python: str | None = None,
     on_device_sampling_disabled: str | None = None,
+    exact_sampling: object = None,
     environ: Mapping[str, str] | None = None,
     nxdi_version: str | None = None,
     visible_cores: Sequence[int] | None = None,
@@ -175,7 +176,7 @@ def resolve_settings(
     backend runs, None when unknown; `visible_cores` are the NeuronCore ids this host
     lets the engines use (`cores_source` says where they come from), None where none
     are visible; `budget` is the device memory an engine has for KV cache, None when
-    unknown."""
+    unknown; `exact_sampling` is `additional_config.exact_sampling` as given."""
     override = dict(override or {})
     if backend not in BACKENDS:
         raise NeuronConfigError(
@@ -227,6 +228,7 @@ def resolve_settings(
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
     on_device, global_topk = resolve_on_device_sampling(override, on_device_sampling_disabled)
+    exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
         ()
@@ -270,12 +272,15 @@ def resolve_settings(
         dp_degree=limits.dp_degree,
         rank_cores=rank_cores,
         max_num_seqs_reason=max_num_seqs_reason,
+        exact_sampling=exact,
     )
 
 
 def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
     """What vLLM's scheduler must know of the resolved settings: the KV geometry the
-    graphs are compiled for, synchronous steps, and the Neuron worker."""
+    graphs are compiled for, synchronous steps where every step needs its logits on the
+    host (on-device sampling off; otherwise vLLM's async scheduling stays as vLLM
+    resolved it: on unless --no-async-scheduling), and the Neuron worker."""
     if settings.is_block_layout:
         block_reason = (
             f"block KV layout ({settings.kv_layout_reason}); "
@@ -296,15 +301,19 @@ def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
             f"compiled for (NxDI pa_num_blocks, including vLLM's null block)",
         ),
         EngineUpdate(
-            "scheduler_config",
-            "async_scheduling",
-            False,
-            "host sampling needs each step's logits before the next step",
-        ),
-        EngineUpdate(
             "parallel_config", "worker_cls", WORKER_CLS, "the Neuron worker drives the backend"
         ),
     ]
+    if not settings.on_device_sampling:
+        updates.append(
+            EngineUpdate(
+                "scheduler_config",
+                "async_scheduling",
+                False,
+                "on-device sampling is off: every step's logits are sampled on the host "
+                "before the next step can be scheduled",
+            )
+        )
     if settings.tp_degree > 1:
         updates.append(
             EngineUpdate(

@@ -5,7 +5,7 @@ NxDI's `Sampler._multinomial_sample` (0.7 to 0.9 alike; 0.9 ef2731e sampling.py 
 probability crosses top_p is dropped. vLLM's sampler (and OpenAI's definition) keeps the
 smallest set whose probability reaches top_p, so it keeps that token; a request with the
 same parameters would sample from a different nucleus on the device than on the host (a
-top_p of 0.9 over probabilities 0.5/0.3/0.2 keeps two tokens in vLLM and one in NxDI). The
+top_p of 0.7 over probabilities 0.5/0.3/0.2 keeps two tokens in vLLM and one in NxDI). The
 fix cuts where the probability *before* a token already reaches top_p, as vLLM does, and
 is otherwise NxDI's method: top-k of the global top-k, temperature, softmax, NxDI's
 cumsum and multinomial draw. It is compiled into the graphs (the compile-cache key lists

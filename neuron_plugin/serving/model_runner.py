@@ -10,12 +10,20 @@ within global_topk and top-p come back from the backend as token ids; anything e
 (logprobs, penalties, min-p, logit bias, a grammar, a seed, ...) brings its row's logits
 back and is sampled by vLLM's own `Sampler`, so every option vLLM implements works
 unchanged. A step whose rows are all device-sampled never builds a logits batch nor runs
-the Sampler. In a mixed step the Sampler runs over the whole batch (its metadata, logits
-processors and grammar bitmasks are indexed by batch row) with each device row's logits
-replaced by a one-hot row of its device token and its metadata made greedy, so it returns
-that token and the Sampler's cost follows the host rows' options alone (a
-whole-vocabulary sort only when one of them uses top-k/top-p). With on-device sampling
-off, every row's logits go through the Sampler.
+the Sampler. In a mixed step the Sampler runs over the host rows alone
+(`serving.host_sampling`: a persistent vLLM `InputBatch` of the host-sampled requests,
+with their own metadata, logits processors and grammar bitmask rows); device rows never
+enter it, and the results are merged back in row order. With on-device sampling off,
+every row is a host row.
+
+Async scheduling (vLLM 0.32's contract, on with on-device sampling): `sample_tokens`
+returns a promise (`steps.AsyncStepOutput`) and the step's last backend call is only
+submitted; the step completes (the call collected, its host rows sampled, its tokens
+appended to the batch, its output built) when vLLM asks for the output or at the start
+of the next `execute_model`, whichever comes first, once, under a lock (vLLM's
+multiprocess executor reads outputs from another thread). So the engine schedules step
+N+1 and processes step N-1's output while the backend computes step N, and the batch
+never holds placeholder tokens: step N's are real before step N+1's state updates.
 
 Request bookkeeping follows vLLM's GPU runner contract (`InputBatch`,
 `CachedRequestState`); the sequence slot of a request in the contiguous layout is its
@@ -25,7 +33,7 @@ on finish, abort and preemption without a second allocator that could drift.
 
 from __future__ import annotations
 
-import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,11 +44,12 @@ from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
-from vllm.v1.sample.logits_processor import build_logitsprocs
-from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+)
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from neuron_plugin import plugin_logger
@@ -50,23 +59,13 @@ from neuron_plugin.core.inputs import (
     context_encoding_inputs,
     token_generation_inputs,
 )
-from neuron_plugin.core.sampling import SAMPLING_EPS, SamplingInputs, on_device_refusal
+from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
+from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
 
 logger = plugin_logger(__name__)
-
-
-@dataclass
-class _PendingStep:
-    """What execute_model computed, waiting for sample_tokens (rows: batch order)."""
-
-    scheduler_output: SchedulerOutput
-    samples: np.ndarray  # bool: does this row produce a token now
-    host: np.ndarray  # bool: vLLM's Sampler samples this row from `logits`
-    logits: torch.Tensor  # [rows, vocab] float32 when any row is `host`, else [0, vocab]
-    sampling: SamplingInputs | None  # with on-device sampling
-    tokens: np.ndarray  # int32: the device's token (unused without on-device sampling)
 
 
 @dataclass
@@ -88,8 +87,12 @@ class NeuronModelRunner:
         settings: NeuronSettings,
         backend: LoadedBackend,
         observers: Sequence[StepObserver] = (),
+        async_scheduling: bool = False,
     ):
         self.vllm_config = vllm_config
+        # vLLM's async scheduling contract: sample_tokens returns a promise, and the
+        # step's last backend call runs while the engine schedules the next step.
+        self.async_scheduling = async_scheduling
         self.settings = settings
         self.backend = backend
         self.observers = tuple(observers)
@@ -106,17 +109,16 @@ class NeuronModelRunner:
             vocab_size=self.vocab_size,
             block_sizes=[settings.block_size],
             max_num_blocks_per_req=[settings.max_blocks_per_seq],
-            logitsprocs=build_logitsprocs(vllm_config, device, False, False, ()),
-            is_pooling_model=False,
+            is_pooling_model=False,  # no logits processors: the host batch has them
         )
-        self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
+        self.host = HostSampler(vllm_config, settings, self.vocab_size)
         # Per request: why the host samples it (None: the device does).
         self._refusals: dict[str, str | None] = {}
         # The device rows' draws: one engine-wide stream, seeded like vLLM's.
         self._draws = np.random.default_rng(model_config.seed)
-        self._pending: _PendingStep | None = None
-        self._step_start = 0.0
-        self._step_forward_s = 0.0
+        self._pending: PendingStep | None = None  # executed, not yet sampled
+        self._in_flight: PendingStep | None = None  # sampled, not yet complete
+        self._complete_lock = threading.Lock()
         self._timelines: dict[str, _Timeline] = {}
 
     # -- KV cache spec -------------------------------------------------------------
@@ -138,7 +140,9 @@ class NeuronModelRunner:
     def _new_state(self, data) -> CachedRequestState:
         params = data.sampling_params
         if self.settings.on_device_sampling:
-            self._refusals[data.req_id] = on_device_refusal(params, self.settings.global_topk)
+            self._refusals[data.req_id] = on_device_refusal(
+                params, self.settings.global_topk, self.settings.exact_sampling
+            )
         generator = None
         if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
             generator = torch.Generator(device="cpu")
@@ -160,14 +164,16 @@ class NeuronModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             state = self.requests.pop(req_id, None)
-            self._refusals.pop(req_id, None)
             batch.remove_request(req_id)
+            self.host.remove(req_id)
+            self._refusals.pop(req_id, None)
             if state is not None:
                 self._finish(state)
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         scheduled = so.num_scheduled_tokens.keys()
         for req_id in batch.req_id_to_index.keys() - (scheduled - resumed):
             batch.remove_request(req_id)
+            self.host.remove(req_id)
 
         to_add: list[CachedRequestState] = []
         for data in so.scheduled_new_reqs:
@@ -191,6 +197,13 @@ class NeuronModelRunner:
                     ids.extend(extra)
             index = batch.req_id_to_index.get(req_id)
             if index is None:
+                # Back after a preemption or a step unscheduled: the scheduler's tokens
+                # are the truth (under async scheduling it may have dropped a token
+                # this runner sampled for a step in flight when it preempted).
+                known = cached.all_token_ids.get(req_id)
+                num_output = cached.num_output_tokens[i]
+                if known is not None and num_output > 0:
+                    state.output_token_ids[:] = known[-num_output:]
                 to_add.append(state)
                 continue
             batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
@@ -199,8 +212,14 @@ class NeuronModelRunner:
                 batch.block_table.append_row(new_blocks, index)
         for state in to_add:
             batch.add_request(state)
+            if self._host_sampled(state.req_id):
+                self.host.add(state)
         batch.condense()
         batch.refresh_metadata()
+        self.host.refresh()
+
+    def _host_sampled(self, req_id: str) -> bool:
+        return not self.settings.on_device_sampling or self._refusals[req_id] is not None
 
     def _finish(self, state: CachedRequestState) -> None:
         timeline = self._timelines.pop(state.req_id, None)
@@ -228,56 +247,107 @@ class NeuronModelRunner:
         return state.block_ids[0][0] - 1
 
     def _run(
-        self, inputs: ForwardInputs, rows: np.ndarray, step: _PendingStep, host_start: float
+        self,
+        inputs: ForwardInputs,
+        rows: np.ndarray,
+        step: PendingStep,
+        host_start: float,
+        last: bool,
     ) -> None:
         """One backend call for batch rows `rows`: their tokens and needed logits into
-        `step`."""
+        `step`. With async scheduling the step's `last` call is only submitted: the
+        backend computes it while the engine schedules the next step, and
+        `_complete` collects it."""
         forward_start = time.perf_counter()
         if step.sampling is None:
             logits = self.backend.forward(inputs)
             forward_s = time.perf_counter() - forward_start
-            host = rows
+            step.backend_s += forward_s
+            self._take(step, rows, rows, None, logits)
         else:
             sampling = step.sampling.take(rows)
+            if last and self.async_scheduling:
+                self.backend.submit(inputs, sampling)
+                submit_s = time.perf_counter() - forward_start
+                step.backend_s += submit_s
+                step.in_flight = BackendCall(
+                    inputs, rows, sampling, forward_start - host_start, submit_s
+                )
+                return
             out = self.backend.run(inputs, sampling)
             forward_s = time.perf_counter() - forward_start
-            step.tokens[rows] = out.tokens
-            host, logits = rows[sampling.needs_logits], out.logits
-        self._step_forward_s += forward_s
-        if host.size:
-            step.logits[torch.from_numpy(host)] = logits
+            step.backend_s += forward_s
+            self._take(step, rows, rows[sampling.needs_logits], out.tokens, out.logits)
         for observer in self.observers:
             observer.on_backend_call(inputs, forward_s, forward_start - host_start)
 
-    def _new_step(self, so: SchedulerOutput, samples: np.ndarray) -> _PendingStep:
-        """Which rows the host samples, and the device rows' sampling values."""
+    def _collect(self, step: PendingStep) -> None:
+        """The answer of the step's submitted call (waiting for the backend if need be).
+        Its forward time is the backend's own where the backend reports it (a runner),
+        else the call's own wall time (in this process `submit` computes it)."""
+        call, step.in_flight = step.in_flight, None
+        if call is None:
+            return
+        waited = time.perf_counter()
+        out = self.backend.collect()
+        waited = time.perf_counter() - waited
+        step.backend_s += waited
+        rows = call.rows
+        self._take(step, rows, rows[call.sampling.needs_logits], out.tokens, out.logits)
+        forward_s = out.backend_s if out.backend_s is not None else call.submit_s + waited
+        for observer in self.observers:
+            observer.on_backend_call(call.inputs, forward_s, call.host_s)
+
+    @staticmethod
+    def _take(
+        step: PendingStep,
+        rows: np.ndarray,
+        host: np.ndarray,
+        tokens: np.ndarray | None,
+        logits: torch.Tensor,
+    ) -> None:
+        """A call's device tokens (for `rows`) and host rows' logits into the step (the
+        logits may be a view the next call overwrites: copied now)."""
+        if tokens is not None:
+            step.tokens[rows] = tokens
+        if host.size:
+            # numpy's copy: torch's threads cost more than a few rows' copy
+            step.logits.numpy()[step.host_pos[host]] = logits.numpy()
+
+    def _new_step(self, so: SchedulerOutput, samples: np.ndarray) -> PendingStep:
+        """Which rows the host samples (and where they sit in the host batch), and the
+        device rows' sampling values."""
         batch = self.input_batch
         n = batch.num_reqs
-        if not self.settings.on_device_sampling:
-            return _PendingStep(
-                so,
-                samples,
-                np.ones(n, dtype=bool),
-                torch.empty((n, self.vocab_size), dtype=torch.float32),
-                None,
-                np.zeros(n, dtype=np.int32),
+        req_ids = batch.req_ids
+        host = np.fromiter((self._host_sampled(r) for r in req_ids), dtype=bool, count=n)
+        host_pos = np.full(n, -1, dtype=np.int64)
+        rows = np.flatnonzero(host)
+        host_pos[rows] = self.host.rows_of([req_ids[i] for i in rows])
+        if rows.size != self.host.num_rows:  # the two batches are updated together
+            raise RuntimeError(
+                f"the host-sampled batch holds {self.host.num_rows} requests, the step "
+                f"{rows.size}: report this with the engine log"
             )
-        host = np.fromiter(
-            (self._refusals[r] is not None for r in batch.req_ids), dtype=bool, count=n
-        )
+        logits = torch.empty((rows.size, self.vocab_size), dtype=torch.float32)
+        tokens = np.zeros(n, dtype=np.int32)
+        if not self.settings.on_device_sampling:
+            return PendingStep(so, samples, host, host_pos, logits, None, tokens)
         sampling = SamplingInputs.for_rows(
             batch.temperature_cpu[:n],
             batch.top_k_cpu[:n],
             batch.top_p_cpu[:n],
             host,
             self._draws.random(n, dtype=np.float32),
+            self.settings.global_topk,
         )
-        logits = torch.empty((n if host.any() else 0, self.vocab_size), dtype=torch.float32)
-        return _PendingStep(so, samples, host, logits, sampling, np.zeros(n, dtype=np.int32))
+        return PendingStep(so, samples, host, host_pos, logits, sampling, tokens)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        self._step_start = time.perf_counter()
-        self._step_forward_s = 0.0
+        # The previous step's tokens first: this step's inputs and the scheduler's view
+        # of each request (update_states) build on them.
+        self._complete_in_flight()
+        started = time.perf_counter()
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -290,6 +360,7 @@ class NeuronModelRunner:
         samples = computed + scheduled >= total
         decoding = (scheduled == 1) & (computed > 0)
         step = self._new_step(so, samples)
+        prefills = np.flatnonzero(~decoding)
 
         # The decode batch runs first: its pad rows write into the cache lines of the
         # seq_ids it lacks, which must not yet hold a request prefilled in this step (a
@@ -309,9 +380,9 @@ class NeuronModelRunner:
                 ),
                 [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
             )
-            self._run(inputs, rows, step, host_start)
+            self._run(inputs, rows, step, host_start, last=not prefills.size)
 
-        for index in np.flatnonzero(~decoding):
+        for n, index in enumerate(prefills, start=1):
             host_start = time.perf_counter()
             state = self.requests[req_ids[index]]
             start, count = int(computed[index]), int(scheduled[index])
@@ -322,70 +393,74 @@ class NeuronModelRunner:
                 self._seq_id(state, int(index)),
                 state.block_ids[0],
             )
-            self._run(inputs, np.array([index]), step, host_start)
+            self._run(inputs, np.array([index]), step, host_start, last=n == prefills.size)
             if state.req_id not in self._timelines:
                 self._timelines[state.req_id] = _Timeline(host_start, start, list(inputs.bucket))
 
+        step.active_s += time.perf_counter() - started
         self._pending = step
         return None
 
-    def _host_sample(
-        self, pending: _PendingStep, grammar_output: GrammarOutput | None
-    ) -> tuple[list[int], LogprobsTensors | None]:
-        """vLLM's Sampler over the whole batch; device rows return their device token."""
-        batch = self.input_batch
-        logits = pending.logits
-        metadata = batch.sampling_metadata
-        if not pending.host.all():
-            device = torch.from_numpy(np.flatnonzero(~pending.host))
-            logits[device] = float("-inf")
-            logits[device, torch.from_numpy(pending.tokens)[device].long()] = 0.0
-            metadata = self._greedy_device_rows(metadata, pending.host)
-        if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, logits)
-        # A seeded request whose prefill is still partial must not consume a draw.
-        kept = {i: g.get_state() for i, g in batch.generators.items() if not pending.samples[i]}
-        sampler_output = self.sampler(logits, metadata)
-        for index, state in kept.items():
-            batch.generators[index].set_state(state)
-        return (sampler_output.sampled_token_ids[:, 0].tolist(), sampler_output.logprobs_tensors)
-
-    def _greedy_device_rows(self, metadata: SamplingMetadata, host: np.ndarray) -> SamplingMetadata:
-        """The batch's metadata with the device rows greedy and without top-k/top-p (see
-        the module docstring); the host rows' values are untouched."""
-        if metadata.all_greedy or metadata.temperature is None:
-            return metadata
-        keep = torch.from_numpy(host)
-        temperature = torch.where(keep, metadata.temperature, 0.0)
-        random = bool((temperature >= SAMPLING_EPS).any())
-
-        def host_only(values: torch.Tensor | None, off: float) -> torch.Tensor | None:
-            if values is None:
-                return None
-            values = torch.where(keep, values, off)
-            return values if bool((values != off).any()) else None
-
-        return dataclasses.replace(
-            metadata,
-            temperature=temperature if random else None,
-            all_greedy=not random,
-            all_random=False,
-            top_p=host_only(metadata.top_p, 1.0),
-            top_k=host_only(metadata.top_k, self.vocab_size),
+    def _host_sample(self, step: PendingStep) -> LogprobsLists | None:
+        """vLLM's Sampler over the host rows alone: their tokens into `step.tokens`,
+        their logprobs in the step's row order."""
+        rows = np.flatnonzero(step.host)
+        host_rows = step.host_pos[rows]
+        samples = np.zeros(self.host.num_rows, dtype=bool)
+        samples[host_rows] = step.samples[rows]
+        tokens, logprobs = self.host.sample(
+            step.logits, samples, step.scheduler_output, step.grammar_output
         )
+        step.tokens[rows] = tokens[host_rows]
+        if logprobs is None:
+            return None
+        return logprobs_in_step_order(logprobs, host_rows, step.host)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Without async scheduling, the step's tokens. With it, their promise: the
+        step completes (the backend's answer collected, the host rows sampled) when vLLM
+        asks for the output or when the next step starts, whichever comes first; the
+        engine schedules the next step meanwhile."""
+        step, self._pending = self._pending, None
+        if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        batch = self.input_batch
-        if not pending.host.any():  # every row sampled on the device
-            sampled, logprobs = pending.tokens.tolist(), None
-        else:
-            sampled, logprobs = self._host_sample(pending, grammar_output)
+        step.grammar_output = grammar_output
+        if not self.async_scheduling:
+            return self._complete(step)
+        self._in_flight = step
+        return AsyncStepOutput(self._complete, step)
+
+    def _complete_in_flight(self) -> None:
+        step = self._in_flight
+        if step is not None:
+            self._complete(step)
+
+    def _complete(self, step: PendingStep) -> ModelRunnerOutput:
+        """Collect the step's backend answer, sample its host rows, append every row's
+        token to the batch and build vLLM's output; once (vLLM may ask from its output
+        thread while the next step starts)."""
+        with self._complete_lock:
+            if step.output is not None:
+                return step.output
+            started = time.perf_counter()
+            self._collect(step)
+            logprobs = self._host_sample(step) if step.host.any() else None
+            step.output = self._output(step, logprobs)
+            if self._in_flight is step:
+                self._in_flight = None
+            step.active_s += time.perf_counter() - started
+            for observer in self.observers:
+                observer.on_step(step.active_s - step.backend_s)
+            return step.output
+
+    def _output(self, step: PendingStep, logprobs: LogprobsLists | None) -> ModelRunnerOutput:
+        batch = self.input_batch  # still this step's: the next step has not started
+        sampled = step.tokens.tolist()
         tokens: list[list[int]] = []
         for index, req_id in enumerate(batch.req_ids):
-            if not pending.samples[index]:
+            if not step.samples[index]:
                 tokens.append([])
                 continue
             token = sampled[index]
@@ -398,13 +473,9 @@ class NeuronModelRunner:
             timeline = self._timelines.get(req_id)
             if timeline is not None and timeline.first_token is None:
                 timeline.first_token = time.perf_counter()
-        output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=tokens,
-            logprobs=logprobs.tolists() if logprobs is not None else None,
+            logprobs=logprobs,
         )
-        host_s = time.perf_counter() - self._step_start - self._step_forward_s
-        for observer in self.observers:
-            observer.on_step(host_s)
-        return output

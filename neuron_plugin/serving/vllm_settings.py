@@ -30,6 +30,7 @@ from neuron_plugin.core.instances import (
 )
 from neuron_plugin.core.memory import SequenceBudget, checkpoint_parameters, sequence_budget
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
+from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
 from neuron_plugin.core.settings import (
     EngineLimits,
     NeuronConfigError,
@@ -58,6 +59,7 @@ ADDITIONAL_CONFIG_KEYS = (
     OVERRIDE_KEY,
     OVERRIDE_ALIAS,
     BACKEND_PYTHON_KEY,
+    EXACT_SAMPLING_KEY,
     SETTINGS_KEY,
     TELEMETRY_DIR_KEY,
 )
@@ -174,8 +176,10 @@ def additional_config(vllm_config: Any) -> dict[str, Any]:
     if unknown:
         raise NeuronConfigError(
             f"--additional-config has unknown key(s) {', '.join(map(repr, unknown))}; the "
-            f"Neuron platform reads {OVERRIDE_KEY!r} (NxDI settings) and "
-            f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter): fix or remove them."
+            f"Neuron platform reads {OVERRIDE_KEY!r} (NxDI settings), "
+            f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter) and "
+            f"{EXACT_SAMPLING_KEY!r} (true: sample requests without top_k on the host): "
+            f"fix or remove them."
         )
     return additional
 
@@ -243,6 +247,7 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
         architecture=architecture,
         backend_python=python,
         on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
+        exact_sampling=additional_config(vllm_config).get(EXACT_SAMPLING_KEY),
         environ=vllm_neuron_environment(),
         # A runner's NxDI lives in its own environment: unknown here.
         nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),

@@ -25,7 +25,7 @@ from vllm.config.model import get_served_model_name
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_plugin import plugin_logger
@@ -101,9 +101,22 @@ class NeuronWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         started = time.perf_counter()
         self.backend = open_backend(self.settings, self.model_config.model)
+        async_scheduling = bool(self.vllm_config.scheduler_config.async_scheduling)
         self.model_runner = NeuronModelRunner(
-            self.vllm_config, self.settings, self.backend, self.observers
+            self.vllm_config, self.settings, self.backend, self.observers, async_scheduling
         )
+        if not async_scheduling:
+            logger.info("async scheduling off: each step completes before the next starts")
+        elif self.settings.backend_python:
+            logger.info(
+                "async scheduling on: the engine schedules step N+1 while the backend "
+                "runner process computes step N"
+            )
+        else:
+            logger.info(
+                "async scheduling on, with the backend in this process: its forward "
+                "does not overlap the engine's host work (a runner process's does)"
+            )
         self.load_seconds = time.perf_counter() - started
 
     def _runner(self) -> NeuronModelRunner:
@@ -148,7 +161,9 @@ class NeuronWorker(WorkerBase):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self._runner().execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
     def take_draft_token_ids(self) -> None:

@@ -159,8 +159,15 @@ def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str
         )
     if settings.on_device_sampling:
         notes.append(
-            "on-device sampling serves requests that use only temperature, "
-            "top_k (up to global_topk) and top_p; others are sampled on the host."
+            "on-device sampling serves requests that use only temperature, top_k and "
+            "top_p; others are sampled on the host. "
+            + (
+                "A top_k of 0 or above global_topk is sampled on the host too (exact_sampling)."
+                if settings.exact_sampling
+                else f"A top_k of 0 or above global_topk samples from the "
+                f"{settings.global_topk} most likely tokens (exact_sampling=true: on the "
+                f"host, over the whole vocabulary)."
+            )
         )
     return notes
 

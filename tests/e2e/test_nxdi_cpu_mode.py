@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from tests.e2e.support import Server, corpus_token_ids
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.nxdi]
 
 NXDI_PYTHON_ENV = "NEURON_TEST_NXDI_PYTHON"
 NEW_TOKENS = 12

@@ -31,12 +31,21 @@ def test_contiguous_layout_shapes_the_scheduler(model_dirs, plugin_log):
     assert config.cache_config.block_size == 512
     assert config.scheduler_config.max_num_batched_tokens >= 512  # whole prompts per step
     assert config.cache_config.num_gpu_blocks_override == 5  # 4 slots + null block
-    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is True  # on-device sampling is on
     settings = settings_of(config)
     assert settings.kv_layout == "contiguous"
     logged = "\n".join(plugin_log)
     assert "num_gpu_blocks_override None -> 5" in logged
     assert "block_size" in logged and "contiguous KV layout: one block per sequence" in logged
+
+
+def test_async_scheduling_is_off_where_every_step_needs_its_logits(model_dirs, plugin_log):
+    override = {"override_neuron_config": {"on_device_sampling_config": None}}
+    assert engine_config(model_dirs, additional_config=override).scheduler_config\
+        .async_scheduling is False
+    assert "async_scheduling True -> False (on-device sampling is off" in "\n".join(plugin_log)
+    assert engine_config(model_dirs, async_scheduling=False).scheduler_config\
+        .async_scheduling is False  # --no-async-scheduling is kept
 
 
 def test_prefix_caching_switches_to_block_layout(model_dirs):

@@ -27,6 +27,7 @@ import torch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
+    InlineCalls,
     Progress,
     StepOutput,
     artifact_record,
@@ -78,7 +79,7 @@ def _target(on_cpu: bool) -> dict[str, Any]:
     return {"device": "neuron", "platform": target, "lnc": lnc()}
 
 
-class NxDBackend:
+class NxDBackend(InlineCalls):
     """See the module docstring."""
 
     name = "nxd"

@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
     GraphSpec,
+    InlineCalls,
     Progress,
     StepOutput,
     artifact_record,
@@ -35,16 +37,15 @@ from neuron_plugin.backends.reference.decoder import (
     DecoderGraph,
     DecoderSpec,
     load_weights,
-    rope_inv_freq,
-    weight_names,
+    rope_tables,
+    weight_shapes,
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
-from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, PAD_SEQ_ID, ForwardInputs
 from neuron_plugin.core.sampling import SamplingInputs
-from neuron_plugin import plugin_logger
+from neuron_plugin.core.settings import NeuronSettings
 
 logger = plugin_logger(__name__)
 
@@ -60,7 +61,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-class ReferenceBackend:
+class ReferenceBackend(InlineCalls):
     """See the module docstring."""
 
     name = "reference"
@@ -71,13 +72,14 @@ class ReferenceBackend:
         self.hf_config = read_hf_config(model_dir)
         self.spec = DecoderSpec.from_hf_config(self.hf_config)
         self.dtype = torch_dtype(settings.dtype)
-        inv_freq, scaling = rope_inv_freq(self.hf_config, self.spec.head_dim)
-        candidates = (min(settings.global_topk, self.spec.vocab_size)
-                      if settings.on_device_sampling else None)
-        self.module = DecoderGraph(self.spec, inv_freq, scaling, candidates)
+        candidates = (
+            min(settings.global_topk, self.spec.vocab_size) if settings.on_device_sampling else None
+        )
+        self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec), candidates)
         self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
-        self.k_cache = self.v_cache = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -92,13 +94,16 @@ class ReferenceBackend:
         return 0 if s.is_block_layout else s.max_num_seqs * s.max_model_len
 
     def _record(self) -> dict[str, Any]:
-        return artifact_record(self.settings, {
-            "architecture": self.spec.architecture,
-            "dtype": self.settings.dtype,
-            "kv_slots": self.num_slots,
-            "torch": torch.__version__,
-            "graph_format": GRAPH_FORMAT,
-        })
+        return artifact_record(
+            self.settings,
+            {
+                "architecture": self.spec.architecture,
+                "dtype": self.settings.dtype,
+                "kv_slots": self.num_slots,
+                "torch": torch.__version__,
+                "graph_format": GRAPH_FORMAT,
+            },
+        )
 
     def cache_manifest_fields(self) -> dict[str, Any]:
         return {
@@ -122,18 +127,35 @@ class ReferenceBackend:
         else:
             batch, active, width = graph.shape[0], 1, graph.shape[1]
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64)  # noqa: E731
-        cache = torch.zeros(self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
-                            self.spec.head_dim, dtype=self.dtype)
-        sampling = (() if self.module.candidates is None
-                    else _sampling_tensors(SamplingInputs.greedy(batch)))
-        return (weights, zeros(batch, active), zeros(batch, active), zeros(batch, active),
-                zeros(batch, width), zeros(batch), zeros(batch), cache, cache.clone(),
-                *sampling)
+        cache = torch.zeros(
+            self.spec.num_layers,
+            self.num_slots,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            dtype=self.dtype,
+        )
+        sampling = (
+            ()
+            if self.module.candidates is None
+            else _sampling_tensors(SamplingInputs.greedy(batch))
+        )
+        return (
+            weights,
+            zeros(batch, active),
+            zeros(batch, active),
+            zeros(batch, active),
+            zeros(batch, width),
+            zeros(batch),
+            zeros(batch),
+            cache,
+            cache.clone(),
+            *sampling,
+        )
 
     def _weight_placeholders(self) -> list[torch.Tensor]:
         """Shapes from the safetensors headers: compiling needs no weight data."""
         shapes = safetensors_shapes(self.model_dir)
-        return [torch.zeros(shapes[n], dtype=self.dtype) for n in weight_names(self.spec)]
+        return [torch.zeros(shape, dtype=self.dtype) for shape in weight_shapes(self.spec, shapes)]
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         folder = Path(folder)
@@ -149,28 +171,32 @@ class ReferenceBackend:
     def load(self, folder: Path) -> None:
         folder = Path(folder)
         check_artifact_record(folder, self._record())
-        self.graphs = {(g.phase, g.shape): load_graph(folder / "graphs", g.name)
-                       for g in graph_specs(self.settings)}
+        self.graphs = {
+            (g.phase, g.shape): load_graph(folder / "graphs", g.name)
+            for g in graph_specs(self.settings)
+        }
         self.weights = load_weights(self.model_dir, self.spec, self.dtype)
-        shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads,
-                 self.spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype)
+        shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
+        self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
-        logger.info("reference backend: loaded %d graphs from %s; KV cache %s layout, "
-                    "%d slots (%.1f MiB)", len(self.graphs), folder, self.settings.kv_layout,
-                    self.num_slots, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
+        logger.info(
+            "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots (%.1f MiB)",
+            len(self.graphs),
+            folder,
+            self.settings.kv_layout,
+            self.num_slots,
+            2 * k_cache.numel() * k_cache.element_size() / 2**20,
+        )
 
     # -- run -------------------------------------------------------------------------
     def _slots(self, inputs: ForwardInputs) -> tuple[np.ndarray, np.ndarray]:
         """Contract arrays -> (write slots, read slots) for this cache layout."""
         s = self.settings
-        if inputs.phase == CONTEXT_ENCODING:
-            width = sum(inputs.bucket)
-        else:
-            width = inputs.bucket[1]
+        width = sum(inputs.bucket) if inputs.phase == CONTEXT_ENCODING else inputs.bucket[1]
         key_pos = np.arange(width, dtype=np.int64)
         scratch = self._scratch_slot()
         if s.is_block_layout:
+            assert inputs.slot_mapping is not None and inputs.block_table is not None
             write = np.where(inputs.slot_mapping < 0, scratch, inputs.slot_mapping)
             blocks = np.minimum(key_pos // s.block_size, inputs.block_table.shape[1] - 1)
             read = inputs.block_table[:, blocks] * s.block_size + key_pos % s.block_size
@@ -178,8 +204,10 @@ class ReferenceBackend:
         rows = np.where(inputs.seq_ids == PAD_SEQ_ID, s.max_num_seqs, inputs.seq_ids)
         base = (rows * s.max_model_len)[:, None]
         active = inputs.input_ids.shape[1]
-        real = np.arange(active)[None, :] < (inputs.full_context_lens
-                                             - inputs.computed_context_lens)[:, None]
+        real = (
+            np.arange(active)[None, :]
+            < (inputs.full_context_lens - inputs.computed_context_lens)[:, None]
+        )
         write = np.where(real, base + inputs.position_ids, scratch)
         read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
         return write, read
@@ -189,14 +217,25 @@ class ReferenceBackend:
         write, read = self._slots(inputs)
         last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
         t = torch.from_numpy
-        extra = () if sampling is None else _sampling_tensors(
-            sampling.padded(inputs.input_ids.shape[0]))
+        extra = (
+            ()
+            if sampling is None
+            else _sampling_tensors(sampling.padded(inputs.input_ids.shape[0]))
+        )
         graph = self.graphs[(inputs.phase, inputs.bucket)]
         with torch.inference_mode():
-            return graph(self.weights, t(inputs.input_ids), t(inputs.position_ids),
-                         t(np.ascontiguousarray(write)), t(np.ascontiguousarray(read)),
-                         t(inputs.full_context_lens), t(last), self.k_cache, self.v_cache,
-                         *extra)
+            return graph(
+                self.weights,
+                t(inputs.input_ids),
+                t(inputs.position_ids),
+                t(np.ascontiguousarray(write)),
+                t(np.ascontiguousarray(read)),
+                t(inputs.full_context_lens),
+                t(last),
+                self.k_cache,
+                self.v_cache,
+                *extra,
+            )
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         if self.module.candidates is None:
@@ -208,11 +247,15 @@ class ReferenceBackend:
         """Tokens from the compiled sampler; logits only of the rows that need them."""
         logits, tokens = self._call(inputs, sampling)
         wanted = torch.from_numpy(np.flatnonzero(sampling.needs_logits))
-        return StepOutput(tokens=tokens[: inputs.num_real].numpy().astype(np.int32),
-                          logits=logits.index_select(0, wanted))
+        return StepOutput(
+            tokens=tokens[: inputs.num_real].numpy().astype(np.int32),
+            logits=logits.index_select(0, wanted),
+        )
 
 
 def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:
     """The graph's sampling inputs, in its argument order."""
-    return tuple(torch.from_numpy(a) for a in (sampling.top_k, sampling.top_p,
-                                               sampling.temperature, sampling.uniform))
+    return tuple(
+        torch.from_numpy(a)
+        for a in (sampling.top_k, sampling.top_p, sampling.temperature, sampling.uniform)
+    )

@@ -1,18 +1,23 @@
-"""Llama- and Qwen3-family decoders as one fixed-shape function of (weights, inputs, KV cache).
+"""The reference decoders as one fixed-shape function of (weights, inputs, KV cache).
 
 The function is what a bucket's graph computes. Weights are inputs rather than module
 parameters so that compiled graphs do not embed the checkpoint (the compile-cache key then
 depends on the architecture, not on the weights), and the KV cache is an input mutated in
-place, as NxDI's compiled models alias their cache.
+place, as NxDI's compiled models alias their cache. What differs between architectures is
+data (`architectures.ARCHITECTURES`) and the MLP kinds of `mlp`.
 
 Every bucket uses the same signature; only shapes differ:
   input_ids, positions, write_slots: [batch, active]   tokens computed this call
   read_slots:                        [batch, width]    cache slot of key position j
   full_context_lens, last_index:     [batch]
   k_cache, v_cache:                  [layers, slots, kv_heads, head_dim]
-Key position j of row b is visible to a query at position q when j <= q and
-j < full_context_lens[b]; masked scores use the dtype's minimum (not -inf) so fully padded
-rows stay finite and never poison the cache with NaNs.
+Key position j of row b is visible to a query at position q when j <= q,
+j < full_context_lens[b] and, in a layer with a sliding window w, q - j < w (transformers'
+`sliding_window_overlay`: kv_idx > q_idx - sliding_window). Sliding-window layers keep
+the full-length cache line (or block table) and mask the keys outside the window, rather
+than NxDI's rolling window-sized cache: the same attention, a larger cache. Masked scores
+use the dtype's minimum (not -inf) so fully padded rows stay finite and never poison the
+cache with NaNs.
 
 With on-device sampling the graph also takes the call's `SamplingInputs` arrays
 (top_k, top_p, temperature, uniform: [batch]) and returns (logits, tokens): the sampler
@@ -21,113 +26,90 @@ is compiled into every bucket's graph, as NxDI compiles its own (see `sample`).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional
 
+from neuron_plugin.backends.reference.architectures import (
+    FAMILIES,
+    DecoderSpec,
+    UnsupportedModelError,
+    rope_tables,
+)
+from neuron_plugin.backends.reference.mlp import mlp, mlp_weights
 from neuron_plugin.core.checkpoint import safetensors_files
 
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+__all__ = [
+    "FAMILIES",
+    "DecoderGraph",
+    "DecoderSpec",
+    "UnsupportedModelError",
+    "load_weights",
+    "rope_tables",
+    "sample",
+    "weight_names",
+    "weight_shapes",
+]
+
+WeightSources = list[tuple[str, tuple[str, ...]]]
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is outside what the reference backend implements."""
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """The architecture facts the graph needs, read from a checkpoint's config.json."""
-
-    architecture: str
-    family: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.family == "qwen3"
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> DecoderSpec:
-        archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in FAMILIES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"architectures={archs} is not supported by the reference backend "
-                f"(supported: {', '.join(FAMILIES)}); use VLLM_NEURON_BACKEND=nxd on a "
-                f"Neuron host for other models."
-            )
-        heads = config["num_attention_heads"]
-        return cls(
-            architecture=arch,
-            family=FAMILIES[arch],
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config["rms_norm_eps"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-        )
-
-
-def rope_inv_freq(config: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, exactly as transformers computes them."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (theta ** exponents), 1.0
-    if rope_type == "dynamic":
-        raise UnsupportedModelError(
-            "rope_type='dynamic' changes frequencies with the sequence length, which a "
-            "fixed-shape graph cannot follow; use a checkpoint with static RoPE scaling."
-        )
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf_config = AutoConfig.for_model(**config)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
-    return inv_freq.float(), float(scaling)
+def weight_sources(spec: DecoderSpec) -> WeightSources:
+    """The graph's weight inputs in order: (name, checkpoint tensors it is made of; more
+    than one are stacked, see `mlp`)."""
+    arch = spec.arch
+    names = ["model.embed_tokens.weight"]
+    sources: WeightSources = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        names += [p + "input_layernorm.weight"]
+        names += [attn + f"{x}_proj.weight" for x in "qkvo"]
+        names += [attn + f"{x}_proj.bias" for x in spec.biased_projections]
+        if arch.qk_norm:
+            names += [attn + "q_norm.weight", attn + "k_norm.weight"]
+        if arch.sinks:
+            names.append(attn + "sinks")
+        names.append(p + "post_attention_layernorm.weight")
+        if arch.gemma:
+            names += [
+                p + "pre_feedforward_layernorm.weight",
+                p + "post_feedforward_layernorm.weight",
+            ]
+        sources += [(n, (n,)) for n in names] + mlp_weights(spec, i)
+        names = []
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return sources + [(n, (n,)) for n in names]
 
 
 def weight_names(spec: DecoderSpec) -> list[str]:
     """Canonical order of the weight tensors handed to the graph."""
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight",
-                  p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"]
-        if spec.attention_bias:
-            names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
-                      p + "self_attn.v_proj.bias"]
-        if spec.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight",
-                  p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+    return [name for name, _ in weight_sources(spec)]
 
 
-def load_weights(model_dir: str | Path, spec: DecoderSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[int]]:
+    """The graph's weight shapes from the checkpoint's tensor shapes (safetensors
+    headers), in `weight_names` order."""
+    wanted = weight_sources(spec)
+    missing = [n for _, sources in wanted for n in sources if n not in shapes]
+    if missing:
+        raise UnsupportedModelError(
+            f"the checkpoint lacks {len(missing)} tensors the {spec.architecture} graph "
+            f"needs, e.g. {missing[:3]}"
+        )
+    return [
+        [len(sources), *shapes[sources[0]]] if "*" in name else list(shapes[name])
+        for name, sources in wanted
+    ]
+
+
+def load_weights(
+    model_dir: str | Path, spec: DecoderSpec, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The checkpoint's safetensors, in `weight_names` order, in the serving dtype."""
     from safetensors import safe_open
 
@@ -140,23 +122,32 @@ def load_weights(model_dir: str | Path, spec: DecoderSpec, dtype: torch.dtype) -
     found: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 found[name] = f.get_tensor(name)
-    wanted = weight_names(spec)
-    missing = [n for n in wanted if n not in found]
+    wanted = weight_sources(spec)
+    missing = [n for _, sources in wanted for n in sources if n not in found]
     if missing:
         raise UnsupportedModelError(
             f"checkpoint {model_dir} lacks {len(missing)} tensors the "
             f"{spec.architecture} graph needs, e.g. {missing[:3]}"
         )
-    return [found[n].to(dtype).contiguous() for n in wanted]
+    return [
+        (torch.stack([found[n] for n in sources]) if "*" in name else found[name])
+        .to(dtype)
+        .contiguous()
+        for name, sources in wanted
+    ]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
+def rms_norm(kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 with the architecture's weight formula (`Architecture.norm`)."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "rms":
+        return weight * normed.to(x.dtype)
+    if kind == "rms_one_plus":
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (weight * normed).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -164,8 +155,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           temperature: torch.Tensor, uniform: torch.Tensor, candidates: int) -> torch.Tensor:
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def sample(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    temperature: torch.Tensor,
+    uniform: torch.Tensor,
+    candidates: int,
+) -> torch.Tensor:
     """One token per row with vLLM's sampling semantics, as a fixed-shape function.
 
     Rows with top_k 1 take the argmax of the logits (vLLM's greedy). Others keep the
@@ -193,86 +194,150 @@ def sample(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 class DecoderGraph(nn.Module):
     """One decoder step over a fixed-shape bucket (see the module docstring); with
     `candidates` (on-device sampling's global_topk, at most the vocabulary) it samples
-    too."""
+    too. `rope` maps each layer type in use to its (inverse frequencies, attention
+    scaling), see `architectures.rope_tables`."""
 
-    def __init__(self, spec: DecoderSpec, inv_freq: torch.Tensor, attention_scaling: float,
-                 candidates: int | None = None):
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rope: dict[str, tuple[torch.Tensor, float]],
+        candidates: int | None = None,
+    ):
         super().__init__()
         self.spec = spec
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=True)
-        self.attention_scaling = attention_scaling
+        self.names = weight_names(spec)
+        self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
+        for kind, (inv_freq, _) in rope.items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
         self.candidates = candidates
+        # Gemma scales embeddings by sqrt(hidden_size), rounded to the weights' dtype.
+        self.embed_scale = {
+            dtype: float(torch.tensor(spec.hidden_size**0.5).to(dtype))
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        }
 
-    def forward(self, weights: list[torch.Tensor], input_ids: torch.Tensor,
-                positions: torch.Tensor, write_slots: torch.Tensor,
-                read_slots: torch.Tensor, full_context_lens: torch.Tensor,
-                last_index: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, top_k: torch.Tensor | None = None,
-                top_p: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-                uniform: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        weights: list[torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        full_context_lens: torch.Tensor,
+        last_index: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+        temperature: torch.Tensor | None = None,
+        uniform: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
+        w = dict(zip(self.names, weights, strict=True))
         batch, active = input_ids.shape
         width = read_slots.shape[1]
-        groups = s.num_heads // s.num_kv_heads
-        w = iter(weights)
-        embed = next(w)
+        embed = w["model.embed_tokens.weight"]
         x = embed[input_ids]
         dtype = x.dtype
+        if s.arch.gemma:
+            x = x * self.embed_scale[dtype]
 
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(2)
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(2)
+        rope = {}
+        for kind, scaling in self.rope_scaling.items():
+            freqs = positions.unsqueeze(-1).float() * getattr(self, f"inv_freq_{kind}")
+            emb = torch.cat((freqs, freqs), dim=-1)
+            rope[kind] = (
+                (emb.cos() * scaling).to(dtype).unsqueeze(2),
+                (emb.sin() * scaling).to(dtype).unsqueeze(2),
+            )
 
-        key_pos = torch.arange(width, dtype=positions.dtype)
-        visible = (key_pos.view(1, 1, width) <= positions.unsqueeze(-1)) & (
-            key_pos.view(1, 1, width) < full_context_lens.view(batch, 1, 1))
-        visible = visible.view(batch, 1, 1, active, width)
+        key_pos = torch.arange(width, dtype=positions.dtype).view(1, 1, width)
+        query_pos = positions.unsqueeze(-1)
+        causal = (key_pos <= query_pos) & (key_pos < full_context_lens.view(batch, 1, 1))
+        masks = {
+            window: (causal if window is None else causal & (query_pos - key_pos < window)).view(
+                batch, 1, 1, active, width
+            )
+            for window in set(s.windows)
+        }
         flat_write = write_slots.reshape(-1)
-        scale = 1.0 / math.sqrt(s.head_dim)
-        floor = torch.finfo(dtype).min
+        norm = s.arch.norm
 
         for layer in range(s.num_layers):
-            ln_in, wq, wk, wv, wo = (next(w) for _ in range(5))
-            h = _rms_norm(x, ln_in, s.rms_norm_eps)
-            q, k, v = h @ wq.t(), h @ wk.t(), h @ wv.t()
-            if s.attention_bias:
-                q, k, v = q + next(w), k + next(w), v + next(w)
+            p = f"model.layers.{layer}."
+            a = p + "self_attn."
+            h = rms_norm(norm, x, w[p + "input_layernorm.weight"], s.rms_norm_eps)
+            q, k, v = (
+                functional.linear(h, w[f"{a}{n}_proj.weight"], w.get(f"{a}{n}_proj.bias"))
+                for n in "qkv"
+            )
             q = q.view(batch, active, s.num_heads, s.head_dim)
             k = k.view(batch, active, s.num_kv_heads, s.head_dim)
             v = v.view(batch, active, s.num_kv_heads, s.head_dim)
             if s.qk_norm:
-                q = _rms_norm(q, next(w), s.rms_norm_eps)
-                k = _rms_norm(k, next(w), s.rms_norm_eps)
+                q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
+                k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
+            cos, sin = rope[s.rope_kind(layer)]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
 
             layer_idx = torch.full_like(flat_write, layer)
-            k_cache.index_put_((layer_idx, flat_write),
-                               k.reshape(-1, s.num_kv_heads, s.head_dim))
-            v_cache.index_put_((layer_idx, flat_write),
-                               v.reshape(-1, s.num_kv_heads, s.head_dim))
-            keys = k_cache[layer][read_slots]          # [b, width, kv, d]
-            values = v_cache[layer][read_slots]
+            k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
+            v_cache.index_put_((layer_idx, flat_write), v.reshape(-1, s.num_kv_heads, s.head_dim))
+            attn = _attend(
+                s,
+                q,
+                k_cache[layer][read_slots],
+                v_cache[layer][read_slots],
+                masks[s.windows[layer]],
+                w.get(a + "sinks"),
+            )
+            out = functional.linear(attn, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            if s.arch.gemma:  # Gemma normalises the attention output too
+                out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
+            x = x + out
+            pre_mlp = "pre_feedforward_layernorm" if s.arch.gemma else "post_attention_layernorm"
+            h = rms_norm(norm, x, w[f"{p}{pre_mlp}.weight"], s.rms_norm_eps)
+            out = mlp(s, w, layer, h)
+            if s.arch.gemma:
+                out = rms_norm(
+                    norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
+                )
+            x = x + out
 
-            qg = q.view(batch, active, s.num_kv_heads, groups, s.head_dim).permute(0, 2, 3, 1, 4)
-            kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
-            scores = (qg @ kt) * scale                  # [b, kv, g, active, width]
-            scores = scores.masked_fill(~visible, floor)
-            probs = torch.softmax(scores.float(), dim=-1).to(dtype)
-            vg = values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kv, 1, width, d]
-            attn = (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
-            x = x + attn @ wo.t()
-
-            ln_post, gate, up, down = (next(w) for _ in range(4))
-            h = _rms_norm(x, ln_post, s.rms_norm_eps)
-            x = x + (nn.functional.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
-
-        x = _rms_norm(x, next(w), s.rms_norm_eps)
+        x = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
         last = x[torch.arange(batch), last_index]
-        head = embed if s.tie_word_embeddings else next(w)
-        logits = (last @ head.t()).float()
+        head = embed if s.tie_word_embeddings else w["lm_head.weight"]
+        logits = _softcap(last @ head.t(), s.final_softcap).float()
         if self.candidates is None:
             return logits
+        assert top_k is not None and top_p is not None
+        assert temperature is not None and uniform is not None
         return logits, sample(logits, top_k, top_p, temperature, uniform, self.candidates)
+
+
+def _attend(
+    s: DecoderSpec,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Grouped-query attention of q [b, active, heads, d] over keys/values
+    [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
+    logit whose probability is dropped."""
+    batch, active = q.shape[:2]
+    groups = s.num_heads // s.num_kv_heads
+    qg = q.view(batch, active, s.num_kv_heads, groups, s.head_dim).permute(0, 2, 3, 1, 4)
+    kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
+    scores = _softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
+    scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, s.num_kv_heads, groups, 1, 1)
+        scores = torch.cat((scores, sink.expand(batch, -1, -1, active, 1)), dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    vg = values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kv, 1, width, d]
+    return (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)

@@ -40,31 +40,129 @@ FORMAT = "neuron-reference-graph/1"
 # matmuls, views, indexing and in-place cache writes. None reads or writes anything but
 # its tensor arguments (no file, storage or pointer access such as from_file, set_ or
 # as_strided). An op missing here fails the compile with its name, never the load.
-ALLOWED_OPS = frozenset({
-    "_assert_tensor_metadata", "_softmax", "_to_copy", "_unsafe_view", "abs", "add",
-    "addmm", "alias", "amax", "any", "arange", "bitwise_and", "bitwise_not", "bitwise_or",
-    "bmm", "cat", "clamp", "clone", "contiguous", "copy", "copy_", "cos", "cumsum",
-    "detach", "div", "embedding", "empty", "eq", "exp", "expand", "fill_", "flatten",
-    "full", "full_like", "gather", "ge", "gelu", "gt", "index", "index_copy",
-    "index_copy_", "index_put", "index_put_", "index_select", "le", "linear", "log",
-    "log_softmax", "logical_and", "logical_not", "logical_or", "lt", "masked_fill",
-    "masked_fill_", "matmul", "max", "maximum", "mean", "min", "minimum", "mm", "mul",
-    "ne", "neg", "ones", "ones_like", "permute", "pow", "reciprocal", "relu", "repeat",
-    "repeat_interleave", "reshape", "rsqrt", "scaled_dot_product_attention",
-    "scatter", "select", "sigmoid", "silu", "sin", "slice", "softmax", "split", "sqrt",
-    "squeeze", "stack", "sub", "sum", "t", "tanh", "to", "topk", "transpose", "tril", "triu",
-    "type_as", "unbind", "unsqueeze", "view", "where", "zeros", "zeros_like",
-    "__and__", "__or__", "__xor__",
-})
+ALLOWED_OPS = frozenset(
+    {
+        "_assert_tensor_metadata",
+        "_softmax",
+        "_to_copy",
+        "_unsafe_view",
+        "abs",
+        "add",
+        "addmm",
+        "alias",
+        "amax",
+        "any",
+        "arange",
+        "bitwise_and",
+        "bitwise_not",
+        "bitwise_or",
+        "bmm",
+        "cat",
+        "clamp",
+        "clone",
+        "contiguous",
+        "copy",
+        "copy_",
+        "cos",
+        "cumsum",
+        "detach",
+        "div",
+        "embedding",
+        "empty",
+        "eq",
+        "exp",
+        "expand",
+        "fill_",
+        "flatten",
+        "full",
+        "full_like",
+        "gather",
+        "ge",
+        "gelu",
+        "gt",
+        "index",
+        "index_copy",
+        "index_copy_",
+        "index_put",
+        "index_put_",
+        "index_select",
+        "le",
+        "linear",
+        "log",
+        "log_softmax",
+        "logical_and",
+        "logical_not",
+        "logical_or",
+        "lt",
+        "masked_fill",
+        "masked_fill_",
+        "matmul",
+        "max",
+        "maximum",
+        "mean",
+        "min",
+        "minimum",
+        "mm",
+        "mul",
+        "ne",
+        "neg",
+        "ones",
+        "ones_like",
+        "permute",
+        "pow",
+        "reciprocal",
+        "relu",
+        "repeat",
+        "repeat_interleave",
+        "reshape",
+        "rsqrt",
+        "scaled_dot_product_attention",
+        "scatter",
+        "select",
+        "sigmoid",
+        "silu",
+        "sin",
+        "slice",
+        "softmax",
+        "split",
+        "sqrt",
+        "squeeze",
+        "stack",
+        "sub",
+        "sum",
+        "t",
+        "tanh",
+        "to",
+        "topk",
+        "transpose",
+        "tril",
+        "triu",
+        "type_as",
+        "unbind",
+        "unsqueeze",
+        "view",
+        "where",
+        "zeros",
+        "zeros_like",
+        "__and__",
+        "__or__",
+        "__xor__",
+    }
+)
 _GETITEM = "getitem"
 _OP_RE = re.compile(r"aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 _DEVICE_RE = re.compile(r"cpu(:\d+)?")
-_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-           if isinstance(v, torch.dtype)}
-_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-            if isinstance(v, torch.layout)}
-_MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-                   if isinstance(v, torch.memory_format)}
+_DTYPES = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_LAYOUTS = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)
+}
+_MEMORY_FORMATS = {
+    str(v).removeprefix("torch."): v
+    for v in vars(torch).values()
+    if isinstance(v, torch.memory_format)
+}
 
 
 class GraphFileError(ValueError):
@@ -81,7 +179,8 @@ def _op_name(target: Any) -> str:
         raise GraphFileError(
             f"the exported graph calls {name}, which the reference graph format does not "
             "allow; if it reads and writes only its tensor arguments, add its name to "
-            "neuron_plugin.backends.reference.graph_file.ALLOWED_OPS")
+            "neuron_plugin.backends.reference.graph_file.ALLOWED_OPS"
+        )
     return name
 
 
@@ -94,14 +193,19 @@ def _encode(value: Any, index: dict[torch.fx.Node, int]) -> Any:
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, (list, tuple)):
         return [_encode(v, index) for v in value]
-    for kind, cls in (("dtype", torch.dtype), ("layout", torch.layout),
-                      ("memory_format", torch.memory_format)):
+    for kind, cls in (
+        ("dtype", torch.dtype),
+        ("layout", torch.layout),
+        ("memory_format", torch.memory_format),
+    ):
         if isinstance(value, cls):
             return {kind: str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"device": str(value)}
-    raise GraphFileError(f"the exported graph passes {value!r} ({type(value).__name__}), "
-                         "which the reference graph format cannot hold")
+    raise GraphFileError(
+        f"the exported graph passes {value!r} ({type(value).__name__}), "
+        "which the reference graph format cannot hold"
+    )
 
 
 def save_graph(exported: torch.export.ExportedProgram, folder: Path, name: str) -> None:
@@ -113,36 +217,47 @@ def save_graph(exported: torch.export.ExportedProgram, folder: Path, name: str) 
     inputs: list[dict[str, Any]] = []
     user_index: dict[str, int] = {}
     constants: dict[str, torch.Tensor] = {}
-    for node, spec in zip(placeholders, signature.input_specs):
+    for node, spec in zip(placeholders, signature.input_specs, strict=True):
         if spec.kind == InputKind.USER_INPUT:
             user_index[node.name] = len(user_index)
             inputs.append({"user": user_index[node.name]})
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            source = exported.state_dict if spec.target in exported.state_dict \
-                else exported.constants
+            source = (
+                exported.state_dict if spec.target in exported.state_dict else exported.constants
+            )
             constants[spec.target] = source[spec.target].detach().contiguous()
             inputs.append({"tensor": spec.target})
         else:
-            raise GraphFileError(f"input {node.name} of kind {spec.kind.name} cannot be "
-                                 "stored in the reference graph format")
+            raise GraphFileError(
+                f"input {node.name} of kind {spec.kind.name} cannot be "
+                "stored in the reference graph format"
+            )
     nodes = []
     for node in graph.nodes:
         if node.op == "call_function":
             index[node] = len(index)
-            nodes.append({"op": _op_name(node.target), "args": _encode(node.args, index),
-                          "kwargs": _encode_kwargs(node.kwargs, index)})
+            nodes.append(
+                {
+                    "op": _op_name(node.target),
+                    "args": _encode(node.args, index),
+                    "kwargs": _encode_kwargs(node.kwargs, index),
+                }
+            )
         elif node.op not in ("placeholder", "output"):
-            raise GraphFileError(f"the exported graph has a {node.op} node ({node.target}), "
-                                 "which the reference graph format cannot hold")
+            raise GraphFileError(
+                f"the exported graph has a {node.op} node ({node.target}), "
+                "which the reference graph format cannot hold"
+            )
     returned = next(n for n in graph.nodes if n.op == "output").args[0]
     outputs = []
-    for value, spec in zip(returned, signature.output_specs):
+    for value, spec in zip(returned, signature.output_specs, strict=True):
         entry: dict[str, Any] = {"ref": index[value]}
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
             entry["updates"] = user_index[spec.target]
         elif spec.kind != OutputKind.USER_OUTPUT:
-            raise GraphFileError(f"output of kind {spec.kind.name} cannot be stored in the "
-                                 "reference graph format")
+            raise GraphFileError(
+                f"output of kind {spec.kind.name} cannot be stored in the reference graph format"
+            )
         outputs.append(entry)
     document = {"format": FORMAT, "inputs": inputs, "nodes": nodes, "outputs": outputs}
     (folder / f"{name}.json").write_text(json.dumps(document, allow_nan=False))
@@ -156,8 +271,10 @@ def _encode_kwargs(kwargs: dict[str, Any], index: dict[torch.fx.Node, int]) -> d
 
 # -- reading -------------------------------------------------------------------------------
 def _fail(path: Path, problem: str) -> GraphFileError:
-    return GraphFileError(f"{path} is not a valid reference graph: {problem}; recompile "
-                          "(remove the compile-cache entry) with this plugin version")
+    return GraphFileError(
+        f"{path} is not a valid reference graph: {problem}; recompile "
+        "(remove the compile-cache entry) with this plugin version"
+    )
 
 
 def _resolve_op(name: Any, path: Path) -> Any:
@@ -186,13 +303,17 @@ class _Decoder:
         if isinstance(value, list):
             return [self(v) for v in value]
         if isinstance(value, dict) and len(value) == 1:
-            (kind, item), = value.items()
+            ((kind, item),) = value.items()
             if kind == "ref" and type(item) is int and 0 <= item < len(self.values):
                 return self.values[item]
             if kind == "float" and item in ("inf", "-inf", "nan"):
                 return float(item)
-            table = {"dtype": _DTYPES, "layout": _LAYOUTS,
-                     "memory_format": _MEMORY_FORMATS}.get(kind)
+            tables: dict[str, dict[str, Any]] = {
+                "dtype": _DTYPES,
+                "layout": _LAYOUTS,
+                "memory_format": _MEMORY_FORMATS,
+            }
+            table = tables.get(kind)
             if table is not None and item in table:
                 return table[item]
             if kind == "device" and isinstance(item, str) and _DEVICE_RE.fullmatch(item):
@@ -238,12 +359,19 @@ def load_graph(folder: Path, name: str) -> LoadedGraph:
     if sorted(users) != list(range(len(users))):
         raise _fail(path, "user inputs are not numbered 0..n-1")
     for spec in _list(document, "nodes", path):
-        if not (isinstance(spec, dict) and isinstance(spec.get("args"), list)
-                and isinstance(spec.get("kwargs"), dict)):
+        if not (
+            isinstance(spec, dict)
+            and isinstance(spec.get("args"), list)
+            and isinstance(spec.get("kwargs"), dict)
+        ):
             raise _fail(path, f"node {json.dumps(spec)[:80]} is malformed")
-        decode.values.append(graph.call_function(
-            _resolve_op(spec.get("op"), path), tuple(decode(spec["args"])),
-            {str(k): decode(v) for k, v in spec["kwargs"].items()}))
+        decode.values.append(
+            graph.call_function(
+                _resolve_op(spec.get("op"), path),
+                tuple(decode(spec["args"])),
+                {str(k): decode(v) for k, v in spec["kwargs"].items()},
+            )
+        )
     returned = []
     for spec in _list(document, "outputs", path):
         value = decode({"ref": spec.get("ref")} if isinstance(spec, dict) else spec)

@@ -116,8 +116,20 @@ class RunnerProcess:
         )
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.send(op, **fields)
+        return self.receive(op)
+
+    def send(self, op: str, **fields: Any) -> None:
+        """The request half of `request`: the runner starts on it while this process
+        goes on; `receive` waits for its reply."""
         try:
             write_message(self._stdin, {"op": op, **fields})
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(op) from None
+
+    def receive(self, op: str) -> dict[str, Any]:
+        """The reply to the request `send` sent for `op`."""
+        try:
             reply = read_message(self._stdout)
         except (BrokenPipeError, ConnectionResetError):
             reply = None
@@ -226,6 +238,7 @@ class RunnerBackend:
         self.handshake = self.runner.handshake
         # The backend's own time in the last forward/run (the rest was the boundary's).
         self.last_backend_s = 0.0
+        self._in_flight = False  # a submitted "run" whose reply is not read yet
         logger.info(self.runner.describe())
 
     @property
@@ -267,9 +280,18 @@ class RunnerBackend:
     ) -> dict[str, np.ndarray]:
         """Inputs into the input arena, the reply's arrays as views of the output arena
         (valid until the next call)."""
+        self._send(op, inputs, extra)
+        return self._receive(op)
+
+    def _send(self, op: str, inputs: ForwardInputs, extra: dict[str, np.ndarray]) -> None:
+        if self._in_flight:  # its inputs are still in the input arena, being read
+            raise RunnerError(f"{op} while a submitted call is in flight: collect it first")
         fields, arrays = encode_inputs(inputs)
         arrays.update(extra)
-        reply = self.runner.request(op, fields=fields, arrays=self.runner.inputs.put(arrays))
+        self.runner.send(op, fields=fields, arrays=self.runner.inputs.put(arrays))
+
+    def _receive(self, op: str) -> dict[str, np.ndarray]:
+        reply = self.runner.receive(op)
         self.last_backend_s = reply["backend_s"]
         return self.runner.outputs.get(reply["arrays"])
 
@@ -282,10 +304,32 @@ class RunnerBackend:
         """Tokens (copied: 4 bytes a row) and the logits of the rows the host samples (a
         view of the output arena, valid until the next call)."""
         out = self._call("run", inputs, encode_sampling(sampling))
-        return StepOutput(tokens=out["tokens"].copy(), logits=torch.from_numpy(out["logits"]))
+        return self._step_output(out)
+
+    def submit(self, inputs: ForwardInputs, sampling: SamplingInputs) -> None:
+        """Send a serving call and return at once: the runner computes it while this
+        process prepares the next step (nothing else may be called until `collect`)."""
+        self._send("run", inputs, encode_sampling(sampling))
+        self._in_flight = True
+
+    def collect(self) -> StepOutput:
+        """The submitted call's answer, as `run` gives it."""
+        if not self._in_flight:
+            raise RunnerError("collect() without a submitted call")
+        self._in_flight = False
+        return self._step_output(self._receive("run"))
+
+    def _step_output(self, out: dict[str, np.ndarray]) -> StepOutput:
+        return StepOutput(
+            tokens=out["tokens"].copy(),
+            logits=torch.from_numpy(out["logits"]),
+            backend_s=self.last_backend_s,
+        )
 
     def ping(self) -> None:
         """An empty round trip (the protocol's fixed cost, for benchmarks)."""
+        if self._in_flight:
+            raise RunnerError("ping while a submitted call is in flight: collect it first")
         self.runner.request("ping")
 
     def close(self) -> None:

@@ -10,7 +10,10 @@ sampling needs the host; "forward" gets every row's logits. Both replies carry
 "backend_s", the backend's own time, so the boundary's cost can be told from the
 model's. Both arenas are memfd-backed mappings the client creates before starting the
 runner (inherited file descriptors), sized once from the settings, so they vanish with
-the last process holding them: nothing is left in /dev/shm after a crash.
+the last process holding them: nothing is left in /dev/shm after a crash. Requests are
+answered in order, one at a time, so a client may send a "run" and read its reply later
+(`RunnerBackend.submit`/`collect`: the forward overlaps the host's next step) as long as
+it sends nothing else, and writes nothing into the arenas, until it has read that reply.
 """
 
 from __future__ import annotations

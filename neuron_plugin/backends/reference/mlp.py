@@ -1,0 +1,156 @@
+"""The decoder's MLPs: the gated MLP and the mixture-of-experts kinds, in fixed shapes.
+
+MoE layers compute every expert for every token (dense: [tokens, experts, ...]) and weigh
+them with the router's weights scattered to a [tokens, experts] matrix that is zero off
+the chosen top-k, so the graph has no data-dependent shapes. Routing follows transformers
+per architecture:
+- Mixtral: softmax over all experts (float32), top-k, renormalised to sum 1;
+- Qwen3-MoE: the same, renormalised only with norm_topk_prob, weights cast back to the
+  hidden dtype; its mlp_only_layers / decoder_sparse_step layers are dense MLPs;
+- gpt-oss: top-k of the router logits (the router has a bias), softmax over those k;
+  experts have biases, gate and up interleaved in one tensor, clamped to swiglu_limit,
+  and the activation (up + 1) * gate * sigmoid(alpha * gate).
+Per-expert checkpoint tensors (`experts.{e}.w1.weight`, the Hub's layout) are stacked at
+load into one [experts, ...] graph input named with `*` for the expert index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from neuron_plugin.backends.reference.architectures import DecoderSpec
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ACT2FN for the activations the served architectures use."""
+    if name == "silu":
+        return functional.silu(x)
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return functional.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return functional.gelu(x)
+    raise ValueError(f"activation {name!r} is not implemented by the reference decoder")
+
+
+@dataclass(frozen=True)
+class MoeKind:
+    """Checkpoint names of one MoE kind, relative to the layer prefix; `{e}` marks
+    per-expert tensors that the graph takes stacked."""
+
+    router: str
+    router_bias: str | None
+    experts: tuple[str, ...]  # swiglu: gate, up, down; gpt-oss: gate_up(+bias), down(+bias)
+
+
+MOE_KINDS = {
+    "mixtral": MoeKind(
+        "block_sparse_moe.gate.weight",
+        None,
+        (
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+            "block_sparse_moe.experts.{e}.w2.weight",
+        ),
+    ),
+    "qwen3_moe": MoeKind(
+        "mlp.gate.weight",
+        None,
+        (
+            "mlp.experts.{e}.gate_proj.weight",
+            "mlp.experts.{e}.up_proj.weight",
+            "mlp.experts.{e}.down_proj.weight",
+        ),
+    ),
+    "gpt_oss": MoeKind(
+        "mlp.router.weight",
+        "mlp.router.bias",
+        (
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.gate_up_proj_bias",
+            "mlp.experts.down_proj",
+            "mlp.experts.down_proj_bias",
+        ),
+    ),
+}
+DENSE = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def mlp_weights(spec: DecoderSpec, layer: int) -> list[tuple[str, tuple[str, ...]]]:
+    """(graph input name, checkpoint tensors stacked into it) of a layer's MLP."""
+    prefix = f"model.layers.{layer}."
+    if not spec.moe_layers[layer]:
+        return [(prefix + n, (prefix + n,)) for n in DENSE]
+    kind = MOE_KINDS[spec.arch.mlp]
+    names = [kind.router] + ([kind.router_bias] if kind.router_bias else []) + list(kind.experts)
+    return [
+        (
+            prefix + n.replace("{e}", "*"),
+            tuple(prefix + n.format(e=e) for e in range(spec.num_experts))
+            if "{e}" in n
+            else (prefix + n,),
+        )
+        for n in names
+    ]
+
+
+def mlp(
+    spec: DecoderSpec, weights: dict[str, torch.Tensor], layer: int, h: torch.Tensor
+) -> torch.Tensor:
+    """Layer `layer`'s MLP on h [batch, active, hidden]."""
+    w = [weights[name] for name, _ in mlp_weights(spec, layer)]
+    if not spec.moe_layers[layer]:
+        gate, up, down = w
+        return (activation(spec.activation, h @ gate.t()) * (h @ up.t())) @ down.t()
+    x = h.reshape(1, -1, spec.hidden_size)  # [1, tokens, hidden], broadcast over experts
+    if spec.arch.mlp == "gpt_oss":
+        router, router_bias, gate_up, gate_up_bias, down, down_bias = w
+        routing = _gpt_oss_routing(spec, functional.linear(x[0], router, router_bias))
+        out = _gpt_oss_experts(spec, x, gate_up, gate_up_bias, down, down_bias)
+    else:
+        router, gate, up, down = w
+        routing = _softmax_routing(spec, functional.linear(x[0], router))
+        inner = activation(spec.activation, x @ gate.transpose(1, 2)) * (x @ up.transpose(1, 2))
+        out = inner @ down.transpose(1, 2)  # [experts, tokens, hidden]
+    # Each expert's weighted output in the hidden dtype, summed in expert order (the
+    # unchosen experts' zeros add nothing), as transformers' index_add does.
+    combined = (out * routing.t().unsqueeze(-1)).to(h.dtype).sum(dim=0)
+    return combined.view(h.shape)
+
+
+def _dense(values: torch.Tensor, indices: torch.Tensor, experts: int) -> torch.Tensor:
+    """Top-k (values, indices) [tokens, k] -> [tokens, experts], zero off the top-k."""
+    chosen = indices.unsqueeze(-1) == torch.arange(experts, dtype=indices.dtype)
+    return (chosen.to(values.dtype) * values.unsqueeze(-1)).sum(dim=1)
+
+
+def _softmax_routing(spec: DecoderSpec, logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(probs, spec.experts_per_token, dim=-1)
+    if spec.norm_topk_prob:
+        values = values / values.sum(dim=-1, keepdim=True)
+    if spec.arch.mlp == "qwen3_moe":
+        values = values.to(logits.dtype)
+    return _dense(values, indices, spec.num_experts)
+
+
+def _gpt_oss_routing(spec: DecoderSpec, logits: torch.Tensor) -> torch.Tensor:
+    values, indices = torch.topk(logits, spec.experts_per_token, dim=-1)
+    return _dense(torch.softmax(values, dim=-1), indices, spec.num_experts)
+
+
+def _gpt_oss_experts(
+    spec: DecoderSpec,
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor,
+    down_bias: torch.Tensor,
+) -> torch.Tensor:
+    fused = x @ gate_up + gate_up_bias.unsqueeze(1)  # [experts, tokens, 2 * inner]
+    gate = fused[..., ::2].clamp(max=spec.swiglu_limit)
+    up = fused[..., 1::2].clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    glu = gate * torch.sigmoid(gate * spec.swiglu_alpha)
+    return ((up + 1) * glu) @ down + down_bias.unsqueeze(1)
