@@ -119,6 +119,14 @@ class NeuronPlatform(Platform):
         return "neuron"
 
     @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """Nothing to select per thread: vLLM's tensors live on the host, and the
+        backend's NeuronCores are fixed per process by NEURON_RT_VISIBLE_CORES. vLLM's
+        multiprocess executor calls this from its async-output thread (async
+        scheduling); the base class raises, which killed that thread and hung the
+        engine."""
+
+    @classmethod
     def device_id_to_physical_device_id(cls, device_id: int) -> int:
         """vLLM reads the device variable as a comma list when it sizes data-parallel
         ranks; `NEURON_RT_VISIBLE_CORES` also takes ranges ("4-7", "0-1,6"), so read it

@@ -112,3 +112,15 @@ def test_echo_with_logprobs_is_refused_as_echo(model_dirs):
     with pytest.raises(VLLMValidationError, match="drop echo"):
         current_platform.validate_request({"type": "token", "prompt_token_ids": [1]},
                                           params)
+
+
+def test_set_device_is_a_no_op_for_vllms_async_output_thread():
+    """vLLM's multiprocess executor calls set_device from its async-output thread with
+    async scheduling (data parallelism, --distributed-executor-backend mp); the base
+    Platform raises NotImplementedError there, which killed the thread and hung the
+    engine (tests/e2e/test_data_parallel.py runs that path end to end)."""
+    import torch
+
+    from neuron_plugin.platform import NeuronPlatform
+
+    assert NeuronPlatform.set_device(torch.device("cpu")) is None
