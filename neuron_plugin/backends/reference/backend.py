@@ -196,10 +196,10 @@ class ReferenceBackend(InlineCalls):
         key_pos = np.arange(width, dtype=np.int64)
         scratch = self._scratch_slot()
         if s.is_block_layout:
-            assert inputs.slot_mapping is not None and inputs.block_table is not None
-            write = np.where(inputs.slot_mapping < 0, scratch, inputs.slot_mapping)
-            blocks = np.minimum(key_pos // s.block_size, inputs.block_table.shape[1] - 1)
-            read = inputs.block_table[:, blocks] * s.block_size + key_pos % s.block_size
+            slot_mapping, block_table = inputs.block_arrays()
+            write = np.where(slot_mapping < 0, scratch, slot_mapping)
+            blocks = np.minimum(key_pos // s.block_size, block_table.shape[1] - 1)
+            read = block_table[:, blocks] * s.block_size + key_pos % s.block_size
             return write, read
         rows = np.where(inputs.seq_ids == PAD_SEQ_ID, s.max_num_seqs, inputs.seq_ids)
         base = (rows * s.max_model_len)[:, None]
