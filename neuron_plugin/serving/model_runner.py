@@ -6,7 +6,8 @@ preemption) and one token-generation call for every request decoding a single to
 
 Sampling: with on-device sampling (the default) each request is decided once, from its
 `SamplingParams` alone (`core.sampling.on_device_refusal`): greedy, temperature, top-k
-within global_topk and top-p come back from the backend as token ids; anything else
+(none, or above global_topk: clamped to global_topk unless exact_sampling) and top-p come
+back from the backend as token ids; anything else
 (logprobs, penalties, min-p, logit bias, a grammar, a seed, ...) brings its row's logits
 back and is sampled by vLLM's own `Sampler`, so every option vLLM implements works
 unchanged. A step whose rows are all device-sampled never builds a logits batch nor runs
