@@ -76,14 +76,24 @@ class SeamMeter:
         self.settings = backend.settings
         self.counts = {"in": 0, "tokens": 0, "logits": 0, "control": 0, "device_rows": 0}
         runner = getattr(backend, "runner", None)
-        if runner is not None:
-            runner.request = self._counted(runner.request)
+        if runner is not None:  # every message goes through send and receive
+            runner.send = self._counted_send(runner.send)
+            runner.receive = self._counted_receive(runner.receive)
 
-    def _counted(self, request):
+    def _count(self, message) -> None:
+        self.counts["control"] += 4 + len(json.dumps(message, separators=(",", ":")))
+
+    def _counted_send(self, send):
         def counted(op, **fields):
-            reply = request(op, **fields)
-            for message in ({"op": op, **fields}, reply):  # 4-byte length + JSON
-                self.counts["control"] += 4 + len(json.dumps(message, separators=(",", ":")))
+            send(op, **fields)
+            self._count({"op": op, **fields})  # 4-byte length + JSON
+
+        return counted
+
+    def _counted_receive(self, receive):
+        def counted(op):
+            reply = receive(op)
+            self._count(reply)
             return reply
 
         return counted
