@@ -21,6 +21,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from neuron_plugin import BACKEND_ENV, plugin_logger
 from neuron_plugin.core.instances import parse_core_list
 from neuron_plugin.core.sampling import sampling_summary
+from neuron_plugin.core.speculation import speculation_summary
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -259,6 +260,13 @@ class NeuronPlatform(Platform):
                 settings.on_device_sampling, settings.global_topk, settings.exact_sampling
             ),
         )
+        speculation = speculation_summary(
+            settings.speculation_method, settings.num_speculative_tokens, settings.backend
+        )
+        if speculation:
+            # On nxd the summary says sampled requests decode greedily: a warning there.
+            log = logger.warning if settings.backend == "nxd" else logger.info
+            log("neuron platform: %s", speculation)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

@@ -62,7 +62,7 @@ class DecodeClock:
         self.backend = backend
         self.backend_s: list[tuple[int, float]] = []  # (real rows, seconds)
 
-    def on_backend_call(self, inputs, forward_s: float, host_s: float) -> None:
+    def on_backend_call(self, inputs, forward_s: float, host_s: float, accepted: int = 0) -> None:
         from neuron_plugin.core.inputs import TOKEN_GENERATION
 
         if inputs.phase == TOKEN_GENERATION:

@@ -57,7 +57,7 @@ class StepClock:
         self.host_s: list[float] = []
         self.forward_s: list[float] = []
 
-    def on_backend_call(self, inputs, forward_s: float, host_s: float) -> None:
+    def on_backend_call(self, inputs, forward_s: float, host_s: float, accepted: int = 0) -> None:
         self.forward_s.append(forward_s)
 
     def on_step(self, host_s: float) -> None:

@@ -104,11 +104,13 @@ def check_artifact_record(folder: Path, expected: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A serving call's answer: `tokens[i]` is the on-device sampler's token for real row
-    i (meaningful where the call's `needs_logits[i]` is false), `logits` holds the rows
-    whose `needs_logits` is true, in row order."""
+    """A serving call's answer: `tokens[i]` are the tokens real row i emits from the
+    on-device sampler (meaningful where the call's `needs_logits[i]` is false): one, or
+    with speculation the accepted drafts and the target's own token, padded with
+    `core.speculation.NO_TOKEN`; `logits` holds the rows whose `needs_logits` is true, in
+    row order (a speculative call's first position: such a row takes no drafts)."""
 
-    tokens: np.ndarray  # [num_real] int32
+    tokens: np.ndarray  # [num_real, 1 or speculation_length] int32
     logits: torch.Tensor  # [needs_logits.sum(), vocab] float32
     # The backend's own time for the call where it reports it (a runner process does),
     # apart from the process boundary and from what the host did meanwhile.

@@ -51,6 +51,7 @@ def resolve_grids(
     max_context_length: int,
     *,
     block_size: int,
+    speculation_length: int = 0,
 ) -> dict[str, tuple[int, ...]]:
     """Bucket grids: NxDI's powers of two by default (so existing configurations keep
     their meaning), the user's lists when given, one full-size graph when bucketing is
@@ -61,7 +62,14 @@ def resolve_grids(
     block table (model_wrapper._pad_prefix_caching_inputs), so the positions of a partial
     last block would never be attended. Defaults are rounded up to whole blocks (the
     largest to max_model_len rounded up; the nxd backend raises NxDI's seq_len to it),
-    user lists must already be whole blocks. `block_size` is resolve_blocks' choice."""
+    user lists must already be whole blocks. `block_size` is resolve_blocks' choice.
+
+    With speculation a token-generation graph computes `speculation_length` positions
+    from a row's last token, and NxDI picks its bucket by the attention mask's length
+    plus speculation_length (strictly below the bucket), so decoding at position
+    max_model_len - 2 needs a bucket of max_model_len + speculation_length - 1: the
+    largest token-generation bucket reaches that far (the positions past max_model_len
+    are written to no request's cache)."""
     enable = bool_setting(override, "enable_bucketing")
     enable = True if enable is None else enable
     seq = limits.max_model_len
@@ -72,6 +80,15 @@ def resolve_grids(
     reach_name = (
         f"max_model_len rounded up to whole {unit}-token KV blocks" if block else "max_model_len"
     )
+    # What decoding reaches: max_model_len, plus the speculation lookahead.
+    decode = seq + max(speculation_length - 1, 0)
+    decode_reach = -(-decode // unit) * unit
+    decode_need = (
+        f"decoding reaches max_model_len={seq}"
+        if decode == seq
+        else f"decoding with speculation_length={speculation_length} reaches "
+        f"max_model_len + {speculation_length - 1} = {decode}"
+    )
     if not enable:
         given = [key for key in GRID_KEYS if key in override]
         if given:
@@ -81,12 +98,13 @@ def resolve_grids(
             )
         return {
             "context_encoding_buckets": (max_context_length,),
-            "token_generation_buckets": (reach,),
+            "token_generation_buckets": (decode_reach,),
             "prefix_buckets": (0, reach) if block else (),
             "token_generation_batches": (batch,),
         }
     ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
-    tkg_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
+    tkg_default = align_up(nxdi_buckets(min(MIN_BUCKET, decode), decode), unit)
+    prefix_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
     grids = {
         # With chunked prefill a chunk of up to max_num_batched_tokens must fit one graph.
         "context_encoding_buckets": _grid(
@@ -111,12 +129,11 @@ def resolve_grids(
             override,
             "token_generation_buckets",
             tkg_default,
-            maximum=reach,
-            limit_name=reach_name,
-            covers=seq,
+            maximum=decode_reach,
+            limit_name=reach_name if decode == seq else f"max_model_len + {decode - seq}",
+            covers=decode,
             align=unit if block else None,
-            why=f"decoding reaches max_model_len={seq}"
-            + (f"; NxDI reads whole blocks of block_size={unit}" if block else ""),
+            why=decode_need + (f"; NxDI reads whole blocks of block_size={unit}" if block else ""),
         ),
         "token_generation_batches": _grid(
             override,
@@ -153,7 +170,7 @@ def resolve_grids(
             )
             grids["prefix_buckets"] = (0, *prefix)
         else:
-            grids["prefix_buckets"] = (0, *tuple(tkg_default))
+            grids["prefix_buckets"] = (0, *tuple(prefix_default))
     elif "prefix_buckets" in override:
         raise NeuronConfigError(
             "override_neuron_config.prefix_buckets applies to the block KV layout, but "

@@ -9,6 +9,11 @@ The contract (see NEURON_FINDINGS.md):
 - decode at position p: one token, full = p + 1, computed = p;
 - block layout: slot = block_table[pos // block_size] * block_size + pos % block_size,
   block tables padded with vLLM's null block (0) to ceil(max_model_len / block_size).
+- speculative decode (core.speculation) at position p with a budget of d drafts: the
+  graph computes positions p .. p + speculation_length - 1; input_ids hold the last token
+  and the n-gram drafts (the last token only with a fused draft model, which proposes its
+  own), full_context_lens = p + 1 + d (the positions whose tokens the step may keep),
+  computed = p; the slot mapping covers every computed position, -1 past p + d.
 
 Padding: pad tokens have slot -1 (write nothing) and id 0; pad batch rows have seq_id -1
 and full_context_len 0, so a backend can tell them apart without extra arguments.
@@ -39,7 +44,9 @@ class ForwardInputs:
     input_ids: np.ndarray  # [batch, active] int64
     position_ids: np.ndarray  # [batch, active] int64
     seq_ids: np.ndarray  # [batch] int64
-    slot_mapping: np.ndarray | None  # [batch, active] int64, block layout only
+    # [batch, active] int64, block layout only ([batch, speculation_length] for a
+    # speculative decode: every position the graph computes)
+    slot_mapping: np.ndarray | None
     block_table: np.ndarray | None  # [batch, max_blocks] int64, block layout only
     full_context_lens: np.ndarray  # [batch] int64
     computed_context_lens: np.ndarray  # [batch] int64
@@ -47,6 +54,18 @@ class ForwardInputs:
     # Context encoding only: the request's token ids [0, full_context_len). NxDI's
     # prefix-caching graphs take the whole context as input_ids (vllm-neuron does too).
     context_ids: np.ndarray | None = None
+    # Positions the graph computes per row where that is more than input_ids' width: a
+    # fused draft model's decode takes one token per row and computes
+    # speculation_length positions.
+    width: int | None = None
+
+    @property
+    def draft_budget(self) -> np.ndarray:
+        """[batch] drafts each row of a speculative decode may accept (0 for pads, for
+        context encodings and for calls without speculation)."""
+        if self.phase != TOKEN_GENERATION:
+            return np.zeros_like(self.full_context_lens)
+        return np.maximum(self.full_context_lens - self.computed_context_lens - 1, 0)
 
     def block_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(slot_mapping, block_table) of a block-layout call."""
@@ -73,7 +92,8 @@ class ForwardInputs:
     @property
     def padded_tokens(self) -> int:
         """Token slots computed for nothing: the telemetry's waste measure."""
-        return int(self.input_ids.size) - self.real_tokens
+        rows, active = self.input_ids.shape
+        return rows * max(active, self.width or 0) - self.real_tokens
 
 
 def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -205,38 +225,68 @@ def context_encoding_inputs(
     )
 
 
+def decode_width(settings: NeuronSettings) -> int:
+    """Positions a token-generation graph computes (and writes) per row."""
+    return settings.speculation_length or 1
+
+
+def decode_active(settings: NeuronSettings) -> int:
+    """Input tokens per row of a token-generation graph: the last token, and the n-gram
+    drafts where the host proposes them."""
+    return 1 if settings.is_fused_speculation else decode_width(settings)
+
+
 def token_generation_inputs(
     settings: NeuronSettings,
     token_ids: np.ndarray,
     positions: np.ndarray,
     seq_ids: np.ndarray,
     block_ids: Sequence[Sequence[int]] | None,
+    drafts: np.ndarray | None = None,
+    budget: np.ndarray | None = None,
 ) -> ForwardInputs:
     """One decode batch: row i generates from token_ids[i] at positions[i].
+
+    With speculation row i may also accept up to budget[i] drafts (the n-gram drafts
+    `drafts[i]` [num_speculative_tokens], negative where there is none; a fused draft
+    model proposes its own). The bucket must hold the positions the graph computes past
+    each row's: NxDI picks it by the attention mask's length plus speculation_length,
+    strictly below the bucket (model_wrapper.get_target_bucket).
 
     In the contiguous layout a graph of batch b serves cache lines (seq_ids) 0..b-1 only:
     NxDI fills the missing seq_ids of a partial batch from range(b) (model_wrapper.
     _forward_with_pad), so the batch bucket must exceed the largest seq_id, not just
     hold the rows."""
     real = int(token_ids.shape[0])
+    width, active = decode_width(settings), decode_active(settings)
+    spans = np.zeros(real, dtype=np.int64) if budget is None else np.asarray(budget)
     rows_needed = real if settings.is_block_layout else int(seq_ids.max()) + 1
-    bucket = token_generation_bucket(settings, rows_needed, int(positions.max()) + 1)
+    bucket = token_generation_bucket(
+        settings, rows_needed, int(positions.max()) + 1 + settings.speculation_length
+    )
     rows = bucket[0]
-    ids = np.zeros((rows, 1), dtype=np.int64)
+    ids = np.zeros((rows, active), dtype=np.int64)
     ids[:real, 0] = token_ids
-    pos = np.zeros((rows, 1), dtype=np.int64)
-    pos[:real, 0] = positions
+    if active > 1 and drafts is not None:
+        ids[:real, 1:] = np.maximum(drafts, 0)  # a missing draft is never accepted
+    pos = np.zeros((rows, active), dtype=np.int64)
+    pos[:real] = positions[:, None] + np.arange(active)
     seq = np.full(rows, PAD_SEQ_ID, dtype=np.int64)
     seq[:real] = seq_ids
     full = np.zeros(rows, dtype=np.int64)
-    full[:real] = positions + 1
+    full[:real] = positions + 1 + spans
     computed = np.zeros(rows, dtype=np.int64)
     computed[:real] = positions
     table = slots = None
     if settings.is_block_layout:
         table = pad_block_tables(block_ids or [], rows, settings.max_blocks_per_seq)
-        slots = np.full((rows, 1), PAD_SLOT, dtype=np.int64)
-        slots[:real] = slot_mapping(table[:real], pos[:real], settings.block_size)
+        slots = np.full((rows, width), PAD_SLOT, dtype=np.int64)
+        offsets = np.arange(width)[None, :]
+        kept = offsets <= spans[:, None]
+        written = positions[:, None] + np.minimum(offsets, spans[:, None])
+        slots[:real] = np.where(
+            kept, slot_mapping(table[:real], written, settings.block_size), PAD_SLOT
+        )
     return ForwardInputs(
         phase=TOKEN_GENERATION,
         bucket=bucket,
@@ -248,6 +298,7 @@ def token_generation_inputs(
         full_context_lens=full,
         computed_context_lens=computed,
         num_real=real,
+        width=width if width > active else None,
     )
 
 
@@ -256,8 +307,10 @@ def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...])
     it runs a graph (warm-up, timing) without touching any request's KV entries."""
     if phase == CONTEXT_ENCODING:
         rows, active = 1, shape[0]
+        width = active
     else:
-        rows, active = shape[0], 1
+        rows, active = shape[0], decode_active(settings)
+        width = decode_width(settings)
     block = settings.is_block_layout
     return ForwardInputs(
         phase=phase,
@@ -265,11 +318,12 @@ def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...])
         input_ids=np.zeros((rows, active), dtype=np.int64),
         position_ids=np.zeros((rows, active), dtype=np.int64),
         seq_ids=np.full(rows, PAD_SEQ_ID, dtype=np.int64),
-        slot_mapping=np.full((rows, active), PAD_SLOT, dtype=np.int64) if block else None,
+        slot_mapping=np.full((rows, width), PAD_SLOT, dtype=np.int64) if block else None,
         block_table=np.zeros((rows, settings.max_blocks_per_seq), dtype=np.int64)
         if block
         else None,
         full_context_lens=np.zeros(rows, dtype=np.int64),
         computed_context_lens=np.zeros(rows, dtype=np.int64),
         num_real=0,
+        width=width if width > active else None,
     )

@@ -18,6 +18,9 @@ from bucketing.fit import prefix_caching_need
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
+# Speculative decoding methods (vLLM's --speculative-config "method" values served here).
+NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
 # The reason recorded when the user chose max_num_seqs (nothing to log or explain).
 MAX_NUM_SEQS_CHOSEN = "--max-num-seqs"
 
@@ -61,6 +64,11 @@ class EngineLimits:
     num_gpu_blocks_override: int | None = None
     # vLLM flag -> its value, for the flags of core.vllm_flags.VLLM_FLAGS.
     vllm_flags: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's --speculative-config as given: its method ("ngram", "draft_model", ...),
+    # num_speculative_tokens and the draft checkpoint (None for ngram).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,10 +111,30 @@ class NeuronSettings:
     # Requests without top_k (or above global_topk) sampled exactly on the host rather
     # than from the global_topk most likely tokens on the device. Changes no compiled graph.
     exact_sampling: bool = False
+    # Speculative decoding (core.speculation): "ngram" (drafts proposed on the host,
+    # verified by the token-generation graphs) or "draft_model" (a draft checkpoint
+    # fused into them, NxDI's fused speculation), with vLLM's num_speculative_tokens
+    # drafts per step; the draft's folder (its path changes no graph: its config is in
+    # the compile-cache key instead).
+    speculation_method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
 
     @property
     def is_block_layout(self) -> bool:
         return self.kv_layout == BLOCK
+
+    @property
+    def speculation_length(self) -> int:
+        """NxDI's speculation_length: the positions a token-generation graph computes per
+        row (the last token and num_speculative_tokens drafts), 0 without speculation."""
+        return self.num_speculative_tokens + 1 if self.speculation_method else 0
+
+    @property
+    def is_fused_speculation(self) -> bool:
+        """A draft model runs inside the token-generation graphs (NxDI's fused
+        speculation): they take one token per row and propose the drafts themselves."""
+        return self.speculation_method == DRAFT_MODEL
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -34,6 +34,13 @@ def bool_setting(override: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
+_SPECULATION = (
+    "speculative decoding is set with vLLM's --speculative-config, from which the plugin "
+    'derives NxDI\'s speculation keys (e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4}\', or \'{"model": DRAFT_DIR, '
+    "\"num_speculative_tokens\": 4}' for NxDI's fused speculation); remove the key"
+)
+
 # NxDI features this plugin does not drive: any value but null, false or 0 turns the
 # feature on in NxDI (an empty chunked_prefill_config object included) and is rejected.
 UNSUPPORTED_KEYS = {
@@ -50,10 +57,13 @@ UNSUPPORTED_KEYS = {
     "async_mode": (
         "the plugin reads each step's logits before scheduling the next; remove async_mode"
     ),
-    "speculation_length": "speculative decoding is not supported yet; remove the key",
-    "enable_fused_speculation": "speculative decoding is not supported yet; remove the key",
-    "enable_eagle_speculation": "speculative decoding is not supported yet; remove the key",
-    "is_medusa": "speculative decoding is not supported yet; remove the key",
+    "speculation_length": _SPECULATION,
+    "enable_fused_speculation": _SPECULATION,
+    "enable_eagle_speculation": (
+        "EAGLE heads are not supported (the graphs verify n-gram or draft-model drafts); "
+        "remove the key and see --speculative-config"
+    ),
+    "is_medusa": "Medusa heads are not supported; remove the key",
     "lora_config": "LoRA is not supported yet; merge the adapter or remove lora_config",
 }
 

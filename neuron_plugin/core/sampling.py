@@ -20,9 +20,10 @@ tokens, a distribution the README's "Sampling" section measures against the exac
 (vllm-neuron's `prepare_sampling_params`): greedy rows are top-k 1 at temperature 1, and
 rows the device does not sample get those same harmless values; a device row without a
 top-k gets `global_topk` explicitly (NxDI reads top_k 0 or -1 as uniform over its
-candidates, a different distribution). `uniform` is the row's
-random draw in [0, 1), made on the host from the engine's seeded generator: a backend
-that samples by inverse CDF (the reference backend) uses it, NxDI draws its own.
+candidates, a different distribution). `uniform` holds the row's random draws in
+[0, 1), one per position the call computes (one, or speculation_length), made on the
+host from the engine's seeded generator: a backend that samples by inverse CDF (the
+reference backend) uses them, NxDI draws its own.
 """
 
 from __future__ import annotations
@@ -121,19 +122,19 @@ class SamplingInputs:
     top_k: np.ndarray  # int32, 1 = greedy
     top_p: np.ndarray  # float32 in (0, 1]
     temperature: np.ndarray  # float32 > 0
-    uniform: np.ndarray  # float32 in [0, 1)
+    uniform: np.ndarray  # [rows, draws] float32 in [0, 1)
     needs_logits: np.ndarray  # bool: the host samples this row from its logits
 
     ARRAYS = ("top_k", "top_p", "temperature", "uniform", "needs_logits")
 
     @classmethod
-    def greedy(cls, rows: int) -> SamplingInputs:
+    def greedy(cls, rows: int, draws: int = 1) -> SamplingInputs:
         """Rows nobody samples on the host (padding, warm-up): argmax, no logits."""
         return cls(
             top_k=np.ones(rows, dtype=np.int32),
             top_p=np.ones(rows, dtype=np.float32),
             temperature=np.ones(rows, dtype=np.float32),
-            uniform=np.zeros(rows, dtype=np.float32),
+            uniform=np.zeros((rows, draws), dtype=np.float32),
             needs_logits=np.zeros(rows, dtype=bool),
         )
 
@@ -170,7 +171,7 @@ class SamplingInputs:
 
     def padded(self, rows: int) -> SamplingInputs:
         """Extended to a graph's `rows` with greedy pad rows."""
-        pad = SamplingInputs.greedy(rows - self.rows)
+        pad = SamplingInputs.greedy(rows - self.rows, self.uniform.shape[1])
         return SamplingInputs(
             *(np.concatenate([getattr(self, n), getattr(pad, n)]) for n in self.ARRAYS)
         )

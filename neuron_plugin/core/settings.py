@@ -48,6 +48,7 @@ from neuron_plugin.core.override_checks import (
     reject_unsupported,
 )
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
+from neuron_plugin.core.speculation import resolve_speculation
 from neuron_plugin.core.vllm_flags import WORKER_CLS
 
 # The names callers import from here, wherever they are defined.
@@ -215,7 +216,23 @@ def resolve_settings(
     reject_unsupported(limits, override)
     kv_layout, reason = resolve_kv_layout(limits, override)
     block_size, num_blocks = resolve_blocks(limits, override, kv_layout)
-    grids = resolve_grids(limits, override, kv_layout, max_context, block_size=block_size)
+    on_device, global_topk = resolve_on_device_sampling(override, on_device_sampling_disabled)
+    batches = override.get("token_generation_batches") or []
+    method, drafts, draft_model = resolve_speculation(
+        limits,
+        backend=backend,
+        kv_layout=kv_layout,
+        on_device_sampling=on_device,
+        batch_bucketing=bool(batches) and list(batches) != [limits.max_num_seqs],
+    )
+    grids = resolve_grids(
+        limits,
+        override,
+        kv_layout,
+        max_context,
+        block_size=block_size,
+        speculation_length=drafts + 1 if method else 0,
+    )
     if (
         backend == "nxd"
         and kv_layout == BLOCK
@@ -227,7 +244,6 @@ def resolve_settings(
             f"NxDI does not batch-bucket the block layout ({reason}); remove "
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
-    on_device, global_topk = resolve_on_device_sampling(override, on_device_sampling_disabled)
     exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
@@ -273,6 +289,9 @@ def resolve_settings(
         rank_cores=rank_cores,
         max_num_seqs_reason=max_num_seqs_reason,
         exact_sampling=exact,
+        speculation_method=method,
+        num_speculative_tokens=drafts,
+        draft_model=draft_model,
     )
 
 
@@ -312,6 +331,16 @@ def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
                 False,
                 "on-device sampling is off: every step's logits are sampled on the host "
                 "before the next step can be scheduled",
+            )
+        )
+    if settings.speculation_method:
+        updates.append(
+            EngineUpdate(
+                "scheduler_config",
+                "async_scheduling",
+                False,
+                "speculative decoding: a step's inputs start after the tokens the previous "
+                "step accepted, known only once that step completes",
             )
         )
     if settings.tp_degree > 1:

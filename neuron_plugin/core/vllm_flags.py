@@ -202,13 +202,6 @@ VLLM_FLAGS = (
         "LoRA adapters are not supported by the neuron_plugin platform yet",
         "remove --enable-lora or merge the adapter into the weights",
     ),
-    VllmFlag(
-        "--speculative-config",
-        "speculative_config",
-        (None,),
-        "speculative decoding is not supported by the neuron_plugin platform yet",
-        "remove --speculative-config",
-    ),
 )
 
 

@@ -19,6 +19,8 @@ reordered to the host rows' order in the step's batch and addressed through vLLM
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -86,7 +88,9 @@ class HostSampler:
         seeded generator is rewound, as in vLLM's GPU runner."""
         batch = self.batch
         if grammar_output is not None:
-            apply_grammar_bitmask(scheduler_output, grammar_output, batch, logits)
+            apply_grammar_bitmask(
+                *_first_positions(scheduler_output, grammar_output), batch, logits
+            )
         kept = {i: g.get_state() for i, g in batch.generators.items() if not samples[i]}
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, min(threads, len(samples))))
@@ -97,6 +101,23 @@ class HostSampler:
         for index, state in kept.items():
             batch.generators[index].set_state(state)
         return output.sampled_token_ids[:, 0].numpy(), output.logprobs_tensors
+
+
+def _first_positions(
+    scheduler_output: SchedulerOutput, grammar_output: GrammarOutput
+) -> tuple[SchedulerOutput, GrammarOutput]:
+    """The grammar bitmask of each request's first position: a host row takes no drafts,
+    but vLLM may still have scheduled placeholders for it (it pads a short request to
+    the speculative length) and sends a bitmask row per scheduled position."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    ids = grammar_output.structured_output_request_ids
+    if not any(spec.get(r) for r in ids):
+        return scheduler_output, grammar_output
+    firsts = np.cumsum([0] + [1 + len(spec.get(r, ())) for r in ids[:-1]])
+    return (
+        dataclasses.replace(scheduler_output, scheduled_spec_decode_tokens={}),
+        dataclasses.replace(grammar_output, grammar_bitmask=grammar_output.grammar_bitmask[firsts]),
+    )
 
 
 def logprobs_in_step_order(

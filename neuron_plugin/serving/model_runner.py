@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
+    DraftTokenIds,
     LogprobsLists,
     ModelRunnerOutput,
 )
@@ -58,10 +59,13 @@ from neuron_plugin.backends.base import LoadedBackend
 from neuron_plugin.core.inputs import (
     ForwardInputs,
     context_encoding_inputs,
+    decode_width,
     token_generation_inputs,
 )
 from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.speculation import NO_TOKEN
+from neuron_plugin.serving.drafts import Drafts
 from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
 from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
@@ -121,6 +125,8 @@ class NeuronModelRunner:
         self._in_flight: PendingStep | None = None  # sampled, not yet complete
         self._complete_lock = threading.Lock()
         self._timelines: dict[str, _Timeline] = {}
+        # Speculative decoding: the next step's drafts (serving.drafts).
+        self.drafts = Drafts.for_settings(vllm_config, settings)
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -279,8 +285,9 @@ class NeuronModelRunner:
             forward_s = time.perf_counter() - forward_start
             step.backend_s += forward_s
             self._take(step, rows, rows[sampling.needs_logits], out.tokens, out.logits)
+        accepted = _accepted(step.tokens[rows], inputs, step.host[rows])
         for observer in self.observers:
-            observer.on_backend_call(inputs, forward_s, forward_start - host_start)
+            observer.on_backend_call(inputs, forward_s, forward_start - host_start, accepted)
 
     def _collect(self, step: PendingStep) -> None:
         """The answer of the step's submitted call (waiting for the backend if need be).
@@ -296,8 +303,9 @@ class NeuronModelRunner:
         rows = call.rows
         self._take(step, rows, rows[call.sampling.needs_logits], out.tokens, out.logits)
         forward_s = out.backend_s if out.backend_s is not None else call.submit_s + waited
+        accepted = _accepted(step.tokens[rows], call.inputs, step.host[rows])
         for observer in self.observers:
-            observer.on_backend_call(call.inputs, forward_s, call.host_s)
+            observer.on_backend_call(call.inputs, forward_s, call.host_s, accepted)
 
     @staticmethod
     def _take(
@@ -310,7 +318,7 @@ class NeuronModelRunner:
         """A call's device tokens (for `rows`) and host rows' logits into the step (the
         logits may be a view the next call overwrites: copied now)."""
         if tokens is not None:
-            step.tokens[rows] = tokens
+            step.tokens[rows, : tokens.shape[1]] = tokens
         if host.size:
             # numpy's copy: torch's threads cost more than a few rows' copy
             step.logits.numpy()[step.host_pos[host]] = logits.numpy()
@@ -331,7 +339,8 @@ class NeuronModelRunner:
                 f"{rows.size}: report this with the engine log"
             )
         logits = torch.empty((rows.size, self.vocab_size), dtype=torch.float32)
-        tokens = np.zeros(n, dtype=np.int32)
+        width = decode_width(self.settings)
+        tokens = np.full((n, width), NO_TOKEN, dtype=np.int32)
         if not self.settings.on_device_sampling:
             return PendingStep(so, samples, host, host_pos, logits, None, tokens)
         sampling = SamplingInputs.for_rows(
@@ -339,7 +348,7 @@ class NeuronModelRunner:
             batch.top_k_cpu[:n],
             batch.top_p_cpu[:n],
             host,
-            self._draws.random(n, dtype=np.float32),
+            self._draws.random((n, width), dtype=np.float32),
             self.settings.global_topk,
         )
         return PendingStep(so, samples, host, host_pos, logits, sampling, tokens)
@@ -355,7 +364,12 @@ class NeuronModelRunner:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         req_ids = batch.req_ids
-        scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        # A row's own tokens; with speculation vLLM also schedules its drafts
+        # (scheduled_spec_decode_tokens), which the decode call verifies.
+        spec = so.scheduled_spec_decode_tokens
+        scheduled = np.array(
+            [so.num_scheduled_tokens[r] - len(spec.get(r, ())) for r in req_ids], dtype=np.int64
+        )
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         total = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
         samples = computed + scheduled >= total
@@ -371,6 +385,9 @@ class NeuronModelRunner:
             host_start = time.perf_counter()
             positions = computed[rows]
             states = [self.requests[req_ids[i]] for i in rows]
+            drafts, budget = self.drafts.scheduled(
+                [spec.get(req_ids[i], ()) for i in rows], step.host[rows]
+            )
             inputs = token_generation_inputs(
                 self.settings,
                 batch.token_ids_cpu[rows, positions],
@@ -380,6 +397,8 @@ class NeuronModelRunner:
                     dtype=np.int64,
                 ),
                 [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
+                drafts,
+                budget,
             )
             self._run(inputs, rows, step, host_start, last=not prefills.size)
 
@@ -412,7 +431,8 @@ class NeuronModelRunner:
         tokens, logprobs = self.host.sample(
             step.logits, samples, step.scheduler_output, step.grammar_output
         )
-        step.tokens[rows] = tokens[host_rows]
+        step.tokens[rows] = NO_TOKEN  # a host row takes no drafts: one token
+        step.tokens[rows, 0] = tokens[host_rows]
         if logprobs is None:
             return None
         return logprobs_in_step_order(logprobs, host_rows, step.host)
@@ -458,25 +478,39 @@ class NeuronModelRunner:
 
     def _output(self, step: PendingStep, logprobs: LogprobsLists | None) -> ModelRunnerOutput:
         batch = self.input_batch  # still this step's: the next step has not started
-        sampled = step.tokens.tolist()
         tokens: list[list[int]] = []
         for index, req_id in enumerate(batch.req_ids):
             if not step.samples[index]:
                 tokens.append([])
                 continue
-            token = sampled[index]
+            row = step.tokens[index]
+            emitted = row[row != NO_TOKEN].tolist()
             end = int(batch.num_tokens_no_spec[index])
-            batch.token_ids_cpu[index, end] = token
-            batch.is_token_ids[index, end] = True
-            batch.num_tokens_no_spec[index] = end + 1
-            self.requests[req_id].output_token_ids.append(token)
-            tokens.append([token])
+            batch.token_ids_cpu[index, end : end + len(emitted)] = emitted
+            batch.is_token_ids[index, end : end + len(emitted)] = True
+            batch.num_tokens_no_spec[index] = end + len(emitted)
+            self.requests[req_id].output_token_ids.extend(emitted)
+            tokens.append(emitted)
             timeline = self._timelines.get(req_id)
             if timeline is not None and timeline.first_token is None:
                 timeline.first_token = time.perf_counter()
+        self.drafts.propose(batch, tokens, step.host)
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=tokens,
             logprobs=logprobs,
         )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts for the requests' next step (vLLM calls this after each step with
+        speculative decoding), once."""
+        return self.drafts.take()
+
+
+def _accepted(tokens: np.ndarray, inputs: ForwardInputs, host: np.ndarray) -> int:
+    """Drafts a call's device rows accepted: tokens they emit beyond the first."""
+    if not inputs.draft_budget.any():
+        return 0
+    emitted = (tokens[~host] != NO_TOKEN).sum(axis=1)
+    return int(np.maximum(emitted - 1, 0).sum())

@@ -29,8 +29,12 @@ class FinishedRequest:
 
 
 class StepObserver(Protocol):
-    def on_backend_call(self, inputs: ForwardInputs, forward_s: float, host_s: float) -> None:
-        """One backend call: its inputs, forward time and host preparation time."""
+    def on_backend_call(
+        self, inputs: ForwardInputs, forward_s: float, host_s: float, accepted: int = 0
+    ) -> None:
+        """One backend call: its inputs, forward time, host preparation time and, with
+        speculative decoding, how many of its drafts (`inputs.draft_budget`) the device
+        rows accepted."""
 
     def on_step(self, host_s: float) -> None:
         """One engine step's host time outside backend forwards."""
@@ -52,7 +56,9 @@ class RequestTrace:
         path = os.environ.get(TRACE_ENV)
         return cls(path) if path else None
 
-    def on_backend_call(self, inputs: ForwardInputs, forward_s: float, host_s: float) -> None:
+    def on_backend_call(
+        self, inputs: ForwardInputs, forward_s: float, host_s: float, accepted: int = 0
+    ) -> None:
         pass
 
     def on_step(self, host_s: float) -> None:

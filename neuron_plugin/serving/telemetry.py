@@ -82,6 +82,11 @@ COUNTER_FAMILIES = {
         "Token slots computed for padding (bucket minus real)",
     ),
     "prefix_hit_tokens": ("neuron:prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "draft_tokens": (
+        "neuron:spec_draft_tokens",
+        "Draft tokens verified (speculative decoding; vLLM's vllm:spec_decode_* count per request)",
+    ),
+    "accepted_tokens": ("neuron:spec_accepted_tokens", "Draft tokens accepted"),
 }
 COUNTERS = tuple(COUNTER_FAMILIES)
 HISTOGRAM_FAMILIES = {
@@ -141,6 +146,8 @@ class BucketStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     prefix_hit_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     forward: Histogram = field(default_factory=Histogram)
     host: Histogram = field(default_factory=Histogram)
 
@@ -177,7 +184,9 @@ class StepTelemetry:
         )
         self._thread.start()
 
-    def on_backend_call(self, inputs: ForwardInputs, forward_s: float, host_s: float) -> None:
+    def on_backend_call(
+        self, inputs: ForwardInputs, forward_s: float, host_s: float, accepted: int = 0
+    ) -> None:
         real = inputs.num_real
         prefix_hits = (
             int(inputs.computed_context_lens[:real].sum())
@@ -194,6 +203,8 @@ class StepTelemetry:
                 inputs.real_tokens,
                 inputs.padded_tokens,
                 prefix_hits,
+                int(inputs.draft_budget[:real].sum()),
+                accepted,
             ),
             forward_s,
             host_s,
@@ -279,10 +290,17 @@ class StepTelemetry:
         for row in self.snapshot()["buckets"]:
             total = row["real_tokens"] + row["padded_tokens"]
             waste = row["padded_tokens"] / total if total else 0.0
+            drafts = row["draft_tokens"]
+            speculation = (
+                f", {row['accepted_tokens']}/{drafts} drafts accepted "
+                f"({row['accepted_tokens'] / drafts:.0%})"
+                if drafts
+                else ""
+            )
             lines.append(
                 f"{row['phase']:>16} {bucket_label(row['bucket']):>10}: {row['calls']} calls, "
                 f"{row['real_tokens']} real / {row['padded_tokens']} padded tokens "
-                f"({waste:.0%} padding), forward "
+                f"({waste:.0%} padding){speculation}, forward "
                 f"{1000 * row['forward']['sum'] / max(row['calls'], 1):.2f} ms/call"
             )
         return lines

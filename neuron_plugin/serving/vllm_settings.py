@@ -96,7 +96,20 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         dp_degree=vllm_config.parallel_config.data_parallel_size_local,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
+        **speculative_limits(vllm_config.speculative_config),
     )
+
+
+def speculative_limits(speculative: Any) -> dict[str, Any]:
+    """vLLM's resolved --speculative-config (None without one) as EngineLimits fields."""
+    if speculative is None:
+        return {}
+    return {
+        "speculative_method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        # ngram's draft "model" is the target itself; only a draft checkpoint has one.
+        "draft_model": speculative.model if speculative.method == "draft_model" else None,
+    }
 
 
 def vllm_default_max_num_seqs(vllm_config: Any) -> set[int]:

@@ -25,7 +25,7 @@ from vllm.config.model import get_served_model_name
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_plugin import plugin_logger
@@ -166,8 +166,8 @@ class NeuronWorker(WorkerBase):
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
-    def take_draft_token_ids(self) -> None:
-        return None
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self._runner().take_draft_token_ids()
 
     def get_model(self) -> torch.nn.Module:
         module = self._runner().backend.module

@@ -227,7 +227,7 @@ REFUSED = [
     ("lora_config", {"max_loras": 2}, {}, "merge the adapter"),
     ("text_neuron_config", {"tp_degree": 2}, {}, "text-only"),
     ("vision_neuron_config", {"tp_degree": 2}, {}, "text-only"),
-    ("enable_fused_speculation", True, {}, "speculative decoding"),
+    ("enable_fused_speculation", True, {}, "--speculative-config"),
     # vllm-neuron adds vLLM's null block itself; here pa_num_blocks includes it.
     ("pa_num_blocks", 64, PREFIX, "pa_num_blocks >= 65"),
 ]

@@ -29,6 +29,8 @@ def onc(**keys) -> dict:
 
 
 PREFIX = {"enable_prefix_caching": True}
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                "prompt_lookup_max": 3}}
 NXD = {"VLLM_NEURON_BACKEND": "nxd"}
 
 ROWS = [
@@ -78,9 +80,16 @@ ROWS = [
     Row("custom-worker", {"worker_cls": "my.Worker"},
         ("--worker-cls my.Worker", "remove --worker-cls")),
     Row("lora", {"enable_lora": True}, ("--enable-lora", "merge the adapter")),
-    Row("speculative-decoding", {"speculative_config": {
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-        ("--speculative-config", "remove --speculative-config")),
+    # Speculative decoding is served; these combinations of it cannot work.
+    Row("speculation-with-host-sampling", {**NGRAM, **onc(on_device_sampling_config=None)},
+        ("--speculative-config method 'ngram' with on-device sampling off",
+         "remove on_device_sampling_config: null")),
+    Row("ngram-speculation-in-the-block-layout-on-nxd", {**NGRAM, **PREFIX},
+        ("--speculative-config method 'ngram' with the block KV layout",
+         "no prefix-caching graphs", "use a draft model"), env=NXD),
+    Row("speculation-tkg-buckets-short-of-the-lookahead",
+        {**NGRAM, **onc(token_generation_buckets=[256, 512])},
+        ("token_generation_buckets", "speculation_length=3 reaches max_model_len + 2 = 514")),
     # -- override_neuron_config keys and values --------------------------------------
     Row("misspelt-key", onc(context_encoding_bucket=[128]),
         ("override_neuron_config.context_encoding_bucket=[128]",

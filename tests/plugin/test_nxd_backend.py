@@ -109,7 +109,7 @@ def sampling(rows: int, *, top_k=1, top_p=1.0, temperature=1.0,
     return SamplingInputs(top_k=np.full(rows, top_k, dtype=np.int32),
                           top_p=np.full(rows, top_p, dtype=np.float32),
                           temperature=np.full(rows, temperature, dtype=np.float32),
-                          uniform=np.zeros(rows, dtype=np.float32),
+                          uniform=np.zeros((rows, 1), dtype=np.float32),
                           needs_logits=np.full(rows, needs_logits))
 
 
@@ -444,12 +444,12 @@ def test_2_prefix_caching_decode_with_on_device_sampling(seam, tiny, tmp_path, r
     prompts = [np.array([3, 4]), np.array([5, 6, 7])]
     for seq, prompt in enumerate(prompts):
         out = backend.run(context_encoding_inputs(s, prompt, 0, seq, [seq + 1]), sampling(1))
-        assert out.tokens.tolist() == [expected(prompt)] == out.logits.argmax(-1).tolist()
+        assert out.tokens[:, 0].tolist() == [expected(prompt)] == out.logits.argmax(-1).tolist()
     decode = token_generation_inputs(s, np.array([9, 8][:rows]), np.array([2, 3][:rows]),
                                      np.arange(rows), [[1], [2]][:rows])
     out = backend.run(decode, sampling(rows))
     want = [expected([3, 4, 9]), expected([5, 6, 7, 8])][:rows]
-    assert out.tokens.tolist() == want == out.logits.argmax(-1).tolist()
+    assert out.tokens[:, 0].tolist() == want == out.logits.argmax(-1).tolist()
     assert out.logits.shape == (rows, VOCAB)
 
 
@@ -463,10 +463,10 @@ def test_3_on_device_sampler_samples_non_greedy_requests(seam, tiny, tmp_path):
                       sampling(1, top_k=8, temperature=2.0))
     # the double's logits fall by 1 per token id after the best, so at temperature 2
     # the best has probability 0.41 of the 8 and a fixed 0.5 draw picks the second best
-    assert out.tokens.tolist() == [(expected(prompt) + 1) % VOCAB]
+    assert out.tokens[:, 0].tolist() == [(expected(prompt) + 1) % VOCAB]
     assert out.logits.argmax(-1).tolist() == [expected(prompt)]
     greedy = backend.run(context_encoding_inputs(s, prompt, 0, 1, None), sampling(1))
-    assert greedy.tokens.tolist() == [expected(prompt)]
+    assert greedy.tokens[:, 0].tolist() == [expected(prompt)]
 
 
 def test_4_one_token_prompt_answers_for_its_token(seam, tiny, tmp_path):
@@ -673,7 +673,7 @@ def test_run_returns_logits_of_the_rows_that_need_them(seam, tiny, tmp_path):
     rows = sampling(2)
     rows.needs_logits[0] = False
     out = backend.run(inputs, rows)
-    assert out.tokens.tolist() == [expected([3, 4, 1]), expected([5, 2])]
+    assert out.tokens[:, 0].tolist() == [expected([3, 4, 1]), expected([5, 2])]
     assert out.tokens.dtype == np.int32
     assert out.logits.shape == (1, VOCAB)
     assert out.logits.argmax(-1).tolist() == [expected([5, 2])]

@@ -91,7 +91,7 @@ def test_rows_are_encoded_as_nxdi_takes_them():
         temperature=np.array([0.0, 0.7, 0.7], dtype=np.float32),
         top_k=np.array([1024, 40, 40]), top_p=np.array([1.0, 0.9, 0.9], dtype=np.float32),
         needs_logits=np.array([False, False, True]),
-        uniform=np.array([0.5, 0.25, 0.75], dtype=np.float32))
+        uniform=np.array([[0.5], [0.25], [0.75]], dtype=np.float32))
     assert rows.top_k.tolist() == [1, 40, 1]
     assert rows.temperature.tolist() == pytest.approx([1.0, 0.7, 1.0])
     assert rows.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0])
@@ -109,13 +109,13 @@ def test_rows_without_top_k_get_global_topk_explicitly():
         top_k=np.array([151936, 0, -1, 257, 64, 151936, 151936]),
         top_p=np.full(7, 0.9, dtype=np.float32),
         needs_logits=np.array([False, False, False, False, False, True, False]),
-        uniform=np.zeros(7, dtype=np.float32), global_topk=64)
+        uniform=np.zeros((7, 1), dtype=np.float32), global_topk=64)
     assert rows.top_k.tolist() == [64, 64, 64, 64, 64, 1, 1]
     assert rows.top_k.dtype == np.int32
     assert SamplingInputs.for_rows(
         temperature=np.array([0.7], dtype=np.float32), top_k=np.array([151936]),
         top_p=np.ones(1, dtype=np.float32), needs_logits=np.zeros(1, dtype=bool),
-        uniform=np.zeros(1, dtype=np.float32)).top_k.tolist() == [256]
+        uniform=np.zeros((1, 1), dtype=np.float32)).top_k.tolist() == [256]
 
 
 @pytest.mark.parametrize("backend", ["reference", "nxd"])

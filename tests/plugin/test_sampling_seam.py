@@ -61,16 +61,16 @@ def test_device_rows_get_tokens_and_only_host_rows_get_logits(backend, settings)
         temperature=np.array([0.0, 0.8, 4.0, 0.0], dtype=np.float32),
         top_k=np.array([0, 0, TOP_K, 0]), top_p=np.ones(ROWS, dtype=np.float32),
         needs_logits=np.array([False, True, False, True]),
-        uniform=np.array([0.1, 0.2, 0.9, 0.4], dtype=np.float32))
+        uniform=np.array([[0.1], [0.2], [0.9], [0.4]], dtype=np.float32))
     out = backend.run(decode, sampling)
-    assert out.tokens.dtype == np.int32 and out.tokens.shape == (ROWS,)
+    assert out.tokens.dtype == np.int32 and out.tokens.shape == (ROWS, 1)
     assert out.logits.shape == (2, expected.shape[1])  # only the host rows crossed
     assert torch.allclose(out.logits, expected[[1, 3]], atol=1e-5)
-    assert out.tokens[0] == int(expected[0].argmax())
-    assert out.tokens[2] in expected[2].topk(TOP_K).indices.tolist()
+    assert out.tokens[0, 0] == int(expected[0].argmax())
+    assert out.tokens[2, 0] in expected[2].topk(TOP_K).indices.tolist()
     # the uniform draw decides among the three: a low draw takes the most likely one
-    low = dataclasses.replace(sampling, uniform=np.zeros(ROWS, dtype=np.float32))
-    assert backend.run(decode, low).tokens[2] == int(expected[2].argmax())
+    low = dataclasses.replace(sampling, uniform=np.zeros((ROWS, 1), dtype=np.float32))
+    assert backend.run(decode, low).tokens[2, 0] == int(expected[2].argmax())
 
 
 def test_all_device_call_returns_no_logits(backend, settings):
@@ -78,4 +78,4 @@ def test_all_device_call_returns_no_logits(backend, settings):
     expected = backend.forward(decode).argmax(-1).numpy()
     out = backend.run(decode, SamplingInputs.greedy(ROWS))
     assert out.logits.shape[0] == 0
-    assert out.tokens.tolist() == expected.tolist()
+    assert out.tokens[:, 0].tolist() == expected.tolist()

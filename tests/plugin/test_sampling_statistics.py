@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_plugin.backends.reference.decoder import sample
+from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, SamplingInputs
 
@@ -42,7 +42,7 @@ def device_sampler(tmp_path_factory):
     """The sampler compiled for [ROWS, VOCAB] the way a bucket's graph is stored."""
     greedy = SamplingInputs.greedy(ROWS)
     example = (torch.zeros(ROWS, VOCAB), *(torch.from_numpy(a) for a in (
-        greedy.top_k, greedy.top_p, greedy.temperature, greedy.uniform)))
+        greedy.top_k, greedy.top_p, greedy.temperature, greedy.uniform[:, 0])))
     folder = tmp_path_factory.mktemp("sampler")
     save_graph(torch.export.export(_Sampler(), example), folder, "sampler")
     return load_graph(folder, "sampler")
@@ -160,7 +160,7 @@ def test_greedy_rows_equal_vllms_greedy_sampler(device_sampler):
     logits = 3 * torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(5))
     greedy = SamplingInputs.greedy(ROWS)
     tokens = device_sampler(logits, *(torch.from_numpy(a) for a in (
-        greedy.top_k, greedy.top_p, greedy.temperature, greedy.uniform)))
+        greedy.top_k, greedy.top_p, greedy.temperature, greedy.uniform[:, 0])))
     assert torch.equal(tokens, Sampler.greedy_sample(logits.clone()))
 
 

@@ -212,7 +212,7 @@ class NxDBackend(InlineCalls):
         width = int(args["seq_ids"].shape[0])
         tokens = output.tokens.reshape(width, -1)[torch.from_numpy(answer), -1]
         return StepOutput(
-            tokens=tokens.numpy().astype(np.int32),
+            tokens=tokens.numpy().astype(np.int32).reshape(-1, 1),
             logits=self._logits(output, answer[sampling.needs_logits]),
         )
 

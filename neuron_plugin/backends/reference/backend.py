@@ -15,6 +15,7 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,21 @@ from neuron_plugin.backends.reference.decoder import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.speculative import (
+    DraftPrefillGraph,
+    FusedDraftGraph,
+    VerifyGraph,
+)
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
-from neuron_plugin.core.inputs import CONTEXT_ENCODING, PAD_SEQ_ID, ForwardInputs
+from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
+    PAD_SEQ_ID,
+    ForwardInputs,
+    decode_active,
+    decode_width,
+)
 from neuron_plugin.core.sampling import SamplingInputs
-from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 logger = plugin_logger(__name__)
 
@@ -76,6 +88,7 @@ class ReferenceBackend(InlineCalls):
             min(settings.global_topk, self.spec.vocab_size) if settings.on_device_sampling else None
         )
         self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec), candidates)
+        self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
         self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
@@ -102,14 +115,16 @@ class ReferenceBackend(InlineCalls):
                 "kv_slots": self.num_slots,
                 "torch": torch.__version__,
                 "graph_format": GRAPH_FORMAT,
+                "draft_architecture": self.draft.spec.architecture if self.draft else None,
             },
         )
 
     def cache_manifest_fields(self) -> dict[str, Any]:
         return {
             # make_manifest drops the keys that never change a graph (names, versions,
-            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
-            "model_config": self.hf_config,
+            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS. A fused draft
+            # model's graphs depend on its config too.
+            "model_config": with_draft_config(self.hf_config, self.settings),
             "target": {"device": "cpu", "machine": platform.machine()},
             # The artifact format is part of the key: entries of another format are
             # misses, never loaded.
@@ -120,12 +135,31 @@ class ReferenceBackend(InlineCalls):
         }
 
     # -- compile / load ------------------------------------------------------------
+    def _graph_module(self, graph: GraphSpec) -> torch.nn.Module:
+        """What a bucket's graph computes: a step of the target, or with speculation a
+        verification (n-gram) or a fused draft-and-verify; with a draft model every
+        context encoding also encodes the prompt with the draft."""
+        if graph.phase == CONTEXT_ENCODING:
+            return (
+                self.module
+                if self.draft is None
+                else DraftPrefillGraph(self.module, self.draft.module)
+            )
+        if self.draft is not None:
+            return FusedDraftGraph(self.module, self.draft.module, decode_width(self.settings))
+        if self.settings.speculation_length:
+            return VerifyGraph(self.module)
+        return self.module
+
     def _example_inputs(self, graph: GraphSpec, weights: list[torch.Tensor]) -> tuple:
         if graph.phase == CONTEXT_ENCODING:
             batch, active = 1, graph.shape[0]
             width = active + (graph.shape[1] if len(graph.shape) > 1 else 0)
+            written, draws = active, 1
         else:
-            batch, active, width = graph.shape[0], 1, graph.shape[1]
+            batch, width = graph.shape
+            active, written = decode_active(self.settings), decode_width(self.settings)
+            draws = written
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64)  # noqa: E731
         cache = torch.zeros(
             self.spec.num_layers,
@@ -137,18 +171,22 @@ class ReferenceBackend(InlineCalls):
         sampling = (
             ()
             if self.module.candidates is None
-            else _sampling_tensors(SamplingInputs.greedy(batch))
+            else _sampling_tensors(SamplingInputs.greedy(batch, draws))
         )
+        draft = () if self.draft is None else (self.draft.placeholders(self.dtype),)
+        draft_caches = () if self.draft is None else self.draft.caches(self.num_slots, self.dtype)
         return (
             weights,
+            *draft,
             zeros(batch, active),
             zeros(batch, active),
-            zeros(batch, active),
+            zeros(batch, written),
             zeros(batch, width),
             zeros(batch),
             zeros(batch),
             cache,
             cache.clone(),
+            *draft_caches,
             *sampling,
         )
 
@@ -162,7 +200,9 @@ class ReferenceBackend(InlineCalls):
         (folder / "graphs").mkdir(parents=True, exist_ok=True)
         weights = self._weight_placeholders()
         for graph in graph_specs(self.settings):
-            exported = torch.export.export(self.module, self._example_inputs(graph, weights))
+            exported = torch.export.export(
+                self._graph_module(graph), self._example_inputs(graph, weights)
+            )
             save_graph(exported, folder / "graphs", graph.name)
             if progress:
                 progress(graph.name)
@@ -179,6 +219,8 @@ class ReferenceBackend(InlineCalls):
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        if self.draft is not None:
+            self.draft.load(self.num_slots, self.dtype)
         logger.info(
             "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots (%.1f MiB)",
             len(self.graphs),
@@ -190,10 +232,12 @@ class ReferenceBackend(InlineCalls):
 
     # -- run -------------------------------------------------------------------------
     def _slots(self, inputs: ForwardInputs) -> tuple[np.ndarray, np.ndarray]:
-        """Contract arrays -> (write slots, read slots) for this cache layout."""
+        """Contract arrays -> (write slots of every position the call computes, read
+        slots) for this cache layout; a position past a row's real tokens (or its draft
+        budget) writes to scratch."""
         s = self.settings
-        width = sum(inputs.bucket) if inputs.phase == CONTEXT_ENCODING else inputs.bucket[1]
-        key_pos = np.arange(width, dtype=np.int64)
+        phase_width = sum(inputs.bucket) if inputs.phase == CONTEXT_ENCODING else inputs.bucket[1]
+        key_pos = np.arange(phase_width, dtype=np.int64)
         scratch = self._scratch_slot()
         if s.is_block_layout:
             slot_mapping, block_table = inputs.block_arrays()
@@ -203,12 +247,14 @@ class ReferenceBackend(InlineCalls):
             return write, read
         rows = np.where(inputs.seq_ids == PAD_SEQ_ID, s.max_num_seqs, inputs.seq_ids)
         base = (rows * s.max_model_len)[:, None]
-        active = inputs.input_ids.shape[1]
-        real = (
-            np.arange(active)[None, :]
-            < (inputs.full_context_lens - inputs.computed_context_lens)[:, None]
+        written = (
+            inputs.input_ids.shape[1]
+            if inputs.phase == CONTEXT_ENCODING
+            else decode_width(self.settings)
         )
-        write = np.where(real, base + inputs.position_ids, scratch)
+        offsets = np.arange(written)[None, :]
+        real = offsets < (inputs.full_context_lens - inputs.computed_context_lens)[:, None]
+        write = np.where(real, base + inputs.computed_context_lens[:, None] + offsets, scratch)
         read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
         return write, read
 
@@ -217,15 +263,20 @@ class ReferenceBackend(InlineCalls):
         write, read = self._slots(inputs)
         last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
         t = torch.from_numpy
-        extra = (
-            ()
-            if sampling is None
-            else _sampling_tensors(sampling.padded(inputs.input_ids.shape[0]))
-        )
+        extra: tuple[torch.Tensor, ...] = ()
+        if sampling is not None:
+            draws = 1 if inputs.phase == CONTEXT_ENCODING else decode_width(self.settings)
+            padded = sampling.padded(inputs.input_ids.shape[0])
+            uniform = np.zeros((padded.rows, draws), dtype=np.float32)
+            given = min(draws, padded.uniform.shape[1])
+            uniform[:, :given] = padded.uniform[:, :given]
+            extra = _sampling_tensors(dataclasses.replace(padded, uniform=uniform))
+        draft = self.draft
         graph = self.graphs[(inputs.phase, inputs.bucket)]
         with torch.inference_mode():
             return graph(
                 self.weights,
+                *(() if draft is None else (draft.weights,)),
                 t(inputs.input_ids),
                 t(inputs.position_ids),
                 t(np.ascontiguousarray(write)),
@@ -234,6 +285,7 @@ class ReferenceBackend(InlineCalls):
                 t(last),
                 self.k_cache,
                 self.v_cache,
+                *(() if draft is None else (draft.k_cache, draft.v_cache)),
                 *extra,
             )
 
@@ -244,13 +296,57 @@ class ReferenceBackend(InlineCalls):
         return logits[: inputs.num_real]
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
-        """Tokens from the compiled sampler; logits only of the rows that need them."""
+        """Tokens from the compiled sampler (a row's emitted tokens, padded with
+        NO_TOKEN, with speculation); logits only of the rows that need them."""
         logits, tokens = self._call(inputs, sampling)
         wanted = torch.from_numpy(np.flatnonzero(sampling.needs_logits))
+        rows = tokens.shape[0]
         return StepOutput(
-            tokens=tokens[: inputs.num_real].numpy().astype(np.int32),
+            tokens=tokens.reshape(rows, -1)[: inputs.num_real].numpy().astype(np.int32),
             logits=logits.index_select(0, wanted),
         )
+
+
+class Draft:
+    """A fused draft model (NxDI's fused speculation): its decoder, weights and KV cache,
+    which has the target's slots (see `speculative`)."""
+
+    def __init__(self, settings: NeuronSettings, target: DecoderSpec):
+        assert settings.draft_model is not None
+        self.model_dir = Path(settings.draft_model)
+        self.hf_config = read_hf_config(self.model_dir)
+        self.spec = DecoderSpec.from_hf_config(self.hf_config)
+        if self.spec.vocab_size != target.vocab_size:
+            raise NeuronConfigError(
+                f"--speculative-config model={settings.draft_model}: the draft's vocabulary "
+                f"has {self.spec.vocab_size} tokens, the target's {target.vocab_size}; a "
+                f"draft model must share the target's tokenizer and vocabulary."
+            )
+        self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec))
+        self.weights: list[torch.Tensor] = []
+        self.k_cache = torch.zeros(0)
+        self.v_cache = torch.zeros(0)
+
+    def placeholders(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        shapes = weight_shapes(self.spec, safetensors_shapes(self.model_dir))
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+
+    def caches(self, slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        k_cache = torch.zeros(s.num_layers, slots, s.num_kv_heads, s.head_dim, dtype=dtype)
+        return k_cache, k_cache.clone()
+
+    def load(self, slots: int, dtype: torch.dtype) -> None:
+        self.weights = load_weights(self.model_dir, self.spec, dtype)
+        self.k_cache, self.v_cache = self.caches(slots, dtype)
+
+
+def with_draft_config(hf_config: dict[str, Any], settings: NeuronSettings) -> dict[str, Any]:
+    """The model config a compile-cache key covers: the target's, and a fused draft
+    model's under `speculative_draft` (its path changes no graph, its config does)."""
+    if not settings.draft_model:
+        return hf_config
+    return {**hf_config, "speculative_draft": read_hf_config(settings.draft_model)}
 
 
 def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:

@@ -20,8 +20,10 @@ use the dtype's minimum (not -inf) so fully padded rows stay finite and never po
 cache with NaNs.
 
 With on-device sampling the graph also takes the call's `SamplingInputs` arrays
-(top_k, top_p, temperature, uniform: [batch]) and returns (logits, tokens): the sampler
-is compiled into every bucket's graph, as NxDI compiles its own (see `sample`).
+(top_k, top_p, temperature: [batch], uniform: [batch, draws]) and returns (logits,
+tokens): the sampler is compiled into every bucket's graph, as NxDI compiles its own
+(see `sampler`). Speculative decoding's graphs (`speculative`) are built from the same
+pieces (`hidden`, `head`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from neuron_plugin.backends.reference.architectures import (
     rope_tables,
 )
 from neuron_plugin.backends.reference.mlp import mlp, mlp_weights
+from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core.checkpoint import safetensors_files
 
 __all__ = [
@@ -48,7 +51,6 @@ __all__ = [
     "UnsupportedModelError",
     "load_weights",
     "rope_tables",
-    "sample",
     "weight_names",
     "weight_shapes",
 ]
@@ -159,38 +161,6 @@ def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def sample(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    temperature: torch.Tensor,
-    uniform: torch.Tensor,
-    candidates: int,
-) -> torch.Tensor:
-    """One token per row with vLLM's sampling semantics, as a fixed-shape function.
-
-    Rows with top_k 1 take the argmax of the logits (vLLM's greedy). Others keep the
-    `candidates` (global_topk) largest logits, divide them by the temperature, cut them to
-    the row's top-k (ties with the k-th value stay, as in vLLM) and then to its top-p (a
-    token stays while the probability before it is below top_p, vLLM's rule; NxDI's
-    sampler also drops the token that crosses top_p), and draw by inverse CDF with the
-    row's uniform number: one random input per row, made on the host, so the graph has
-    no random operator and a row's draw costs 4 bytes across the runner's seam."""
-    greedy = logits.max(dim=-1).indices
-    values, indices = torch.topk(logits, candidates, dim=-1)
-    kth = values.gather(-1, top_k.clamp(1, candidates).long().unsqueeze(-1) - 1)
-    scaled = (values / temperature.unsqueeze(-1)).masked_fill(values < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    before = probs.cumsum(-1) - probs
-    probs = probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)
-    cumulative = probs.cumsum(-1)
-    drawn = (cumulative <= uniform.unsqueeze(-1) * cumulative[:, -1:]).sum(-1, keepdim=True)
-    # Float rounding may land past the last kept token; kept tokens are a prefix.
-    last_kept = (probs > 0).sum(-1, keepdim=True) - 1
-    token = indices.gather(-1, torch.minimum(drawn, last_kept)).squeeze(-1)
-    return torch.where(top_k == 1, greedy, token)
-
-
 class DecoderGraph(nn.Module):
     """One decoder step over a fixed-shape bucket (see the module docstring); with
     `candidates` (on-device sampling's global_topk, at most the vocabulary) it samples
@@ -232,8 +202,40 @@ class DecoderGraph(nn.Module):
         temperature: torch.Tensor | None = None,
         uniform: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        w = self.named(weights)
+        x = self.hidden(
+            w, input_ids, positions, write_slots, read_slots, full_context_lens, k_cache, v_cache
+        )
+        logits = self.head(w, x[torch.arange(x.shape[0]), last_index])
+        if self.candidates is None:
+            return logits
+        assert top_k is not None and top_p is not None
+        assert temperature is not None and uniform is not None
+        return logits, sample(logits, top_k, top_p, temperature, uniform[:, 0], self.candidates)
+
+    def named(self, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, weights, strict=True))
+
+    def head(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states `x` [..., hidden]."""
         s = self.spec
-        w = dict(zip(self.names, weights, strict=True))
+        head = w["model.embed_tokens.weight"] if s.tie_word_embeddings else w["lm_head.weight"]
+        return _softcap(x @ head.t(), s.final_softcap).float()
+
+    def hidden(
+        self,
+        w: dict[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        full_context_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-normed hidden states [batch, active, hidden] of every input token,
+        each token's keys and values written to its cache slot first."""
+        s = self.spec
         batch, active = input_ids.shape
         width = read_slots.shape[1]
         embed = w["model.embed_tokens.weight"]
@@ -304,16 +306,7 @@ class DecoderGraph(nn.Module):
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
                 )
             x = x + out
-
-        x = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
-        last = x[torch.arange(batch), last_index]
-        head = embed if s.tie_word_embeddings else w["lm_head.weight"]
-        logits = _softcap(last @ head.t(), s.final_softcap).float()
-        if self.candidates is None:
-            return logits
-        assert top_k is not None and top_p is not None
-        assert temperature is not None and uniform is not None
-        return logits, sample(logits, top_k, top_p, temperature, uniform, self.candidates)
+        return rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
 
 
 def _attend(

@@ -5,8 +5,9 @@ carry "op", replies carry "ok" (and "error" when false). JSON, so nothing receiv
 run code. Arrays: the client writes a call's arrays into the input arena and sends their
 layout ({name: [dtype, shape, offset]}); the runner answers with the output arena's
 layout. A serving call ("run") sends its `SamplingInputs` arrays with its inputs (17
-bytes a row) and gets back a token per row (4 bytes) plus logits only for the rows whose
-sampling needs the host; "forward" gets every row's logits. Both replies carry
+bytes a row, and 4 more per extra draw with speculation) and gets back a row's tokens (4
+bytes, or 4 per position with speculation) plus logits only for the rows whose sampling
+needs the host; "forward" gets every row's logits. Both replies carry
 "backend_s", the backend's own time, so the boundary's cost can be told from the
 model's. Both arenas are memfd-backed mappings the client creates before starting the
 runner (inherited file descriptors), sized once from the settings, so they vanish with
@@ -30,11 +31,11 @@ from typing import IO, Any
 import numpy as np
 
 from neuron_plugin.backends.base import graph_specs
-from neuron_plugin.core.inputs import ForwardInputs, padding_inputs
+from neuron_plugin.core.inputs import ForwardInputs, decode_width, padding_inputs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
 
-PROTOCOL_VERSION = 2  # 2: "run" (on-device sampling), output layouts by name
+PROTOCOL_VERSION = 3  # 3: tokens and draws [rows, positions] (speculative decoding)
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
 SAMPLING_PREFIX = "sampling."
 ALIGN = 64
@@ -167,12 +168,14 @@ def input_arena_bytes(settings: NeuronSettings) -> int:
     for graph in graph_specs(settings):
         inputs = padding_inputs(settings, graph.phase, graph.shape)
         _, arrays = encode_inputs(inputs)
-        arrays.update(encode_sampling(SamplingInputs.greedy(inputs.input_ids.shape[0])))
+        draws = decode_width(settings)
+        arrays.update(encode_sampling(SamplingInputs.greedy(inputs.input_ids.shape[0], draws)))
         largest = max(largest, sum(_aligned(a.nbytes) for a in arrays.values()))
     return largest + _aligned(8 * settings.max_model_len) + ALIGN
 
 
 def output_arena_bytes(settings: NeuronSettings, vocab_size: int) -> int:
-    """Int32 tokens and float32 logits for the most rows one call returns."""
+    """Int32 tokens (a row's emitted tokens with speculation) and float32 logits for the
+    most rows one call returns."""
     rows = max(max(settings.token_generation_batches), settings.ctx_batch_size)
-    return _aligned(4 * rows) + _aligned(4 * rows * vocab_size) + ALIGN
+    return _aligned(4 * rows * decode_width(settings)) + _aligned(4 * rows * vocab_size) + ALIGN
