@@ -11,6 +11,11 @@ untouched (a stamp file records the recipe).
 
     python scripts/build_tiny_model.py --arch llama --out models/tiny-llama
 
+With `--train-steps N` the weights are trained on the corpus until they memorise it
+(`train_on_corpus`): the speculative-decoding tests and benchmark use such a target and a
+one-layer draft trained the same way, so that drafts get accepted as they do on real
+text (random weights accept almost none).
+
 The other architectures the nxd backend maps (mistral, qwen2, mixtral, qwen3_moe, gemma3,
 gpt_oss; not dbrx) are tiny too: 16-token sliding windows, 4 experts top-2, and the
 parameters transformers initialises to constants (norms, biases, sinks) randomised. They
@@ -232,10 +237,13 @@ def recipe(
     max_positions: int,
     layers: int | None = None,
     model_vocab: int | None = None,
+    train_steps: int = 0,
 ) -> dict:
     corpus_digest = __import__("hashlib").sha256(CORPUS.read_bytes()).hexdigest()
     shape = {
-        k: v for k, v in (("layers", layers), ("model_vocab", model_vocab)) if v is not None
+        k: v
+        for k, v in (("layers", layers), ("model_vocab", model_vocab), ("train_steps", train_steps))
+        if v
     }  # absent by default, so existing folders stay valid
     return {
         "recipe_version": RECIPE_VERSION,
@@ -257,13 +265,15 @@ def build(
     max_positions: int = 4096,
     layers: int | None = None,
     model_vocab: int | None = None,
+    train_steps: int = 0,
 ) -> Path:
     """Write the checkpoint to `out` unless an identical one is already there.
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
-    size) the embedding and output rows; `layers` overrides the architecture's depth."""
+    size) the embedding and output rows; `layers` overrides the architecture's depth;
+    `train_steps` trains the weights on the corpus (see `train_on_corpus`)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}")
-    wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab)
+    wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
     stamp = out / "tiny_model_recipe.json"
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out
@@ -314,6 +324,8 @@ def build(
     model.eval()
     if perturb:
         _perturb_constants(model, seed)
+    if train_steps:
+        train_on_corpus(model, tokenizer, train_steps, seed)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -336,6 +348,28 @@ def build(
     return out
 
 
+def train_on_corpus(model, tokenizer, steps: int, seed: int) -> None:
+    """Train `model` (next-token loss, AdamW) on random 64-token windows of the corpus.
+    The corpus is small, so the model memorises it: its greedy continuation of corpus
+    text is the corpus. That makes a stand-in for the workloads speculative decoding is
+    for (an edit that copies most of its input, for prompt lookup; a draft model that
+    agrees with the target) where random weights would accept almost no draft."""
+    import torch
+
+    ids = torch.tensor(tokenizer(CORPUS.read_text())["input_ids"])
+    window, batch = 64, 16
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window, (batch,), generator=generator)
+        inputs = torch.stack([ids[s : s + window] for s in starts.tolist()])
+        model(inputs, labels=inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
@@ -349,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help=f"embedding/output rows, e.g. {QWEN3_VOCAB} (Qwen3's); default: the tokenizer's size",
     )
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train on the corpus for this many steps (memorises it; see train_on_corpus)",
+    )
     args = parser.parse_args(argv)
     path = build(
         args.arch,
@@ -358,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         max_positions=args.max_positions,
         layers=args.layers,
         model_vocab=args.model_vocab,
+        train_steps=args.train_steps,
     )
     print(path)
     return 0

@@ -36,6 +36,19 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def speculation_models() -> tuple[Path, Path]:
+    """A tiny Llama and a one-layer draft of it, both trained on the corpus until they
+    memorise it (scripts/build_tiny_model.py --train-steps): their continuations of
+    corpus text are corpus text and agree, so drafts get accepted (built once)."""
+    from build_tiny_model import build
+
+    target = build("llama", ROOT / "models" / "tiny-llama-trained", train_steps=80)
+    draft = build("llama", ROOT / "models" / "tiny-llama-draft", seed=1, layers=1,
+                  train_steps=80)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
 def sdk_python() -> str:
     """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
     transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend

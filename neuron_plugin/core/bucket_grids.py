@@ -103,8 +103,10 @@ def resolve_grids(
             "token_generation_batches": (batch,),
         }
     ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
-    tkg_default = align_up(nxdi_buckets(min(MIN_BUCKET, decode), decode), unit)
     prefix_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
+    # NxDI's grid for max_model_len, plus the lookahead's reach as one more bucket (NxDI's
+    # own grid for that reach would drop the power of two just below it).
+    tkg_default = prefix_default + ([decode_reach] if decode_reach > prefix_default[-1] else [])
     grids = {
         # With chunked prefill a chunk of up to max_num_batched_tokens must fit one graph.
         "context_encoding_buckets": _grid(

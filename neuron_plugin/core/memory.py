@@ -38,11 +38,14 @@ def kv_heads_per_core(num_kv_heads: int, tp_degree: int) -> int:
 
 
 def kv_cache_slots(settings: NeuronSettings) -> int:
-    """Token positions the KV cache holds: batch x seq_len rows in the contiguous layout,
-    pa_num_blocks x pa_block_size in the block layout."""
+    """Token positions the KV cache holds: batch x seq_len rows in the contiguous layout
+    (seq_len reaches the largest token-generation bucket, past max_model_len with
+    speculation's lookahead), pa_num_blocks x pa_block_size in the block layout."""
     if settings.is_block_layout:
         return settings.num_blocks * settings.block_size
-    return settings.max_num_seqs * settings.max_model_len
+    return settings.max_num_seqs * max(
+        settings.max_model_len, settings.token_generation_buckets[-1]
+    )
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int) -> int:
@@ -106,6 +109,9 @@ class MemoryEstimate:
     total_per_core_bytes: int | None
     device_memory_per_core_bytes: int
     fraction_of_core_memory: float | None
+    # A fused draft model's share (speculative decoding), included in the total.
+    draft_weights_per_core_bytes: int | None = 0
+    draft_kv_cache_per_core_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,13 +122,21 @@ def estimate(
     hf_config: Mapping[str, Any],
     parameters: int | None,
     memory_per_core: int,
+    draft: tuple[Mapping[str, Any], int | None] | None = None,
 ) -> MemoryEstimate:
-    """Weights and KV cache per NeuronCore against the core's share of device HBM."""
-    kv = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree) * kv_cache_slots(
-        settings
-    )
+    """Weights and KV cache per NeuronCore against the core's share of device HBM; with
+    a fused draft model (`draft`: its config and parameter count) its weights and its
+    KV cache (the target's slots) too."""
+    slots = kv_cache_slots(settings)
+    kv = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree) * slots
     weights = weights_per_core(parameters, settings.dtype, settings.tp_degree)
-    total = None if weights is None else weights + kv
+    draft_weights: int | None = 0
+    draft_kv = 0
+    if draft is not None:
+        draft_weights = weights_per_core(draft[1], settings.dtype, settings.tp_degree)
+        draft_kv = kv_bytes_per_token(draft[0], settings.dtype, settings.tp_degree) * slots
+    total = None if weights is None or draft_weights is None else weights + kv + draft_weights
+    total = None if total is None else total + draft_kv
     return MemoryEstimate(
         parameters=parameters,
         weights_per_core_bytes=weights,
@@ -130,4 +144,6 @@ def estimate(
         total_per_core_bytes=total,
         device_memory_per_core_bytes=memory_per_core,
         fraction_of_core_memory=None if total is None else total / memory_per_core,
+        draft_weights_per_core_bytes=draft_weights,
+        draft_kv_cache_per_core_bytes=draft_kv,
     )

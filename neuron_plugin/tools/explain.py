@@ -184,7 +184,9 @@ def build_report(
     """The explain-config report (the --json schema)."""
     cores = instance.cores(lnc())
     ranks, ranks_source = engine_cores(settings, instance, instance_source, host[1])
-    memory = estimate(settings, hf_config, parameters, instance.memory_per_core(lnc()))
+    memory = estimate(
+        settings, hf_config, parameters, instance.memory_per_core(lnc()), draft_of(settings)
+    )
     cte = [list(shape) for shape in settings.context_encoding_shapes()]
     tkg = [list(shape) for shape in settings.token_generation_shapes()]
     try:
@@ -226,6 +228,7 @@ def build_report(
             "instance_cores": cores,
             **memory.to_dict(),
         },
+        "speculation": speculation_report(settings),
         "data_parallel": {
             "engines": settings.dp_degree,
             "engine_cores": ranks,
@@ -236,6 +239,50 @@ def build_report(
         "notes": notes_for(settings, *host),
         "settings": settings.to_dict(),
     }
+
+
+def draft_of(settings: NeuronSettings) -> tuple[dict[str, Any], int | None] | None:
+    """A fused draft model's config and parameter count, for the memory estimate."""
+    if not settings.draft_model:
+        return None
+    from neuron_plugin.core.checkpoint import read_hf_config
+
+    return read_hf_config(settings.draft_model), checkpoint_parameters(settings.draft_model)
+
+
+def speculation_report(settings: NeuronSettings) -> dict[str, Any] | None:
+    """What speculative decoding compiles (None without it)."""
+    if not settings.speculation_method:
+        return None
+    from neuron_plugin.core.speculation import speculation_summary
+
+    return {
+        "method": settings.speculation_method,
+        "num_speculative_tokens": settings.num_speculative_tokens,
+        "draft_model": settings.draft_model,
+        # NxDI's keys (nxd backend); the reference backend compiles the same graphs.
+        "speculation_length": settings.speculation_length,
+        "enable_fused_speculation": settings.is_fused_speculation,
+        "summary": speculation_summary(
+            settings.speculation_method, settings.num_speculative_tokens, settings.backend
+        ),
+    }
+
+
+def _speculation_line(spec: dict[str, Any], mem: dict[str, Any]) -> str:
+    line = (
+        f"{spec['method']}, {spec['num_speculative_tokens']} drafts a step: every "
+        f"token-generation graph computes {spec['speculation_length']} positions a row "
+        f"(NxDI speculation_length {spec['speculation_length']}, enable_fused_speculation "
+        f"{str(spec['enable_fused_speculation']).lower()})"
+    )
+    if spec["draft_model"]:
+        line += (
+            f"; draft {spec['draft_model']}: weights "
+            f"{_size(mem['draft_weights_per_core_bytes'])} + KV cache "
+            f"{_size(mem['draft_kv_cache_per_core_bytes'])} per NeuronCore"
+        )
+    return line
 
 
 def _size(value: int | None) -> str:
@@ -295,6 +342,10 @@ def render(report: dict[str, Any]) -> str:
         f"{mem['instance_cores']} cores",
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
+    if report["speculation"]:
+        lines.append(f"speculation      {_speculation_line(report['speculation'], mem)}")
+    if report["speculation"]:
+        lines.append(f"note: {report['speculation']['summary']}")
     lines += [f"warning: {w}" for w in report["warnings"]]
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
