@@ -13,8 +13,8 @@ untouched (a stamp file records the recipe).
 
 With `--train-steps N` the weights are trained on the corpus until they memorise it
 (`train_on_corpus`): the speculative-decoding tests and benchmark use such a target and a
-one-layer draft trained the same way, so that drafts get accepted as they do on real
-text (random weights accept almost none).
+one-layer draft trained the same way (`build_speculation_models`), so that
+drafts get accepted as they do on real text (random weights accept almost none).
 
 The other architectures the nxd backend maps (mistral, qwen2, mixtral, qwen3_moe, gemma3,
 gpt_oss; not dbrx) are tiny too: 16-token sliding windows, 4 experts top-2, and the
@@ -368,6 +368,17 @@ def train_on_corpus(model, tokenizer, steps: int, seed: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+
+
+def build_speculation_models(models: Path) -> tuple[Path, Path]:
+    """The speculative-decoding tests' and benchmark's target and one-layer draft, in
+    `models`/tiny-mistral-{trained,draft}: Mistral's 16-token sliding window means the
+    64-token training windows cover every attention distance, so the memorised
+    continuation holds at any prompt length."""
+    return (
+        build("mistral", models / "tiny-mistral-trained", train_steps=80),
+        build("mistral", models / "tiny-mistral-draft", seed=1, layers=1, train_steps=80),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,15 +37,12 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def speculation_models() -> tuple[Path, Path]:
-    """A tiny Llama and a one-layer draft of it, both trained on the corpus until they
+    """A tiny Mistral and a one-layer draft of it, both trained on the corpus until they
     memorise it (scripts/build_tiny_model.py --train-steps): their continuations of
     corpus text are corpus text and agree, so drafts get accepted (built once)."""
-    from build_tiny_model import build
+    from build_tiny_model import build_speculation_models
 
-    target = build("llama", ROOT / "models" / "tiny-llama-trained", train_steps=80)
-    draft = build("llama", ROOT / "models" / "tiny-llama-draft", seed=1, layers=1,
-                  train_steps=80)
-    return target, draft
+    return build_speculation_models(ROOT / "models")
 
 
 @pytest.fixture(scope="session")

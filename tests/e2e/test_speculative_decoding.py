@@ -5,7 +5,7 @@ through the backend runner; under continuous batching, an abort and a preemption
 host-sampled and randomly sampled requests mixed in; and vLLM's spec-decode metrics and
 the per-bucket counters show drafts accepted.
 
-The target and draft are tiny Llamas trained on the corpus (`speculation_models`), so
+The target and draft are tiny Mistrals trained on the corpus (`speculation_models`), so
 their continuations of corpus text are corpus text: drafts get accepted, as on real text
 (random weights accept almost none). "Copy" prompts end with the start of a passage they
 already contain, as an edit of a document does: prompt lookup finds the continuation.
