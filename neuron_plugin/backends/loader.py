@@ -16,8 +16,13 @@ from compile_cache.cache import CacheResult, CompileCache
 from compile_cache.manifest import make_manifest
 from compile_cache.stores import open_store
 from neuron_plugin import plugin_logger
-from neuron_plugin.backends.base import Backend, LoadedBackend, Progress, graph_specs
-from neuron_plugin.core.inputs import padding_inputs
+from neuron_plugin.backends.base import (
+    Backend,
+    LoadedBackend,
+    Progress,
+    graph_specs,
+    run_graph_once,
+)
 from neuron_plugin.core.settings import GRID_KEYS, NeuronSettings
 
 if TYPE_CHECKING:
@@ -142,7 +147,7 @@ def load_backend(
     if not settings.skip_warmup:
         started = time.perf_counter()
         for graph in graph_specs(settings):
-            backend.forward(padding_inputs(settings, graph.phase, graph.shape))
+            run_graph_once(backend, graph)
         logger.info(
             "warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true skips it)",
             len(graph_specs(settings)),

@@ -136,18 +136,19 @@ def context_encoding_need(settings: NeuronSettings, shape: tuple[int, ...]) -> t
 
 
 def token_generation_bucket(
-    settings: NeuronSettings, batch: int, context_len: int
+    settings: NeuronSettings, batch: int, context_len: int, logits: bool = False
 ) -> tuple[int, int]:
     """First fit for a decode batch that needs `batch` rows and whose longest row needs
     `context_len` positions. The token-generation grid is a full cross product and cost
     grows in both dimensions, so the least-cost fitting shape is the first fit of each
-    dimension."""
+    dimension. A call that needs logits (`logits`) where the configuration compiles
+    separate logits graphs (`settings.token_generation_logits_shapes()`) runs one of
+    those: their batch is the full one."""
+    batches = settings.token_generation_batches
+    if logits and settings.token_generation_logits_shapes():
+        batches = tuple(sorted({b for b, _ in settings.token_generation_logits_shapes()}))
     return (
-        first_fit(
-            settings.token_generation_batches,
-            batch,
-            what="token_generation_batches (decode batch size)",
-        ),
+        first_fit(batches, batch, what="token_generation_batches (decode batch size)"),
         first_fit(
             settings.token_generation_buckets,
             context_len,
@@ -211,8 +212,10 @@ def token_generation_inputs(
     positions: np.ndarray,
     seq_ids: np.ndarray,
     block_ids: Sequence[Sequence[int]] | None,
+    logits: bool = False,
 ) -> ForwardInputs:
-    """One decode batch: row i generates from token_ids[i] at positions[i].
+    """One decode batch: row i generates from token_ids[i] at positions[i]; `logits`:
+    some row needs its logits (see token_generation_bucket).
 
     In the contiguous layout a graph of batch b serves cache lines (seq_ids) 0..b-1 only:
     NxDI fills the missing seq_ids of a partial batch from range(b) (model_wrapper.
@@ -220,7 +223,7 @@ def token_generation_inputs(
     hold the rows."""
     real = int(token_ids.shape[0])
     rows_needed = real if settings.is_block_layout else int(seq_ids.max()) + 1
-    bucket = token_generation_bucket(settings, rows_needed, int(positions.max()) + 1)
+    bucket = token_generation_bucket(settings, rows_needed, int(positions.max()) + 1, logits)
     rows = bucket[0]
     ids = np.zeros((rows, 1), dtype=np.int64)
     ids[:real, 0] = token_ids

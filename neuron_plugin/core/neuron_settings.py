@@ -138,6 +138,18 @@ class NeuronSettings:
             (b, n) for b in self.token_generation_batches for n in self.token_generation_buckets
         ]
 
+    def token_generation_logits_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context length) of the token-generation graphs compiled with logits
+        beside the logits-free ones, which serve a decode step that has a host-sampled
+        row. Only the nxd backend with on-device sampling splits them (its other
+        token-generation graphs return tokens alone): one per context length, at the full
+        batch (NxDI batch-buckets only its own token-generation submodel), so a mixed
+        step runs the length a logits-free step would and compiles at most one graph
+        per length (backends/nxd/graphs.py)."""
+        if self.backend != "nxd" or not self.on_device_sampling:
+            return []
+        return [(self.max_num_seqs, n) for n in self.token_generation_buckets]
+
     def capacity(self) -> str:
         """The KV cache's capacity in one line, the same in the server log and in
         explain-config. vLLM's own "KV cache size" line counts its null block, which
@@ -158,7 +170,11 @@ class NeuronSettings:
         )
 
     def graph_count(self) -> int:
-        return len(self.context_encoding_shapes()) + len(self.token_generation_shapes())
+        return (
+            len(self.context_encoding_shapes())
+            + len(self.token_generation_shapes())
+            + len(self.token_generation_logits_shapes())
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

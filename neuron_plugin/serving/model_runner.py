@@ -380,6 +380,7 @@ class NeuronModelRunner:
                     dtype=np.int64,
                 ),
                 [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
+                logits=step.sampling is None or bool(step.sampling.needs_logits[rows].any()),
             )
             self._run(inputs, rows, step, host_start, last=not prefills.size)
 
