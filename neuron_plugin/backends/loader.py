@@ -51,6 +51,8 @@ _RUNTIME_ONLY = frozenset(
         "exact_sampling",
         "dtype",
         *GRID_KEYS,
+        # keyed as the logits graphs it gives, where there are any (cache_manifest)
+        "token_generation_logits_buckets",
     }
 )
 
@@ -70,6 +72,9 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     """The canonical description of what would be compiled (the cache key's input)."""
     fields = backend.cache_manifest_fields()
     neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    logits_shapes = settings.token_generation_logits_shapes()
+    if logits_shapes:  # graphs of their own (absent elsewhere, so those keys stay put)
+        neuron_config["token_generation_logits_shapes"] = [list(s) for s in logits_shapes]
     return make_manifest(
         backend=settings.backend,
         model_config=fields["model_config"],

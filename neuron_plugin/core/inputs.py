@@ -143,17 +143,16 @@ def token_generation_bucket(
     grows in both dimensions, so the least-cost fitting shape is the first fit of each
     dimension. A call that needs logits (`logits`) where the configuration compiles
     separate logits graphs (`settings.token_generation_logits_shapes()`) runs one of
-    those: their batch is the full one."""
-    batches = settings.token_generation_batches
-    if logits and settings.token_generation_logits_shapes():
-        batches = tuple(sorted({b for b, _ in settings.token_generation_logits_shapes()}))
+    those: the full batch, at their lengths."""
+    batches, lengths = settings.token_generation_batches, settings.token_generation_buckets
+    what = "token_generation_buckets"
+    shapes = settings.token_generation_logits_shapes() if logits else []
+    if shapes:
+        batches = tuple(sorted({b for b, _ in shapes}))
+        lengths, what = tuple(n for _, n in shapes), "token_generation_logits_buckets"
     return (
         first_fit(batches, batch, what="token_generation_batches (decode batch size)"),
-        first_fit(
-            settings.token_generation_buckets,
-            context_len,
-            what="token_generation_buckets (context length)",
-        ),
+        first_fit(lengths, context_len, what=f"{what} (context length)"),
     )
 
 

@@ -103,6 +103,9 @@ class NeuronSettings:
     # Requests without top_k (or above global_topk) sampled exactly on the host rather
     # than from the global_topk most likely tokens on the device. Changes no compiled graph.
     exact_sampling: bool = False
+    # Context lengths (of token_generation_buckets) whose token-generation graphs also
+    # have a logits twin (see token_generation_logits_shapes); default all of them.
+    token_generation_logits_buckets: tuple[int, ...] = ()
 
     @property
     def is_block_layout(self) -> bool:
@@ -142,13 +145,14 @@ class NeuronSettings:
         """(batch, context length) of the token-generation graphs compiled with logits
         beside the logits-free ones, which serve a decode step that has a host-sampled
         row. Only the nxd backend with on-device sampling splits them (its other
-        token-generation graphs return tokens alone): one per context length, at the full
-        batch (NxDI batch-buckets only its own token-generation submodel), so a mixed
-        step runs the length a logits-free step would and compiles at most one graph
-        per length (backends/nxd/graphs.py)."""
+        token-generation graphs return tokens alone): one per context length of
+        `token_generation_logits_buckets` (by default every length, so a mixed step runs
+        the length a logits-free step would), at the full batch (NxDI batch-buckets only
+        its own token-generation submodel; backends/nxd/graphs.py)."""
         if self.backend != "nxd" or not self.on_device_sampling:
             return []
-        return [(self.max_num_seqs, n) for n in self.token_generation_buckets]
+        lengths = self.token_generation_logits_buckets or self.token_generation_buckets
+        return [(self.max_num_seqs, n) for n in lengths]
 
     def capacity(self) -> str:
         """The KV cache's capacity in one line, the same in the server log and in
@@ -184,7 +188,7 @@ class NeuronSettings:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
         values = dict(data)
-        for key in GRID_KEYS:
-            values[key] = tuple(values[key])
+        for key in (*GRID_KEYS, "token_generation_logits_buckets"):
+            values[key] = tuple(values.get(key, ()))
         values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
         return cls(**values)

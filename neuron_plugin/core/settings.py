@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import resolve_grids
+from neuron_plugin.core.bucket_grids import LOGITS_KEY, resolve_grids
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -78,6 +78,7 @@ NEURON_DEFAULT_MAX_NUM_SEQS = 32
 INTERPRETED_KEYS = frozenset(
     (
         *GRID_KEYS,
+        LOGITS_KEY,
         "enable_bucketing",
         "is_prefix_caching",
         "is_block_kv_layout",
@@ -228,6 +229,13 @@ def resolve_settings(
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
     on_device, global_topk = resolve_on_device_sampling(override, on_device_sampling_disabled)
+    if LOGITS_KEY in override and not on_device:
+        raise NeuronConfigError(
+            f"override_neuron_config.{LOGITS_KEY} chooses the token-generation graphs "
+            f"compiled with logits beside tokens-only ones, which exist with on-device "
+            f"sampling only, and it is off (every graph returns logits); remove "
+            f"{LOGITS_KEY}."
+        )
     exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
@@ -273,6 +281,7 @@ def resolve_settings(
         rank_cores=rank_cores,
         max_num_seqs_reason=max_num_seqs_reason,
         exact_sampling=exact,
+        token_generation_logits_buckets=grids[LOGITS_KEY],
     )
 
 

@@ -28,14 +28,17 @@ from neuron_plugin.backends.nxd.graphs import LOGITS_TAG
 from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
     context_encoding_inputs,
+    token_generation_bucket,
     token_generation_inputs,
 )
+from neuron_plugin.core.settings import NeuronConfigError
 from tests.plugin.fake_nxdi.nxdi_release import purge
 from tests.plugin.test_nxd_backend import (  # noqa: F401  (fixtures)
     PREFIX,
     VOCAB,
     expected,
     loaded,
+    release,
     sampling,
     seam,
     settings,
@@ -118,6 +121,19 @@ def test_submodels_and_the_graphs_they_compile(seam, tiny, tmp_path):
     plain = NxDBackend(off, tiny)._new_model()
     assert [w.tag for w in plain.models] == ["context_encoding_model", "token_generation_model"]
     assert not plain.neuron_config.output_logits
+
+
+def test_logits_graphs_key_the_compile_cache(release, tiny):
+    """Artifacts compiled before the split lack the logits graphs: a new key, not a
+    load refused for its graph list."""
+    from neuron_plugin.backends.loader import cache_manifest
+
+    on = settings(override=ODS)
+    manifest = cache_manifest(on, NxDBackend(on, tiny))
+    assert manifest["neuron"]["token_generation_logits_shapes"] == [[4, 128], [4, 256]]
+    off = settings(override={"on_device_sampling_config": None})
+    assert "token_generation_logits_shapes" not in cache_manifest(off, NxDBackend(off, tiny))[
+        "neuron"]
 
 
 @pytest.mark.parametrize("limits", [{}, PREFIX], ids=["contiguous", "block"])
@@ -300,3 +316,49 @@ def test_model_runner_moves_logits_only_for_host_rows(tiny, monkeypatch, tmp_pat
         for token in out_tokens[req_id]:
             assert token == expected(context)
             context.append(token)
+
+
+# -- token_generation_logits_buckets: fewer logits graphs ----------------------------------
+def test_logits_buckets_choose_the_lengths_with_a_logits_graph():
+    s = settings(override={**ODS, "token_generation_logits_buckets": [256]})
+    assert s.token_generation_logits_buckets == (256,)
+    assert s.token_generation_logits_shapes() == [(4, 256)]
+    assert s.graph_count() == 5
+    assert token_generation_bucket(s, 1, 10, logits=True) == (4, 256)
+    assert token_generation_bucket(s, 1, 10) == (4, 128)
+    assert settings(override=ODS).token_generation_logits_buckets == (128, 256)
+    reference = dataclasses.replace(s, backend="reference")
+    assert reference.token_generation_logits_shapes() == []
+    assert token_generation_bucket(reference, 1, 10, logits=True) == (4, 128)
+
+
+@pytest.mark.parametrize("override,message", [
+    ({**ODS, "token_generation_logits_buckets": [64, 256]},
+     r"token_generation_logits_buckets has \[64\], not in token_generation_buckets "
+     r"\[128, 256\].*choose among those lengths"),
+    ({**ODS, "token_generation_logits_buckets": [128]},
+     r"token_generation_logits_buckets=\[128\] lacks the largest token-generation bucket "
+     r"256.*add 256"),
+    ({**ODS, "token_generation_logits_buckets": []}, r"must be a non-empty list"),
+    ({"on_device_sampling_config": None, "token_generation_logits_buckets": [256]},
+     r"exist with on-device sampling only, and it is off.*remove "
+     r"token_generation_logits_buckets"),
+    ({"enable_bucketing": False, "token_generation_logits_buckets": [256]},
+     r"enable_bucketing=false but token_generation_logits_buckets given"),
+])
+def test_logits_buckets_that_cannot_work_are_refused(override, message):
+    with pytest.raises(NeuronConfigError, match=message):
+        settings(override=override)
+
+
+def test_fewer_logits_graphs_serve_a_mixed_decode_at_a_longer_length(seam, tiny, tmp_path):
+    s = settings(override={**ODS, "token_generation_logits_buckets": [256]})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    assert backend.model.token_generation_logits_model.neuron_config.buckets == [256]
+    contexts = prefill(backend, PROMPTS, None)
+    decode(backend, contexts, None, [False] * 4)
+    assert backend.model.traced_model.ran[-1] == ("token_generation_model", 128)
+    out, want = decode(backend, contexts, None, [True, False, False, False])
+    assert backend.model.traced_model.ran[-1] == (LOGITS_TAG, 256)
+    assert out.logits.argmax(-1).tolist() == want[:1]
+    decode(backend, contexts, None, [False] * 4)  # the KV state both graphs share

@@ -50,16 +50,20 @@ def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
     shapes = settings.token_generation_logits_shapes()
     if not shapes:
         return
+    lengths = {length for _, length in shapes}
     plain = model.token_generation_model
     config = copy.deepcopy(plain.config)
     neuron_config = config.neuron_config
     neuron_config.output_logits = True
     if getattr(neuron_config, "token_generation_batches", None) is not None:
         # NxDI batch-buckets the token_generation_model tag only: the variant is 1-D,
-        # compiled for the full batch (tkg_batch_size) at every length, the buckets
+        # compiled for the full batch (tkg_batch_size), its buckets what
         # autobucketing.generate_buckets_for_tkg gives an explicit list without batches.
         neuron_config.token_generation_batches = None
-        neuron_config.buckets = list(neuron_config.token_generation_buckets)
+        buckets = list(neuron_config.token_generation_buckets)
+    else:
+        buckets = list(neuron_config.buckets)  # lengths, or [1, length] (block layout)
+    neuron_config.buckets = [b for b in buckets if _length(b) in lengths]
     variant = type(plain)(
         config=config,
         model_cls=plain.model_cls,
@@ -72,6 +76,10 @@ def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
     # A submodule of the application, as NxDI's own submodels are, so that what NxDI
     # does to all of them (eval() in to_cpu, the dtype cast in load) reaches it too.
     setattr(model, LOGITS_TAG, variant)
+
+
+def _length(bucket: int | Sequence[int]) -> int:
+    return int(bucket[-1]) if isinstance(bucket, Sequence) else int(bucket)
 
 
 def logits_variant(model: Any) -> Any | None:
