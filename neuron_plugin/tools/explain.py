@@ -201,14 +201,20 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
     full = traffic["decode_with_host_rows"]
     size = f" ({_size(full)} of float32 logits)" if full else ""
     others = settings.graph_count() - len(shapes)
+    lengths = [n for _, n in shapes]
+    where = (
+        "at the same context length"
+        if tuple(lengths) == settings.token_generation_buckets
+        else f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
+    )
+    count = f"{len(shapes)} logits graph{'s add' if len(shapes) > 1 else ' adds'}"
     return [
         f"a decode step whose rows are all sampled on the device runs a token-generation "
         f"graph that returns tokens alone; a step with a host-sampled row (logprobs, "
-        f"penalties, grammar, seed, ...) runs its logits twin at the same context length "
-        f"and the full batch of {settings.max_num_seqs}, which returns every row's "
-        f"logits{size}; a prefill returns its one row. The {len(shapes)} logits graphs "
-        f"are {len(shapes) / others:.0%} more graphs to compile and cache than the "
-        f"{others} others (compiled once, with them)."
+        f"penalties, grammar, seed, ...) runs its logits twin {where} and the full batch "
+        f"of {settings.max_num_seqs}, which returns every row's logits{size}; a prefill "
+        f"returns its one row. The {count} {len(shapes) / others:.0%} to the {others} "
+        f"other graphs to compile and cache (compiled once, with them)."
     ]
 
 

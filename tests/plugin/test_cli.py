@@ -196,7 +196,7 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert report["buckets"]["token_generation_logits_shapes"] == [[4, 128], [4, 256]]
     assert report["logits"] == {"vocab_size": 977, "prefill": 4 * 977, "decode": None,
                                 "decode_with_host_rows": 4 * 4 * 977}
-    assert any("returns tokens alone" in n and "2 logits graphs are 50% more graphs" in n
+    assert any("returns tokens alone" in n and "2 logits graphs add 50% to the 4 other graphs" in n
                for n in report["notes"])
     assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])
     assert report["memory"]["kv_cache_per_core_bytes"] == 2 * 2 * 2 * 64 * 2 * 4 * 256

@@ -1,9 +1,11 @@
 """The NxDI forward arguments for a call of the NxD contract (`core.inputs.ForwardInputs`).
 
 Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router):
-- NxD's router looks every input up by its exact shape among the compiled graphs
-  (neuronx-distributed trace/spmd.py NxDModel.router), batch rows included, so every
-  call carries `sampling_params` with exactly its rows (see `backend.NxDBackend._call`).
+- A compiled graph takes inputs of exactly the shapes it was traced with: NxD's router
+  looks every input up by its exact shape (neuronx-distributed trace/spmd.py
+  NxDModel.router), and so does the plugin's routing by tag (`graphs.TaggedGraphs`),
+  batch rows included, so every call carries `sampling_params` with exactly its rows
+  (see `backend.NxDBackend._call`).
 - Context encoding: one row (ctx_batch_size=1). Contiguous layout: input ids and
   positions at the bucket's width, the attention mask at the prompt's width (NxDI picks
   the bucket from the mask). Block layout: the whole context [0, end) as input_ids (NxDI
