@@ -362,3 +362,56 @@ def test_fewer_logits_graphs_serve_a_mixed_decode_at_a_longer_length(seam, tiny,
     assert backend.model.traced_model.ran[-1] == (LOGITS_TAG, 256)
     assert out.logits.argmax(-1).tolist() == want[:1]
     decode(backend, contexts, None, [False] * 4)  # the KV state both graphs share
+
+
+def test_runner_process_carries_logits_only_for_host_rows(tiny, sdk_python, monkeypatch,
+                                                          tmp_path):
+    """The backend in a runner process (the SDK environment, NxDI being the double):
+    the reply of an all-device decode carries no logits through the output arena, a
+    mixed decode the host row's alone."""
+    from neuron_plugin.backends.loader import open_backend
+    from neuron_plugin.backends.runner.client import RunnerBackend
+    from tests.plugin.fake_nxdi.nxdi_release import ROOT as FAKE_ROOT
+
+    repo = FAKE_ROOT.parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(FAKE_ROOT), str(repo), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_NXDI_RELEASE", "0.9-ef2731e")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
+    s = dataclasses.replace(settings(override=ODS), backend_python=sdk_python)
+    backend = open_backend(s, tiny, str(tmp_path / "cache"))
+    assert isinstance(backend, RunnerBackend)
+    replies: list[dict[str, int]] = []
+    receive = backend._receive
+
+    def counted(op: str):
+        arrays = receive(op)
+        replies.append({name: int(a.nbytes) for name, a in arrays.items()})
+        return arrays
+
+    monkeypatch.setattr(backend, "_receive", counted)
+    try:
+        contexts = {}
+        for seq, prompt in enumerate(PROMPTS):
+            inputs = context_encoding_inputs(s, np.array(prompt), 0, seq, None)
+            contexts[seq] = [*prompt, int(backend.run(inputs, sampling(1, needs_logits=False))
+                                          .tokens[0])]
+        assert replies[-1] == {"tokens": 4, "logits": 0}
+        for host in ([False] * 4, [False, False, True, False]):
+            rows = sampling(4, needs_logits=False)
+            rows.needs_logits[:] = host
+            inputs = token_generation_inputs(
+                s, np.array([contexts[q][-1] for q in range(4)]),
+                np.array([len(contexts[q]) - 1 for q in range(4)]), np.arange(4), None,
+                logits=any(host))
+            out = backend.run(inputs, rows)
+            want = [expected(contexts[q]) for q in range(4)]
+            assert out.tokens.tolist() == want
+            assert replies[-1] == {"tokens": 4 * 4, "logits": 4 * VOCAB * sum(host)}
+            if any(host):
+                assert out.logits.argmax(-1).tolist() == [want[2]]
+            for q in range(4):
+                contexts[q].append(want[q])
+    finally:
+        backend.close()

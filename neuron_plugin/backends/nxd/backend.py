@@ -198,8 +198,8 @@ class NxDBackend(InlineCalls):
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         if inputs.num_real == 0:
-            # a logits graph where the shape has one (the others return logits when
-            # there are no logits graphs, and there are no real rows to return)
+            # the shape's logits graph where it has one, else its only graph (no row
+            # comes back either way)
             self._padding_call(
                 inputs, tuple(inputs.bucket) in self.settings.token_generation_logits_shapes()
             )
