@@ -148,8 +148,12 @@ class NeuronSettings:
         token-generation graphs return tokens alone): one per context length of
         `token_generation_logits_buckets` (by default every length, so a mixed step runs
         the length a logits-free step would), at the full batch (NxDI batch-buckets only
-        its own token-generation submodel; backends/nxd/graphs.py)."""
+        its own token-generation submodel; backends/nxd/graphs.py). NxDI's tensor capture
+        (`tensor_capture_config`) forces output_logits on and puts the captured tensors
+        after the logits, so with it every graph keeps its logits (none are split)."""
         if self.backend != "nxd" or not self.on_device_sampling:
+            return []
+        if self.passthrough.get("tensor_capture_config"):
             return []
         lengths = self.token_generation_logits_buckets or self.token_generation_buckets
         return [(self.max_num_seqs, n) for n in lengths]

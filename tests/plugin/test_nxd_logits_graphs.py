@@ -415,3 +415,10 @@ def test_runner_process_carries_logits_only_for_host_rows(tiny, sdk_python, monk
                 contexts[q].append(want[q])
     finally:
         backend.close()
+
+
+def test_tensor_capture_keeps_every_graph_with_logits():
+    """NxDI forces output_logits on with tensor capture (models/config.py) and its
+    captured tensors follow the logits in every output."""
+    s = settings(override={**ODS, "tensor_capture_config": {"modules_to_capture": ["x"]}})
+    assert s.token_generation_logits_shapes() == [] and s.graph_count() == 4
