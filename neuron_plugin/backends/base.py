@@ -34,7 +34,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from neuron_plugin.core.inputs import CONTEXT_ENCODING, TOKEN_GENERATION, ForwardInputs
+from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
+    TOKEN_GENERATION,
+    ForwardInputs,
+    padding_inputs,
+)
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -44,22 +49,31 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One compiled graph: its phase and the static shape it was compiled for."""
+    """One compiled graph: its phase, the static shape it was compiled for, and whether
+    it is the logits graph of a token-generation shape whose other graph returns tokens
+    alone (`NeuronSettings.token_generation_logits_shapes`)."""
 
     phase: str
     shape: tuple[int, ...]
+    logits: bool = False
 
     @property
     def name(self) -> str:
         dims = "x".join(str(d) for d in self.shape)
-        return f"{'cte' if self.phase == CONTEXT_ENCODING else 'tkg'}_{dims}"
+        kind = "cte" if self.phase == CONTEXT_ENCODING else "tkg"
+        return f"{kind}{'_logits' if self.logits else ''}_{dims}"
 
 
 def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
     """Every graph a configuration needs, in compile order."""
-    return [GraphSpec(CONTEXT_ENCODING, s) for s in settings.context_encoding_shapes()] + [
-        GraphSpec(TOKEN_GENERATION, s) for s in settings.token_generation_shapes()
-    ]
+    return (
+        [GraphSpec(CONTEXT_ENCODING, s) for s in settings.context_encoding_shapes()]
+        + [GraphSpec(TOKEN_GENERATION, s) for s in settings.token_generation_shapes()]
+        + [
+            GraphSpec(TOKEN_GENERATION, s, logits=True)
+            for s in settings.token_generation_logits_shapes()
+        ]
+    )
 
 
 def artifact_record(settings: NeuronSettings, extra: dict[str, Any]) -> dict[str, Any]:
@@ -173,3 +187,16 @@ class Backend(LoadedBackend, Protocol):
 
     def load(self, folder: Path) -> None:
         """Load compiled graphs and weights; allocate the KV cache."""
+
+
+def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
+    """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs
+    that return logits, `run` without a host row the token-generation graphs that
+    return tokens alone."""
+    settings = backend.settings
+    inputs = padding_inputs(settings, graph.phase, graph.shape)
+    tokens_only = settings.token_generation_logits_shapes() and not graph.logits
+    if graph.phase == TOKEN_GENERATION and tokens_only:
+        backend.run(inputs, SamplingInputs.greedy(inputs.num_real))
+    else:
+        backend.forward(inputs)

@@ -16,8 +16,13 @@ from compile_cache.cache import CacheResult, CompileCache
 from compile_cache.manifest import make_manifest
 from compile_cache.stores import open_store
 from neuron_plugin import plugin_logger
-from neuron_plugin.backends.base import Backend, LoadedBackend, Progress, graph_specs
-from neuron_plugin.core.inputs import padding_inputs
+from neuron_plugin.backends.base import (
+    Backend,
+    LoadedBackend,
+    Progress,
+    graph_specs,
+    run_graph_once,
+)
 from neuron_plugin.core.settings import GRID_KEYS, NeuronSettings
 
 if TYPE_CHECKING:
@@ -46,6 +51,8 @@ _RUNTIME_ONLY = frozenset(
         "exact_sampling",
         "dtype",
         *GRID_KEYS,
+        # keyed as the logits graphs it gives, where there are any (cache_manifest)
+        "token_generation_logits_buckets",
     }
 )
 
@@ -65,6 +72,9 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     """The canonical description of what would be compiled (the cache key's input)."""
     fields = backend.cache_manifest_fields()
     neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    logits_shapes = settings.token_generation_logits_shapes()
+    if logits_shapes:  # graphs of their own (absent elsewhere, so those keys stay put)
+        neuron_config["token_generation_logits_shapes"] = [list(s) for s in logits_shapes]
     return make_manifest(
         backend=settings.backend,
         model_config=fields["model_config"],
@@ -142,7 +152,7 @@ def load_backend(
     if not settings.skip_warmup:
         started = time.perf_counter()
         for graph in graph_specs(settings):
-            backend.forward(padding_inputs(settings, graph.phase, graph.shape))
+            run_graph_once(backend, graph)
         logger.info(
             "warm-up: ran each of %d graphs once in %.2f s (skip_warmup=true skips it)",
             len(graph_specs(settings)),

@@ -13,6 +13,7 @@ from neuron_plugin.core.neuron_settings import BLOCK, GRID_KEYS, EngineLimits
 from neuron_plugin.core.override_checks import bool_setting
 
 MIN_BUCKET = 128
+LOGITS_KEY = "token_generation_logits_buckets"
 
 
 def _grid(
@@ -90,7 +91,7 @@ def resolve_grids(
         f"max_model_len + {speculation_length - 1} = {decode}"
     )
     if not enable:
-        given = [key for key in GRID_KEYS if key in override]
+        given = [key for key in (*GRID_KEYS, LOGITS_KEY) if key in override]
         if given:
             raise NeuronConfigError(
                 f"override_neuron_config.enable_bucketing=false but {', '.join(given)} "
@@ -101,6 +102,7 @@ def resolve_grids(
             "token_generation_buckets": (decode_reach,),
             "prefix_buckets": (0, reach) if block else (),
             "token_generation_batches": (batch,),
+            LOGITS_KEY: (reach,),
         }
     ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
     prefix_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
@@ -181,4 +183,33 @@ def resolve_grids(
         )
     else:
         grids["prefix_buckets"] = ()
+    grids[LOGITS_KEY] = logits_lengths(override, grids["token_generation_buckets"])
     return grids
+
+
+def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """`token_generation_logits_buckets`: the context lengths whose token-generation
+    graphs get a logits twin (nxd backend, on-device sampling), by default all of them.
+    Fewer compile fewer graphs; a decode with a host-sampled row then runs the first of
+    them that fits, so the largest must be there."""
+    if LOGITS_KEY not in override:
+        return lengths
+    name = f"override_neuron_config.{LOGITS_KEY}"
+    try:
+        chosen = validate_grid(override[LOGITS_KEY], name=name)
+    except BucketError as exc:
+        raise NeuronConfigError(str(exc)) from None
+    unknown = [n for n in chosen if n not in lengths]
+    if unknown:
+        raise NeuronConfigError(
+            f"{name} has {unknown}, not in token_generation_buckets {list(lengths)}: a "
+            f"logits graph is the twin of a token-generation graph; choose among those "
+            f"lengths."
+        )
+    if chosen[-1] != lengths[-1]:
+        raise NeuronConfigError(
+            f"{name}={list(chosen)} lacks the largest token-generation bucket "
+            f"{lengths[-1]}: a decode with a host-sampled row past {chosen[-1]} tokens "
+            f"would have no graph; add {lengths[-1]}."
+        )
+    return chosen

@@ -156,23 +156,23 @@ def context_encoding_need(settings: NeuronSettings, shape: tuple[int, ...]) -> t
 
 
 def token_generation_bucket(
-    settings: NeuronSettings, batch: int, context_len: int
+    settings: NeuronSettings, batch: int, context_len: int, logits: bool = False
 ) -> tuple[int, int]:
     """First fit for a decode batch that needs `batch` rows and whose longest row needs
     `context_len` positions. The token-generation grid is a full cross product and cost
     grows in both dimensions, so the least-cost fitting shape is the first fit of each
-    dimension."""
+    dimension. A call that needs logits (`logits`) where the configuration compiles
+    separate logits graphs (`settings.token_generation_logits_shapes()`) runs one of
+    those: the full batch, at their lengths."""
+    batches, lengths = settings.token_generation_batches, settings.token_generation_buckets
+    what = "token_generation_buckets"
+    shapes = settings.token_generation_logits_shapes() if logits else []
+    if shapes:
+        batches = tuple(sorted({b for b, _ in shapes}))
+        lengths, what = tuple(n for _, n in shapes), "token_generation_logits_buckets"
     return (
-        first_fit(
-            settings.token_generation_batches,
-            batch,
-            what="token_generation_batches (decode batch size)",
-        ),
-        first_fit(
-            settings.token_generation_buckets,
-            context_len,
-            what="token_generation_buckets (context length)",
-        ),
+        first_fit(batches, batch, what="token_generation_batches (decode batch size)"),
+        first_fit(lengths, context_len, what=f"{what} (context length)"),
     )
 
 
@@ -244,8 +244,10 @@ def token_generation_inputs(
     block_ids: Sequence[Sequence[int]] | None,
     drafts: np.ndarray | None = None,
     budget: np.ndarray | None = None,
+    logits: bool = False,
 ) -> ForwardInputs:
-    """One decode batch: row i generates from token_ids[i] at positions[i].
+    """One decode batch: row i generates from token_ids[i] at positions[i]; `logits`:
+    some row needs its logits (see token_generation_bucket).
 
     With speculation row i may also accept up to budget[i] drafts (the n-gram drafts
     `drafts[i]` [num_speculative_tokens], negative where there is none; a fused draft
@@ -262,7 +264,7 @@ def token_generation_inputs(
     spans = np.zeros(real, dtype=np.int64) if budget is None else np.asarray(budget)
     rows_needed = real if settings.is_block_layout else int(seq_ids.max()) + 1
     bucket = token_generation_bucket(
-        settings, rows_needed, int(positions.max()) + 1 + settings.speculation_length
+        settings, rows_needed, int(positions.max()) + 1 + settings.speculation_length, logits
     )
     rows = bucket[0]
     ids = np.zeros((rows, active), dtype=np.int64)

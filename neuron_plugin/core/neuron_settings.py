@@ -119,6 +119,9 @@ class NeuronSettings:
     speculation_method: str | None = None
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # Context lengths (of token_generation_buckets) whose token-generation graphs also
+    # have a logits twin (see token_generation_logits_shapes); default all of them.
+    token_generation_logits_buckets: tuple[int, ...] = ()
 
     @property
     def is_block_layout(self) -> bool:
@@ -166,6 +169,25 @@ class NeuronSettings:
             (b, n) for b in self.token_generation_batches for n in self.token_generation_buckets
         ]
 
+    def token_generation_logits_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context length) of the token-generation graphs compiled with logits
+        beside the logits-free ones, which serve a decode step that has a host-sampled
+        row. Only the nxd backend with on-device sampling splits them (its other
+        token-generation graphs return tokens alone): one per context length of
+        `token_generation_logits_buckets` (by default every length, so a mixed step runs
+        the length a logits-free step would), at the full batch (NxDI batch-buckets only
+        its own token-generation submodel; backends/nxd/graphs.py). NxDI's tensor capture
+        (`tensor_capture_config`) forces output_logits on and puts the captured tensors
+        after the logits, so with it every graph keeps its logits (none are split). With
+        speculation NxDI's speculation or fused speculation model replaces its
+        token-generation model, and returns logits where the configuration has them."""
+        if self.backend != "nxd" or not self.on_device_sampling or self.speculation_method:
+            return []
+        if self.passthrough.get("tensor_capture_config"):
+            return []
+        lengths = self.token_generation_logits_buckets or self.token_generation_buckets
+        return [(self.max_num_seqs, n) for n in lengths]
+
     def capacity(self) -> str:
         """The KV cache's capacity in one line, the same in the server log and in
         explain-config. vLLM's own "KV cache size" line counts its null block, which
@@ -186,7 +208,11 @@ class NeuronSettings:
         )
 
     def graph_count(self) -> int:
-        return len(self.context_encoding_shapes()) + len(self.token_generation_shapes())
+        return (
+            len(self.context_encoding_shapes())
+            + len(self.token_generation_shapes())
+            + len(self.token_generation_logits_shapes())
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -196,7 +222,7 @@ class NeuronSettings:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
         values = dict(data)
-        for key in GRID_KEYS:
-            values[key] = tuple(values[key])
+        for key in (*GRID_KEYS, "token_generation_logits_buckets"):
+            values[key] = tuple(values.get(key, ()))
         values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
         return cls(**values)

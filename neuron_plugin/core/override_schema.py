@@ -150,9 +150,15 @@ ADDED_IN = {
 }
 
 # Keys this plugin reads that NeuronConfig does not take: `bucket_set` (expanded into
-# the grid keys before resolution) and `is_chunked_prefill` (NxDI derives it from
-# chunked_prefill_config; here it must agree with --enable-chunked-prefill).
-PLUGIN_KEYS = {"bucket_set": "text", "is_chunked_prefill": "bool"}
+# the grid keys before resolution), `is_chunked_prefill` (NxDI derives it from
+# chunked_prefill_config; here it must agree with --enable-chunked-prefill) and
+# `token_generation_logits_buckets` (the lengths of the token-generation logits graphs,
+# backends/nxd/graphs.py).
+PLUGIN_KEYS = {
+    "bucket_set": "text",
+    "is_chunked_prefill": "bool",
+    "token_generation_logits_buckets": "grid",
+}
 
 
 def _field(kind: str, nullable: bool, description: str | None = None) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import resolve_grids
+from neuron_plugin.core.bucket_grids import LOGITS_KEY, resolve_grids
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -79,6 +79,7 @@ NEURON_DEFAULT_MAX_NUM_SEQS = 32
 INTERPRETED_KEYS = frozenset(
     (
         *GRID_KEYS,
+        LOGITS_KEY,
         "enable_bucketing",
         "is_prefix_caching",
         "is_block_kv_layout",
@@ -244,6 +245,19 @@ def resolve_settings(
             f"NxDI does not batch-bucket the block layout ({reason}); remove "
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
+    if LOGITS_KEY in override and method:
+        raise NeuronConfigError(
+            f"override_neuron_config.{LOGITS_KEY} chooses token-generation graphs with "
+            f"logits beside tokens-only ones, but with --speculative-config NxDI's "
+            f"speculation model replaces its token-generation model; remove {LOGITS_KEY}."
+        )
+    if LOGITS_KEY in override and not on_device:
+        raise NeuronConfigError(
+            f"override_neuron_config.{LOGITS_KEY} chooses the token-generation graphs "
+            f"compiled with logits beside tokens-only ones, which exist with on-device "
+            f"sampling only, and it is off (every graph returns logits); remove "
+            f"{LOGITS_KEY}."
+        )
     exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
@@ -292,6 +306,7 @@ def resolve_settings(
         speculation_method=method,
         num_speculative_tokens=drafts,
         draft_model=draft_model,
+        token_generation_logits_buckets=grids[LOGITS_KEY],
     )
 
 

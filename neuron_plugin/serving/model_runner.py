@@ -399,6 +399,7 @@ class NeuronModelRunner:
                 [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
                 drafts,
                 budget,
+                logits=step.sampling is None or bool(step.sampling.needs_logits[rows].any()),
             )
             self._run(inputs, rows, step, host_start, last=not prefills.size)
 

@@ -172,6 +172,52 @@ def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str
     return notes
 
 
+def logits_traffic(settings: NeuronSettings, hf_config: dict) -> dict[str, int | None]:
+    """Bytes of float32 logits the graphs of each kind return per call (NxDI casts the
+    logits to float32, models/model_base.py NeuronBaseModel.forward): null for a kind
+    that returns none. `vocab_size` null: unknown."""
+    vocab = hf_config.get("vocab_size") or (hf_config.get("text_config") or {}).get("vocab_size")
+    if not vocab:
+        return {"vocab_size": None, "prefill": None, "decode": None, "decode_with_host_rows": None}
+    row = 4 * int(vocab)
+    full = row * settings.max_num_seqs
+    if not settings.on_device_sampling:
+        return {"vocab_size": vocab, "prefill": row, "decode": full, "decode_with_host_rows": full}
+    split = bool(settings.token_generation_logits_shapes())
+    return {
+        "vocab_size": vocab,
+        "prefill": row,
+        "decode": None if split else full,
+        "decode_with_host_rows": full,
+    }
+
+
+def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
+    """What the token-generation logits graphs cost and buy (nxd, on-device sampling)."""
+    shapes = settings.token_generation_logits_shapes()
+    if not shapes:
+        return []
+    traffic = logits_traffic(settings, hf_config)
+    full = traffic["decode_with_host_rows"]
+    size = f" ({_size(full)} of float32 logits)" if full else ""
+    others = settings.graph_count() - len(shapes)
+    lengths = [n for _, n in shapes]
+    where = (
+        "at the same context length"
+        if tuple(lengths) == settings.token_generation_buckets
+        else f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
+    )
+    count = f"{len(shapes)} logits graph{'s add' if len(shapes) > 1 else ' adds'}"
+    return [
+        f"a decode step whose rows are all sampled on the device runs a token-generation "
+        f"graph that returns tokens alone; a step with a host-sampled row (logprobs, "
+        f"penalties, grammar, seed, ...) runs its logits twin {where} and the full batch "
+        f"of {settings.max_num_seqs}, which returns every row's logits{size}; a prefill "
+        f"returns its one row. The {count} {len(shapes) / others:.0%} to the {others} "
+        f"other graphs to compile and cache (compiled once, with them)."
+    ]
+
+
 def build_report(
     settings: NeuronSettings,
     model: str,
@@ -189,6 +235,7 @@ def build_report(
     )
     cte = [list(shape) for shape in settings.context_encoding_shapes()]
     tkg = [list(shape) for shape in settings.token_generation_shapes()]
+    tkg_logits = [list(shape) for shape in settings.token_generation_logits_shapes()]
     try:
         model_class, problems = nxdi_model(settings), []
     except NeuronConfigError as exc:
@@ -215,12 +262,15 @@ def build_report(
             "token_generation_batches": list(settings.token_generation_batches),
             "context_encoding_shapes": cte,
             "token_generation_shapes": tkg,
+            "token_generation_logits_shapes": tkg_logits,
         },
         "graphs": {
             "context_encoding": len(cte),
             "token_generation": len(tkg),
-            "total": len(cte) + len(tkg),
+            "token_generation_logits": len(tkg_logits),
+            "total": len(cte) + len(tkg) + len(tkg_logits),
         },
+        "logits": logits_traffic(settings, hf_config),
         "memory": {
             "instance_type": instance.name,
             "instance_source": instance_source,
@@ -236,7 +286,7 @@ def build_report(
         },
         "host": {"visible_cores": host[0], "source": host[1]},
         "warnings": problems + warnings_for(settings, memory, instance),
-        "notes": notes_for(settings, *host),
+        "notes": notes_for(settings, *host) + logits_notes(settings, hf_config),
         "settings": settings.to_dict(),
     }
 
@@ -288,7 +338,11 @@ def _speculation_line(spec: dict[str, Any], mem: dict[str, Any]) -> str:
 def _size(value: int | None) -> str:
     if value is None:
         return "unknown"
-    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / (1 << 20):.1f} MiB"
+    if value >= GIB:
+        return f"{value / GIB:.2f} GiB"
+    if value >= 1 << 20:
+        return f"{value / (1 << 20):.1f} MiB"
+    return f"{value / 1024:.1f} KiB"
 
 
 def _blocks_line(kv: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -334,7 +388,12 @@ def render(report: dict[str, Any]) -> str:
         f"decode buckets   {buckets['token_generation']} x batches "
         f"{buckets['token_generation_batches']}",
         f"graphs           {graphs['total']} ({graphs['context_encoding']} context encoding, "
-        f"{graphs['token_generation']} token generation)",
+        f"{graphs['token_generation']} token generation"
+        + (
+            f", {graphs['token_generation_logits']} token generation with logits)"
+            if graphs["token_generation_logits"]
+            else ")"
+        ),
         f"memory/core      weights {_size(mem['weights_per_core_bytes'])} + KV cache "
         f"{_size(mem['kv_cache_per_core_bytes'])} of "
         f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "

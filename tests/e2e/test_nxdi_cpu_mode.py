@@ -1,7 +1,12 @@
 """The nxd backend on real NxD Inference, in NxDI's own CPU mode, through the runner:
 `VLLM_NEURON_BACKEND=nxd vllm serve --device neuron` with `"on_cpu": true` gives
 transformers' greedy tokens in both KV layouts, a prefix-cache hit in a (128, 128)
-context-encoding graph included (NxDI's unmasked prefix prefill, patched).
+context-encoding graph included (NxDI's unmasked prefix prefill, patched), and with a
+logprobs request (sampled on the host) decoding beside device-sampled ones. The backend
+driven directly (nxdi_logits_probe.py): a decode step whose rows are all sampled on the
+device gets no logits from NxDI's graphs, a step with a host-sampled row gets them from
+the logits graph and hands that row's alone across the seam, and both graphs sample the
+same tokens.
 
 NxD Inference is not on the package index: these tests need an interpreter where it
 imports (NEURON_TEST_NXDI_PYTHON, e.g. a Neuron SDK venv, or one built by hand as
@@ -10,8 +15,11 @@ otherwise."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from tests.e2e.support import Server, corpus_token_ids
@@ -78,3 +86,79 @@ def test_real_nxdi_greedy_tokens_equal_transformers(server, model_dirs, oracles)
         _complete(process, model, prompt[:96] + prompt[96:97])
         assert _complete(process, model, prompt) == oracles("llama").generate(prompt, NEW_TOKENS)
         assert "NxDI patch prefix-prefill-mask: applied" in process.log()
+
+
+def test_real_nxdi_logprobs_request_beside_device_sampled_ones(server, model_dirs, oracles):
+    """Three greedy requests on the device and one with logprobs (sampled on the host from
+    the logits graph's row) decode together: every one gives transformers' tokens."""
+    import requests
+
+    _, model, process = server
+    prompts = [corpus_token_ids(model_dirs["llama"], n, offset=7 * n) for n in (6, 11, 23, 30)]
+
+    def complete(index: int) -> list[int]:
+        extra = {"logprobs": 1} if index == 3 else {}
+        reply = requests.post(f"{process.url}/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompts[index], "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True, **extra}).json()
+        choice = reply["choices"][0]
+        assert (choice["logprobs"] is not None) == (index == 3)
+        return choice["token_ids"]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(complete, range(4)))
+    assert got == [oracles("llama").generate(p, NEW_TOKENS) for p in prompts]
+
+
+# -- the backend on real NxDI, the logits each call returns ---------------------------------
+PROBE = Path(__file__).with_name("nxdi_logits_probe.py")
+STEPS = 6
+
+
+def _probe(python: str, settings, model: Path, host_row: bool) -> dict:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "NXD_CPU_MODE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [python, str(PROBE), json.dumps(settings.to_dict()), str(model),
+         "1" if host_row else "0", str(STEPS)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "block", "batch-bucketing"])
+def test_real_nxdi_graphs_return_logits_only_for_steps_with_host_rows(
+        nxdi_python, model_dirs, oracles, layout):
+    from neuron_plugin.core.settings import EngineLimits, resolve_settings
+
+    block = layout == "block"
+    limits = EngineLimits(max_model_len=256, max_num_seqs=4, block_size=32 if block else None,
+                          enable_prefix_caching=block, enable_chunked_prefill=False,
+                          max_num_batched_tokens=256, dtype="float32", tp_degree=1)
+    override = {"on_cpu": True, "context_encoding_buckets": [32, 64, 128, 256],
+                "token_generation_buckets": [64, 128, 256],
+                # a fixed draw, so that two runs sample the same tokens
+                "on_device_sampling_config": {"deterministic": True}}
+    if layout == "batch-bucketing":
+        override["token_generation_batches"] = [1, 2, 4]
+    settings = resolve_settings(limits, override, backend="nxd",
+                                architecture="LlamaForCausalLM")
+    model = model_dirs["llama"]
+    device = _probe(nxdi_python, settings, model, host_row=False)
+    mixed = _probe(nxdi_python, settings, model, host_row=True)
+    row = 4 * device["vocab_size"]  # float32
+    for run in (device, mixed):
+        for call in run["prefill"]:  # a prefill's graph returns its one row
+            assert call == {"tag": "context_encoding_model", "tokens_bytes": 4,
+                            "logits_bytes": row, "seam_logits_bytes": 0}
+    assert device["decode"] == [{"tag": "token_generation_model", "tokens_bytes": 4 * 4,
+                                 "logits_bytes": 0, "seam_logits_bytes": 0}] * STEPS
+    assert mixed["decode"] == [{"tag": "token_generation_logits_model", "tokens_bytes": 4 * 4,
+                                "logits_bytes": 4 * row, "seam_logits_bytes": row}] * STEPS
+    # the tokens-only and the logits graphs sample alike; the greedy rows are transformers'
+    assert mixed["tokens"] == device["tokens"]
+    for seq in (0, 3):
+        prompt = device["prompts"][seq]
+        assert device["tokens"][seq] == oracles("llama").generate(prompt, STEPS + 1)

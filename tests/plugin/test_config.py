@@ -225,7 +225,8 @@ def test_settings_round_trip_through_json():
                                 "prefix_buckets": [512, 2048]})
     restored = NeuronSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
     assert restored == settings
-    assert restored.graph_count() == len(settings.context_encoding_shapes()) + len(
+    # the nxd backend with on-device sampling adds a logits graph per decode length
+    assert restored.graph_count() == len(settings.context_encoding_shapes()) + 2 * len(
         settings.token_generation_shapes())
 
 

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.backends.base import graph_specs, run_graph_once
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.backend import DISTRIBUTIONS, NxDBackend
+from neuron_plugin.backends.nxd.graphs import LOGITS_TAG
 from neuron_plugin.backends.nxd.models import (
     ENTRY_POINT_GROUP,
     describe_architecture,
@@ -111,6 +112,13 @@ def sampling(rows: int, *, top_k=1, top_p=1.0, temperature=1.0,
                           temperature=np.full(rows, temperature, dtype=np.float32),
                           uniform=np.zeros((rows, 1), dtype=np.float32),
                           needs_logits=np.full(rows, needs_logits))
+
+
+def graph_tag(graph) -> str:
+    """The NxDI submodel a plugin graph belongs to."""
+    if graph.phase != TOKEN_GENERATION:
+        return "context_encoding_model"
+    return LOGITS_TAG if graph.logits else "token_generation_model"
 
 
 def ran(backend: NxDBackend) -> list[tuple]:
@@ -400,8 +408,8 @@ def nxdi_bucket(s, graph) -> tuple:
     [1, length] for prefix-caching token generation (one active token)."""
     if graph.phase == TOKEN_GENERATION and s.is_block_layout:
         return 1, graph.shape[1]
-    if graph.phase == TOKEN_GENERATION and not batch_bucketing(s):
-        return (graph.shape[1],)
+    if graph.phase == TOKEN_GENERATION and (graph.logits or not batch_bucketing(s)):
+        return (graph.shape[1],)  # a logits graph is 1-D (graphs.add_logits_graphs)
     return graph.shape
 
 
@@ -413,9 +421,13 @@ def test_padding_only_calls_run_each_graph(seam, tiny, tmp_path, limits, overrid
     s = settings(limits, override)
     backend = loaded(s, tiny, tmp_path / "graphs")
     for graph in graph_specs(s):
+        run_graph_once(backend, graph)
+    assert ran(backend) == [(g.phase, nxdi_bucket(s, g)) for g in graph_specs(s)]
+    tags = [tag for tag, _ in backend.model.traced_model.ran]
+    assert tags == [graph_tag(g) for g in graph_specs(s)]
+    for graph in graph_specs(s):
         logits = backend.forward(padding_inputs(s, graph.phase, graph.shape))
         assert logits.shape == (0, VOCAB)
-    assert ran(backend) == [(g.phase, nxdi_bucket(s, g)) for g in graph_specs(s)]
 
 
 # -- the seam defects, each against every release whose code differs ---------------------------
@@ -481,8 +493,10 @@ def test_4_one_token_prompt_answers_for_its_token(seam, tiny, tmp_path):
 @pytest.mark.parametrize("seam", ["0.8", "0.9"], indirect=True)
 def test_5_batch_bucketing_decode_runs_the_plugins_bucket(seam, tiny, tmp_path):
     """NxDI's 2-D token-generation choice fits lengths with <=, its 1-D choice with <; and
-    a batch bucket b serves seq_ids 0..b-1 only."""
-    s = settings(override={"token_generation_batches": [1, 2, 4]})
+    a batch bucket b serves seq_ids 0..b-1 only. (Without on-device sampling: forward()
+    then runs the batch-bucketed graphs, which return logits.)"""
+    s = settings(override={"token_generation_batches": [1, 2, 4],
+                           "on_device_sampling_config": None})
     backend = loaded(s, tiny, tmp_path / "graphs")
     prompts = {0: np.arange(1, 129), 3: np.array([5, 6])}
     for seq, prompt in prompts.items():

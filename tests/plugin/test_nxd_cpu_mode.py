@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_plugin.backends.nxd import cpu_mode
+from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.backend import NxDBackend
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, TOKEN_GENERATION
 from neuron_plugin.core.settings import NeuronConfigError
 from tests.plugin.test_nxd_backend import (  # noqa: F401  (fixtures)
     PREFIX,
@@ -30,12 +31,17 @@ def test_cpu_mode_is_off_unless_asked():
 @pytest.mark.parametrize("limits,override,message", [
     ({}, {}, r"--tensor-parallel-size 2: to_cpu\(\) needs one process per rank"),
     ({"tp_degree": 1, "dtype": "float16"}, {}, r"--dtype float16: NxDI's CPU mode refuses it"),
-    ({"tp_degree": 1}, {"token_generation_batches": [1, 2, 4]},
-     r"token_generation_batches=\[1, 2, 4\] with on-device sampling"),
 ])
 def test_cpu_mode_refuses_what_nxdis_cpu_mode_cannot_run(limits, override, message):
     with pytest.raises(NeuronConfigError, match=message):
         cpu_mode.requested(settings(limits, {**CPU, **override}))
+
+
+def test_cpu_mode_runs_batch_bucketing_with_on_device_sampling():
+    """NxDI's CPU padding path unpacks `logits, *kv_caches` and so fails on a graph that
+    returns logits beside tokens; the batch-bucketed graphs return tokens alone now."""
+    assert cpu_mode.requested(settings({"tp_degree": 1},
+                                       {**CPU, "token_generation_batches": [1, 2, 4]}))
 
 
 @pytest.mark.parametrize("bucket,prefix,tkg,expected", [
@@ -58,6 +64,7 @@ def test_bucket_attributes_follow_nxdis_model_builder(bucket, prefix, tkg, expec
     ({"tp_degree": 1}, {}, False),
     ({"tp_degree": 1, "max_num_seqs": 1}, {}, True),
     ({"tp_degree": 1, **PREFIX}, {}, False),
+    ({"tp_degree": 1}, {"on_device_sampling_config": None}, False),
 ])
 def test_each_call_runs_with_its_buckets_attributes(release, tiny, limits, override, shared):
     """Every compiled bucket's example inputs through the hooked eager modules: the module
@@ -101,3 +108,30 @@ def test_cpu_mode_compiles_nothing_and_keys_its_own_target(release, tiny, tmp_pa
     backend.compile(tmp_path / "graphs")
     assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == ["graphs.json"]
     assert backend.cache_manifest_fields()["target"] == {"device": "cpu"}
+
+
+@pytest.mark.parametrize("limits,shared", [({"tp_degree": 1}, False),
+                                           ({"tp_degree": 1, "max_num_seqs": 1}, True),
+                                           ({"tp_degree": 1, **PREFIX}, False)])
+def test_each_call_returns_logits_only_from_its_logits_graph(release, tiny, limits, shared):
+    """In the CPU mode the eager model reads output_logits from its config at each call:
+    the logits graph's own with continuous batching, the application's (which `selected`
+    sets per call) when to_cpu shares one model; and the logits graph reads the KV cache
+    of the token-generation model it stands in for (NxDI copies each call's cache into
+    that one and the context encoder only)."""
+    s = settings(limits, CPU)
+    model = NxDBackend(s, tiny)._new_model()
+    cpu_mode.load(model)
+    plain, variant = model.token_generation_model, graphs.logits_variant(model)
+    assert (variant.model is plain.model) == shared
+    assert variant.model.kv_mgr.past_key_values is plain.model.kv_mgr.past_key_values
+    cte = model.context_encoding_model
+    assert (cte.model.kv_mgr.past_key_values is plain.model.kv_mgr.past_key_values) == shared
+    for phase, logits, wrapper, want in ((CONTEXT_ENCODING, False, cte, True),
+                                         (TOKEN_GENERATION, False, plain, False),
+                                         (TOKEN_GENERATION, True, variant, True)):
+        with graphs.selected(model, phase, logits) as chosen:
+            assert chosen is wrapper
+            wrapper.model(*wrapper.input_generator()[0])
+        assert wrapper.model.calls[-1]["output_logits"] is want, (phase, logits)
+    assert model.token_generation_model is plain and model.neuron_config.output_logits

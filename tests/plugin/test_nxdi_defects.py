@@ -8,7 +8,8 @@ source), each failing before its fix:
 5. decode block tables padded with -1 when a token-generation attention kernel skips them;
 6. a context-encoding bucket of one token, which NxDI would route to token generation.
 Defect 4 (device top-p) and the unmasked prefix prefill are patches: test_patches.py and
-test_nxd_backend.py; defect 2 (output_logits) is the decode-pace issue's."""
+test_nxd_backend.py; defect 2 (output_logits gathering every graph's logits) is avoided
+by the token-generation logits graphs: test_nxd_logits_graphs.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """The NxDI forward arguments for a call of the NxD contract (`core.inputs.ForwardInputs`).
 
 Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router):
-- NxD's router looks every input up by its exact shape among the compiled graphs
-  (neuronx-distributed trace/spmd.py NxDModel.router), batch rows included, so every
-  call carries `sampling_params` with exactly its rows (see `backend.NxDBackend._call`).
+- A compiled graph takes inputs of exactly the shapes it was traced with: NxD's router
+  looks every input up by its exact shape (neuronx-distributed trace/spmd.py
+  NxDModel.router), and so does the plugin's routing by tag (`graphs.TaggedGraphs`),
+  batch rows included, so every call carries `sampling_params` with exactly its rows
+  (see `backend.NxDBackend._call`).
 - Context encoding: one row (ctx_batch_size=1). Contiguous layout: input ids and
   positions at the bucket's width, the attention mask at the prompt's width (NxDI picks
   the bucket from the mask). Block layout: the whole context [0, end) as input_ids (NxDI
@@ -16,7 +18,9 @@ Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router
   the list [tokens, logits] when output_logits is on) never changes a call. Contiguous
   calls pass an attention mask whose width makes NxDI's length choice (first bucket >
   width in its 1-D path, >= width in the 0.8+ batch-bucketing path) the plugin's first
-  fit.
+  fit. A call of a token-generation logits graph (`graphs`) takes NxDI's 1-D path at
+  the full batch: NxDI batch-buckets only the submodel tagged token_generation_model
+  (model_wrapper.get_target_bucket, `self.tag == TOKEN_GENERATION_MODEL_TAG`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,25 @@ from neuron_plugin.core.settings import NeuronSettings
 
 
 def model_arguments(
-    settings: NeuronSettings, inputs: ForwardInputs
+    settings: NeuronSettings, inputs: ForwardInputs, logits: bool = False
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The NxDI forward arguments for `inputs` (see the module docstring) and, for each
-    real row of `inputs`, the row of NxDI's output that answers it."""
+    real row of `inputs`, the row of NxDI's output that answers it; `logits`: a decode
+    runs a token-generation logits graph."""
     if inputs.phase == CONTEXT_ENCODING:
         return _context_arguments(settings, inputs), np.zeros(1, dtype=np.int64)
-    return _decode_arguments(settings, inputs)
+    return _decode_arguments(settings, inputs, logits)
+
+
+def _decode_graph(
+    settings: NeuronSettings, inputs: ForwardInputs, logits: bool
+) -> tuple[int, bool]:
+    """(rows, whether NxDI picks the length in its 2-D batch-bucketing path) of the
+    token-generation graph a decode runs: a logits graph takes the full batch in the
+    1-D path (a decode built for a smaller batch bucket is padded up to it)."""
+    if logits and settings.token_generation_logits_shapes():
+        return settings.token_generation_logits_shapes()[0][0], False
+    return inputs.bucket[0], batch_bucketing(settings)
 
 
 def context_positions(length: int, width: int, window: int | None) -> np.ndarray:
@@ -87,9 +103,9 @@ def _context_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[
 
 
 def _decode_arguments(
-    settings: NeuronSettings, inputs: ForwardInputs
+    settings: NeuronSettings, inputs: ForwardInputs, logits: bool
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    rows, real = inputs.bucket[0], inputs.num_real
+    (rows, two_d), real = _decode_graph(settings, inputs, logits), inputs.num_real
     seq = inputs.seq_ids[:real]
     missing = np.setdiff1d(np.arange(rows), seq)
     if missing.size != rows - real:
@@ -126,7 +142,7 @@ def _decode_arguments(
     args["full_context_lens"][pad] = last + 1
     args["computed_context_lens"][pad] = last
     positions = np.where(pad, 0, args["position_ids"][:, 0])
-    width = int(positions.max()) + int(batch_bucketing(settings))
+    width = int(positions.max()) + int(two_d)
     args["attention_mask"] = (np.arange(width)[None, :] < positions[:, None]).astype(np.int64)
     return args, np.argsort(order)[:real]
 
@@ -153,12 +169,14 @@ def decode_block_table(
     return np.where(np.arange(table.shape[1])[None, :] < used[:, None], table, -1)
 
 
-def padding_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[str, np.ndarray]:
-    """Arguments that make NxDI run the graph of `inputs.bucket` for a padding-only call
-    (warm-up, measurement): NxDI has no padding calls, so a stand-in request of zeros
-    whose need runs that graph. In the block layout it writes no KV (slot -1); the
-    contiguous layout has no scratch line, so it writes sequence lines 0.. (call it
-    before serving only)."""
+def padding_arguments(
+    settings: NeuronSettings, inputs: ForwardInputs, logits: bool = False
+) -> dict[str, np.ndarray]:
+    """Arguments that make NxDI run the graph of `inputs.bucket` (`logits`: its
+    token-generation logits graph) for a padding-only call (warm-up, measurement): NxDI
+    has no padding calls, so a stand-in request of zeros whose need runs that graph. In
+    the block layout it writes no KV (slot -1); the contiguous layout has no scratch
+    line, so it writes sequence lines 0.. (call it before serving only)."""
     block = settings.is_block_layout
     if inputs.phase == CONTEXT_ENCODING:
         new, cached = context_encoding_need(settings, inputs.bucket)
@@ -173,6 +191,7 @@ def padding_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[s
             np.full(rows, length - 1, dtype=np.int64),
             np.arange(rows, dtype=np.int64),
             [[]] * rows if block else None,
+            logits=logits,
         )
     if stand_in.bucket != tuple(inputs.bucket):
         raise ValueError(
@@ -180,7 +199,7 @@ def padding_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[s
             f"stand-in runs {stand_in.bucket}); it is not one of the settings' "
             f"graph shapes"
         )
-    args, _ = model_arguments(settings, stand_in)
+    args, _ = model_arguments(settings, stand_in, logits)
     if block:
         args["slot_mapping"] = np.full_like(args["slot_mapping"], PAD_SLOT)
     return args

@@ -5,11 +5,13 @@ It turns the resolved `NeuronSettings` into NxDI's NeuronConfig/InferenceConfig
 (`neuron_config`), compiles into and loads from a folder of the compile cache, and calls
 the model with the contract's arguments (`arguments`).
 - `run()` is the serving call: a token per row from NxDI's on-device sampler, fed the
-  rows' `SamplingInputs`, and logits (`output_logits=True`) for the rows that need the
-  host; the sampler is compiled with `dynamic=True`, without which it ignores per-row
-  temperature and top-p (argmax unless do_sample). `forward()` is the logits-only call.
-  A padding-only call (warm-up, measurement) runs a graph with a stand-in request that
-  writes no KV block (see `arguments.padding_arguments`).
+  rows' `SamplingInputs`, and logits for the rows that need the host; the sampler is
+  compiled with `dynamic=True`, without which it ignores per-row temperature and top-p
+  (argmax unless do_sample). A decode whose rows are all device-sampled runs a
+  token-generation graph compiled without logits, one with a host row its logits
+  variant; a prefill's graph returns its one row of logits (`graphs`). `forward()` is
+  the logits-only call. A padding-only call (warm-up, measurement) runs a graph with a
+  stand-in request that writes no KV block (see `arguments.padding_arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
   includes a weights fingerprint only in that case.
@@ -35,7 +37,7 @@ from neuron_plugin.backends.base import (
     graph_specs,
     write_artifact_record,
 )
-from neuron_plugin.backends.nxd import cpu_mode
+from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.models import model_entry_points, resolve_model_class
 from neuron_plugin.backends.nxd.neuron_config import neuron_config_kwargs, unknown_kwargs
@@ -150,7 +152,9 @@ class NxDBackend(InlineCalls):
         config = self.model_cls.get_config_cls()(
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
-        return self.model_cls(str(self.model_dir), config)
+        model = self.model_cls(str(self.model_dir), config)
+        graphs.add_logits_graphs(model, self.settings)
+        return model
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         if self.on_cpu:
@@ -177,8 +181,9 @@ class NxDBackend(InlineCalls):
         if self.on_cpu:
             cpu_mode.load(model)
         else:
-            # The loader warms every graph up through forward() unless skip_warmup is set.
+            # The loader warms every graph up (run_graph_once) unless skip_warmup is set.
             model.load(str(folder), skip_warmup=True)
+            graphs.route_by_tag(model)
         self.model = model
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
@@ -193,28 +198,41 @@ class NxDBackend(InlineCalls):
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         if inputs.num_real == 0:
-            self._call(padding_arguments(self.settings, inputs))
+            # the shape's logits graph where it has one, else its only graph (no row
+            # comes back either way)
+            self._padding_call(
+                inputs, tuple(inputs.bucket) in self.settings.token_generation_logits_shapes()
+            )
             return torch.zeros((0, self.vocab_size))
-        args, answer = model_arguments(self.settings, inputs)
-        return self._logits(self._call(args), answer)
+        args, answer = model_arguments(self.settings, inputs, logits=True)
+        return self._logits(self._call(args, inputs.phase, True), answer)
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
         """One serving call: NxDI's on-device sampler draws every real row's token with
         the row's values (NxDI draws its own random numbers, `sampling.uniform` is not
-        used); the logits come back for the rows that need the host only."""
+        used); the logits come back for the rows that need the host only, and a decode
+        without such rows runs a graph that returns none (`graphs`)."""
         if not self.settings.on_device_sampling:
             raise ValueError(
                 "run() needs on-device sampling compiled in "
                 "(settings.on_device_sampling); call forward() instead"
             )
-        args, answer = model_arguments(self.settings, inputs)
-        output = self._call(args, sampling, answer)
+        no_logits = torch.zeros((0, self.vocab_size))
+        if inputs.num_real == 0:
+            self._padding_call(inputs, logits=False)
+            return StepOutput(tokens=np.zeros(0, dtype=np.int32), logits=no_logits)
+        needs = bool(sampling.needs_logits.any())
+        args, answer = model_arguments(self.settings, inputs, needs)
+        output = self._call(args, inputs.phase, needs, sampling, answer)
         width = int(args["seq_ids"].shape[0])
         tokens = output.tokens.reshape(width, -1)[torch.from_numpy(answer), -1]
         return StepOutput(
             tokens=tokens.numpy().astype(np.int32).reshape(-1, 1),
-            logits=self._logits(output, answer[sampling.needs_logits]),
+            logits=self._logits(output, answer[sampling.needs_logits]) if needs else no_logits,
         )
+
+    def _padding_call(self, inputs: ForwardInputs, logits: bool) -> None:
+        self._call(padding_arguments(self.settings, inputs, logits), inputs.phase, logits)
 
     def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
         """The logits of NxDI output `rows` at the last position, vocabulary padding cut."""
@@ -226,11 +244,14 @@ class NxDBackend(InlineCalls):
     def _call(
         self,
         args: Mapping[str, np.ndarray],
+        phase: str,
+        logits: bool,
         sampling: SamplingInputs | None = None,
         answer: np.ndarray | None = None,
     ) -> Any:
-        """The model call with `sampling_params` of exactly the call's rows: `sampling`'s
-        values at the `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
+        """The model call of `phase` (`logits`: a decode runs the logits variant) with
+        `sampling_params` of exactly the call's rows: `sampling`'s values at the
+        `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
         width = int(args["seq_ids"].shape[0])
         columns = [np.ones(width, dtype=np.float32) for _ in range(3)]  # top_k, top_p, temp
         if sampling is not None:
@@ -242,7 +263,7 @@ class NxDBackend(InlineCalls):
         tensors["sampling_params"] = self.nxdi.prepare_sampling_params(
             width, *(column.tolist() for column in columns)
         )
-        with torch.inference_mode():
+        with graphs.selected(self.model, phase, logits), torch.inference_mode():
             return self.model(
                 tensors.pop("input_ids"),
                 attention_mask=tensors.pop("attention_mask", None),

@@ -23,13 +23,17 @@ from typing import Any
 
 import torch
 
-from neuron_plugin.backends.nxd.neuron_config import batch_bucketing
+from neuron_plugin.backends.nxd import graphs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 
 def requested(settings: NeuronSettings) -> bool:
     """Whether the settings ask for NxDI's CPU mode; refuses, naming the fix, what that
-    mode cannot run (NxDI 0.9 application_base.to_cpu, model_wrapper.forward)."""
+    mode cannot run (NxDI 0.9 application_base.to_cpu). Batch bucketing runs: a decode
+    batch below the compiled one takes NxDI's CPU padding path, which unpacks
+    `logits, *kv_caches = outputs` (model_wrapper.py forward) and so fails on a graph
+    that returns logits beside tokens; the batch-bucketed graphs return tokens alone
+    and the logits graphs run at the full batch (`graphs`)."""
     if not settings.passthrough.get("on_cpu"):
         return False
     problems = []
@@ -42,14 +46,6 @@ def requested(settings: NeuronSettings) -> bool:
         problems.append(
             "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
             "accuracy check against transformers wants) or bfloat16"
-        )
-    if settings.on_device_sampling and batch_bucketing(settings):
-        problems.append(
-            f"token_generation_batches={list(settings.token_generation_batches)} with "
-            f"on-device sampling: a decode batch below the compiled one takes NxDI's CPU "
-            f"padding path, which writes the logits into the KV cache and fails "
-            f"(model_wrapper.py forward, `logits, *kv_caches = outputs`); remove "
-            f"token_generation_batches or set on_device_sampling_config to null"
         )
     if problems:
         raise NeuronConfigError(
@@ -140,8 +136,15 @@ def _install_bucket_hook(module: torch.nn.Module, wrappers: Sequence[Any]) -> No
 
 
 def load(model: Any) -> None:
-    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes."""
+    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes. The
+    token-generation logits submodel (`graphs`) reads the KV cache of the submodel it
+    stands in for: NxDI copies each call's cache into token_generation_model and
+    context_encoding_model only (model_base.py `_copy_past_key_values`)."""
     model.to_cpu()
+    variant = graphs.logits_variant(model)
+    plain = model.token_generation_model
+    if variant is not None and variant.model is not plain.model:
+        variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
     by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
     for wrapper in model.models:
         by_module.setdefault(id(wrapper.model), (wrapper.model, []))[1].append(wrapper)

@@ -52,8 +52,10 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         derived["on_device_sampling_config"] = on_device_sampling_config(
             s.passthrough.get("on_device_sampling_config") or {}, s.global_topk
         )
-        # Logits as well as tokens, so requests on-device sampling cannot serve are
-        # sampled on the host from the same call.
+        # Logits as well as tokens from the context-encoding graphs (one row a call)
+        # and the token-generation logits graphs, so requests on-device sampling cannot
+        # serve are sampled on the host from the same call; the other token-generation
+        # graphs return tokens alone (graphs.add_logits_graphs).
         derived["output_logits"] = True
     clashes = sorted(
         k

@@ -1,11 +1,23 @@
 """The loaded model NxDI calls (`traced_model`, with `.nxd_model`): neuronx-distributed's
-router and what the compiled graphs compute, on a KV cache that stores token ids.
+ModelBuilder v1 runtime and what the compiled graphs compute, on a KV cache that stores
+token ids.
 
-Routing (neuronx-distributed trace/model_builder.py, trace/spmd.py): at trace time
-`input_shape_map` maps the shapes of every bucket's example inputs
-(ModelWrapper.input_generator) to its graph; `NxDModel.router` looks a call's inputs up
-by their exact shapes, batch rows and sampling_params included, and fails with
-"Input shape ... not found in input_shape_map" otherwise.
+The runtime (neuronx-distributed 0.16-0.18 trace/model_builder.py build_nxd_model,
+trace/spmd.py NxDModel; unchanged from SDK 2.27 to 2.29):
+- one weight set and one state (the KV cache) shared by every submodel and bucket;
+- `input_shape_map` maps the shapes of every bucket's example inputs
+  (ModelWrapper.input_generator) to (tag, bucket index), built submodel by submodel in
+  the order they were added, so a later submodel whose inputs have the same shapes
+  silently takes them over from an earlier one; `router` looks a call's inputs up by
+  their exact shapes, batch rows and sampling_params included, and fails with "Input
+  shape ... not found in input_shape_map" otherwise;
+- `forward(inputs)`: the router, the bucket's flattener (`flattener_map`,
+  f"{tag}_{index}"), the tag's bucket model (`models.<tag>.forward(flattened inputs,
+  bucket index tensor)`, SPMDBucketModelScript, which returns the graph's non-aliased
+  outputs as a list), then ONE output packer traced from the first submodel's first
+  bucket (build_packer): it returns that graph's outputs, a tensor for one, a list for
+  more, and fails on a result with fewer. NxDI reaches `nxd_model.models.<tag>` itself
+  (application_base._get_spmd_model_objects).
 
 The graphs (NxDI models/model_base.py NeuronBaseModel.forward and
 modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
@@ -32,7 +44,9 @@ A query's logits peak at (sum over the keys it attends of (token id + 1), minus 
 vocab, with GARBAGE for a key never written, and fall off by one per token id above
 the peak, so a wrong slot, line, block, prefix, pad or last-token choice shows.
 On-device sampling runs the Sampler on these logits; the outputs are [tokens] or
-[tokens, logits] (output_logits) or [logits], one tensor when there is one (the packer).
+[tokens, logits] or [logits], by the output_logits of the submodel's own config when it
+was compiled (each ModelWrapper traces its deep copy of the config,
+DecoderModelInstance; NeuronBaseModel.forward `if self.neuron_config.output_logits`).
 """
 
 import torch
@@ -53,8 +67,61 @@ def shape_key(tensors) -> str:
     return str([list(t.shape) for t in tensors])
 
 
+class _Named:
+    """A torch.nn.ModuleDict of a scripted NxDModel as Python code reaches it: entries
+    are attributes (getattr(nxd_model.models, tag))."""
+
+    def __init__(self, entries):
+        self.__dict__.update(entries)
+
+    def items(self):
+        return self.__dict__.items()
+
+
+class BucketModel:
+    """`nxd_model.models.<tag>` (SPMDBucketModelScript): forward(flattened inputs, bucket
+    index tensor) runs that bucket's graph, whose inputs must have the shapes it was
+    compiled for (the runtime refuses others), and returns its outputs as a list."""
+
+    def __init__(self, nxd_model, tag, keys):
+        self.nxd_model = nxd_model
+        self.tag = tag
+        self.keys = keys
+
+    def forward(self, inputs, bucket_idx_tensor):
+        index = int(bucket_idx_tensor)
+        if shape_key(inputs) != self.keys[index]:
+            raise RuntimeError(f"NRT: {self.tag} bucket {index} was compiled for input shapes "
+                               f"{self.keys[index]}, got {shape_key(inputs)}")
+        return self.nxd_model.run_graph(self.tag, index, inputs)
+
+
+class Flattener:
+    """`nxd_model.flattener_map[f"{tag}_{index}"]`: the bucket's inputs as the list its
+    graph takes (traced from that bucket's example inputs)."""
+
+    def __call__(self, inputs):
+        return list(inputs)
+
+
+class Packer:
+    """The one packer build_packer traces from the first submodel's first bucket's
+    non-aliased outputs: it returns those outputs (a tensor for one, a list for more)
+    and indexes past the end of a shorter result."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __call__(self, outputs):
+        if len(outputs) < self.count:
+            raise IndexError(f"list index out of range: the packer was traced for "
+                             f"{self.count} outputs, the graph returned {len(outputs)}")
+        return outputs[0] if self.count == 1 else list(outputs[: self.count])
+
+
 class NxDModel:
-    """`traced_model.nxd_model`: per-rank state (the KV cache), router and forward."""
+    """`traced_model.nxd_model`: per-rank state (the KV cache), the per-tag bucket models
+    and flatteners, the router, the packer and forward (see the module docstring)."""
 
     def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None):
         c = neuron_config
@@ -66,12 +133,25 @@ class NxDModel:
                  else (c.max_batch_size, 1, c.seq_len, 1))
         self.state = [{f"kv_mgr.past_key_values.{i}": torch.zeros(shape)
                        for i in range(2 * num_layers)} for _ in range(c.tp_degree)]
-        # graphs: tag -> [(bucket, example input shapes)] in compile order
-        self.buckets = {tag: [bucket for bucket, _ in items] for tag, items in graphs.items()}
-        self.input_shape_map = {key: (tag, index) for tag, items in graphs.items()
-                                for index, (_, key) in enumerate(items)}
+        # graphs: tag -> {"output_logits": bool, "graphs": [(bucket, example input shapes)]}
+        # in the order the submodels were added
+        self.buckets = {tag: [bucket for bucket, _ in g["graphs"]] for tag, g in graphs.items()}
+        self.output_logits = {tag: g["output_logits"] for tag, g in graphs.items()}
+        self.input_shape_map = {key: (tag, index) for tag, g in graphs.items()
+                                for index, (_, key) in enumerate(g["graphs"])}
+        self.models = _Named({tag: BucketModel(self, tag, [key for _, key in g["graphs"]])
+                              for tag, g in graphs.items()})
+        self.flattener_map = _Named({f"{tag}_{index}": Flattener() for tag, g in graphs.items()
+                                     for index in range(len(g["graphs"]))})
         self.sampler = Sampler(c) if c.on_device_sampling_config is not None else None
+        first = next(iter(graphs))
+        self.packer = Packer(1 + int(self.sampler is not None and self.output_logits[first]))
         self.attention = NeuronAttentionBase()
+        # test instrumentation: (tag, bucket), the inputs and the bytes of each output
+        # ("tokens" / "logits") of every graph that ran, in order
+        self.ran = []
+        self.inputs = []
+        self.returned = []
 
     @property
     def memory(self):
@@ -85,19 +165,28 @@ class NxDModel:
         return self.input_shape_map[key]
 
     def forward(self, inputs):
-        tag, _ = self.router(inputs)
+        tag, index = self.router(inputs)
+        flattened = getattr(self.flattener_map, f"{tag}_{index}")(inputs)
+        result = getattr(self.models, tag).forward(flattened, torch.tensor(index))
+        return self.packer(result)
+
+    def run_graph(self, tag, index, inputs):
+        """What bucket `index` of submodel `tag` computes, as its list of outputs."""
+        self.ran.append((tag, self.buckets[tag][index]))
+        self.inputs.append(tuple(inputs))
         contexts = (self._block(tag, inputs) if self.block
                     else self._contiguous(tag, inputs))
         for rank_state in self.state[1:]:
             rank_state["kv_mgr.past_key_values.0"].copy_(self.memory)
         logits = self._logits(contexts)
         if self.sampler is None:
-            outputs = [logits]
+            outputs = {"logits": logits}
         else:
-            outputs = [self.sampler(logits[:, -1, :], inputs[4]).to(torch.int32)]
-            if self.config.output_logits:
-                outputs.append(logits)
-        return outputs[0] if len(outputs) == 1 else outputs
+            outputs = {"tokens": self.sampler(logits[:, -1, :], inputs[4]).to(torch.int32)}
+            if self.output_logits[tag]:
+                outputs["logits"] = logits
+        self.returned.append({name: t.numel() * t.element_size() for name, t in outputs.items()})
+        return list(outputs.values())
 
     @staticmethod
     def _value(stored) -> int:
@@ -247,17 +336,25 @@ class NxDModel:
 
 
 class TracedModel:
-    """`NeuronApplicationBase.traced_model`: called by every ModelWrapper with its
-    positional inputs; `nxd_model` holds the state (warm-up calls it directly)."""
+    """`NeuronApplicationBase.traced_model` (NxDModelExecutor): called by every
+    ModelWrapper with its positional inputs, it runs `nxd_model.forward`, router and
+    packer included; `nxd_model` holds the state (warm-up calls it directly)."""
 
     def __init__(self, nxd_model):
         self.nxd_model = nxd_model
-        # test instrumentation: (tag, bucket) and the inputs of every model call, in order
-        self.ran = []
-        self.inputs = []
+
+    # test instrumentation: the graphs that ran, their inputs and their output bytes
+    @property
+    def ran(self):
+        return self.nxd_model.ran
+
+    @property
+    def inputs(self):
+        return self.nxd_model.inputs
+
+    @property
+    def returned(self):
+        return self.nxd_model.returned
 
     def __call__(self, *inputs):
-        tag, index = self.nxd_model.router(list(inputs))
-        self.ran.append((tag, self.nxd_model.buckets[tag][index]))
-        self.inputs.append(inputs)
         return self.nxd_model.forward(list(inputs))

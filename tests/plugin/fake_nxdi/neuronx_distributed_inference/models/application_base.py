@@ -1,10 +1,13 @@
 """models/application_base.py: NeuronApplicationBase's constructor, compile(), load(),
-warmup(), load_weights() and to_cpu(). compile() traces every ModelWrapper's buckets (the
-shapes of their input_generator examples, which is what NxD's router will accept); load()
+warmup(), load_weights() and to_cpu(). compile() traces every ModelWrapper in
+`self.models`, in order, each from its own config (get_builder adds each under its tag):
+its buckets (the shapes of its input_generator examples, which is what NxD's router
+will accept) and whether its graphs return logits (its config's output_logits); load()
 builds the traced model of _nxd_runtime and hands it to every ModelWrapper. to_cpu()
 builds NxDI's eager submodels only as far as the CPU mode's set-up goes (which module
-each wrapper gets, and the size attributes it starts with); their forward records those
-attributes rather than computing (see EagerModel)."""
+each wrapper gets, the config and size attributes it starts with, its KV cache
+parameters); their forward records those attributes rather than computing (see
+EagerModel)."""
 
 import json
 import os
@@ -26,24 +29,43 @@ def is_compiled(model_path):
     return os.path.isfile(model_path + COMPILED_MODEL_FILE_NAME)
 
 
+class KVCacheManager(torch.nn.Module):
+    """modules/kvcache/kv_cache_manager.py: the cache as `past_key_values`, a
+    ParameterList that NxDI's CPU mode replaces tensor by tensor (`.data = ...`,
+    model_base._copy_past_key_values)."""
+
+    def __init__(self, num_layers):
+        super().__init__()
+        self.past_key_values = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+             for _ in range(2 * num_layers)])
+
+
 class EagerModel(torch.nn.Module):
     """The eager NeuronBaseModel to_cpu() hands a wrapper, as far as the CPU mode's
-    set-up reaches it: the size attributes it is built with (model_base.py
-    NeuronBaseModel.__init__, ef2731e lines 85-87: n_positions = seq_len, n_active_tokens
-    from its config, prefix_size 0), which tracing would set per bucket. A call records
-    them and the attention mask's dtype (test instrumentation); it computes nothing."""
+    set-up reaches it: the config it is built from (NeuronBaseModel.forward reads its
+    output_logits at each call, model_base.py ef2731e line 1018), its KV cache manager,
+    and the size attributes it is built with (NeuronBaseModel.__init__, lines 85-87:
+    n_positions = seq_len, n_active_tokens from its config, prefix_size 0), which
+    tracing would set per bucket. A call records them and the attention mask's dtype
+    (test instrumentation); it computes nothing."""
 
-    def __init__(self, neuron_config):
+    def __init__(self, neuron_config, num_layers):
         super().__init__()
+        self.neuron_config = neuron_config
+        self.kv_mgr = KVCacheManager(num_layers)
         self.n_positions = neuron_config.n_positions
         self.n_active_tokens = neuron_config.n_active_tokens
         self.prefix_size = 0
         self.calls = []
 
     def forward(self, *args):
+        if self.training:  # neuronx-distributed parallel_layers/layers.py ParallelEmbedding
+            raise RuntimeError("`pad=True` is only supported for inference. Set model.eval()")
         self.calls.append({"n_positions": self.n_positions,
                            "n_active_tokens": self.n_active_tokens,
-                           "prefix_size": self.prefix_size, "mask_dtype": args[1].dtype})
+                           "prefix_size": self.prefix_size, "mask_dtype": args[1].dtype,
+                           "output_logits": self.neuron_config.output_logits})
 
 
 class NeuronApplicationBase(torch.nn.Module):
@@ -115,29 +137,40 @@ class NeuronApplicationBase(torch.nn.Module):
             self.warmup()
 
     def _graphs(self):
-        """tag -> [(bucket, shape key of its example inputs)], JSON-shaped."""
-        return {model.tag: [[bucket, shape_key(example)] for bucket, example in
-                            zip(model.neuron_config.buckets, model.input_generator())]
+        """tag -> its graphs' output_logits and [(bucket, shape key of its example
+        inputs)], in the order of self.models, JSON-shaped."""
+        return {model.tag: {"output_logits": bool(model.neuron_config.output_logits),
+                            "graphs": [[bucket, shape_key(example)] for bucket, example in
+                                       zip(model.neuron_config.buckets,
+                                           model.input_generator())]}
                 for model in self.models}
 
     def to_cpu(self):
         """application_base.to_cpu (ef2731e lines 556-628): with continuous batching one
         eager model per wrapper, built from the wrapper's config; otherwise one model
-        from the application's config, shared by every wrapper."""
+        from the application's config, shared by every wrapper; then eval()."""
         if self.neuron_config.speculation_length > 0:
             raise NotImplementedError("Speculation is not yet supported for CPU inference.")
+        layers = self.config.get_text_config().num_hidden_layers
         if self.config.neuron_config.is_continuous_batching:
             for wrapper in self.models:
-                wrapper.model = EagerModel(wrapper.config.neuron_config)
+                wrapper.model = EagerModel(wrapper.config.neuron_config, layers)
         else:
-            shared = EagerModel(self.neuron_config)
+            shared = EagerModel(self.neuron_config, layers)
             for wrapper in self.models:
                 wrapper.model = shared
+        # to_cpu ends with self.eval(): it reaches the wrappers' eager models through the
+        # application's submodules (context_encoding_model, token_generation_model, ...),
+        # not through the plain list self.models.
+        self.eval()
 
     def warmup(self):
         for model in self.models:
             for example in model.input_generator():
                 model.model.nxd_model.forward(list(example))
+        nxd_model = self.traced_model.nxd_model
+        for record in (nxd_model.ran, nxd_model.inputs, nxd_model.returned):
+            record.clear()  # test instrumentation records the calls after loading
 
     def load_weights(self, compiled_model_path, start_rank_id=None, local_ranks_size=None):
         if self.neuron_config.save_sharded_checkpoint:

@@ -32,12 +32,20 @@ FUSED_SPECULATION_MODEL_TAG = "fused_speculation_model"
 
 
 class ModelWrapper(torch.nn.Module):
-    def __init__(self, config, model_cls=None, tag="", **kwargs):
+    def __init__(self, config, model_cls=None, tag="", compiler_args=None,
+                 priority_model_idx=None, pipeline_execution=False,
+                 return_ranked_to_cpu=False, model_init_kwargs={}):
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config
         self.model_cls = model_cls
         self.tag = tag
+        # the compiler arguments NxDI derives from the tag are not reproduced
+        self.compiler_args = compiler_args
+        self.priority_model_idx = priority_model_idx
+        self.pipeline_execution = pipeline_execution
+        self.return_ranked_to_cpu = return_ranked_to_cpu
+        self.model_init_kwargs = model_init_kwargs
         self.model = None
         self.async_mode = False
         self.is_block_kv_layout = self.neuron_config.is_block_kv_layout
@@ -50,7 +58,7 @@ class ModelWrapper(torch.nn.Module):
 
     @property
     def selected_buckets(self):
-        """Test instrumentation, not NxDI: the buckets NxD's router ran for this tag."""
+        """Test instrumentation, not NxDI: the buckets of this tag's graphs that ran."""
         return [bucket for tag, bucket in self.model.ran if tag == self.tag]
 
     # -- ModelWrapper.input_generator ------------------------------------------------------

@@ -1,0 +1,147 @@
+"""Which of NxDI's compiled graphs a call runs: token generation with and without logits.
+
+With on-device sampling most decode steps need tokens only, yet `output_logits` makes
+NxDI gather the [batch, vocab] logits across TP ranks and return them from every graph
+(models/model_base.py NeuronBaseModel.forward, `_gather_along_dim`). The flag is read
+per submodel when it is traced (each ModelWrapper traces its own deep copy of the
+config, model_wrapper.DecoderModelInstance), so the application gets:
+- `context_encoding_model` with logits: one row per call (ctx_batch_size 1), a vocabulary
+  row per prefill, and a context-encoding variant would double the largest graphs;
+- `token_generation_model` without logits: a step whose rows are all sampled on the
+  device moves tokens only off the device;
+- `token_generation_logits_model` (LOGITS_TAG), added here: the same decode with logits,
+  run by a step that has a host-sampled row, at every context length of the grid and the
+  full batch (`NeuronSettings.token_generation_logits_shapes`). It shares the weights and
+  the KV cache state with every other submodel: NxD's ModelBuilder compiles every
+  submodel against one weight set and one state (neuronx-distributed
+  trace/model_builder.py build_nxd_model, build_state_initializer).
+
+Two things in NxD and NxDI would pick the wrong graph, so the plugin decides both:
+- NxD's router finds a graph by the shapes of its inputs alone (trace/spmd.py
+  NxDModel.router over `input_shape_map`, where a later submodel with the same shapes
+  overwrites an earlier one), and one output packer, traced from the first submodel's
+  first graph, packs every result (build_packer). The two token-generation submodels
+  have identical inputs and different outputs, so each wrapper calls its own graphs by
+  tag and bucket index, as NxDModel.forward does after routing (`TaggedGraphs`).
+- NxDI's forward runs whatever `token_generation_model` is for a decode, and parses its
+  outputs (and, on the CPU, copies the KV cache) by the application's `output_logits`
+  (model_base.py `_get_model_outputs`, `_get_constructed_outputs`,
+  `_copy_past_key_values`): `selected` sets both for one call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from neuron_plugin.core.inputs import CONTEXT_ENCODING
+from neuron_plugin.core.settings import NeuronSettings
+
+LOGITS_TAG = "token_generation_logits_model"
+
+
+def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
+    """Before compile, load or to_cpu: the token-generation submodel without logits and
+    a logits variant beside it (see the module docstring); nothing without them."""
+    shapes = settings.token_generation_logits_shapes()
+    if not shapes:
+        return
+    lengths = {length for _, length in shapes}
+    plain = model.token_generation_model
+    config = copy.deepcopy(plain.config)
+    neuron_config = config.neuron_config
+    neuron_config.output_logits = True
+    if getattr(neuron_config, "token_generation_batches", None) is not None:
+        # NxDI batch-buckets the token_generation_model tag only: the variant is 1-D,
+        # compiled for the full batch (tkg_batch_size), its buckets what
+        # autobucketing.generate_buckets_for_tkg gives an explicit list without batches.
+        neuron_config.token_generation_batches = None
+        buckets = list(neuron_config.token_generation_buckets)
+    else:
+        buckets = list(neuron_config.buckets)  # lengths, or [1, length] (block layout)
+    neuron_config.buckets = [b for b in buckets if _length(b) in lengths]
+    variant = type(plain)(
+        config=config,
+        model_cls=plain.model_cls,
+        tag=LOGITS_TAG,
+        compiler_args=plain.compiler_args,
+        model_init_kwargs=plain.model_init_kwargs,
+    )
+    plain.neuron_config.output_logits = False
+    model.models.append(variant)
+    # A submodule of the application, as NxDI's own submodels are, so that what NxDI
+    # does to all of them (eval() in to_cpu, the dtype cast in load) reaches it too.
+    setattr(model, LOGITS_TAG, variant)
+
+
+def _length(bucket: int | Sequence[int]) -> int:
+    return int(bucket[-1]) if isinstance(bucket, Sequence) else int(bucket)
+
+
+def logits_variant(model: Any) -> Any | None:
+    """The application's token-generation logits submodel, if it has one."""
+    return next((w for w in model.models if w.tag == LOGITS_TAG), None)
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+class TaggedGraphs:
+    """A wrapper's `_forward` on the device: its own graph for the call's input shapes,
+    by tag and bucket index, with neither NxD's router nor its shared packer; a single
+    output comes back as a tensor, several as a list, as the packer returns them."""
+
+    def __init__(self, nxd_model: Any, tag: str, examples: Sequence[Sequence[torch.Tensor]]):
+        self.nxd_model = nxd_model
+        self.tag = tag
+        self.index = {_shapes(example): i for i, example in enumerate(examples)}
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        shapes = _shapes(args)
+        if shapes not in self.index:
+            raise ValueError(
+                f"NxDI submodel {self.tag} has no graph for input shapes {list(shapes)} "
+                f"(compiled: {[list(s) for s in self.index]}); this is a plugin bug, "
+                f"please report it with your override_neuron_config."
+            )
+        index = self.index[shapes]
+        # NxDModel.forward after its router: the bucket's flattener, then the tag's
+        # SPMDBucketModelScript (neuronx-distributed trace/spmd.py).
+        flat = getattr(self.nxd_model.flattener_map, f"{self.tag}_{index}")(list(args))
+        bucket = torch.tensor(index, dtype=torch.int32)
+        outputs = list(getattr(self.nxd_model.models, self.tag).forward(flat, bucket))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def route_by_tag(model: Any) -> None:
+    """After `load()` on the device: every submodel calls its own graphs (TaggedGraphs)."""
+    nxd_model = model.traced_model.nxd_model
+    for wrapper in model.models:
+        wrapper._forward = TaggedGraphs(nxd_model, wrapper.tag, wrapper.input_generator())
+
+
+@contextmanager
+def selected(model: Any, phase: str, logits: bool) -> Iterator[Any]:
+    """For one call of NxDI's forward: the submodel it runs for `phase` (a decode with
+    `logits` runs the logits variant where there is one) and the application's
+    output_logits of that submodel, both restored after. Yields the submodel."""
+    plain = model.token_generation_model
+    variant = logits_variant(model)
+    if phase == CONTEXT_ENCODING:
+        chosen = model.context_encoding_model
+    else:
+        chosen = variant if logits and variant is not None else plain
+    saved = model.neuron_config.output_logits
+    if chosen is not model.context_encoding_model:
+        model.token_generation_model = chosen
+    model.neuron_config.output_logits = chosen.neuron_config.output_logits
+    try:
+        yield chosen
+    finally:
+        model.token_generation_model = plain
+        model.neuron_config.output_logits = saved
