@@ -119,7 +119,11 @@ class TaggedGraphs:
 
 
 def route_by_tag(model: Any) -> None:
-    """After `load()` on the device: every submodel calls its own graphs (TaggedGraphs)."""
+    """After `load()` on the device: every submodel calls its own graphs (TaggedGraphs),
+    where a logits variant shares shapes with the token-generation submodel; without one
+    (no host-row logits split, or speculation) NxD's router tells the graphs apart."""
+    if logits_variant(model) is None:
+        return
     nxd_model = model.traced_model.nxd_model
     for wrapper in model.models:
         wrapper._forward = TaggedGraphs(nxd_model, wrapper.tag, wrapper.input_generator())
@@ -129,9 +133,14 @@ def route_by_tag(model: Any) -> None:
 def selected(model: Any, phase: str, logits: bool) -> Iterator[Any]:
     """For one call of NxDI's forward: the submodel it runs for `phase` (a decode with
     `logits` runs the logits variant where there is one) and the application's
-    output_logits of that submodel, both restored after. Yields the submodel."""
-    plain = model.token_generation_model
+    output_logits of that submodel, both restored after. Yields the submodel (None
+    without a logits variant: NxDI's own choice, e.g. its speculation model, which
+    replaces the token-generation model)."""
     variant = logits_variant(model)
+    if variant is None:
+        yield None
+        return
+    plain = model.token_generation_model
     if phase == CONTEXT_ENCODING:
         chosen = model.context_encoding_model
     else:
