@@ -8,9 +8,9 @@ from collections.abc import Callable
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def neuron_samples(base_url: str) -> Samples:
-    """Every `neuron:` sample on `base_url`/metrics except histogram buckets, keyed by
-    (sample name, labels)."""
+def neuron_samples(base_url: str, prefix: str = "neuron:") -> Samples:
+    """Every `neuron:` sample (or `prefix`'s) on `base_url`/metrics except histogram
+    buckets, keyed by (sample name, labels)."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,7 +18,7 @@ def neuron_samples(base_url: str) -> Samples:
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
-            if s.name.startswith("neuron:") and "le" not in s.labels}
+            if s.name.startswith(prefix) and "le" not in s.labels}
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:

@@ -135,3 +135,51 @@ def test_host_sampled_and_sampled_requests_mix_with_speculation(engine, speculat
     assert all(len(step) >= 2 for step in logprobs.logprobs)
     sampled = outputs[2].outputs
     assert all(len(o.token_ids) == 16 for o in sampled)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_vllm_serve_with_speculation_matches_transformers(method, speculation_models, oracle,
+                                                          tmp_path):
+    """`vllm serve --device neuron --speculative-config ...`: concurrent completions give
+    transformers' greedy tokens, and /metrics shows vLLM's spec-decode counters and the
+    per-bucket ones counting accepted drafts."""
+    import concurrent.futures
+    import json
+
+    import requests
+
+    from tests.e2e.scrape import neuron_samples, total, wait_for
+    from tests.e2e.support import Server
+
+    target, draft = speculation_models
+    spec = ({"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4} if method == "ngram"
+            else {"model": str(draft), "num_speculative_tokens": DRAFTS})
+    server = Server(target, tmp_path / "serve.log",
+                    ["--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS),
+                     "--speculative-config", json.dumps(spec), "--additional-config",
+                     json.dumps({"override_neuron_config": BUCKETS})])
+    try:
+        server.wait_healthy()
+        assert "speculative decoding: " + method in server.log()
+        prompts = _prompts(target)
+
+        def complete(prompt: list[int]) -> list[int]:
+            reply = requests.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": str(target), "prompt": prompt, "max_tokens": 20,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+        assert got == [oracle.generate(p, 20) for p in prompts]
+        vllm = neuron_samples(server.url, prefix="vllm:spec_decode_num_accepted_tokens")
+        assert total(vllm, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        neuron = wait_for(server.url, lambda s: total(s, "neuron:spec_accepted_tokens_total") > 0)
+        assert total(neuron, "neuron:spec_accepted_tokens_total") > 0
+        assert total(neuron, "neuron:spec_draft_tokens_total") >= total(
+            neuron, "neuron:spec_accepted_tokens_total")
+    finally:
+        server.stop()
