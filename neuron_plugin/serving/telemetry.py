@@ -293,7 +293,9 @@ class StepTelemetry:
             drafts = row["draft_tokens"]
             speculation = (
                 f", {row['accepted_tokens']}/{drafts} drafts accepted "
-                f"({row['accepted_tokens'] / drafts:.0%})"
+                f"({row['accepted_tokens'] / drafts:.0%}, "
+                f"{1 + row['accepted_tokens'] / max(row['real_rows'], 1):.2f} tokens a row "
+                f"per call)"
                 if drafts
                 else ""
             )

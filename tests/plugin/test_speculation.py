@@ -247,6 +247,7 @@ def test_per_bucket_counters_count_drafts_and_acceptances():
         telemetry.on_backend_call(inputs, 0.01, 0.001, accepted=4)
         row = telemetry.snapshot()["buckets"][0]
         assert (row["draft_tokens"], row["accepted_tokens"]) == (5, 4)
-        assert "4/5 drafts accepted (80%)" in telemetry.summary_lines()[0]
+        assert "4/5 drafts accepted (80%, 3.00 tokens a row per call)" in (
+            telemetry.summary_lines()[0])
     finally:
         telemetry.close()
