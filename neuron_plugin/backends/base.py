@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
     TOKEN_GENERATION,
@@ -90,6 +91,14 @@ def artifact_record(settings: NeuronSettings, extra: dict[str, Any]) -> dict[str
         "graphs": [g.name for g in graph_specs(settings)],
         **extra,
     }
+
+
+def with_draft_config(hf_config: dict[str, Any], settings: NeuronSettings) -> dict[str, Any]:
+    """The model config a compile-cache key covers: the target's, and a fused draft
+    model's under `speculative_draft` (its path changes no graph, its config does)."""
+    if not settings.draft_model:
+        return hf_config
+    return {**hf_config, "speculative_draft": read_hf_config(settings.draft_model)}
 
 
 def write_artifact_record(folder: Path, record: dict[str, Any]) -> None:

@@ -49,6 +49,9 @@ _RUNTIME_ONLY = frozenset(
         "rank_cores",
         "max_num_seqs_reason",
         "exact_sampling",
+        # The draft's folder: its config (and, where embedded, its weights' fingerprint)
+        # is in the backend's fields instead, so a moved draft keeps its artifacts.
+        "draft_model",
         "dtype",
         *GRID_KEYS,
         # keyed as the logits graphs it gives, where there are any (cache_manifest)

@@ -75,7 +75,7 @@ def prefill(backend: NxDBackend, prompts, blocks) -> dict[int, list[int]]:
                                      {"tokens": 4, "logits": ROW_BYTES})
         else:  # a one-token prompt in the block layout is a decode (core.inputs)
             assert last(backend) == ("token_generation_model", {"tokens": 4 * 4})
-        contexts[seq] = [*prompt, int(out.tokens[0])]
+        contexts[seq] = [*prompt, int(out.tokens[0, 0])]
     return contexts
 
 
@@ -94,7 +94,7 @@ def decode(backend: NxDBackend, contexts, blocks, host: list[bool]):
     )
     out = backend.run(inputs, rows)
     want = [expected(contexts[s]) for s in seqs]
-    assert out.tokens.tolist() == want
+    assert out.tokens[:, 0].tolist() == want
     for s, token in zip(seqs, want, strict=True):
         contexts[s].append(token)
     return out, want
@@ -396,7 +396,7 @@ def test_runner_process_carries_logits_only_for_host_rows(tiny, sdk_python, monk
         for seq, prompt in enumerate(PROMPTS):
             inputs = context_encoding_inputs(s, np.array(prompt), 0, seq, None)
             contexts[seq] = [*prompt, int(backend.run(inputs, sampling(1, needs_logits=False))
-                                          .tokens[0])]
+                                          .tokens[0, 0])]
         assert replies[-1] == {"tokens": 4, "logits": 0}
         for host in ([False] * 4, [False, False, True, False]):
             rows = sampling(4, needs_logits=False)
@@ -407,7 +407,7 @@ def test_runner_process_carries_logits_only_for_host_rows(tiny, sdk_python, monk
                 logits=any(host))
             out = backend.run(inputs, rows)
             want = [expected(contexts[q]) for q in range(4)]
-            assert out.tokens.tolist() == want
+            assert out.tokens[:, 0].tolist() == want
             assert replies[-1] == {"tokens": 4 * 4, "logits": 4 * VOCAB * sum(host)}
             if any(host):
                 assert out.logits.argmax(-1).tolist() == [want[2]]

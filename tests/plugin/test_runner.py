@@ -87,8 +87,10 @@ def test_configuration_error_crosses_the_boundary(model_dirs, cache_url):
 def test_missing_package_stops_start_up_naming_interpreter_and_package(model_dirs, tmp_path,
                                                                         monkeypatch):
     """An interpreter without the plugin (a bare venv) cannot host the backend. (Run
-    from elsewhere than the source tree, which `python -m` would put on its path.)"""
+    from elsewhere than the source tree, which `python -m` would put on its path, and
+    without a PYTHONPATH, which the runner would inherit.)"""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     python = str(bare / "bin" / "python")

@@ -21,6 +21,20 @@ Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router
   fit. A call of a token-generation logits graph (`graphs`) takes NxDI's 1-D path at
   the full batch: NxDI batch-buckets only the submodel tagged token_generation_model
   (model_wrapper.get_target_bucket, `self.tag == TOKEN_GENERATION_MODEL_TAG`).
+- Speculative decoding (core.speculation), as NxDI's generation models take it
+  (model_base.py NeuronBaseForCausalLM._get_model_outputs, ef2731e lines 3549-3735):
+  n-gram rows go to the speculation model with input ids and positions [rows,
+  speculation_length] (the last token and the drafts at p..p+N) and the same explicit
+  mask over positions < p (NxDI's inferred mask would cover the drafts' positions as
+  cached ones, `_infer_attention_mask`); NxDI's speculation bucket rule is mask width +
+  speculation_length < bucket, which is the plugin's need p + 1 + speculation_length.
+  Fused draft-model rows pass one token per row at p: in the contiguous layout with that
+  mask, in the block layout with the [rows, speculation_length] slot mapping of the
+  positions the graph writes (-1 past the row's draft budget: NxDI writes those to its
+  reserved extra block, block_kv_cache_manager `_update_cache_into_block_layout`) and
+  full/computed context lengths p + 1 / p, as vllm-neuron passes them: NxDI's fused
+  graph counts one query per row and picks the bucket with prefix > p +
+  speculation_length (model_wrapper.get_target_2d_bucket_for_prefix_caching).
 """
 
 from __future__ import annotations
@@ -131,11 +145,18 @@ def _decode_arguments(
         args["block_table"] = decode_block_table(
             settings, table[source], args["full_context_lens"][:, 0]
         )
+        if settings.is_fused_speculation:
+            args["full_context_lens"] = args["computed_context_lens"] + 1
         return args, np.argsort(order)[:real]
     # A pad row writes its token into the cache line of its seq_id, which may hold a
     # request outside this batch (one prefilled this step): at the last position, which
     # no request reads before writing it itself (NxDI's own garbage position,
     # kv_cache_manager.update_kv_by_layer_id), rather than at a copied row's position.
+    # With speculation it writes there and at the next speculation_length - 1 positions,
+    # which NxDI's seq_len (the largest bucket, max_model_len + speculation_length - 1)
+    # holds; a fused graph's draft mask (index_fill_ of each row's p + i, past the
+    # mask for a pad row) is a scatter on the device, whose out-of-bounds indices XLA
+    # skips.
     last = settings.max_model_len - 1
     args["input_ids"][pad] = 0
     args["position_ids"][pad] = last
@@ -184,11 +205,17 @@ def padding_arguments(
             settings, np.zeros(new + cached, dtype=np.int64), cached, 0, []
         )
     else:
+        # The last position whose need (p + 1 + speculation_length) fits the bucket; with
+        # speculation at most max_model_len - 2, the last position a request decodes at
+        # (the largest bucket reaches past it by the lookahead, in whole blocks).
         rows, length = inputs.bucket
+        position = length - 1 - settings.speculation_length
+        if settings.speculation_length:
+            position = min(position, settings.max_model_len - 2)
         stand_in = token_generation_inputs(
             settings,
             np.zeros(rows, dtype=np.int64),
-            np.full(rows, length - 1, dtype=np.int64),
+            np.full(rows, max(position, 1), dtype=np.int64),
             np.arange(rows, dtype=np.int64),
             [[]] * rows if block else None,
             logits=logits,

@@ -15,10 +15,15 @@ the model with the contract's arguments (`arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
   includes a weights fingerprint only in that case.
+- Speculative decoding (core.speculation): the NeuronConfig keys and the fused draft
+  model's config (`neuron_config`), the speculative calls' arguments (`arguments`) and
+  their answers (`outputs`). A fused draft's config is in the cache key, and its weights'
+  fingerprint where the artifacts embed weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,13 +40,28 @@ from neuron_plugin.backends.base import (
     artifact_record,
     check_artifact_record,
     graph_specs,
+    with_draft_config,
     write_artifact_record,
 )
 from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
-from neuron_plugin.backends.nxd.models import model_entry_points, resolve_model_class
-from neuron_plugin.backends.nxd.neuron_config import neuron_config_kwargs, unknown_kwargs
+from neuron_plugin.backends.nxd.models import (
+    NxDIModelClass,
+    model_entry_points,
+    resolve_model_class,
+)
+from neuron_plugin.backends.nxd.neuron_config import (
+    check_speculation_models,
+    draft_neuron_config,
+    neuron_config_kwargs,
+    unknown_kwargs,
+)
 from neuron_plugin.backends.nxd.nxdi import import_nxdi
+from neuron_plugin.backends.nxd.outputs import (
+    call_budget,
+    emitted_tokens,
+    first_position_logits,
+)
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.instances import (
@@ -97,6 +117,13 @@ class NxDBackend(InlineCalls):
         self.model_cls = resolve_model_class(
             settings.architecture, self.nxdi.model_types, model_entry_points(), self.nxdi.version
         )
+        # A fused draft model: its config and NxDI class (None: the model's own class).
+        self.draft_config: dict[str, Any] | None = None
+        self.draft_cls: NxDIModelClass | None = None
+        if settings.draft_model:
+            self.draft_config = read_hf_config(settings.draft_model)
+            self.draft_cls = self._draft_class(self.draft_config)
+        check_speculation_models(settings, self.hf_config, self.draft_config)
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
 
     @property
@@ -107,7 +134,26 @@ class NxDBackend(InlineCalls):
     def vocab_size(self) -> int:
         return int(text_config(self.hf_config)["vocab_size"])
 
+    def _draft_class(self, draft_config: dict[str, Any]) -> NxDIModelClass | None:
+        """The NxDI class of a fused draft of another architecture (FusedSpecNeuronConfig
+        `draft_model_cls`, model_base.py NeuronFusedSpecModel.__init__, ef2731e lines
+        1627-1630), None for a draft of the model's own (NxDI then builds it with the
+        model's class, as vllm-neuron always does)."""
+        architectures = draft_config.get("architectures") or []
+        if not architectures:
+            raise NeuronConfigError(
+                f"--speculative-config model={self.settings.draft_model}: its config.json "
+                f"names no architectures, so NxDI has no class to build the draft with; "
+                f"use a Hugging Face checkpoint whose config.json lists its architecture."
+            )
+        if architectures[0] == self.settings.architecture:
+            return None
+        return resolve_model_class(
+            architectures[0], self.nxdi.model_types, model_entry_points(), self.nxdi.version
+        )
+
     def _record(self) -> dict[str, Any]:
+        draft = self.draft_config
         return artifact_record(
             self.settings,
             {
@@ -116,6 +162,7 @@ class NxDBackend(InlineCalls):
                 "tp_degree": self.settings.tp_degree,
                 "nxdi_model": f"{self.model_cls.__module__}.{self.model_cls.__qualname__}",
                 "on_cpu": self.on_cpu,
+                "draft_architecture": (draft.get("architectures") or [None])[0] if draft else None,
             },
         )
 
@@ -123,19 +170,24 @@ class NxDBackend(InlineCalls):
         from compile_cache.weights import weights_fingerprint
 
         embeds_weights = bool(self.settings.passthrough.get("save_sharded_checkpoint"))
+        fingerprint = None
+        if embeds_weights:
+            fingerprint = weights_fingerprint(self.model_dir)
+            if self.settings.draft_model:  # the draft's weights are embedded too
+                draft = weights_fingerprint(self.settings.draft_model)
+                fingerprint = hashlib.sha256(f"{fingerprint}+{draft}".encode()).hexdigest()
         return {
             # make_manifest drops the keys that never change a graph (names, versions,
-            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
-            "model_config": self.hf_config,
+            # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS. A fused draft
+            # model's graphs depend on its config too.
+            "model_config": with_draft_config(self.hf_config, self.settings),
             "target": _target(self.on_cpu),
             "versions": {
                 **{d: package_version(d) for d in DISTRIBUTIONS},
                 "nxdi_patches": ",".join(self.nxdi.patches),
             },
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
-            "weights_fingerprint": (
-                weights_fingerprint(self.model_dir) if embeds_weights else None
-            ),
+            "weights_fingerprint": fingerprint,
         }
 
     def _new_model(self) -> Any:
@@ -152,9 +204,44 @@ class NxDBackend(InlineCalls):
         config = self.model_cls.get_config_cls()(
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
+        if self.settings.is_fused_speculation:
+            # Attached after construction, as vllm-neuron does (a model's own config class
+            # may not take the keyword).
+            config.fused_spec_config = self._fused_spec_config(neuron_config)
         model = self.model_cls(str(self.model_dir), config)
         graphs.add_logits_graphs(model, self.settings)
         return model
+
+    def _fused_spec_config(self, neuron_config: Any) -> Any:
+        """A fused draft model's FusedSpecNeuronConfig as vllm-neuron builds it
+        (`_init_fused_spec_config`): the draft's config from its folder around a copy of
+        the model's NeuronConfig (`draft_neuron_config`), the model's NeuronBaseModel
+        class as NxDI's worker class, the draft's folder for its weights."""
+        draft_dir = self.settings.draft_model
+        if draft_dir is None:
+            raise ValueError(
+                "speculation_method 'draft_model' with settings.draft_model None: a plugin "
+                "bug, please report it with your --speculative-config."
+            )
+        worker_cls = getattr(self.model_cls, "_model_cls", None)
+        if worker_cls is None:
+            raise NeuronConfigError(
+                f"--speculative-config with a draft model: the NxDI class "
+                f"{self.model_cls.__qualname__} names no NeuronBaseModel (_model_cls), "
+                f"which NxDI's fused speculation builds target and draft with; use a "
+                f"model class that sets _model_cls, or remove --speculative-config."
+            )
+        config_cls = (self.draft_cls or self.model_cls).get_config_cls()
+        draft_config = config_cls(
+            draft_neuron_config(neuron_config),
+            load_config=self.nxdi.load_pretrained_config(draft_dir),
+        )
+        return self.nxdi.fused_spec_config(
+            worker_cls,
+            draft_config=draft_config,
+            draft_model_path=draft_dir,
+            draft_model_cls=self.draft_cls,
+        )
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         if self.on_cpu:
@@ -220,14 +307,14 @@ class NxDBackend(InlineCalls):
         no_logits = torch.zeros((0, self.vocab_size))
         if inputs.num_real == 0:
             self._padding_call(inputs, logits=False)
-            return StepOutput(tokens=np.zeros(0, dtype=np.int32), logits=no_logits)
+            return StepOutput(tokens=np.zeros((0, 1), dtype=np.int32), logits=no_logits)
         needs = bool(sampling.needs_logits.any())
         args, answer = model_arguments(self.settings, inputs, needs)
         output = self._call(args, inputs.phase, needs, sampling, answer)
-        width = int(args["seq_ids"].shape[0])
-        tokens = output.tokens.reshape(width, -1)[torch.from_numpy(answer), -1]
+        budget = call_budget(inputs, answer, int(args["seq_ids"].shape[0]))
+        tokens = emitted_tokens(self.settings, inputs, args, output, budget)
         return StepOutput(
-            tokens=tokens.numpy().astype(np.int32).reshape(-1, 1),
+            tokens=tokens[answer],
             logits=self._logits(output, answer[sampling.needs_logits]) if needs else no_logits,
         )
 
@@ -235,10 +322,9 @@ class NxDBackend(InlineCalls):
         self._call(padding_arguments(self.settings, inputs, logits), inputs.phase, logits)
 
     def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
-        """The logits of NxDI output `rows` at the last position, vocabulary padding cut."""
-        logits = output.logits
-        if logits.dim() == 3:
-            logits = logits[:, -1, :]
+        """The logits of NxDI output `rows` at their first computed position (the only
+        one without speculation), vocabulary padding cut."""
+        logits = first_position_logits(self.settings, output)
         return logits[torch.from_numpy(rows), : self.vocab_size].float()
 
     def _call(

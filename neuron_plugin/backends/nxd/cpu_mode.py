@@ -47,6 +47,14 @@ def requested(settings: NeuronSettings) -> bool:
             "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
             "accuracy check against transformers wants) or bfloat16"
         )
+    if settings.speculation_method:
+        problems.append(
+            f"--speculative-config method {settings.speculation_method!r}: to_cpu() "
+            f"refuses any speculation_length ('Speculation is not yet supported for CPU "
+            f"inference.', application_base.py to_cpu, ef2731e lines 571-572); remove "
+            f"--speculative-config for the CPU mode, or remove on_cpu to speculate on "
+            f"NeuronCores"
+        )
     if problems:
         raise NeuronConfigError(
             "override_neuron_config.on_cpu=true (NxDI's CPU mode) "

@@ -4,13 +4,26 @@ NxDI gets explicit bucket lists, always with `enable_bucketing=True`, so it comp
 exactly the graphs the settings list (bucketing "off" is a one-bucket grid). NxDI adds
 prefix length 0 to the prefix grid itself, so it is not passed. Every key NxDI would
 drop, and every passed-through key the backend needs set otherwise, is an error.
+
+Speculative decoding (core.speculation) with N = num_speculative_tokens drafts:
+- ngram: `speculation_length` N + 1 without fused speculation, so NxDI builds its
+  speculation model (the target over N + 1 input tokens) instead of the
+  token-generation model (model_base.py NeuronBaseForCausalLM.__init__, ef2731e lines
+  3057-3068), contiguous layout only (refused otherwise in core.speculation);
+- draft_model: `enable_fused_speculation` with `speculation_length` N + 1, and the
+  InferenceConfig's `fused_spec_config` built as vllm-neuron's `_init_fused_spec_config`
+  builds it (`draft_neuron_config`; the backend assembles it).
+The on-device sampler stays dynamic without do_sample: NxDI then verifies every position
+with the target's argmax (model_base.py `_sample_on_device`, lines 1163-1173).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
+from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 # Passed-through NeuronConfig keys the backend completes rather than replaces.
@@ -48,6 +61,10 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         )
     if batch_bucketing(s):
         derived["token_generation_batches"] = list(s.token_generation_batches)
+    if s.speculation_method:
+        check_speculation_settings(s)
+        derived["speculation_length"] = s.speculation_length
+        derived["enable_fused_speculation"] = s.is_fused_speculation
     if s.on_device_sampling:
         derived["on_device_sampling_config"] = on_device_sampling_config(
             s.passthrough.get("on_device_sampling_config") or {}, s.global_topk
@@ -93,6 +110,82 @@ def on_device_sampling_config(user: Mapping[str, Any], global_topk: int) -> dict
         "dynamic": True,
         "deterministic": bool(user.get("deterministic", False)),
     }
+
+
+def check_speculation_settings(settings: NeuronSettings) -> None:
+    """Refuse, naming the fix, speculation settings NxDI would run wrongly."""
+    flag = f"--speculative-config method {settings.speculation_method!r}"
+    user = settings.passthrough.get("on_device_sampling_config") or {}
+    if user.get("do_sample"):
+        raise NeuronConfigError(
+            f"override_neuron_config.on_device_sampling_config.do_sample=true with "
+            f"{flag}: NxDI then samples one token from the last verified position instead "
+            f"of verifying each one (model_base.py _sample_on_device, 'FIXME, "
+            f"logits[:, -1, :] is not correct for speculation model'), which its "
+            f"acceptance cannot use; remove do_sample (per-request sampling stays on "
+            f"through dynamic) or remove --speculative-config."
+        )
+    k = settings.speculation_length
+    if k in settings.context_encoding_buckets:
+        raise NeuronConfigError(
+            f"override_neuron_config.context_encoding_buckets contains {k}, the "
+            f"speculation_length of {flag} (num_speculative_tokens + 1): NxDI routes a "
+            f"{k}-token input to its speculation path, so that context-encoding graph "
+            f"would never encode a prompt (model_base.py _is_context_encoding, "
+            f"NeuronFusedSpecModel.forward); use other context_encoding_buckets or "
+            f"another num_speculative_tokens."
+        )
+
+
+def check_speculation_models(
+    settings: NeuronSettings, target: Mapping[str, Any], draft: Mapping[str, Any] | None
+) -> None:
+    """Refuse, naming the fix, checkpoints NxDI's speculation cannot serve: sliding-window
+    attention (NxDI's speculative masks for it need the cascaded token-generation
+    attention kernel, model_base.py _create_windowed_attn_mask_spec_decode, and its
+    non-fused speculation model has none) and a draft of another vocabulary."""
+    if not settings.speculation_method:
+        return
+    flag = f"--speculative-config method {settings.speculation_method!r}"
+    for name, config in (("the model", target), ("the draft model", draft)):
+        if config is None:
+            continue
+        text = text_config(dict(config))
+        window = text.get("sliding_window")
+        if window is not None and text.get("use_sliding_window", True) is not False:
+            raise NeuronConfigError(
+                f"{flag} on the nxd backend: {name} uses sliding-window attention "
+                f"(sliding_window={window}), which NxDI verifies drafts for only with "
+                f"its cascaded token-generation attention kernel (model_base.py "
+                f"_create_windowed_attn_mask_spec_decode) and not in its speculation "
+                f"model; remove --speculative-config for this model."
+            )
+    if draft is not None:
+        target_vocab = text_config(dict(target)).get("vocab_size")
+        draft_vocab = text_config(dict(draft)).get("vocab_size")
+        if target_vocab != draft_vocab:
+            raise NeuronConfigError(
+                f"--speculative-config model={settings.draft_model}: the draft's "
+                f"vocabulary has {draft_vocab} tokens, the model's {target_vocab}; NxDI "
+                f"compares draft and target token ids, so the draft must share the "
+                f"model's tokenizer and vocabulary: use a draft of the same family."
+            )
+
+
+def draft_neuron_config(target: Any) -> Any:
+    """A fused draft model's NeuronConfig as vllm-neuron builds it
+    (neuronx_distributed_model_loader.py `_init_fused_spec_config`): a copy of the
+    target's without speculation of its own (NxDI would otherwise nest fused
+    speculation), with `draft_model_modules_to_not_convert` as its
+    modules_to_not_convert where given. Its buckets, batch sizes and sampler are the
+    target's, as NxDI expects (model_base.py enable_fused_spec sets the draft's batch)."""
+    draft = copy.deepcopy(target)
+    draft.speculation_length = 0
+    draft.enable_fused_speculation = False
+    modules = getattr(target, "draft_model_modules_to_not_convert", None)
+    if modules:
+        draft.modules_to_not_convert = modules
+    return draft
 
 
 def unknown_kwargs(neuron_config: object, kwargs: Mapping[str, Any]) -> list[str]:

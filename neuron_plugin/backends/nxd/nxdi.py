@@ -21,6 +21,9 @@ class NxDI:
     model_types: Mapping[str, Mapping[str, NxDIModelClass]]
     load_pretrained_config: Callable
     prepare_sampling_params: Callable
+    # models/config.py FusedSpecNeuronConfig(worker_cls, draft_config, draft_model_path,
+    # draft_model_cls): a fused draft model's part of the InferenceConfig.
+    fused_spec_config: Callable
     version: str | None
     # The patches in effect: they change what NxDI traces, so they are in the cache key.
     patches: tuple[str, ...]
@@ -30,6 +33,7 @@ def import_nxdi() -> NxDI:
     """Import NxD Inference and apply the patches its installed version needs."""
     try:
         from neuronx_distributed_inference.models import model_base, model_wrapper
+        from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
         from neuronx_distributed_inference.modules.attention import attention_base
         from neuronx_distributed_inference.modules.generation import sampling
         from neuronx_distributed_inference.utils import hf_adapter
@@ -52,6 +56,7 @@ def import_nxdi() -> NxDI:
         MODEL_TYPES,
         hf_adapter.load_pretrained_config,
         sampling.prepare_sampling_params,
+        FusedSpecNeuronConfig,
         package_version("neuronx-distributed-inference"),
         patched,
     )

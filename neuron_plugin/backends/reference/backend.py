@@ -32,6 +32,7 @@ from neuron_plugin.backends.base import (
     artifact_record,
     check_artifact_record,
     graph_specs,
+    with_draft_config,
     write_artifact_record,
 )
 from neuron_plugin.backends.reference.decoder import (
@@ -339,14 +340,6 @@ class Draft:
     def load(self, slots: int, dtype: torch.dtype) -> None:
         self.weights = load_weights(self.model_dir, self.spec, dtype)
         self.k_cache, self.v_cache = self.caches(slots, dtype)
-
-
-def with_draft_config(hf_config: dict[str, Any], settings: NeuronSettings) -> dict[str, Any]:
-    """The model config a compile-cache key covers: the target's, and a fused draft
-    model's under `speculative_draft` (its path changes no graph, its config does)."""
-    if not settings.draft_model:
-        return hf_config
-    return {**hf_config, "speculative_draft": read_hf_config(settings.draft_model)}
 
 
 def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,9 @@ NeuronConfig and autobucketing decide the compiled graphs; ModelWrapper chooses 
 bucket, pads, completes and sorts batches as NxDI does; neuronx-distributed's router
 (`_nxd_runtime`) accepts only the exact input shapes of a compiled graph; the graphs
 take the last token at argmax(position_ids), read the block KV cache through cropped
-block tables and sample on device with NxDI's Sampler. The "device" stores token ids
+block tables and sample on device with NxDI's Sampler. With speculation NxDI builds a
+speculation model (n-gram verification) or a fused draft-and-target model instead of
+the token-generation model, and their graphs verify drafts as NxDI's do (_nxd_runtime). The "device" stores token ids
 as its KV cache and answers with logits that peak at a function of exactly the keys a
 query attends, so a wrong slot, line, block, prefix, pad or last-token choice shows.
 """

@@ -46,12 +46,51 @@ the peak, so a wrong slot, line, block, prefix, pad or last-token choice shows.
 On-device sampling runs the Sampler on these logits; the outputs are [tokens] or
 [tokens, logits] or [logits], by the output_logits of the submodel's own config when it
 was compiled (each ModelWrapper traces its deep copy of the config,
-DecoderModelInstance; NeuronBaseModel.forward `if self.neuron_config.output_logits`).
+DecoderModelInstance; NeuronBaseModel.forward `if self.neuron_config.output_logits`),
+one tensor when there is one (the packer).
+
+Speculation (NxDI model_base.py, ef2731e; the same in 0.7-0.9 but for the padding
+token, see _release):
+- a graph with speculation_length input tokens (`_is_for_speculation`, lines 184-185;
+  the speculation model, or the target inside a fused graph) attends the cached keys its
+  mask allows plus the active tokens causally (the spec mask and the tril active mask,
+  lines 246-251 and 813-821), writes the KV of all of them, rejected drafts included
+  (by position, or by the host's slot mapping as given in a fused graph: lines 766-774
+  recompute slots only without fused speculation) and, with on-device sampling and no
+  do_sample, answers the argmax of every position (`_sample_on_device`, lines
+  1163-1173; with do_sample one token sampled from the last position, 1174-1183);
+- a fused graph (NeuronFusedSpecModel, enable_fused_speculation) holds a draft decoder
+  with its own KV cache ("draft_model." state) beside the target's ("target_model.").
+  Its context encoding encodes the prompt with both (`_context_encoding_forward`,
+  lines 1750-1810) and answers `_cte_postprocessor`'s list (2756-2797). Its token
+  generation (`_token_gen_forward`, 1812-1929) runs the draft speculation_length times,
+  step i on the last candidate at position p + i (slot_mapping[:, i] in the block
+  layout, where the draft recomputes the slot as any non-fused token generation does),
+  sampling each draft with the draft's own sampler (the request's values under
+  dynamic), and after each step sets the column of every row's p + i in the draft's
+  mask (`index_fill_`: all rows, so a row may attend another row's column; on the
+  device an HLO scatter, whose out-of-bounds columns are skipped); the last step only
+  writes the KV of the last used draft. The target then verifies [last token, drafts
+  1..k-1] at p..p+k-1 with the host's mask and slot mapping, and `_tkg_postprocessor`
+  (2799-2855) answers [accepted tokens (padded), next input ids, next attention mask,
+  next position ids]. With output_logits (the submodel's own, as above) the draft's and
+  the target's logits follow ([rows, k, vocab] each in token generation); the KV caches
+  are aliased state, not outputs (model_wrapper.py lines 1580-1610); the packer is
+  traced from the fused context encoding's outputs. NxDI's context encoding with
+  output_logits lists the draft's and target's logits twice before the caches
+  (lines 1800-1809), so its aliasing indices (2 * 3 + i) fall one entry early there;
+  the double returns the six leading outputs as the token-generation graph does.
+The draft's logits peak where the target's do, except one token id higher when the
+query attends a multiple of DRAFT_MISS_EVERY keys: with a draft cache that mirrors the
+target's, the draft for position q (from the query at q - 1, attending q keys) is
+rejected exactly when q % DRAFT_MISS_EVERY == 0, so tests see drafts accepted, rejected
+and all accepted, and can predict which; a draft cache that does not mirror the
+target's makes its drafts wrong.
 """
 
 import torch
 
-from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
+from neuronx_distributed_inference._release import ACCEPTANCE_PADDING_TOKEN
 from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
 from neuronx_distributed_inference.modules.generation.sampling import Sampler
 
@@ -60,6 +99,10 @@ GARBAGE = 389  # what an attended key contributes that no call ever wrote
 # context encoding narrower than 128 tokens takes the token-generation attention (prior
 # scores masked); from 128 on it takes perform_prefix_prefill.
 PREFIX_PREFILL_MIN_WIDTH = 128
+DRAFT_MISS_EVERY = 4  # see the module docstring
+# model_base.py _create_windowed_attn_mask_spec_decode (ef2731e line 329).
+WINDOW_SPEC_ASSERT = ("Currently we only support speculative decoding with sliding window "
+                      "attention when the cascaded tkg attention kernel is enabled")
 
 
 def shape_key(tensors) -> str:
@@ -119,20 +162,40 @@ class Packer:
         return outputs[0] if self.count == 1 else list(outputs[: self.count])
 
 
-class NxDModel:
-    """`traced_model.nxd_model`: per-rank state (the KV cache), the per-tag bucket models
-    and flatteners, the router, the packer and forward (see the module docstring)."""
+def target_peak(values: list[int], vocab: int) -> int:
+    return (sum(values) - 1) % vocab
 
-    def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None):
+
+def draft_peak(values: list[int], vocab: int) -> int:
+    """The double's draft: the target's answer, one id higher when the query attends a
+    multiple of DRAFT_MISS_EVERY keys."""
+    return (sum(values) - 1 + (len(values) % DRAFT_MISS_EVERY == 0)) % vocab
+
+
+class NxDModel:
+    """`traced_model.nxd_model`: per-rank state (the KV caches), the per-tag bucket
+    models and flatteners, the router, the packer and forward (see the module
+    docstring)."""
+
+    def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None,
+                 draft=None):
+        """`draft`: (draft NeuronConfig, draft layers) of a fused speculation model."""
         c = neuron_config
         self.config = c
         self.vocab_size = vocab_size
         self.window = sliding_window
         self.block = c.is_block_kv_layout
+        self.fused = bool(c.enable_fused_speculation)
         shape = ((c.pa_num_blocks, c.pa_block_size, 1, 1) if self.block
                  else (c.max_batch_size, 1, c.seq_len, 1))
-        self.state = [{f"kv_mgr.past_key_values.{i}": torch.zeros(shape)
-                       for i in range(2 * num_layers)} for _ in range(c.tp_degree)]
+        layers = {"": num_layers}
+        if self.fused:
+            layers = {"draft_model.": draft[1], "target_model.": num_layers}
+        self.state = [{f"{prefix}kv_mgr.past_key_values.{i}": torch.zeros(shape)
+                       for prefix, count in layers.items() for i in range(2 * count)}
+                      for _ in range(c.tp_degree)]
+        self.target_key = f"{'target_model.' if self.fused else ''}kv_mgr.past_key_values.0"
+        self.draft_key = "draft_model.kv_mgr.past_key_values.0"
         # graphs: tag -> {"output_logits": bool, "graphs": [(bucket, example input shapes)]}
         # in the order the submodels were added
         self.buckets = {tag: [bucket for bucket, _ in g["graphs"]] for tag, g in graphs.items()}
@@ -144,18 +207,26 @@ class NxDModel:
         self.flattener_map = _Named({f"{tag}_{index}": Flattener() for tag, g in graphs.items()
                                      for index in range(len(g["graphs"]))})
         self.sampler = Sampler(c) if c.on_device_sampling_config is not None else None
-        first = next(iter(graphs))
-        self.packer = Packer(1 + int(self.sampler is not None and self.output_logits[first]))
+        # The draft decoder's own sampler (NeuronBaseModel.__init__ of worker_cls(draft
+        # config), model_base.py init_inference_optimization, lines 161-166), built from the draft's NeuronConfig.
+        self.draft_config = draft[0] if self.fused else None
+        self.draft_sampler = Sampler(draft[0]) if self.fused else None
+        self.packer = Packer(self._output_count(next(iter(graphs))))
         self.attention = NeuronAttentionBase()
         # test instrumentation: (tag, bucket), the inputs and the bytes of each output
-        # ("tokens" / "logits") of every graph that ran, in order
+        # (by name: "tokens" / "logits", or a fused graph's, see _fused) of every graph
+        # that ran, in order
         self.ran = []
         self.inputs = []
         self.returned = []
 
     @property
     def memory(self):
-        return self.state[0]["kv_mgr.past_key_values.0"]
+        return self.state[0][self.target_key]
+
+    @property
+    def draft_memory(self):
+        return self.state[0][self.draft_key]
 
     def router(self, inputs):
         key = shape_key(inputs)
@@ -174,35 +245,81 @@ class NxDModel:
         """What bucket `index` of submodel `tag` computes, as its list of outputs."""
         self.ran.append((tag, self.buckets[tag][index]))
         self.inputs.append(tuple(inputs))
-        contexts = (self._block(tag, inputs) if self.block
-                    else self._contiguous(tag, inputs))
-        for rank_state in self.state[1:]:
-            rank_state["kv_mgr.past_key_values.0"].copy_(self.memory)
-        logits = self._logits(contexts)
-        if self.sampler is None:
-            outputs = {"logits": logits}
-        else:
-            outputs = {"tokens": self.sampler(logits[:, -1, :], inputs[4]).to(torch.int32)}
-            if self.output_logits[tag]:
-                outputs["logits"] = logits
+        outputs = self._fused(tag, inputs) if self.fused else self._plain(tag, inputs)
+        for key in {self.target_key, self.draft_key} & set(self.state[0]):
+            for rank_state in self.state[1:]:
+                rank_state[key].copy_(self.state[0][key])
         self.returned.append({name: t.numel() * t.element_size() for name, t in outputs.items()})
         return list(outputs.values())
+
+    def _output_count(self, tag):
+        """How many non-aliased outputs submodel `tag`'s graphs return (see _plain and
+        _fused)."""
+        logits = int(self.output_logits[tag])
+        if self.fused:
+            return 4 + 2 * logits
+        return 1 + int(self.sampler is not None and bool(logits))
+
+    # -- what a NeuronBaseModel graph computes -------------------------------------------
+    def _is_context_encoding(self, input_ids, config):
+        """NeuronBaseModel._is_context_encoding (ef2731e lines 181-182)."""
+        width = input_ids.shape[-1]
+        return width > 1 and width != config.speculation_length
+
+    def _sample_on_device(self, sampler, config, logits, sampling_params):
+        """NeuronBaseModel._sample_on_device (ef2731e lines 1151-1185)."""
+        for_speculation = logits.shape[1] == config.speculation_length
+        if for_speculation and not config.on_device_sampling_config.do_sample:
+            return torch.argmax(logits, dim=2).to(torch.int32)
+        return sampler(logits[:, -1, :], sampling_params).to(torch.int32)
+
+    def _decoder(self, inputs, memory, config, peak, recompute_slots=True):
+        """One decoder graph over `inputs` (ids, mask, positions, seq_ids, then the
+        block layout's slot mapping and block table): logits [rows, queries, vocab]."""
+        ids, mask, positions, seq_ids = inputs[:4]
+        cte = self._is_context_encoding(ids, config)
+        if self.block:
+            contexts = self._block(ids, mask, positions, inputs[4], inputs[5], memory, cte,
+                                   recompute_slots)
+        else:
+            contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte)
+        return self._logits(contexts, peak)
+
+    def _plain(self, tag, inputs):
+        """A graph of submodel `tag` without a draft: a context encoding, a token
+        generation, or NxDI's speculation model; {tokens} or {tokens, logits} (the
+        submodel's output_logits) with on-device sampling, else {logits}."""
+        c = self.config
+        layout = (*inputs[:4], inputs[11], inputs[12]) if self.block else inputs[:4]
+        if self.window and inputs[0].shape[-1] == c.speculation_length:
+            raise NotImplementedError("the NxDI double does not reproduce NxDI's "
+                                      "speculation model over sliding-window attention")
+        logits = self._decoder(layout, self.memory, c, target_peak)
+        if self.sampler is None:
+            return {"logits": logits}
+        outputs = {"tokens": self._sample_on_device(self.sampler, c, logits, inputs[4])}
+        if self.output_logits[tag]:
+            outputs["logits"] = logits
+        return outputs
 
     @staticmethod
     def _value(stored) -> int:
         return int(stored) if stored else GARBAGE
 
-    def _logits(self, contexts):
-        """[rows, 1, vocab padded to a multiple of tp_degree]: the lm_head's padded
+    def _logits(self, contexts, peak):
+        """[rows, queries, vocab padded to a multiple of tp_degree]: the lm_head's padded
         columns hold the float minimum (model_base.py mask_padded_logits), and with
-        output_logits the shards are gathered whole (_gather_along_dim), pads included."""
+        output_logits the shards are gathered whole (_gather_along_dim), pads included.
+        `contexts[r][q]` are the values query q of row r attends."""
         tp = self.config.tp_degree
         width = -(-self.vocab_size // tp) * tp
-        logits = torch.full((len(contexts), 1, width), torch.finfo(torch.float32).min)
+        queries = len(contexts[0])
+        logits = torch.full((len(contexts), queries, width), torch.finfo(torch.float32).min)
         ids = torch.arange(self.vocab_size)
-        for row, values in enumerate(contexts):
-            peak = (sum(values) - 1) % self.vocab_size
-            logits[row, 0, : self.vocab_size] = -((ids - peak) % self.vocab_size).float()
+        for row, per_query in enumerate(contexts):
+            for query, values in enumerate(per_query):
+                top = peak(values, self.vocab_size)
+                logits[row, query, : self.vocab_size] = -((ids - top) % self.vocab_size).float()
         return logits
 
     def _context_query(self, positions):
@@ -220,35 +337,37 @@ class NxDModel:
                 query = start + int(torch.argmax(window))
         return query
 
-    def _contiguous(self, tag, inputs):
-        input_ids, mask, positions, seq_ids = inputs[:4]
-        memory = self.memory[:, 0, :, 0]
+    def _contiguous(self, input_ids, mask, positions, seq_ids, memory, cte):
+        memory = memory[:, 0, :, 0]
         rows = input_ids.shape[0]
-        if tag == CONTEXT_ENCODING_MODEL_TAG:
+        if cte:
             contexts = []
             for r in range(rows):
                 line = int(seq_ids[r]) if self.config.is_continuous_batching else r
                 query = self._context_query(positions[r])
                 if self.window:
-                    contexts.append(self._window_context(memory[line], input_ids[r],
-                                                         int(mask[r].sum()), query))
+                    contexts.append([self._window_context(memory[line], input_ids[r],
+                                                          int(mask[r].sum()), query)])
                     continue
                 memory[line, : input_ids.shape[1]] = input_ids[r].float() + 1
                 keys = [j for j in range(query + 1) if mask[r, j] == 1 or j == query]
-                contexts.append([int(input_ids[r, j]) + 1 for j in keys])
+                contexts.append([[int(input_ids[r, j]) + 1 for j in keys]])
             return contexts
         lines = (seq_ids if rows < self.config.kv_cache_batch_size
                  else torch.arange(rows)).tolist()
         if self.window:
-            contexts = [self._window_decode(memory[line], int(input_ids[r, 0]),
-                                            int(positions[r, 0]))
-                        for r, line in enumerate(lines)]
-            return contexts
-        contexts = [[self._value(memory[line, j]) for j in range(mask.shape[1])
-                     if mask[r, j] == 1] + [int(input_ids[r, 0]) + 1]
+            return [[self._window_decode(memory[line], int(input_ids[r, 0]),
+                                         int(positions[r, 0]))]
                     for r, line in enumerate(lines)]
+        contexts = []
         for r, line in enumerate(lines):
-            memory[line, int(positions[r, 0])] = float(input_ids[r, 0]) + 1
+            prior = [self._value(memory[line, j]) for j in range(mask.shape[1])
+                     if mask[r, j] == 1]
+            active = [int(t) + 1 for t in input_ids[r]]
+            contexts.append([prior + active[: q + 1] for q in range(len(active))])
+        for r, line in enumerate(lines):
+            for q in range(input_ids.shape[1]):
+                memory[line, int(positions[r, q])] = float(input_ids[r, q]) + 1
         return contexts
 
     def _window_context(self, line, ids, length, query):
@@ -293,17 +412,16 @@ class NxDModel:
         """Token generation recomputes its write slots inside the graph from the
         positions and the cropped block table, keeping only the -1 of pad rows
         (block_kv_cache_manager.generate_tokengen_slot_mapping, called from
-        NeuronBaseModel.forward in 0.7-0.9)."""
+        NeuronBaseModel.forward in 0.7-0.9 unless fused speculation is on)."""
         size = self.config.pa_block_size
         rows = torch.arange(positions.shape[0])
         blocks = block_table[rows, (positions // size).squeeze(1)]
         slots = (size * blocks + (positions % size).squeeze(1)).unsqueeze(1)
         return torch.where(slot_mapping >= 0, slots, torch.full_like(slots, -1))
 
-    def _block(self, tag, inputs):
-        input_ids, mask, positions = inputs[:3]
-        slot_mapping, block_table = inputs[11], inputs[12]
-        flat = self.memory.view(-1)
+    def _block(self, input_ids, mask, positions, slot_mapping, block_table, memory, cte,
+               recompute_slots):
+        flat = memory.view(-1)
         size = self.config.pa_block_size
         readable = block_table.shape[1] * size if block_table.dim() == 2 else 0
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
@@ -313,17 +431,18 @@ class NxDModel:
             stored = [self._value(flat[blocks[j // size] * size + j % size])
                       if blocks[j // size] >= 0 else GARBAGE for j in range(readable)]
             prior = [stored[j] for j in range(width) if mask[r, j] == 1]
-            if tag != CONTEXT_ENCODING_MODEL_TAG:
-                contexts.append(prior + [int(input_ids[r, 0]) + 1])
+            if not cte:
+                active = [int(t) + 1 for t in input_ids[r]]
+                contexts.append([prior + active[: q + 1] for q in range(len(active))])
                 continue
             last = int(torch.argmax(positions[r]))
             active = [int(t) + 1 for t in input_ids[r, : last + 1]]
             if readable and input_ids.shape[1] >= PREFIX_PREFILL_MIN_WIDTH:
                 visible = [j < width and int(mask[r, j]) == 1 for j in range(readable)]
-                contexts.append([self._prefix_prefill_sum(stored, visible, active)])
+                contexts.append([[self._prefix_prefill_sum(stored, visible, active)]])
             else:
-                contexts.append(prior + active)
-        if tag != CONTEXT_ENCODING_MODEL_TAG:
+                contexts.append([prior + active])
+        if not cte and recompute_slots:
             slot_mapping = self._tokengen_slots(positions, slot_mapping, block_table)
         for slots, tokens in zip(slot_mapping.tolist(), input_ids.tolist()):
             for slot, token in zip(slots, tokens):
@@ -333,6 +452,112 @@ class NxDModel:
                 if slot >= 0:
                     flat[slot] = float(token) + 1
         return contexts
+
+    # -- what a NeuronFusedSpecModel graph computes ---------------------------------------
+    def _fused(self, tag, inputs):
+        """NeuronFusedSpecModel.forward (ef2731e lines 2857-3021), non-EAGLE: context
+        encoding iff more than one input token and not speculation_length of them.
+        Outputs by name: accepted (padded), next_input_ids, next_attention_mask,
+        next_position_ids, then draft_logits and target_logits with submodel `tag`'s
+        output_logits."""
+        c = self.config
+        if self.window:
+            if not (getattr(c, "attn_block_tkg_nki_kernel_enabled", False) and getattr(
+                    c, "attn_block_tkg_nki_kernel_cascaded_attention", False)):
+                raise AssertionError(WINDOW_SPEC_ASSERT)
+            raise NotImplementedError("the NxDI double does not reproduce the cascaded "
+                                      "token-generation attention kernel")
+        ids = inputs[0]
+        if ids.shape[-1] > 1 and ids.shape[-1] != c.speculation_length:
+            outputs = self._fused_context_encoding(inputs)
+        else:
+            outputs = self._fused_token_generation(inputs)
+        names = ["accepted", "next_input_ids", "next_attention_mask", "next_position_ids"]
+        if self.output_logits[tag]:
+            names += ["draft_logits", "target_logits"]
+        return dict(zip(names, outputs[: len(names)], strict=True))
+
+    def _fused_context_encoding(self, inputs):
+        """`_context_encoding_forward` (target, then draft, on the same inputs) and
+        `_cte_postprocessor` (ef2731e lines 1750-1810, 2756-2797)."""
+        c = self.config
+        ids, mask, positions, seq_ids, sampling_params = inputs[:5]
+        layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
+        target_logits = self._decoder(layout, self.memory, c, target_peak)
+        draft_logits = self._decoder(layout, self.draft_memory, self.draft_config, draft_peak)
+        target_token = self.sampler(target_logits[:, -1, :], sampling_params).to(torch.int32)
+        self.draft_sampler(draft_logits[:, -1, :], sampling_params)  # dropped by NxDI
+        rows = ids.shape[0]
+        if self.block:
+            current = (inputs[9] + inputs[10]).to(torch.int32)
+        else:
+            current = torch.sum(mask, dim=1).to(torch.int32)
+        padded = torch.cat([target_token.reshape(rows, 1),
+                            torch.full((rows, c.speculation_length - 1),
+                                       ACCEPTANCE_PADDING_TOKEN, dtype=torch.int32)],
+                           dim=1).to(torch.int32)
+        next_positions = current.reshape(rows, 1).to(torch.int32)
+        length = c.seq_len
+        next_mask = (next_positions.expand(rows, length) - 1
+                     >= torch.arange(length).view(1, -1)).to(positions.dtype)
+        return [padded, padded[:, :1], next_mask, next_positions, draft_logits,
+                target_logits]
+
+    def _fused_token_generation(self, inputs):
+        """`_token_gen_forward` and `_tkg_postprocessor` (ef2731e lines 1812-1929,
+        2799-2855), see the module docstring."""
+        c = self.config
+        k = c.speculation_length
+        ids, mask, positions, seq_ids, sampling_params = inputs[:5]
+        rows = ids.shape[0]
+        draft_positions = positions.expand(rows, k)
+        candidates = ids
+        draft_mask = mask.clone()
+        draft_logits = []
+        for i in range(k):
+            position = draft_positions[:, i:i + 1] + i
+            layout = (candidates[:, -1:], draft_mask, position, seq_ids)
+            if self.block:
+                layout += (inputs[7][:, i:i + 1], inputs[8])
+            logits = self._decoder(layout, self.draft_memory, self.draft_config, draft_peak)
+            draft_logits.append(logits)
+            token = self._sample_on_device(self.draft_sampler, self.draft_config, logits,
+                                           sampling_params)
+            columns = position.to(torch.int64).reshape(-1)
+            # index_fill_ on the device: an HLO scatter, out-of-bounds columns skipped
+            draft_mask[:, columns[columns < draft_mask.shape[1]]] = 1
+            candidates = torch.cat((candidates, token.view(rows, -1)), dim=-1)
+        target_positions = positions + torch.arange(k).view(1, -1)
+        layout = (candidates[:, :-1], mask, target_positions, seq_ids)
+        if self.block:
+            layout += (inputs[7], inputs[8])
+        target_logits = self._decoder(layout, self.memory, c, target_peak,
+                                      recompute_slots=False)
+        target_tokens = self._sample_on_device(self.sampler, c, target_logits,
+                                               sampling_params)
+        outputs = self._tkg_postprocessor(candidates[:, 1:], target_tokens, mask, positions)
+        return outputs + [torch.cat(draft_logits, dim=1), target_logits]
+
+    def _tkg_postprocessor(self, candidate_tokens, target_tokens, attention_mask,
+                           position_ids):
+        """`_tkg_postprocessor` (ef2731e lines 2799-2855): the leading drafts equal to the
+        target's tokens, then the target's next one, padded; where the next call starts."""
+        k = self.config.speculation_length
+        pad = ACCEPTANCE_PADDING_TOKEN
+        differs = candidate_tokens[:, :-1] != target_tokens[:, :-1]
+        matches = (differs.cumsum(dim=-1) < 1).sum(dim=-1, keepdim=True)
+        matches = matches.reshape(self.config.batch_size, 1) + 1
+        keep = torch.arange(target_tokens.shape[1]).expand(target_tokens.shape) < matches
+        accepted = torch.where(keep, target_tokens, torch.full_like(target_tokens, pad))
+        accepted = accepted.to(torch.int32)
+        next_positions = (position_ids + matches).to(torch.int32)
+        rows, length = attention_mask.shape
+        next_mask = (next_positions.expand(rows, length) - 1
+                     >= torch.arange(length).view(1, -1)).to(position_ids.dtype)
+        first_pad = torch.sum((accepted != pad).to(torch.int), dim=1)
+        index = (first_pad + (k - 1)) % k
+        next_ids = accepted[torch.arange(rows), index].reshape(rows, 1)
+        return [accepted, next_ids, next_mask, next_positions]
 
 
 class TracedModel:

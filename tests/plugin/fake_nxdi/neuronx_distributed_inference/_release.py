@@ -7,6 +7,9 @@ Every release is a published commit of aws-neuron/neuronx-distributed-inference:
 - "0.9": c63afe0, SDK 2.29 ("Release 2.29"); the paths the plugin touches are 0.8's.
 - "0.9-ef2731e": ef2731e, the release-2.29-v2 sync (still version 0.9.0): the HF adapter
   reads tensor_capture_hook from its kwargs and forward() accepts it.
+Fused speculation pads its accepted tokens with 0 in 0.7 and -1 from 0.8 on
+(NeuronFusedSpecModel.acceptance_padding_token: v0.7 model_base.py line 1699, v0.8
+line 1692, ef2731e line 1650).
 In 0.7, 0.8 and 0.9 `HuggingFaceGenerationAdapter.prepare_inputs_for_generation` reads
 `tensor_capture_hook` as an undefined global (NameError) and `forward()` has no such
 parameter. No release passes prefix-caching context lengths from the adapter, and every
@@ -26,3 +29,5 @@ VERSION = "0.9.0" if RELEASE.startswith("0.9") else f"{RELEASE}.0"
 HAS_BATCH_BUCKETING = RELEASE != "0.7"
 # hf_adapter.prepare_inputs_for_generation / NeuronBaseForCausalLM.forward of ef2731e.
 HOOK_FIXED = RELEASE == "0.9-ef2731e"
+# NeuronFusedSpecModel.acceptance_padding_token (see the module docstring).
+ACCEPTANCE_PADDING_TOKEN = 0 if RELEASE == "0.7" else -1

@@ -3,7 +3,10 @@ warmup(), load_weights() and to_cpu(). compile() traces every ModelWrapper in
 `self.models`, in order, each from its own config (get_builder adds each under its tag):
 its buckets (the shapes of its input_generator examples, which is what NxD's router
 will accept) and whether its graphs return logits (its config's output_logits); load()
-builds the traced model of _nxd_runtime and hands it to every ModelWrapper. to_cpu()
+builds the traced model of _nxd_runtime and hands it to every ModelWrapper (with fused
+speculation, the draft's NeuronConfig and depth too; its weights are loaded beside the
+target's under "draft_model." / "target_model.", application_base.py
+checkpoint_loader_fn, ef2731e lines 660-673). to_cpu()
 builds NxDI's eager submodels only as far as the CPU mode's set-up goes (which module
 each wrapper gets, the config and size attributes it starts with, its KV cache
 parameters); their forward records those attributes rather than computing (see
@@ -90,7 +93,16 @@ class NeuronApplicationBase(torch.nn.Module):
 
     @classmethod
     def validate_config(cls, config):
-        pass
+        """application_base.py validate_config (ef2731e lines 203-216)."""
+        if not hasattr(config, "neuron_config"):
+            raise ValueError("Config must include a NeuronConfig")
+        if getattr(config, "fused_spec_config", None) is not None:
+            if (config.fused_spec_config.draft_config.neuron_config.torch_dtype
+                    != config.neuron_config.torch_dtype
+                    and getattr(config.neuron_config, "cast_type", "config") == "config"):
+                raise ValueError(
+                    "cast-type must be set to 'as-declared' to be able to run different "
+                    "precisions for draft and target model!")
 
     @classmethod
     def get_config_cls(cls):
@@ -126,9 +138,15 @@ class NeuronApplicationBase(torch.nn.Module):
         if graphs != self._graphs():
             raise RuntimeError(f"compiled graphs {graphs} differ from {self._graphs()}")
         text = self.config.get_text_config()
+        draft = None
+        if self.neuron_config.enable_fused_speculation:
+            draft_config = self.fused_spec_config.draft_config
+            draft = (draft_config.neuron_config,
+                     draft_config.get_text_config().num_hidden_layers)
         self.traced_model = TracedModel(NxDModel(self.neuron_config, text.vocab_size,
                                                  text.num_hidden_layers, graphs,
-                                                 getattr(text, "sliding_window", None)))
+                                                 getattr(text, "sliding_window", None),
+                                                 draft))
         self.load_weights(compiled_model_path)
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
@@ -188,6 +206,16 @@ class NeuronApplicationBase(torch.nn.Module):
             model_path = self.config.neuron_config.quantized_checkpoints_path
             if not os.path.exists(model_path):
                 raise FileNotFoundError(f"Quantized checkpoint file not found: {model_path}")
+        if not self.config.neuron_config.enable_fused_speculation:
+            return self._read_weights(model_path)
+        weights = {f"draft_model.{name}": tensor for name, tensor in
+                   self._read_weights(self.fused_spec_config.draft_model_path).items()}
+        weights.update({f"target_model.{name}": tensor for name, tensor in
+                        self._read_weights(model_path).items()})
+        return weights
+
+    @staticmethod
+    def _read_weights(model_path):
         weights = {}
         for name in sorted(os.listdir(model_path)):
             if name.endswith(".safetensors"):

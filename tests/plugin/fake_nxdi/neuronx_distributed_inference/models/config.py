@@ -1,9 +1,15 @@
 """models/config.py: NeuronConfig / InferenceConfig / OnDeviceSamplingConfig /
-ChunkedPrefillConfig with NxDI 0.7's constructor signatures, defaults and validations
-for the keys the plugin sets (0.8+: token_generation_batches, sorted, at most
-tkg_batch_size, refused with the block layout by _validate_batch_bucketing_compatibility);
-any other key NxDI 0.7 knows is stored as given, and unknown keys are logged and dropped
-exactly as NeuronConfig.__init__ does."""
+ChunkedPrefillConfig / FusedSpecNeuronConfig with NxDI 0.7's constructor signatures,
+defaults and validations for the keys the plugin sets (0.8+: token_generation_batches,
+sorted, at most tkg_batch_size, refused with speculation or the block layout by
+_validate_batch_bucketing_compatibility); any other key NxDI 0.7 knows is stored as
+given, and unknown keys are logged and dropped exactly as NeuronConfig.__init__ does.
+
+Speculation keys (ef2731e config.py lines 243-256): speculation_length (0),
+spec_batch_size (batch_size), enable_fused_speculation (False), enable_eagle_speculation
+(False; True turns fused speculation on). FusedSpecNeuronConfig (lines 1045-1061) holds
+the fused draft: worker_cls (the target's NeuronBaseModel class, also the draft's when
+draft_model_cls is None), draft_config, draft_model_path, draft_model_cls."""
 
 import inspect
 import json
@@ -134,7 +140,11 @@ class NeuronConfig:
         if self.quantized is True:
             assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
         self.speculation_length = kwargs.pop("speculation_length", 0)
+        self.spec_batch_size = kwargs.pop("spec_batch_size", self.batch_size)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
+        self.enable_eagle_speculation = kwargs.pop("enable_eagle_speculation", False)
+        if self.enable_eagle_speculation:
+            self.enable_fused_speculation = True
         self.is_medusa = kwargs.pop("is_medusa", False)
         self.is_block_kv_layout = kwargs.pop("is_block_kv_layout", False)
         self.pa_num_blocks = kwargs.pop("pa_num_blocks", self.batch_size)
@@ -175,11 +185,26 @@ class NeuronConfig:
             setattr(self, key, kwargs.pop(key))
         if kwargs:
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
-        if getattr(self, "token_generation_batches", None) is not None and self.is_block_kv_layout:
+        self._validate_batch_bucketing_compatibility()
+
+    def _validate_batch_bucketing_compatibility(self):
+        """0.8+ (ef2731e config.py lines 645-690), for the features the plugin sets."""
+        if getattr(self, "token_generation_batches", None) is None:
+            return
+        incompatible = []
+        if self.speculation_length > 0:
+            incompatible.append(f"speculative decoding ({self.speculation_length=})")
+        if self.enable_fused_speculation:
+            incompatible.append("fused speculation (enable_fused_speculation=True)")
+        if self.is_prefix_caching:
+            incompatible.append("prefix caching (is_prefix_caching=True)")
+        if self.is_block_kv_layout:
+            incompatible.append("block KV layout (is_block_kv_layout=True)")
+        if incompatible:
             raise ValueError(
                 f"Batch bucketing (token_generation_batches={self.token_generation_batches}) "
-                f"is not currently supported with the following features: block KV layout "
-                f"(is_block_kv_layout=True). Please disable batch bucketing or the "
+                f"is not currently supported with the following features: "
+                f"{', '.join(incompatible)}. Please disable batch bucketing or the "
                 f"incompatible features.")
 
 
@@ -251,3 +276,14 @@ class ChunkedPrefillConfig:
         self.tkg_model_enabled = kwargs.pop("tkg_model_enabled", True)
         self.kernel_q_tile_size = kwargs.pop("kernel_q_tile_size", 128)
         self.kernel_kv_tile_size = kwargs.pop("kernel_kv_tile_size", 1024)
+
+
+class FusedSpecNeuronConfig:
+    """config.py FusedSpecNeuronConfig (ef2731e lines 1045-1061, the same in 0.7/0.8)."""
+
+    def __init__(self, worker_cls, draft_config=None, draft_model_path=None,
+                 draft_model_cls=None):
+        self.worker_cls = worker_cls
+        self.draft_model_cls = draft_model_cls
+        self.draft_config = draft_config
+        self.draft_model_path = draft_model_path

@@ -2,15 +2,24 @@
 
 - __init__: default sampling_params with batch_size (max_num_seqs) rows, used when a
   call passes none; enable_context_encoding (batch ctx_batch_size, buckets from
-  autobucketing.generate_buckets_for_cte) and enable_token_generation (batch
+  autobucketing.generate_buckets_for_cte) and one generation model (ef2731e lines
+  3057-3068): with enable_fused_speculation the fused speculation model (batch
+  tkg_batch_size, one active token, generate_buckets_for_fused_spec) and both wrappers
+  run NeuronFusedSpecModel; else with speculation_length the speculation model (batch
+  spec_batch_size, speculation_length active tokens, generate_buckets_for_speculation)
+  and *no* token-generation model; else the token-generation model (batch
   tkg_batch_size, generate_buckets_for_tkg);
 - forward: the exact parameter list of the release (tensor_capture_hook only in
   ef2731e), preprocess_inputs (attention mask inferred from position_ids when absent,
   seq_ids defaulted, sampling_params defaulted and, with on-device sampling, validated),
-  _get_model_outputs (prefix caching: context encoding iff more than one input token
-  and position 0, else token generation; contiguous: context encoding iff position 0),
-  and the output: tokens and logits with on-device sampling and output_logits
-  (outputs[:2]), else tokens (on-device) or logits.
+  _get_model_outputs (lines 3549-3735; prefix caching: context encoding iff more than
+  one input token and position 0, else the fused model (11 arguments) or token
+  generation (15); contiguous: context encoding iff position 0, else the fused model,
+  else the speculation model iff speculation_length input tokens, else token
+  generation, which a speculation model's NxDI lacks: AttributeError), and the output
+  (_get_constructed_outputs, lines 3797-3830): tokens and logits with on-device sampling
+  and output_logits (outputs[:2]) unless fused, else `fused_outputs` (fused) or tokens
+  (on-device) or logits.
 """
 
 from copy import deepcopy
@@ -19,10 +28,16 @@ from typing import Callable, List, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from neuronx_distributed_inference._release import HAS_BATCH_BUCKETING, HOOK_FIXED
+from neuronx_distributed_inference._release import (
+    ACCEPTANCE_PADDING_TOKEN,
+    HAS_BATCH_BUCKETING,
+    HOOK_FIXED,
+)
 from neuronx_distributed_inference.models.application_base import NeuronApplicationBase
 from neuronx_distributed_inference.models.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
+    FUSED_SPECULATION_MODEL_TAG,
+    SPECULATION_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
 )
@@ -32,6 +47,21 @@ from neuronx_distributed_inference.modules.generation.sampling import (
     prepare_sampling_params,
     validate_sampling_params,
 )
+
+
+class NeuronBaseModel(torch.nn.Module):
+    """model_base.py NeuronBaseModel: the traced decoder a ModelWrapper compiles per
+    bucket (an application's `_model_cls`); what its graphs compute is _nxd_runtime's."""
+
+
+class NeuronFusedSpecModel(torch.nn.Module):
+    """model_base.py NeuronFusedSpecModel (ef2731e lines 1598-3021): the draft and target
+    decoders traced into one graph per bucket, as both the context-encoding and the
+    fused-speculation wrappers' model. What its graphs compute (the draft loop, the
+    target's verification, `_cte_postprocessor` / `_tkg_postprocessor`) is
+    _nxd_runtime's; the accepted tokens are padded with `acceptance_padding_token`."""
+
+    acceptance_padding_token = ACCEPTANCE_PADDING_TOKEN
 
 
 class NeuronBaseForCausalLM(NeuronApplicationBase):
@@ -45,12 +75,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.kv_cache_populated = False
         self.default_sampling_params = prepare_sampling_params(
             batch_size=self.neuron_config.batch_size, top_k=[1], top_p=[1.0], temperature=[1.0])
-        self.enable_context_encoding()
-        self.enable_token_generation()
+        if self.neuron_config.enable_fused_speculation:
+            self._model_cls = NeuronFusedSpecModel
+            self.enable_context_encoding()
+            self.enable_fused_spec()
+        else:
+            self.enable_context_encoding()
+            if self.neuron_config.speculation_length > 0:
+                self.enable_speculation()
+            else:
+                self.enable_token_generation()
 
     def enable_context_encoding(self):
         new_config = deepcopy(self.config)
         new_config.neuron_config.batch_size = self.neuron_config.ctx_batch_size
+        if self.neuron_config.enable_fused_speculation:
+            new_config.fused_spec_config.draft_config.neuron_config.batch_size = (
+                self.neuron_config.ctx_batch_size)
         new_config.neuron_config.n_active_tokens = self.neuron_config.max_context_length
         new_config.neuron_config.bucket_n_active_tokens = True
         new_config.neuron_config.buckets = autobucketing.generate_buckets_for_cte(new_config)
@@ -67,6 +108,41 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.token_generation_model = ModelWrapper(new_config, self._model_cls,
                                                    tag=TOKEN_GENERATION_MODEL_TAG)
         self.models.append(self.token_generation_model)
+
+    def enable_fused_spec(self):
+        """model_base.py enable_fused_spec (ef2731e lines 3078-3105)."""
+        new_config = deepcopy(self.config)
+        new_config.neuron_config.batch_size = self.neuron_config.tkg_batch_size
+        draft = new_config.fused_spec_config.draft_config.neuron_config
+        draft.batch_size = self.neuron_config.tkg_batch_size
+        draft.n_active_tokens = 1
+        new_config.neuron_config.n_active_tokens = 1
+        new_config.neuron_config.bucket_n_active_tokens = False
+        new_config.neuron_config.buckets = autobucketing.generate_buckets_for_fused_spec(
+            new_config)
+        self.fused_spec_model = ModelWrapper(new_config, self._model_cls,
+                                             tag=FUSED_SPECULATION_MODEL_TAG)
+        self.models.append(self.fused_spec_model)
+
+    def enable_speculation(self):
+        """model_base.py enable_speculation (ef2731e lines 3155-3179)."""
+        new_config = deepcopy(self.config)
+        new_config.neuron_config.batch_size = self.neuron_config.spec_batch_size
+        new_config.neuron_config.n_active_tokens = self.neuron_config.speculation_length
+        new_config.neuron_config.bucket_n_active_tokens = False
+        new_config.neuron_config.buckets = autobucketing.generate_buckets_for_speculation(
+            new_config)
+        self.speculation_model = ModelWrapper(new_config, self._model_cls,
+                                              tag=SPECULATION_MODEL_TAG)
+        self.models.append(self.speculation_model)
+
+    def get_generation_model(self):
+        """model_base.py get_generation_model (ef2731e lines 3203-3211), without Medusa."""
+        if self.neuron_config.enable_fused_speculation:
+            return self.fused_spec_model
+        if self.neuron_config.speculation_length > 0:
+            return self.speculation_model
+        return self.token_generation_model
 
     def get_required_kwargs(self) -> List[str]:
         return []
@@ -104,7 +180,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                                           sampling_params, adapter_ids, slot_mapping,
                                           block_table, full_context_lens,
                                           computed_context_lens)
-        if self.on_device_sampling and self.neuron_config.output_logits:
+        if (self.on_device_sampling and self.neuron_config.output_logits
+                and not self.neuron_config.enable_fused_speculation):
             tokens_and_logits = outputs[:2]
             return self._construct_output_with_tokens_and_logits(tokens_and_logits[0],
                                                                  tokens_and_logits[1])
@@ -113,21 +190,36 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids,
                            sampling_params, adapter_ids, slot_mapping, block_table,
                            full_context_lens, computed_context_lens):
-        if self.neuron_config.is_prefix_caching:
+        c = self.neuron_config
+        if c.is_prefix_caching:
             num_queries = full_context_lens - computed_context_lens
             is_context_encoding = input_ids.shape[-1] > 1 and not position_ids.min().item()
-            model = (self.context_encoding_model if is_context_encoding
-                     else self.token_generation_model)
+            if is_context_encoding:
+                model = self.context_encoding_model
+            elif c.enable_fused_speculation:
+                model = self.fused_spec_model
+            else:  # a speculation model's NxDI has none: AttributeError, as in NxDI
+                model = self.token_generation_model
             empty = torch.empty(0)
+            adapter = adapter_ids if HAS_BATCH_BUCKETING else empty
+            if c.enable_fused_speculation:
+                return model(input_ids, attention_mask, position_ids, seq_ids,
+                             sampling_params, empty, adapter, slot_mapping, block_table,
+                             num_queries, computed_context_lens)
             return model(input_ids, attention_mask, position_ids, seq_ids, sampling_params,
-                         empty, adapter_ids if HAS_BATCH_BUCKETING else empty,
-                         empty, empty, empty, empty, slot_mapping, block_table, num_queries,
-                         computed_context_lens)
+                         empty, adapter, empty, empty, empty, empty, slot_mapping,
+                         block_table, num_queries, computed_context_lens)
         if position_ids.min().item() == 0:
             outputs = self.context_encoding_model(input_ids, attention_mask, position_ids,
                                                   seq_ids, sampling_params, None, adapter_ids)
             self.kv_cache_populated = True
             return outputs
+        if c.enable_fused_speculation:
+            return self.fused_spec_model(input_ids, attention_mask, position_ids, seq_ids,
+                                         sampling_params, None, adapter_ids)
+        if input_ids.shape[-1] == c.speculation_length:
+            return self.speculation_model(input_ids, attention_mask, position_ids, seq_ids,
+                                          sampling_params, None, adapter_ids)
         return self.token_generation_model(input_ids, attention_mask, position_ids, seq_ids,
                                            sampling_params, None, adapter_ids)
 
@@ -140,7 +232,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         output = CausalLMOutputWithPast(
             logits=None if self.on_device_sampling else logits_or_next_tokens,
             hidden_states=logits_or_next_tokens, attentions=None)
-        output.tokens = logits_or_next_tokens
+        if self.neuron_config.enable_fused_speculation:
+            output.fused_outputs = logits_or_next_tokens
+        else:
+            output.tokens = logits_or_next_tokens
         return output
 
     if HOOK_FIXED:

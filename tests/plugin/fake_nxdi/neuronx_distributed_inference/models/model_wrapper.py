@@ -15,6 +15,16 @@ non-speculative code paths), per release (see _release):
   caching), rows padded with the first row (slots with -1), and the return of a
   prefix-caching call cut with `[: seq_ids.shape[0]]`, which cuts the list
   [tokens, logits] rather than the tensors when output_logits is on.
+With speculation (ef2731e model_wrapper.py): the speculation model's examples have
+speculation_length active tokens with positions of ones, the fused model's one
+(input_generator, lines 205-362); with prefix caching and fused speculation every call
+has 11 arguments (slot mapping at 7, block table at 8, num_queries at 9, computed
+context lengths at 10; the fused model's slot mapping is [batch, speculation_length],
+_get_input_shape_for_prefix_caching, lines 364-455), which _pad_prefix_caching_inputs,
+_forward_with_pad and the 2-D bucket choice index accordingly (lines 574-704, 923-1143);
+the fused and speculation models' buckets must exceed the need plus speculation_length
+(get_target_bucket, get_target_2d_bucket_for_prefix_caching); a fused model's outputs
+are a list, padded batches cut or reordered per tensor (lines 687-699, 1431-1436).
 The double runs one prompt per context-encoding call; NxDI's multi-prompt path
 (vllm_cte_repadding) is not reproduced and raises NotImplementedError.
 """
@@ -90,10 +100,20 @@ class ModelWrapper(torch.nn.Module):
             sampling_params = torch.ones((batch_size, 3), dtype=torch.float32)
             adapter_ids = torch.zeros((batch_size), dtype=torch.int32)
             if c.is_prefix_caching:
-                slot_mapping = torch.zeros((batch_size, n_active), dtype=torch.int32)
+                slot_width = (c.speculation_length if c.enable_fused_speculation
+                              and self.tag == FUSED_SPECULATION_MODEL_TAG else n_active)
+                slot_mapping = torch.zeros((batch_size, slot_width), dtype=torch.int32)
                 num_blocks = prefix_size // c.pa_block_size
                 block_table = (torch.zeros(1, dtype=torch.int32) if num_blocks == 0 else
                                torch.zeros((batch_size, num_blocks), dtype=torch.int32))
+                num_queries = torch.full((batch_size, 1), n_active, dtype=torch.int32)
+                computed = torch.full((batch_size, 1), prefix_size, dtype=torch.int32)
+                adapter = adapter_ids if HAS_BATCH_BUCKETING else torch.empty(0)
+                if c.enable_fused_speculation:
+                    inputs.append((input_ids, attention_mask, position_ids, seq_ids,
+                                   sampling_params, torch.empty(0), adapter, slot_mapping,
+                                   block_table, num_queries, computed))
+                    continue
                 inputs.append((
                     input_ids, attention_mask, position_ids, seq_ids, sampling_params,
                     torch.empty(0),
@@ -140,7 +160,8 @@ class ModelWrapper(torch.nn.Module):
         # The loop over batch_size chunks in ModelWrapper.forward runs once here.
         output_logits = [self._forward_with_pad(*args)]
         c = self.neuron_config
-        if c.on_device_sampling_config and c.output_logits and c.is_continuous_batching:
+        if c.enable_fused_speculation or (c.on_device_sampling_config and c.output_logits
+                                          and c.is_continuous_batching):
             return [torch.cat(x, dim=0) for x in zip(*output_logits)]
         return torch.cat(output_logits, dim=0)
 
@@ -167,10 +188,12 @@ class ModelWrapper(torch.nn.Module):
         seq_ids = args[3]
         sampling_params = args[4]
         medusa_args = None if self.is_block_kv_layout or len(args) <= 5 else args[5:8]
+        fused = self.neuron_config.enable_fused_speculation
         if self.is_prefix_caching:
-            block_kv_empty_args = args[5:11]
-            block_kv_slot_mapping = args[11]
-            block_kv_args = args[12:15]
+            first_slot = 7 if fused else 11
+            block_kv_empty_args = args[5:first_slot]
+            block_kv_slot_mapping = args[first_slot]
+            block_kv_args = args[first_slot + 1:first_slot + 4]
         reorder_seq_ids = not self.is_prefix_caching
         seq_ids_list = seq_ids.tolist()
         target_batch_size = self.neuron_config.max_batch_size
@@ -200,9 +223,12 @@ class ModelWrapper(torch.nn.Module):
                                for arg in block_kv_args)
         logits = self._forward(*padded_args)
         if self.is_prefix_caching:
+            if fused:
+                return [logit[: seq_ids.shape[0]] for logit in logits]
             return logits[: seq_ids.shape[0]]
         c = self.neuron_config
-        if c.on_device_sampling_config and c.output_logits and c.is_continuous_batching:
+        if fused or (c.on_device_sampling_config and c.output_logits
+                     and c.is_continuous_batching):
             return [torch.index_select(logit, 0, seq_ids) for logit in logits]
         return torch.index_select(logits, 0, seq_ids)
 
@@ -314,9 +340,14 @@ class ModelWrapper(torch.nn.Module):
     # -- prefix caching --------------------------------------------------------------------
     def get_target_2d_bucket_for_prefix_caching(self, *args, strategy="first_fit"):
         buckets = torch.tensor(self.neuron_config.buckets, dtype=torch.int32)
-        vertical_dim, horizontal_dim = args[13], args[14]
+        speculation_length = (self.neuron_config.speculation_length
+                              if self.tag == FUSED_SPECULATION_MODEL_TAG else 0)
+        if self.neuron_config.enable_fused_speculation:
+            vertical_dim, horizontal_dim = args[9], args[10]
+        else:
+            vertical_dim, horizontal_dim = args[13], args[14]
         if self.tag != CONTEXT_ENCODING_MODEL_TAG:
-            horizontal_mask = buckets[:, 1] > torch.max(horizontal_dim)
+            horizontal_mask = buckets[:, 1] > torch.max(horizontal_dim) + speculation_length
             vertical_mask = buckets[:, 0] >= torch.max(vertical_dim)
             mask = horizontal_mask & vertical_mask
             final_buckets = buckets[mask]
@@ -369,9 +400,11 @@ class ModelWrapper(torch.nn.Module):
         prefill_bucket, prefix_bucket = (
             int(v) for v in self.get_target_2d_bucket_for_prefix_caching(*args,
                                                                         strategy=pad_type))
+        fused = c.enable_fused_speculation
+        first_slot = 7 if fused else 11
         if self.tag == CONTEXT_ENCODING_MODEL_TAG:
-            slot_mapping, block_table = args[11], args[12]
-            prefill_len, prefix_len = args[13][0], args[14][0]
+            slot_mapping, block_table = args[first_slot], args[first_slot + 1]
+            prefill_len, prefix_len = args[first_slot + 2][0], args[first_slot + 3][0]
             extra_prefill_slots = max(0, prefill_bucket - prefill_len)
             adjusted_prefix_len = max(0, prefix_len - extra_prefill_slots)
             sliced_inputs = args[0][:, adjusted_prefix_len:]
@@ -399,15 +432,17 @@ class ModelWrapper(torch.nn.Module):
             else:  # F.pad with a negative width crops the table to num_blocks columns
                 padded_block_table = F.pad(block_table, (0, num_blocks - block_table.shape[1]),
                                            "constant", 0)
-            return (padded_inputs, padded_attn_mask, padded_position_id, *args[3:11],
-                    padded_slot_mapping, padded_block_table, *args[13:])
+            return (padded_inputs, padded_attn_mask, padded_position_id,
+                    *args[3:first_slot], padded_slot_mapping, padded_block_table,
+                    *args[first_slot + 2:])
         padded_attn_mask = F.pad(args[1], (0, prefix_bucket - args[1].shape[1]), "constant", 0)
         # 0.7/0.8 pad with -1 for either TKG attention kernel, 0.9 for the block one only.
         kernel = getattr(c, "attn_block_tkg_nki_kernel_enabled", False) or (
             RELEASE in ("0.7", "0.8") and getattr(c, "attn_tkg_nki_kernel_enabled", False))
-        block_table = args[12]
+        block_table = args[first_slot + 1]
         pad_right = (prefix_bucket // c.pa_block_size) - block_table.shape[1]
         new_args = list(args)
         new_args[1] = padded_attn_mask
-        new_args[12] = F.pad(block_table, (0, pad_right), "constant", -1 if kernel else 0)
+        new_args[first_slot + 1] = F.pad(block_table, (0, pad_right), "constant",
+                                         -1 if kernel else 0)
         return tuple(new_args)

@@ -1,7 +1,10 @@
 """modules/autobucketing.py: the bucket lists NxDI compiles (generate_buckets_for_cte /
-generate_buckets_for_tkg), minus chunked prefill and speculation, which the plugin
-never configures. Prefix caching compiles the whole (active x [0] + prefix) cross
-product; batch bucketing (0.8+) the whole (batch x length) one, largest batch first."""
+generate_buckets_for_tkg / generate_buckets_for_fused_spec /
+generate_buckets_for_speculation), minus chunked prefill, which the plugin never
+configures. Prefix caching compiles the whole (active x [0] + prefix) cross product;
+batch bucketing (0.8+) the whole (batch x length) one, largest batch first. Speculation
+has no 2-D forms: the fused model's prefix-caching buckets are [1, length] as token
+generation's, the speculation model's are lengths only (ef2731e lines 282-341)."""
 
 from math import log2
 
@@ -95,3 +98,31 @@ def generate_buckets_for_tkg(inference_config):
                 "Batch bucketing is not yet supported with prefix caching enabled.")
         return generate_2d_buckets_for_batch_bucketing(c, buckets)
     return buckets
+
+
+def generate_buckets_for_fused_spec(inference_config):
+    """autobucketing.generate_buckets_for_fused_spec (ef2731e lines 282-322): token
+    generation's buckets without batch bucketing."""
+    c = inference_config.neuron_config
+    if not c.enable_bucketing:
+        if c.is_prefix_caching:
+            return generate_2d_buckets_for_prefix_caching(1, 1, c.max_length, c.max_length)
+        return generate_buckets(c.max_length, c.max_length)
+    if c.token_generation_buckets is not None:
+        if c.is_prefix_caching:
+            return [[1, n] for n in c.token_generation_buckets]
+        return c.token_generation_buckets
+    if c.is_prefix_caching:
+        return generate_2d_buckets_for_prefix_caching(1, 1, 256, c.max_length)
+    return generate_buckets(128, c.max_length)
+
+
+def generate_buckets_for_speculation(inference_config):
+    """autobucketing.generate_buckets_for_speculation (ef2731e lines 325-341): lengths
+    only, whatever the KV layout."""
+    c = inference_config.neuron_config
+    if not c.enable_bucketing:
+        return generate_buckets(c.max_length, c.max_length)
+    if c.token_generation_buckets is not None:
+        return c.token_generation_buckets
+    return generate_buckets(128, c.max_length)

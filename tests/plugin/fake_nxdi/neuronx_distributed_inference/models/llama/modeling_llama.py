@@ -1,7 +1,10 @@
 """NeuronLlamaForCausalLM and LlamaInferenceConfig with NxDI's class methods."""
 
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
-from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
+from neuronx_distributed_inference.models.model_base import (
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+)
 
 
 class LlamaInferenceConfig(InferenceConfig):
@@ -15,7 +18,13 @@ class LlamaInferenceConfig(InferenceConfig):
         return NeuronConfig
 
 
+class NeuronLlamaModel(NeuronBaseModel):
+    """The decoder the application traces (ef2731e line 1091)."""
+
+
 class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronLlamaModel  # ef2731e line 1201
+
     @classmethod
     def get_config_cls(cls):
         return LlamaInferenceConfig

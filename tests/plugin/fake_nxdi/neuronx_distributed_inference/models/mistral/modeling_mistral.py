@@ -6,6 +6,11 @@ from neuronx_distributed_inference.models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaForCausalLM,
 )
+from neuronx_distributed_inference.models.model_base import NeuronBaseModel
+
+
+class NeuronMistralModel(NeuronBaseModel):
+    """The decoder the application traces (ef2731e line 151)."""
 
 
 class MistralInferenceConfig(LlamaInferenceConfig):
@@ -13,6 +18,8 @@ class MistralInferenceConfig(LlamaInferenceConfig):
 
 
 class NeuronMistralForCausalLM(NeuronLlamaForCausalLM):
+    _model_cls = NeuronMistralModel  # ef2731e line 195
+
     @classmethod
     def get_config_cls(cls):
         return MistralInferenceConfig

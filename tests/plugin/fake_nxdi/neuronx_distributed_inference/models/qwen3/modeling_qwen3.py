@@ -1,7 +1,10 @@
 """NeuronQwen3ForCausalLM and Qwen3InferenceConfig with NxDI's class methods."""
 
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
-from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
+from neuronx_distributed_inference.models.model_base import (
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+)
 
 
 class Qwen3InferenceConfig(InferenceConfig):
@@ -15,7 +18,13 @@ class Qwen3InferenceConfig(InferenceConfig):
         return NeuronConfig
 
 
+class NeuronQwen3Model(NeuronBaseModel):
+    """The decoder the application traces (ef2731e line 200)."""
+
+
 class NeuronQwen3ForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronQwen3Model  # ef2731e line 243
+
     @classmethod
     def get_config_cls(cls):
         return Qwen3InferenceConfig
