@@ -20,8 +20,8 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin import BACKEND_ENV, plugin_logger
 from neuron_plugin.core.instances import parse_core_list
-from neuron_plugin.core.sampling import sampling_summary
-from neuron_plugin.core.speculation import speculation_summary
+from neuron_plugin.core.sampling import on_device_refusal, sampling_summary
+from neuron_plugin.core.speculation import host_sampling_refusal, speculation_summary
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -287,6 +287,11 @@ class NeuronPlatform(Platform):
                 parameter="prompt_logprobs",
                 value=params.prompt_logprobs,
             )
+        if settings.on_device_sampling:
+            why = on_device_refusal(params, settings.global_topk, settings.exact_sampling)
+            refusal = why and host_sampling_refusal(settings, f"this request's {why}")
+            if refusal:
+                raise VLLMValidationError(refusal, parameter="sampling_params", value=why)
         token_ids = (
             processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
         )

@@ -43,7 +43,13 @@ from pathlib import Path
 import numpy as np
 
 from neuron_plugin.core.errors import NeuronConfigError
-from neuron_plugin.core.neuron_settings import BLOCK, DRAFT_MODEL, NGRAM, EngineLimits
+from neuron_plugin.core.neuron_settings import (
+    BLOCK,
+    DRAFT_MODEL,
+    NGRAM,
+    EngineLimits,
+    NeuronSettings,
+)
 
 METHODS = (NGRAM, DRAFT_MODEL)
 # vLLM's EAGLE-family method names (config/speculative.py EagleModelTypes), refused with
@@ -141,6 +147,22 @@ def speculation_summary(method: str | None, drafts: int, backend: str) -> str | 
         f"verified in token-generation graphs of {drafts + 1} positions a row; {rule}; "
         f"async scheduling is off (a step's inputs start after the tokens the previous "
         f"step accepted)"
+    )
+
+
+def host_sampling_refusal(settings: NeuronSettings, why: str) -> str | None:
+    """Why a request that needs the host sampler (`why`: what it asks for) cannot be
+    served, or None. A fused draft model on the nxd backend compiles no logits: NxDI's
+    fused context encoding lists its logits outputs out of line with the KV cache the
+    wrapper aliases (model_base.py _context_encoding_forward, ef2731e lines 1800-1809,
+    against model_wrapper.py 1588-1610), and vllm-neuron never compiles it with logits."""
+    if settings.backend != "nxd" or not settings.is_fused_speculation:
+        return None
+    return (
+        f"{why}, but with a draft model (--speculative-config) the nxd backend's graphs "
+        f"return tokens only (NxDI's fused speculation cannot also return logits); drop "
+        f"that option (greedy, temperature, top_k and top_p are sampled on the device), "
+        f'or serve with {{"method": "ngram"}} speculation or none'
     )
 
 

@@ -199,7 +199,10 @@ def test_greedy_output_equals_plain_decoding(release, target, draft, tmp_path, m
         # all rows, a batch without seq_id 1 (NxDI's pad row), rows out of seq_id order
         return [[0, 1, 2, 3], [3, 0, 2], [2, 1, 3, 0]][step % 3]
 
-    history = speculative_histories(backend, s, plain, 14, budgets, order, host_seq=3)
+    # a host-sampled row where the configuration has logits (not fused speculation:
+    # core.speculation.host_sampling_refusal)
+    host_seq = 3 if method == "ngram" else None
+    history = speculative_histories(backend, s, plain, 14, budgets, order, host_seq=host_seq)
     assert_greedy_equal(history, plain)
     # speculation paid off: rows with budgets took more than one token a step
     assert len(history[0]) > len(PROMPTS[0]) + 1 + 14
@@ -252,17 +255,17 @@ def test_fused_acceptance_follows_the_draft(release, target, draft, tmp_path, li
 
 def test_fused_padding_of_each_release(release, target, draft, tmp_path):
     """NxDI 0.7 pads the accepted tokens with 0, 0.8+ with -1; the count comes from the
-    next position ids, and with output_logits the last output is the target's logits."""
+    next position ids. Fused speculation is compiled without logits (vllm-neuron's
+    configuration; core.speculation.host_sampling_refusal): four outputs."""
     s = settings("draft_model", draft)
     backend = loaded(s, target, tmp_path / "g")
+    assert backend.model.neuron_config.output_logits is False
     backend.run(context_encoding_inputs(s, np.array([1, 2, 3]), 0, 0, None), sampling(1))
     inputs = token_generation_inputs(s, np.array([5]), np.array([3]), np.array([0]), None,
                                      None, np.array([DRAFTS]))
     args, _ = model_arguments(s, inputs)
     fused = backend._call(args, inputs.phase, True).fused_outputs
-    assert len(fused) == 6
-    assert [tuple(t.shape) for t in fused] == [(4, K), (4, 1), (4, 128), (4, 1),
-                                               (4, K, VOCAB + 1), (4, K, VOCAB + 1)]
+    assert [tuple(t.shape) for t in fused] == [(4, K), (4, 1), (4, 128), (4, 1)]
     count = int(fused[3][0, 0]) - 3
     assert count == 1  # the draft for position 4 misses (4 % 4 == 0)
     pad = 0 if release == "0.7" else -1
@@ -391,17 +394,26 @@ def test_padding_only_calls_run_each_graph(release, target, draft, tmp_path, met
 
 
 def test_forward_answers_the_first_position(release, target, draft, tmp_path):
-    """forward() (warm-up, measurement) gives each row's logits at its last token."""
-    for method in ("ngram", "draft_model"):
-        s = settings(method, draft)
-        backend = loaded(s, target, tmp_path / method)
-        backend.run(context_encoding_inputs(s, np.array([3, 4]), 0, 0, None), sampling(1))
-        inputs = token_generation_inputs(s, np.array([7]), np.array([2]), np.array([0]),
-                                         None, np.full((1, DRAFTS), 9) if method == "ngram"
-                                         else None, np.array([DRAFTS]))
-        logits = backend.forward(inputs)
-        assert logits.shape == (1, VOCAB)
-        assert int(logits.argmax()) == (3 + 4 + 7 + 3 - 1) % VOCAB
+    """forward() (warm-up, measurement) gives each row's logits at its last token; a
+    fused draft model's graphs have none to give (padding calls still run them)."""
+    s = settings("ngram")
+    backend = loaded(s, target, tmp_path / "ngram")
+    backend.run(context_encoding_inputs(s, np.array([3, 4]), 0, 0, None), sampling(1))
+    inputs = token_generation_inputs(s, np.array([7]), np.array([2]), np.array([0]),
+                                     None, np.full((1, DRAFTS), 9), np.array([DRAFTS]))
+    logits = backend.forward(inputs)
+    assert logits.shape == (1, VOCAB)
+    assert int(logits.argmax()) == (3 + 4 + 7 + 3 - 1) % VOCAB
+
+    s = settings("draft_model", draft)
+    backend = loaded(s, target, tmp_path / "draft")
+    for graph in graph_specs(s):  # warm-up's padding calls
+        assert backend.forward(padding_inputs(s, graph.phase, graph.shape)).shape == (0, VOCAB)
+    backend.run(context_encoding_inputs(s, np.array([3, 4]), 0, 0, None), sampling(1))
+    inputs = token_generation_inputs(s, np.array([7]), np.array([2]), np.array([0]), None,
+                                     None, np.array([DRAFTS]))
+    with pytest.raises(NeuronConfigError, match=r"fused speculation graphs do not return"):
+        backend.forward(inputs)
 
 
 def test_sampled_request_decodes_greedily_under_verification(release, target, draft,

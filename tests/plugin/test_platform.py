@@ -124,3 +124,35 @@ def test_set_device_is_a_no_op_for_vllms_async_output_thread():
     from neuron_plugin.platform import NeuronPlatform
 
     assert NeuronPlatform.set_device(torch.device("cpu")) is None
+
+
+def test_speculation_is_configured_and_logged(model_dirs, plugin_log):
+    config = engine_config(model_dirs, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert config.scheduler_config.async_scheduling is False
+    settings = settings_of(config)
+    assert (settings.speculation_method, settings.speculation_length) == ("ngram", 4)
+    assert "speculative decoding: ngram, up to 3 drafts a step" in "\n".join(plugin_log)
+
+
+def test_host_sampled_requests_are_refused_with_a_fused_draft_on_nxd(model_dirs,
+                                                                     monkeypatch):
+    """NxDI's fused speculation is compiled without logits (core.speculation.
+    host_sampling_refusal): a request the device cannot sample gets HTTP 400; one it
+    can is served. The reference backend serves both."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from neuron_plugin.platform import NeuronPlatform
+
+    draft = {"model": str(model_dirs["llama"]), "num_speculative_tokens": 2}
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    monkeypatch.setenv("VLLM_NEURON_BACKEND", "nxd")
+    keep = engine_config(model_dirs, speculative_config=draft)  # noqa: F841 (resolved)
+    NeuronPlatform.validate_request(prompt, SamplingParams(temperature=0.7, top_p=0.9))
+    with pytest.raises(VLLMValidationError,
+                       match=r"logprobs needs the host sampler, but with a draft model"):
+        NeuronPlatform.validate_request(prompt, SamplingParams(logprobs=2))
+    monkeypatch.setenv("VLLM_NEURON_BACKEND", "reference")
+    keep = engine_config(model_dirs, speculative_config=draft)  # noqa: F841
+    NeuronPlatform.validate_request(prompt, SamplingParams(logprobs=2))

@@ -291,6 +291,12 @@ class NxDBackend(InlineCalls):
                 inputs, tuple(inputs.bucket) in self.settings.token_generation_logits_shapes()
             )
             return torch.zeros((0, self.vocab_size))
+        if self.settings.is_fused_speculation:
+            raise NeuronConfigError(
+                "forward() asks for logits, which the nxd backend's fused speculation "
+                "graphs do not return (core.speculation.host_sampling_refusal); serve with "
+                "run(), or use n-gram speculation where logits are needed."
+            )
         args, answer = model_arguments(self.settings, inputs, logits=True)
         return self._logits(self._call(args, inputs.phase, True), answer)
 

@@ -72,8 +72,14 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         # Logits as well as tokens from the context-encoding graphs (one row a call)
         # and the token-generation logits graphs, so requests on-device sampling cannot
         # serve are sampled on the host from the same call; the other token-generation
-        # graphs return tokens alone (graphs.add_logits_graphs).
-        derived["output_logits"] = True
+        # graphs return tokens alone (graphs.add_logits_graphs). Not with fused
+        # speculation: its context encoding lists the draft's and target's logits twice
+        # before the KV caches (model_base.py _context_encoding_forward, ef2731e lines
+        # 1800-1809) while the wrapper aliases the caches from a fixed index
+        # (model_wrapper.py 1588-1610), and vllm-neuron never compiles it with logits;
+        # requests that need the host sampler are refused instead
+        # (core.speculation.host_sampling_refusal).
+        derived["output_logits"] = not s.is_fused_speculation
     clashes = sorted(
         k
         for k in derived
@@ -86,7 +92,8 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
                 f"needs {derived[k]!r}"
                 for k in clashes
             )
-            + "; remove the key(s) (output_logits must stay on with on-device sampling)."
+            + "; remove the key(s) (the backend sets output_logits: on with on-device "
+            "sampling, off with fused speculation)."
         )
     return {**s.passthrough, **derived}
 
