@@ -37,7 +37,7 @@ def sampling(rows: list[int], host: list[bool]) -> SamplingInputs:
         top_k=np.array([v[0] for v in values], dtype=np.int32),
         top_p=np.array([v[1] for v in values], dtype=np.float32),
         temperature=np.array([v[2] for v in values], dtype=np.float32),
-        uniform=np.zeros(len(rows), dtype=np.float32),
+        uniform=np.zeros((len(rows), 1), dtype=np.float32),
         needs_logits=np.array(host, dtype=bool),
     )
 
@@ -88,7 +88,7 @@ def main(settings_json: str, model_dir: str, host_row: bool, steps: int) -> dict
             settings, np.array(prompt), 0, seq, blocks[seq] if block else None
         )
         out = backend.run(inputs, sampling([seq], [False]))
-        tokens.append([int(out.tokens[0])])
+        tokens.append([int(out.tokens[0, 0])])
         report["prefill"].append({**calls[-1], "seam_logits_bytes": out.logits.numpy().nbytes})
     host = [False, False, False, host_row]
     for _ in range(steps):
@@ -102,7 +102,7 @@ def main(settings_json: str, model_dir: str, host_row: bool, steps: int) -> dict
             logits=host_row,
         )
         out = backend.run(inputs, sampling([0, 1, 2, 3], host))
-        step = out.tokens.tolist()
+        step = out.tokens[:, 0].tolist()
         if host_row:  # the host samples row 3 (greedy) from the logits the seam carried
             step[3] = int(torch.argmax(out.logits[0]))
         for seq, token in enumerate(step):

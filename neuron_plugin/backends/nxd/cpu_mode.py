@@ -17,6 +17,8 @@ cache lives."""
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,7 +149,16 @@ def load(model: Any) -> None:
     """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes. The
     token-generation logits submodel (`graphs`) reads the KV cache of the submodel it
     stands in for: NxDI copies each call's cache into token_generation_model and
-    context_encoding_model only (model_base.py `_copy_past_key_values`)."""
+    context_encoding_model only (model_base.py `_copy_past_key_values`).
+
+    to_cpu() starts a gloo process group of one on MASTER_PORT, 29500 unless set
+    (application_base.py to_cpu, ef2731e lines 579-586): a second engine on the host (data
+    parallelism, a second server) would fail with "address already in use", so an unset
+    MASTER_PORT becomes a free one."""
+    if not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     model.to_cpu()
     variant = graphs.logits_variant(model)
     plain = model.token_generation_model
