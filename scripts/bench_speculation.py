@@ -23,7 +23,8 @@ tokens after its first / the engine steps that delivered any (1 without speculat
 to num_speculative_tokens + 1 with it). Each figure is the median of --repeats runs.
 
     python scripts/bench_speculation.py --out bench-results/speculation
-writes speculation.json and speculation.md.
+writes speculation.json and speculation.md. On an inf2/trn host: VLLM_NEURON_BACKEND=nxd,
+--python the Neuron SDK's interpreter, --target/--draft real checkpoints.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def workloads(model: Path, requests: int) -> dict[str, list[tuple[list[int], int
     return {"edit": edit, "azure": azure}
 
 
-def make_llm(target: Path, draft: Path, method: str, drafts: int):
+def make_llm(target: Path, draft: Path, method: str, drafts: int, python: str | None):
     from vllm import LLM
 
     speculative = {
@@ -117,7 +118,8 @@ def make_llm(target: Path, draft: Path, method: str, drafts: int):
         gpu_memory_utilization=0.1,
         speculative_config=speculative,
         additional_config={
-            "override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512]}
+            "override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512]},
+            **({"backend_python": python} if python else {}),
         },
     )
 
@@ -201,16 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafts", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "speculation")
+    parser.add_argument(
+        "--target", type=Path, help="target checkpoint (default: the corpus-trained tiny one)"
+    )
+    parser.add_argument("--draft", type=Path, help="draft checkpoint of the same vocabulary")
+    parser.add_argument(
+        "--python", help="the backend runner's interpreter (default: the backend in-process)"
+    )
     args = parser.parse_args(argv)
     from build_tiny_model import build_speculation_models
 
-    target, draft = build_speculation_models(ROOT / "models")
+    if args.target and args.draft:
+        target, draft = args.target, args.draft
+    elif args.target or args.draft:
+        parser.error("--target and --draft go together")
+    else:
+        target, draft = build_speculation_models(ROOT / "models")
     loads = workloads(target, args.requests)
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         os.environ["VLLM_NEURON_CACHE_URL"] = cache
         for method in METHODS:
-            llm = make_llm(target, draft, method, args.drafts)
+            llm = make_llm(target, draft, method, args.drafts, args.python)
             try:
                 run_batch(llm, loads["edit"][:2])  # warm-up
                 for name, requests in loads.items():
