@@ -53,8 +53,13 @@ _RUNTIME_ONLY = frozenset(
         *GRID_KEYS,
         # keyed as the logits graphs it gives, where there are any (cache_manifest)
         "token_generation_logits_buckets",
+        # adapters held on the host: no graph holds them
+        "max_cpu_loras",
     }
 )
+
+
+_LORA_KEYS = ("max_loras", "max_lora_rank", "lora_target_modules", "lora_options")
 
 
 def make_backend(settings: NeuronSettings, model_dir: str | Path) -> Backend:
@@ -72,6 +77,15 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     """The canonical description of what would be compiled (the cache key's input)."""
     fields = backend.cache_manifest_fields()
     neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    if settings.max_loras:
+        # The key covers the adapter slots' shapes, never the adapters: NxDI loads those
+        # given at start as weights, not into the graphs (see core.lora).
+        neuron_config["lora_options"] = {
+            k: v for k, v in settings.lora_options.items() if k != "lora_ckpt_paths"
+        }
+    else:  # absent without LoRA, so the keys of other configurations stay put
+        for key in _LORA_KEYS:
+            neuron_config.pop(key, None)
     logits_shapes = settings.token_generation_logits_shapes()
     if logits_shapes:  # graphs of their own (absent elsewhere, so those keys stay put)
         neuron_config["token_generation_logits_shapes"] = [list(s) for s in logits_shapes]

@@ -97,7 +97,23 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
         **speculative_limits(vllm_config.speculative_config),
+        **lora_limits(vllm_config.lora_config),
     )
+
+
+def lora_limits(lora: Any) -> dict[str, Any]:
+    """vLLM's LoRAConfig (None without --enable-lora) as EngineLimits fields."""
+    if lora is None:
+        return {}
+    targets = lora.target_modules
+    return {
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_cpu_loras": lora.max_cpu_loras or lora.max_loras,
+        "lora_target_modules": tuple(targets) if targets else None,
+        "lora_dtype": _dtype_name(lora.lora_dtype) if lora.lora_dtype else None,
+        "fully_sharded_loras": bool(lora.fully_sharded_loras),
+    }
 
 
 def speculative_limits(speculative: Any) -> dict[str, Any]:

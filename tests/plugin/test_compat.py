@@ -224,7 +224,8 @@ REFUSED = [
     ("tp_degree", 2, {}, "--tensor-parallel-size"),
     ("batch_size", 8, {}, "max_num_seqs=4"),
     ("chunked_prefill_config", {"max_num_seqs": 4}, {}, "--enable-chunked-prefill"),
-    ("lora_config", {"max_loras": 2}, {}, "merge the adapter"),
+    # LoRA comes from vLLM's --enable-lora flags; the key alone would turn on NxDI's
+    ("lora_config", {"max_loras": 2}, {}, "--enable-lora"),
     ("text_neuron_config", {"tp_degree": 2}, {}, "text-only"),
     ("vision_neuron_config", {"tp_degree": 2}, {}, "text-only"),
     ("enable_fused_speculation", True, {}, "--speculative-config"),

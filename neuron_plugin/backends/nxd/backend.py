@@ -29,6 +29,7 @@ import torch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
+    AdapterLoading,
     InlineCalls,
     Progress,
     StepOutput,
@@ -39,9 +40,11 @@ from neuron_plugin.backends.base import (
 )
 from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.lora import NxDAdapters
 from neuron_plugin.backends.nxd.models import model_entry_points, resolve_model_class
 from neuron_plugin.backends.nxd.neuron_config import neuron_config_kwargs, unknown_kwargs
 from neuron_plugin.backends.nxd.nxdi import import_nxdi
+from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.instances import (
@@ -98,6 +101,15 @@ class NxDBackend(InlineCalls):
             settings.architecture, self.nxdi.model_types, model_entry_points(), self.nxdi.version
         )
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
+        self.adapters: NxDAdapters | None = None
+        if settings.max_loras:
+            self.adapters = NxDAdapters(
+                settings, self.nxdi.lora, self.on_cpu, self.nxdi.version or "(unknown)"
+            )
+
+    @property
+    def adapter_loading(self) -> AdapterLoading:
+        return self.adapters.loading if self.adapters is not None else AdapterLoading()
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -140,6 +152,8 @@ class NxDBackend(InlineCalls):
 
     def _new_model(self) -> Any:
         kwargs = neuron_config_kwargs(self.settings)
+        if self.adapters is not None:
+            kwargs["lora_config"] = self.adapters.config_kwargs()
         neuron_config = self.model_cls.get_neuron_config_cls()(**kwargs)
         ignored = unknown_kwargs(neuron_config, kwargs)
         if ignored:
@@ -185,6 +199,12 @@ class NxDBackend(InlineCalls):
             model.load(str(folder), skip_warmup=True)
             graphs.route_by_tag(model)
         self.model = model
+
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        """The plugin's slot `slot` holds `adapter` from the next call (nxd/lora.py)."""
+        if self.adapters is None:
+            raise ValueError("set_adapter without LoRA slots (settings.max_loras is 0)")
+        self.adapters.set(self.model, slot, adapter)
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The KV cache as NxDI holds it: on the device each state tensor of the
@@ -253,6 +273,11 @@ class NxDBackend(InlineCalls):
         `sampling_params` of exactly the call's rows: `sampling`'s values at the
         `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
         width = int(args["seq_ids"].shape[0])
+        if self.adapters is not None:  # the rows' plugin slots as NxDI's adapter_ids
+            args = {
+                **args,
+                "adapter_ids": self.adapters.adapter_ids(args.get("adapter_ids"), width),
+            }
         columns = [np.ones(width, dtype=np.float32) for _ in range(3)]  # top_k, top_p, temp
         if sampling is not None:
             for column, values in zip(

@@ -43,6 +43,14 @@ modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
 A query's logits peak at (sum over the keys it attends of (token id + 1), minus 1) mod
 vocab, with GARBAGE for a key never written, and fall off by one per token id above
 the peak, so a wrong slot, line, block, prefix, pad or last-token choice shows.
+
+LoRA (modules/lora_serving, lora_layer.py BaseMultiLora): the device weights hold each
+adapter slot's weight ("lora.weight" [max_loras], one value per adapter, see
+lora_serving/checkpoint.py) and weight_active [batch_size], one row per sequence. A
+context encoding copies weight[adapter_ids[r]] into weight_active[seq_ids[r]]
+(update_lora_tensor_for_continuous_batching; row r without continuous batching,
+update_lora_tensor) and uses it; a token generation reads weight_active[seq_ids[r]]
+(update_lora_adapter_ids returns seq_ids). The row's value is added to its peak.
 On-device sampling runs the Sampler on these logits; the outputs are [tokens] or
 [tokens, logits] or [logits], by the output_logits of the submodel's own config when it
 was compiled (each ModelWrapper traces its deep copy of the config,
@@ -147,6 +155,9 @@ class NxDModel:
         first = next(iter(graphs))
         self.packer = Packer(1 + int(self.sampler is not None and self.output_logits[first]))
         self.attention = NeuronAttentionBase()
+        # the device weights NxDI reaches (application_base.load_weights initialises them
+        # per rank); the double holds only the LoRA weights there
+        self.weights = [{} for _ in range(c.tp_degree)]
         # test instrumentation: (tag, bucket), the inputs and the bytes of each output
         # ("tokens" / "logits") of every graph that ran, in order
         self.ran = []
@@ -178,7 +189,7 @@ class NxDModel:
                     else self._contiguous(tag, inputs))
         for rank_state in self.state[1:]:
             rank_state["kv_mgr.past_key_values.0"].copy_(self.memory)
-        logits = self._logits(contexts)
+        logits = self._logits(contexts, self._lora_values(tag, inputs))
         if self.sampler is None:
             outputs = {"logits": logits}
         else:
@@ -192,7 +203,25 @@ class NxDModel:
     def _value(stored) -> int:
         return int(stored) if stored else GARBAGE
 
-    def _logits(self, contexts):
+    def _lora_values(self, tag, inputs):
+        """Each row's LoRA value (see the module docstring), 0 without LoRA."""
+        rows = inputs[0].shape[0]
+        if "lora.weight" not in self.weights[0]:
+            return [0] * rows
+        seq_ids = inputs[3]
+        adapter_ids = inputs[6] if inputs[6].numel() else torch.zeros(rows, dtype=torch.int32)
+        continuous = self.config.is_continuous_batching
+        lines = [int(seq_ids[r]) if continuous else r for r in range(rows)]
+        values = []
+        for r, line in enumerate(lines):
+            for rank_weights in self.weights:
+                active = rank_weights["lora.weight_active"]
+                if tag == CONTEXT_ENCODING_MODEL_TAG:
+                    active[line] = rank_weights["lora.weight"][int(adapter_ids[r])]
+            values.append(int(self.weights[0]["lora.weight_active"][line]))
+        return values
+
+    def _logits(self, contexts, lora_values):
         """[rows, 1, vocab padded to a multiple of tp_degree]: the lm_head's padded
         columns hold the float minimum (model_base.py mask_padded_logits), and with
         output_logits the shards are gathered whole (_gather_along_dim), pads included."""
@@ -201,7 +230,7 @@ class NxDModel:
         logits = torch.full((len(contexts), 1, width), torch.finfo(torch.float32).min)
         ids = torch.arange(self.vocab_size)
         for row, values in enumerate(contexts):
-            peak = (sum(values) - 1) % self.vocab_size
+            peak = (sum(values) - 1 + lora_values[row]) % self.vocab_size
             logits[row, 0, : self.vocab_size] = -((ids - peak) % self.vocab_size).float()
         return logits
 

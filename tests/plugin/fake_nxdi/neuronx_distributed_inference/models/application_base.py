@@ -87,6 +87,11 @@ class NeuronApplicationBase(torch.nn.Module):
         self.is_compiled = is_compiled(model_path)
         self.is_loaded_to_neuron = False
         self.loaded_weights = None
+        # ef2731e application_base.py 100-101
+        if self.neuron_config.lora_config is not None:
+            from neuronx_distributed_inference.modules.lora_serving import LoraModelManager
+
+            self.lora_model_manager = LoraModelManager(self.neuron_config.lora_config)
 
     @classmethod
     def validate_config(cls, config):
@@ -130,11 +135,27 @@ class NeuronApplicationBase(torch.nn.Module):
                                                  text.num_hidden_layers, graphs,
                                                  getattr(text, "sliding_window", None)))
         self.load_weights(compiled_model_path)
+        self._load_lora_weights()
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
         self.is_loaded_to_neuron = True
         if not self.neuron_config.skip_warmup and not skip_warmup:
             self.warmup()
+
+    def _load_lora_weights(self):
+        """The LoRA weights among the loaded device weights (one weight set for every
+        submodel): each adapter slot's weight [max_loras] (lora_checkpoint.py
+        update_weights_for_lora) and weight_active [batch_size], one row per sequence
+        (lora_layer.py set_weight_shapes, max_loras_active = batch_size)."""
+        lora = self.neuron_config.lora_config
+        if lora is None:
+            return
+        from neuronx_distributed_inference.modules.lora_serving.lora_model import MODULE
+
+        weights = self.lora_model_manager.device_weights()
+        for rank_weights in self.traced_model.nxd_model.weights:
+            rank_weights[MODULE] = weights.clone()
+            rank_weights[MODULE + "_active"] = torch.zeros(lora.batch_size)
 
     def _graphs(self):
         """tag -> its graphs' output_logits and [(bucket, shape key of its example

@@ -147,7 +147,12 @@ class NeuronConfig:
         if self.is_chunked_prefill:
             assert self.is_block_kv_layout, "is_block_kv_layout has to be true for chunked prefill because it depends on block KV"
         self.tensor_replacement_config = kwargs.pop("tensor_replacement_config", None)
+        # ef2731e config.py 356-358: a dict becomes a LoraServingConfig
         self.lora_config = kwargs.pop("lora_config", None)
+        if type(self.lora_config) is dict:
+            from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
+
+            self.lora_config = LoraServingConfig(**self.lora_config)
         self.tp_degree = kwargs.pop("tp_degree", 1)
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
         self.start_rank_id = kwargs.pop("start_rank_id", 0)
