@@ -11,7 +11,9 @@ is refused, since loading a pickle can run code. Every refusal names the adapter
 
 Holding (`AdapterStore`): vLLM's worker API (`add_lora`, `remove_lora`, `pin_lora`,
 `list_loras`) acts on a host cache of up to --max-cpu-loras adapters, least recently used
-evicted first, never a pinned one nor one the last step used. A request may also name an
+evicted first, never a pinned one (vLLM's rule). Evicting one a running request uses
+costs nothing but a later reread: its weights stay in their slot, and the request keeps
+its LoRARequest (path included). A request may also name an
 adapter the worker has never seen (offline `LLM.generate(lora_request=...)`): it is read
 when its first step comes, as vLLM's GPU runner does. `/v1/unload_lora_adapter` never
 reaches the worker (vLLM's API server only forgets the name), so adapters leave by
@@ -167,7 +169,7 @@ class AdapterStore:
         self.capacity = settings.max_cpu_loras
         self._held: OrderedDict[int, AdapterWeights] = OrderedDict()  # LRU first
         self._pinned: set[int] = set()
-        self._active: set[int] = set()  # the adapters of the last step
+        self._active: set[int] = set()  # the step's adapters, while prepare_step runs
         self.slots = AdapterSlots(settings.max_loras)
 
     def read(self, request: Any) -> AdapterWeights:
@@ -216,8 +218,9 @@ class AdapterStore:
                 del self._held[adapter.adapter_id]
                 raise AdapterError(
                     f"LoRA adapter {adapter.name!r}: the host holds --max-cpu-loras "
-                    f"{self.capacity} adapters, all pinned or in use ({len(self._pinned)} "
-                    f"pinned); unpin one or restart with a larger --max-cpu-loras."
+                    f"{self.capacity} adapters and all of them are pinned ("
+                    f"{len(self._pinned)}) or used by this step; remove a pinned one or "
+                    f"restart with a larger --max-cpu-loras."
                 )
             evicted = self._held.pop(victim)
             logger.info("LoRA adapter %r (id %d) evicted from the host", evicted.name, victim)
@@ -244,8 +247,15 @@ class AdapterStore:
     def prepare_step(self, requests: Mapping[int, Any]) -> dict[int, int]:
         """Slots for the adapters of a step (lora_int_id -> its LoRARequest), written into
         the backend where they are not yet; adapter id -> slot."""
-        self._active = set(requests)
         slots, writes = self.slots.assign(requests)
+        self._active = set(requests)
+        try:
+            self._write(requests, writes)
+        finally:
+            self._active = set()
+        return slots
+
+    def _write(self, requests: Mapping[int, Any], writes: list[tuple[int, int]]) -> None:
         for slot, adapter_id in writes:
             try:
                 adapter = self._held.get(adapter_id)
@@ -259,7 +269,6 @@ class AdapterStore:
                 self.slots.forget(adapter_id)  # the slot holds no (whole) adapter
                 raise
             logger.debug("LoRA adapter %r written into slot %d", adapter.name, slot)
-        return slots
 
     def in_slots(self) -> Iterable[tuple[int, int]]:
         return self.slots.holders().items()

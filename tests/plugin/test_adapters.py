@@ -173,7 +173,7 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
     a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
     assert store.add(a) and store.add(b) and store.pin(1)
     assert store.prepare_step({1: a}) == {1: 1}
-    assert store.add(c) and store.ids() == {1, 3}  # b: neither pinned nor in the step
+    assert store.add(c) and store.ids() == {1, 3}  # b: least recently used, not pinned
     assert store.add(b) and store.ids() == {1, 2}
     assert store.prepare_step({2: b}) == {2: 2}
     # c was evicted from the host: read again from its path, into a's slot (LRU)
@@ -182,7 +182,7 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
     want = store.read(c).a["q_proj"][0]
     torch.testing.assert_close(q_a[1, : want.shape[0]], torch.from_numpy(want))
     assert store.pin(3)
-    with pytest.raises(AdapterError, match="'b'.*--max-cpu-loras 2.*all pinned or in use"):
+    with pytest.raises(AdapterError, match="'b'.*--max-cpu-loras 2.*all of them are pinned"):
         store.add(b)
     with pytest.raises(AdapterError, match="pin_lora.99"):
         store.pin(99)
