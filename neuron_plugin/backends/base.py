@@ -236,6 +236,10 @@ class Backend(LoadedBackend, Protocol):
     def load(self, folder: Path) -> None:
         """Load compiled graphs and weights; allocate the KV cache."""
 
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint the settings' quantization keys name (NxDI's
+        layout, core.quantization); what was written."""
+
 
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
     """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs

@@ -77,6 +77,12 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     """The canonical description of what would be compiled (the cache key's input)."""
     fields = backend.cache_manifest_fields()
     neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    if "quantized_checkpoints_path" in settings.passthrough:
+        # Where the quantized weights are changes no graph (their layout, from the other
+        # quantization keys, does); the checkpoint is weights, loaded at start.
+        neuron_config["passthrough"] = {
+            k: v for k, v in settings.passthrough.items() if k != "quantized_checkpoints_path"
+        }
     if settings.max_loras:
         # The key covers the adapter slots' shapes, never the adapters: NxDI loads those
         # given at start as weights, not into the graphs (see core.lora).
@@ -210,6 +216,20 @@ def compile_configuration(
     backend = RunnerBackend(settings, model_dir)
     try:
         return backend.compile(cache_url)
+    finally:
+        backend.close()
+
+
+def quantize_configuration(settings: NeuronSettings, model_dir: str | Path) -> dict[str, Any]:
+    """Write the configuration's quantized checkpoint where the backend runs (NxDI's own
+    path on the nxd backend); what was written."""
+    if not settings.backend_python:
+        return make_backend(settings, model_dir).quantize()
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    backend = RunnerBackend(settings, model_dir)
+    try:
+        return backend.quantize()
     finally:
         backend.close()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -29,8 +28,6 @@ from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.lora import LoraGeometry
 
 BASE_SLOT = 0
-# Files whose loading unpickles (torch.load): never read from an adapter folder.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
 class AdapterError(NeuronConfigError):
@@ -96,11 +93,6 @@ class LayerWeights:
     lora_a: np.ndarray  # [rank, in]
     lora_b: np.ndarray  # [out, rank]
     scaling: float
-
-
-def pickle_files(folder: str | Path) -> list[str]:
-    """The pickled weight files in an adapter folder, by name."""
-    return sorted(p.name for p in Path(folder).iterdir() if p.suffix in PICKLE_SUFFIXES)
 
 
 def _refuse(name: str, path: str, problem: str, fix: str) -> AdapterError:

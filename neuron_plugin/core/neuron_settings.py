@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucketing.fit import prefix_caching_need
+from neuron_plugin.core.quantization import Quantization
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -139,6 +140,11 @@ class NeuronSettings:
     lora_target_modules: tuple[str, ...] = ()
     max_cpu_loras: int = 0
     lora_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """NxDI weight quantization from the passed-through keys (core.quantization)."""
+        return Quantization.from_override(self.passthrough)
 
     @property
     def lora_slots(self) -> int:

@@ -48,6 +48,7 @@ from neuron_plugin.core.override_checks import (
     refuse_what_cannot_work,
     reject_unsupported,
 )
+from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
 from neuron_plugin.core.vllm_flags import WORKER_CLS
@@ -261,6 +262,13 @@ def resolve_settings(
             f"{LOGITS_KEY}."
         )
     lora = resolve_lora(limits, override, backend=backend)
+    quantization = Quantization.from_override(override)
+    if quantization is not None and backend == "reference" and quantization.dtype != "int8":
+        raise NeuronConfigError(
+            f"override_neuron_config.quantization_dtype={quantization.dtype!r}: the reference "
+            f"backend serves int8 weight quantization; use quantization_dtype int8 there "
+            f"(fp8 runs on the nxd backend)."
+        )
     exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (

@@ -46,8 +46,8 @@ from neuron_plugin.core.adapters import (
     AdapterWeights,
     LayerWeights,
     build_adapter,
-    pickle_files,
 )
+from neuron_plugin.core.checkpoint import pickle_files
 from neuron_plugin.core.lora import MODULE_PARENTS, LoraGeometry
 from neuron_plugin.core.settings import NeuronSettings
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger
+from neuron_plugin.core.checkpoint import safetensors_shapes
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     detect_instance_type,
@@ -28,7 +29,13 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
-from neuron_plugin.core.memory import SequenceBudget, checkpoint_parameters, sequence_budget
+from neuron_plugin.core.memory import (
+    DTYPE_BYTES,
+    SequenceBudget,
+    checkpoint_parameters,
+    sequence_budget,
+)
+from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
 from neuron_plugin.core.settings import (
@@ -149,13 +156,21 @@ def device_budget(vllm_config: Any) -> SequenceBudget | None:
     model = vllm_config.model_config
     if instance is None or not Path(model.model).is_dir():
         return None
+    dtype = _dtype_name(model.dtype)
+    quantization = Quantization.from_override(override_neuron_config(vllm_config))
+    weight_bytes = None
+    if quantization is not None:
+        weight_bytes = quantized_weight_bytes(
+            safetensors_shapes(model.model), quantization, DTYPE_BYTES[dtype]
+        )[1]
     return sequence_budget(
         model.hf_config.to_dict(),
         checkpoint_parameters(model.model),
-        _dtype_name(model.dtype),
+        dtype,
         vllm_config.parallel_config.tensor_parallel_size,
         INSTANCE_TYPES[instance].memory_per_core(lnc()),
         instance,
+        weight_bytes,
     )
 
 

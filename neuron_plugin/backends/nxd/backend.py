@@ -15,6 +15,12 @@ the model with the contract's arguments (`arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
   includes a weights fingerprint only in that case.
+- Quantized weights (core.quantization): `quantize()` writes NxDI's quantized checkpoint
+  through NxDI's own `save_quantized_state_dict` (`neuron-plugin quantize`), into an
+  existing folder so NxDI writes safetensors (application_base.py 756-770; a path that
+  is not a folder would get a `torch.save` pickle); loading reads it from
+  `quantized_checkpoints_path` (checkpoint_loader_fn), refused unless it is such a
+  folder. Compiling never writes it.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
+from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -135,6 +142,8 @@ class NxDBackend(InlineCalls):
         from compile_cache.weights import weights_fingerprint
 
         embeds_weights = bool(self.settings.passthrough.get("save_sharded_checkpoint"))
+        quantization = self.settings.quantization
+        weights = Path(quantization.checkpoint) if quantization else self.model_dir
         return {
             # make_manifest drops the keys that never change a graph (names, versions,
             # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS.
@@ -145,9 +154,7 @@ class NxDBackend(InlineCalls):
                 "nxdi_patches": ",".join(self.nxdi.patches),
             },
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
-            "weights_fingerprint": (
-                weights_fingerprint(self.model_dir) if embeds_weights else None
-            ),
+            "weights_fingerprint": weights_fingerprint(weights) if embeds_weights else None,
         }
 
     def _new_model(self) -> Any:
@@ -181,16 +188,51 @@ class NxDBackend(InlineCalls):
 
         logger.info("neuronx-cc graph cache: %s", configure_compiler_cache(open_store()))
         model = self._new_model()
-        if model.neuron_config.quantized:
-            self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
+        if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
+            self._quantized_folder()
         model.compile(str(folder))
         write_artifact_record(Path(folder), self._record())
         if progress:
             for graph in graph_specs(self.settings):
                 progress(graph.name)
 
+    def _quantized_folder(self) -> Path | None:
+        """The quantized checkpoint's folder (None unquantized), checked before NxDI
+        reads it: safetensors in a folder, nothing it would unpickle."""
+        quantization = self.settings.quantization
+        if quantization is None:
+            return None
+        return check_checkpoint_folder(quantization, str(self.model_dir))
+
+    def quantize(self) -> dict[str, Any]:
+        """NxDI's quantized checkpoint of the model, written by NxDI's own
+        save_quantized_state_dict into quantized_checkpoints_path (a folder, created
+        first, so NxDI writes safetensors), then checked as loading checks it."""
+        quantization = self.settings.quantization
+        if quantization is None:
+            raise NeuronConfigError(
+                "neuron-plugin quantize needs override_neuron_config quantized: true and "
+                "quantized_checkpoints_path (the folder to write)."
+            )
+        folder = Path(quantization.checkpoint)
+        if folder.is_file():
+            raise NeuronConfigError(
+                f"override_neuron_config.quantized_checkpoints_path={str(folder)!r} is a "
+                f"file; NxDI would torch.save a pickle there: name a folder."
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        model = self._new_model()
+        self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
+        check_checkpoint_folder(quantization, str(self.model_dir))
+        return {
+            "path": str(folder),
+            "quantization": quantization.describe(),
+            "bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+        }
+
     def load(self, folder: Path) -> None:
         check_artifact_record(Path(folder), self._record())
+        self._quantized_folder()
         model = self._new_model()
         if self.on_cpu:
             cpu_mode.load(model)

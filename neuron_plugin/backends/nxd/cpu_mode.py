@@ -42,6 +42,14 @@ def requested(settings: NeuronSettings) -> bool:
             f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
             f"process per rank under torchrun, the backend runs one; use 1"
         )
+    if settings.passthrough.get("quantized"):
+        problems.append(
+            "quantized: true: to_cpu() loads the quantized checkpoint into NxDI's float "
+            "layers without converting them (application_base.to_cpu never calls "
+            "neuronx-distributed's quantize.convert), so int8 values would be read as "
+            "weights without their scales; check a quantized checkpoint's accuracy on "
+            "the reference backend (the same checkpoint layout) or on a device"
+        )
     if settings.dtype == "float16":
         problems.append(
             "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "

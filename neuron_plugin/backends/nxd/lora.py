@@ -44,7 +44,8 @@ import numpy as np
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import AdapterLoading
-from neuron_plugin.core.adapters import AdapterWeights, pickle_files
+from neuron_plugin.core.adapters import AdapterWeights
+from neuron_plugin.core.checkpoint import pickle_files
 from neuron_plugin.core.lora import expand_target_modules
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 

@@ -48,6 +48,12 @@ from neuron_plugin.backends.reference.decoder import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.quantized import (
+    load_quantized_weights,
+    placeholders,
+    quantized_modules,
+    write_quantized_checkpoint,
+)
 from neuron_plugin.backends.reference.speculative import (
     DraftPrefillGraph,
     FusedDraftGraph,
@@ -96,6 +102,12 @@ class ReferenceBackend(InlineCalls):
         candidates = (
             min(settings.global_topk, self.spec.vocab_size) if settings.on_device_sampling else None
         )
+        self.quantization = settings.quantization
+        self.quantized: frozenset[str] = frozenset()
+        if self.quantization is not None:
+            self.quantized = quantized_modules(
+                self.spec, safetensors_shapes(model_dir), self.quantization
+            )
         self.lora: LoraGeometry | None = None
         if settings.max_loras:
             self.lora = LoraGeometry.from_checkpoint(
@@ -106,6 +118,7 @@ class ReferenceBackend(InlineCalls):
             rope_tables(self.hf_config, self.spec),
             candidates,
             settings.lora_target_modules if self.lora else (),
+            self.quantized,
         )
         self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
         self.lora_slots: list[torch.Tensor] = []
@@ -136,8 +149,9 @@ class ReferenceBackend(InlineCalls):
                 "torch": torch.__version__,
                 "graph_format": GRAPH_FORMAT,
                 "draft_architecture": self.draft.spec.architecture if self.draft else None,
-                # absent without LoRA, so other configurations' records stay put
+                # absent without LoRA / quantization, so other records stay put
                 **({"lora_slots": self._lora_shapes()} if self.lora else {}),
+                **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
             },
         )
 
@@ -231,9 +245,35 @@ class ReferenceBackend(InlineCalls):
         )
 
     def _weight_placeholders(self) -> list[torch.Tensor]:
-        """Shapes from the safetensors headers: compiling needs no weight data."""
+        """Shapes from the safetensors headers: compiling needs no weight data (nor, for
+        a quantized configuration, the quantized checkpoint)."""
         shapes = safetensors_shapes(self.model_dir)
+        if self.quantization is not None:
+            return placeholders(self.spec, shapes, self.quantized, self.quantization, self.dtype)
         return [torch.zeros(shape, dtype=self.dtype) for shape in weight_shapes(self.spec, shapes)]
+
+    def _load_weights(self) -> list[torch.Tensor]:
+        if self.quantization is None:
+            return load_weights(self.model_dir, self.spec, self.dtype)
+        return load_quantized_weights(
+            str(self.model_dir),
+            self.spec,
+            safetensors_shapes(self.model_dir),
+            self.quantized,
+            self.quantization,
+            self.dtype,
+        )
+
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint the settings name (`neuron-plugin quantize`)."""
+        if self.quantization is None:
+            raise NeuronConfigError(
+                "neuron-plugin quantize needs override_neuron_config quantized: true and "
+                "quantized_checkpoints_path (the folder to write)."
+            )
+        return write_quantized_checkpoint(
+            self.model_dir, self.quantization.checkpoint, self.quantization
+        )
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         folder = Path(folder)
@@ -260,7 +300,7 @@ class ReferenceBackend(InlineCalls):
             (g.phase, g.shape): load_graph(folder / "graphs", g.name)
             for g in graph_specs(self.settings)
         }
-        self.weights = load_weights(self.model_dir, self.spec, self.dtype)
+        self.weights = self._load_weights()
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)

@@ -67,9 +67,24 @@ __all__ = [
 WeightSources = list[tuple[str, tuple[str, ...]]]
 
 
-def weight_sources(spec: DecoderSpec) -> WeightSources:
+def weight_sources(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> WeightSources:
     """The graph's weight inputs in order: (name, checkpoint tensors it is made of; more
-    than one are stacked, see `mlp`)."""
+    than one are stacked, see `mlp`); with a quantized checkpoint each module of
+    `quantized` also has its `.scale`, and lm_head its own weight even when tied."""
+    return _with_scales(_weight_sources(spec, "lm_head" in quantized), quantized)
+
+
+def _with_scales(sources: WeightSources, quantized: frozenset[str]) -> WeightSources:
+    out: WeightSources = []
+    for name, parts in sources:
+        out.append((name, parts))
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in quantized:
+            out.append((module + ".scale", (module + ".scale",)))
+    return out
+
+
+def _weight_sources(spec: DecoderSpec, own_head: bool) -> WeightSources:
     arch = spec.arch
     names = ["model.embed_tokens.weight"]
     sources: WeightSources = []
@@ -92,14 +107,14 @@ def weight_sources(spec: DecoderSpec) -> WeightSources:
         sources += [(n, (n,)) for n in names] + mlp_weights(spec, i)
         names = []
     names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
+    if own_head or not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     return sources + [(n, (n,)) for n in names]
 
 
-def weight_names(spec: DecoderSpec) -> list[str]:
+def weight_names(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> list[str]:
     """Canonical order of the weight tensors handed to the graph."""
-    return [name for name, _ in weight_sources(spec)]
+    return [name for name, _ in weight_sources(spec, quantized)]
 
 
 def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[int]]:
@@ -182,11 +197,15 @@ class DecoderGraph(nn.Module):
         rope: dict[str, tuple[torch.Tensor, float]],
         candidates: int | None = None,
         lora_modules: tuple[str, ...] = (),
+        quantized: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.spec = spec
         self.lora_modules = lora_modules
-        self.names = weight_names(spec)
+        # Modules (paths, e.g. model.layers.0.self_attn.q_proj) whose weights are int8
+        # with a scale (a quantized checkpoint, core.quantization).
+        self.quantized = quantized
+        self.names = weight_names(spec, quantized)
         self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
         for kind, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
@@ -262,9 +281,23 @@ class DecoderGraph(nn.Module):
             adapts.append(_lora_delta(rows))
         return adapts
 
+    def linear(self, w: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ bias) of `module` (its weight `module`.weight). A quantized module's
+        int8 weight is cast to x's dtype for the matmul and the result scaled per output
+        channel in float32 (neuronx-distributed QuantizedColumnParallel /
+        QuantizedRowParallel: direct_cast_dequantize, then scale_dequantize)."""
+        weight, bias = w[module + ".weight"], w.get(module + ".bias")
+        if module not in self.quantized:
+            return functional.linear(x, weight, bias)
+        y = functional.linear(x, weight.to(x.dtype))
+        y = (y.float() * w[module + ".scale"].reshape(-1)).to(x.dtype)
+        return y if bias is None else y + bias
+
     def head(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final hidden states `x` [..., hidden]."""
         s = self.spec
+        if "lm_head" in self.quantized:
+            return _softcap(self.linear(w, "lm_head", x), s.final_softcap).float()
         head = w["model.embed_tokens.weight"] if s.tie_word_embeddings else w["lm_head.weight"]
         return _softcap(x @ head.t(), s.final_softcap).float()
 
@@ -319,13 +352,7 @@ class DecoderGraph(nn.Module):
             adapt = None if lora is None else lora[layer]
             h = rms_norm(norm, x, w[p + "input_layernorm.weight"], s.rms_norm_eps)
             q, k, v = (
-                _with_delta(
-                    functional.linear(h, w[f"{a}{n}_proj.weight"], w.get(f"{a}{n}_proj.bias")),
-                    adapt,
-                    f"{n}_proj",
-                    h,
-                )
-                for n in "qkv"
+                _with_delta(self.linear(w, f"{a}{n}_proj", h), adapt, f"{n}_proj", h) for n in "qkv"
             )
             q = q.view(batch, active, s.num_heads, s.head_dim)
             k = k.view(batch, active, s.num_kv_heads, s.head_dim)
@@ -348,18 +375,14 @@ class DecoderGraph(nn.Module):
                 masks[s.windows[layer]],
                 w.get(a + "sinks"),
             )
-            out = _with_delta(
-                functional.linear(attn, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
-                adapt,
-                "o_proj",
-                attn,
-            )
+            out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
             if s.arch.gemma:  # Gemma normalises the attention output too
                 out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
             x = x + out
             pre_mlp = "pre_feedforward_layernorm" if s.arch.gemma else "post_attention_layernorm"
             h = rms_norm(norm, x, w[f"{p}{pre_mlp}.weight"], s.rms_norm_eps)
-            out = mlp(s, w, layer, h, adapt)
+            linear = (lambda m, x: self.linear(w, m, x)) if self.quantized else None
+            out = mlp(s, w, layer, h, adapt, linear)
             if s.arch.gemma:
                 out = rms_norm(
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps

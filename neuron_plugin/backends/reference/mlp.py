@@ -99,6 +99,9 @@ def mlp_weights(spec: DecoderSpec, layer: int) -> list[tuple[str, tuple[str, ...
 
 # A LoRA delta for (module name, its input), None where the module carries no slots.
 Adapt = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+# A projection of a quantized checkpoint: (module path, its input) -> x W^T, its int8
+# weight scaled per output channel after the matmul (see decoder.DecoderGraph.linear).
+Linear = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
@@ -111,9 +114,18 @@ def mlp(
     layer: int,
     h: torch.Tensor,
     adapt: Adapt | None = None,
+    linear: Linear | None = None,
 ) -> torch.Tensor:
     """Layer `layer`'s MLP on h [batch, active, hidden]; `adapt` adds each row's LoRA
-    delta to the dense MLP's projections (LoRA slots exist for dense MLPs only)."""
+    delta to the dense MLP's projections (LoRA slots exist for dense MLPs only);
+    `linear` computes a quantized checkpoint's dense projections."""
+    if linear is not None and not spec.moe_layers[layer]:
+        prefix = f"model.layers.{layer}.mlp."
+        inner = activation(
+            spec.activation, _plus(linear(prefix + "gate_proj", h), adapt and adapt("gate_proj", h))
+        )
+        inner = inner * _plus(linear(prefix + "up_proj", h), adapt and adapt("up_proj", h))
+        return _plus(linear(prefix + "down_proj", inner), adapt and adapt("down_proj", inner))
     w = [weights[name] for name, _ in mlp_weights(spec, layer)]
     if not spec.moe_layers[layer]:
         gate, up, down = w

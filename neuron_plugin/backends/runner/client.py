@@ -285,6 +285,12 @@ class RunnerBackend:
             )["cache"]
         )
 
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint (`neuron-plugin quantize`), in the runner."""
+        return self.runner.request(
+            "quantize", settings=self.settings.to_dict(), model_dir=self.model_dir
+        )["written"]
+
     def manifest(self) -> dict[str, Any]:
         return self.runner.request(
             "manifest", settings=self.settings.to_dict(), model_dir=self.model_dir

@@ -120,6 +120,12 @@ class Runner:
         result = compile_into_cache(backend, CompileCache(open_store(message.get("cache_url"))))
         return {"cache": _cache_result(result)}
 
+    def quantize(self, message: dict[str, Any]) -> dict[str, Any]:
+        from neuron_plugin.backends.loader import make_backend
+
+        backend = make_backend(self._settings(message), message["model_dir"])
+        return {"written": backend.quantize()}
+
     def manifest(self, message: dict[str, Any]) -> dict[str, Any]:
         from neuron_plugin.backends.loader import cache_manifest, make_backend
 

@@ -206,9 +206,10 @@ class NeuronApplicationBase(torch.nn.Module):
         if model_path is None or not os.path.exists(model_path):
             model_path = self.model_path
         if self.config.neuron_config.quantized:
-            model_path = self.config.neuron_config.quantized_checkpoints_path
-            if not os.path.exists(model_path):
-                raise FileNotFoundError(f"Quantized checkpoint file not found: {model_path}")
+            from neuronx_distributed_inference.quantization import load_quantized_state_dict
+
+            return load_quantized_state_dict(self.config.neuron_config.quantized_checkpoints_path,
+                                             self.neuron_config.torch_dtype)
         weights = {}
         for name in sorted(os.listdir(model_path)):
             if name.endswith(".safetensors"):
@@ -217,11 +218,7 @@ class NeuronApplicationBase(torch.nn.Module):
 
     @classmethod
     def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig):
-        weights = {}
-        for name in sorted(os.listdir(model_path)):
-            if name.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(model_path, name)))
-        path = config.neuron_config.quantized_checkpoints_path
-        os.makedirs(path, exist_ok=True)
-        save_file({k: v.to(torch.float16) for k, v in weights.items()},
-                  os.path.join(path, "model.safetensors"))
+        """NxDI's own quantizer (see neuronx_distributed_inference/quantization.py)."""
+        from neuronx_distributed_inference.quantization import save_quantized_state_dict
+
+        save_quantized_state_dict(model_path, config.neuron_config)

@@ -133,6 +133,10 @@ class NeuronConfig:
         self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
         if self.quantized is True:
             assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        # ef2731e config.py 216-238 (0.7: 198-221): NxDI's defaults
+        self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
+        self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
+        self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
         self.speculation_length = kwargs.pop("speculation_length", 0)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
         self.is_medusa = kwargs.pop("is_medusa", False)
