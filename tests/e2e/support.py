@@ -171,3 +171,23 @@ class PeftOracle:
                                     adapter_names=[adapter or self.BASE]).logits
                 tokens.append(int(logits[0, -1].argmax()))
         return tokens[len(prompt):]
+
+
+def dequantized_model(model_dir: Path, folder: Path):
+    """transformers' float model with every weight NxDI's quantized checkpoint in
+    `folder` holds int8 replaced by W_q * scale (what int8 weight-only serving computes);
+    lm_head untied first, as NxDI quantizes it apart from the float embedding."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    tensors = load_file(str(folder / "model.safetensors"))
+    state = model.state_dict()
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8:
+            scale = tensors[name.removesuffix("weight") + "scale"]
+            state[name if name.startswith("lm_head") else "model." + name] = tensor.float() * scale
+    model.load_state_dict(state)
+    return model

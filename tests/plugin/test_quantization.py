@@ -20,6 +20,7 @@ from neuron_plugin.backends.nxd.backend import NxDBackend
 from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.core.inputs import context_encoding_inputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from tests.e2e.support import dequantized_model
 from tests.plugin.fake_nxdi.nxdi_release import purge
 from tests.plugin.test_nxd_backend import settings as nxd_settings
 from tests.plugin.test_nxd_backend import use_release
@@ -89,31 +90,13 @@ def test_reference_quantizer_writes_what_nxdi_writes(arch, keys, model_dirs, mon
     assert scale.shape == ((128, 1) if per_channel else (1,))
 
 
-def _dequantized_model(model_dir, folder):
-    """transformers' float model with every quantized weight replaced by W_q * scale."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # untied first: NxDI quantizes lm_head, and keeps the embedding in float
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    tensors = _written(folder)
-    state = model.state_dict()
-    for name, tensor in tensors.items():
-        if tensor.dtype == torch.int8:
-            scale = tensors[name.removesuffix("weight") + "scale"]
-            hf = name if name.startswith("lm_head") else "model." + name
-            state[hf] = tensor.float() * scale
-    model.load_state_dict(state)
-    return model
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_reference_backend_computes_the_dequantized_model(arch, model_dirs, tmp_path):
     model_dir = model_dirs[arch]
     s = quantized(tmp_path / "q", arch)
     ReferenceBackend(s, model_dir).quantize()
     backend = open_backend(s, model_dir, str(tmp_path / "cache"))
-    oracle = _dequantized_model(model_dir, tmp_path / "q")
+    oracle = dequantized_model(model_dir, tmp_path / "q")
     assert backend.weights[backend.module.names.index(
         "model.layers.0.self_attn.q_proj.weight")].dtype == torch.int8
     rng = np.random.default_rng(3)
@@ -147,13 +130,18 @@ def test_checkpoints_that_do_not_match_or_would_be_unpickled_are_refused(model_d
                          tiny_model("mixtral"))
 
 
-def test_nxdi_cpu_mode_refuses_a_quantized_checkpoint(model_dirs, monkeypatch, tmp_path):
+def test_nxdi_cpu_mode_writes_but_does_not_serve_a_quantized_checkpoint(model_dirs,
+                                                                        monkeypatch, tmp_path):
     use_release("0.9", monkeypatch, tmp_path)
     try:
         s = nxd_settings({"tp_degree": 1}, {"on_cpu": True, "quantized": True,
-                                            "quantized_checkpoints_path": "/q"})
+                                            "quantized_checkpoints_path": str(tmp_path / "q")})
+        backend = NxDBackend(s, model_dirs["llama"])
+        backend.quantize()
+        (tmp_path / "graphs").mkdir()  # a compile-cache entry's folder
+        backend.compile(tmp_path / "graphs")
         with pytest.raises(NeuronConfigError, match="never calls.*convert"):
-            NxDBackend(s, model_dirs["llama"])
+            backend.load(tmp_path / "graphs")
     finally:
         purge()
 

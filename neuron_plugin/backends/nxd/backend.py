@@ -110,9 +110,7 @@ class NxDBackend(InlineCalls):
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
         self.adapters: NxDAdapters | None = None
         if settings.max_loras:
-            self.adapters = NxDAdapters(
-                settings, self.nxdi.lora, self.on_cpu, self.nxdi.version or "(unknown)"
-            )
+            self.adapters = NxDAdapters(settings, self.nxdi.lora, self.nxdi.version or "(unknown)")
 
     @property
     def adapter_loading(self) -> AdapterLoading:
@@ -235,6 +233,7 @@ class NxDBackend(InlineCalls):
         self._quantized_folder()
         model = self._new_model()
         if self.on_cpu:
+            cpu_mode.refuse_quantized(self.settings)
             cpu_mode.load(model)
         else:
             # The loader warms every graph up (run_graph_once) unless skip_warmup is set.

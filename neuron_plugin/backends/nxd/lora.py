@@ -20,7 +20,8 @@ What NxDI does (modules/lora_serving/, NxDI 0.7-0.9; lines of ef2731e):
   lora_model.py 614-626); 0.7 and 0.8 return True and load nothing. Every
   context-encoding call then swaps the call's adapters into device slots and translates
   their ids (model_base.py 3348-3356, `dynamic_update_weights_for_lora`), writing into
-  `nxd_model.weights`, which exists on a device only (NxDI's CPU mode builds none).
+  `nxd_model.weights`, which exists on a device only. NxDI's CPU mode cannot run LoRA at
+  all (cpu_mode.requested refuses it).
 
 So: with NxDI 0.9 on a device the plugin loads adapters at run time through NxDI's own
 path (its slot writes become `add_adapter`, its slot evictions `remove_adapter`, so NxDI's
@@ -128,7 +129,7 @@ class NxDAdapters:
     """The plugin's adapter slots mapped onto NxDI's LoRA serving (see the module
     docstring)."""
 
-    def __init__(self, settings: NeuronSettings, nxdi: NxDILora, on_cpu: bool, version: str):
+    def __init__(self, settings: NeuronSettings, nxdi: NxDILora, version: str):
         options = settings.lora_options
         if settings.is_block_layout:
             raise NeuronConfigError(
@@ -149,11 +150,6 @@ class NxDAdapters:
             reasons.append(
                 f"NxD Inference {version} cannot load adapters at run time (its "
                 f"LoraModelManager.add_adapter loads nothing before 0.9)"
-            )
-        if on_cpu:
-            reasons.append(
-                "NxDI's CPU mode has no device weights to swap adapters into "
-                "(dynamic_update_weights_for_lora writes nxd_model.weights)"
             )
         if wanted and reasons:
             raise NeuronConfigError(

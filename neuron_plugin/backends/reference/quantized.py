@@ -5,7 +5,9 @@ backend): what NxDI's `save_quantized_state_dict` writes, computed the way
 neuronx-distributed's CPU quantizers compute it (quantization_utils.py, observer.py),
 checked bit for bit against them: per channel, scale = max|W[row]| / 127 (its
 PerChannelAbsMaxObserver); per tensor, scale = max|W| / 127.5 (torch's MinMaxObserver,
-qint8 symmetric); both floored at float32 eps, W_q = clamp(round(W / scale), -128, 127).
+qint8 symmetric); scales floored at float32 eps; W_q = clamp(round(W * (1 / scale)),
+-128, 127) (torch's quantize kernels multiply by the float32 inverse, which rounds a few
+values differently from dividing).
 Names and shapes as core.quantization describes: the state dict without `model.`,
 `<module>.weight` int8 and `<module>.scale` float32 [out, 1] or [1], one
 `model.safetensors` in a folder.
@@ -51,7 +53,7 @@ def quantize_int8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor
         scale = torch.clamp(w.abs().amax(dim=1, keepdim=True) / 127.0, min=_EPS)
     else:
         scale = torch.clamp(w.abs().amax().reshape(1) / 127.5, min=_EPS)
-    quantized = torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8)
+    quantized = torch.clamp(torch.round(w * (1.0 / scale)), -128, 127).to(torch.int8)
     return quantized, scale.to(torch.float32)
 
 

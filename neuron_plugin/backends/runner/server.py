@@ -202,7 +202,9 @@ def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
         write_message(replies, reply)
 
 
-OPS = frozenset({"hello", "load", "compile", "manifest", "forward", "run", "set_adapter", "ping"})
+OPS = frozenset(
+    {"hello", "load", "compile", "manifest", "quantize", "forward", "run", "set_adapter", "ping"}
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

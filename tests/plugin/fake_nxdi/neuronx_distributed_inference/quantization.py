@@ -12,7 +12,8 @@ quantizers (quantization/quantization_utils.py, observer.py, quantization_config
 - per_tensor_symmetric (modules_to_not_convert ignored): int8 scale = max|W| / 127.5
   (torch's MinMaxObserver, qint8 symmetric) as float32 [1]; fp8 scale = max|W| / bound,
   a 0-dim tensor in the weights' dtype;
-- int8 weights are round(W / scale) clamped to [-128, 127] (torch's quantize);
+- int8 weights are round(W * (1 / scale)) clamped to [-128, 127] (torch's
+  quantize_per_channel / quantize_per_tensor multiply by the float32 inverse);
 - any other type raises RuntimeError; the state dict is the model's without its
   `model.` prefix plus `lm_head.*`; None values pruned; written as model.safetensors
   when quantized_checkpoints_path is an existing folder, else torch.save(path).
@@ -42,12 +43,13 @@ def _hf_state_dict(model_path):
 
 def _quantize(weight, qtype, qdtype):
     if qdtype == "int8":
+        eps = torch.finfo(torch.float32).eps
         if qtype == "per_channel_symmetric":
-            scale = weight.abs().amax(dim=1, keepdim=True) / 127.0
+            scale = torch.clamp(weight.abs().amax(dim=1, keepdim=True) / 127.0, min=eps)
         else:
-            scale = (weight.abs().amax() / 127.5).reshape(1)
-        scale = torch.clamp(scale, min=torch.finfo(torch.float32).eps)
-        return torch.clamp(torch.round(weight / scale), -128, 127).to(torch.int8), scale
+            scale = torch.clamp((weight.abs().amax() / 127.5).reshape(1), min=eps)
+        values = torch.round(weight * (1.0 / scale))
+        return torch.clamp(values, -128, 127).to(torch.int8), scale
     dtype, bound = FP8[qdtype]
     if qtype == "per_channel_symmetric":
         scale = torch.clamp(weight.abs().amax(dim=1, keepdim=True) / bound, min=1e-5)
