@@ -31,7 +31,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from neuron_plugin.backends.base import StepOutput
+    from neuron_plugin.backends.base import AdapterLoading, StepOutput
+    from neuron_plugin.core.adapters import AdapterWeights
     from neuron_plugin.core.inputs import ForwardInputs
     from neuron_plugin.core.sampling import SamplingInputs
     from neuron_plugin.core.settings import NeuronSettings
@@ -79,6 +80,15 @@ class HostOnlyBackend:
 
     def collect(self) -> StepOutput:
         return self._submitted
+
+    @property
+    def adapter_loading(self) -> AdapterLoading:
+        from neuron_plugin.backends.base import AdapterLoading
+
+        return AdapterLoading(at_run_time=False, why="the host-only benchmark serves no adapters")
+
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        raise ValueError("the host-only backend measures serving without LoRA adapters")
 
 
 def vllm_config_for(model: Path, batch: int, length: int):

@@ -125,6 +125,13 @@ class SeamMeter:
         return self._submitted
 
     @property
+    def adapter_loading(self):
+        return self.backend.adapter_loading
+
+    def set_adapter(self, slot, adapter) -> None:
+        self.backend.set_adapter(slot, adapter)
+
+    @property
     def module(self) -> torch.nn.Module | None:
         return self.backend.module
 

@@ -46,6 +46,14 @@ def speculation_models() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(model_dirs) -> dict[str, Path]:
+    """PEFT adapters of the tiny Llama (scripts/build_tiny_lora.py ADAPTERS), built once."""
+    from build_tiny_lora import build_test_adapters
+
+    return build_test_adapters(model_dirs["llama"], ROOT / "models")
+
+
+@pytest.fixture(scope="session")
 def sdk_python() -> str:
     """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
     transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend

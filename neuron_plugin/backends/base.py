@@ -13,6 +13,9 @@ while the backend computes this one (vLLM's async scheduling): a backend in anot
 process (`runner/`) computes meanwhile; one in this process computes in `submit`
 (`InlineCalls`). At most one call is in flight: nothing else is called between a
 `submit` and its `collect`.
+With LoRA (core.lora) every call carries each row's adapter slot and `set_adapter`
+writes an adapter's weights into a slot between calls (never while one is in flight):
+adapters are data the compiled graphs read, not graphs.
 `nxd/` fulfils it with NxD Inference on Neuron devices; `reference/` in PyTorch on the
 CPU, so everything above this seam is exercised without hardware.
 
@@ -26,14 +29,16 @@ from one. mypy holds each implementation to its Protocol (`loader.py`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
@@ -140,11 +145,50 @@ class StepOutput:
     backend_s: float | None = None
 
 
+@dataclass(frozen=True)
+class AdapterLoading:
+    """Which LoRA adapters a loaded backend can take into its slots: any, at run time,
+    or (an NxDI that cannot load at run time) only those it loaded at start, by name ->
+    folder, `why` saying what stops run-time loading."""
+
+    at_run_time: bool = True
+    at_start: Mapping[str, str] = field(default_factory=dict)
+    why: str = ""
+
+    def refusal(self, name: str, path: str) -> str | None:
+        """The error for adapter `name` at `path`, None when the backend takes it."""
+        if self.at_run_time:
+            return None
+        known = self.at_start.get(name)
+        if known is not None and os.path.realpath(known) == os.path.realpath(path):
+            return None
+        listed = ", ".join(f"{n}={p}" for n, p in self.at_start.items()) or "none"
+        return (
+            f"LoRA adapter {name!r} ({path}): the backend cannot load adapters at run time "
+            f"({self.why}) and serves only those given at start ({listed}); add "
+            f'"{name}": "{path}" to override_neuron_config.lora_config.lora_ckpt_paths and '
+            f"restart."
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {"at_run_time": self.at_run_time, "at_start": dict(self.at_start), "why": self.why}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> AdapterLoading:
+        at_start = data.get("at_start") or {}
+        assert isinstance(at_start, dict)  # the runner's own JSON reply
+        return cls(bool(data.get("at_run_time")), dict(at_start), str(data.get("why", "")))
+
+
 class LoadedBackend(Protocol):
     """What the model runner and the worker need from a loaded backend."""
 
     name: str
     settings: NeuronSettings
+
+    @property
+    def adapter_loading(self) -> AdapterLoading:
+        """Which LoRA adapters `set_adapter` takes (meaningful with settings.max_loras)."""
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -161,6 +205,10 @@ class LoadedBackend(Protocol):
 
     def collect(self) -> StepOutput:
         """The answer of the call `submit` started (waiting for it if need be)."""
+
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        """Write a LoRA adapter into slot `slot` (1..settings.max_loras), replacing the
+        one there; rows whose `adapter_slots` name the slot use it from the next call."""
 
 
 class InlineCalls:
@@ -196,6 +244,10 @@ class Backend(LoadedBackend, Protocol):
 
     def load(self, folder: Path) -> None:
         """Load compiled graphs and weights; allocate the KV cache."""
+
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint the settings' quantization keys name (NxDI's
+        layout, core.quantization); what was written."""
 
 
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:

@@ -56,8 +56,13 @@ _RUNTIME_ONLY = frozenset(
         *GRID_KEYS,
         # keyed as the logits graphs it gives, where there are any (cache_manifest)
         "token_generation_logits_buckets",
+        # adapters held on the host: no graph holds them
+        "max_cpu_loras",
     }
 )
+
+
+_LORA_KEYS = ("max_loras", "max_lora_rank", "lora_target_modules", "lora_options")
 
 
 def make_backend(settings: NeuronSettings, model_dir: str | Path) -> Backend:
@@ -75,6 +80,21 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     """The canonical description of what would be compiled (the cache key's input)."""
     fields = backend.cache_manifest_fields()
     neuron_config = {k: v for k, v in settings.to_dict().items() if k not in _RUNTIME_ONLY}
+    if "quantized_checkpoints_path" in settings.passthrough:
+        # Where the quantized weights are changes no graph (their layout, from the other
+        # quantization keys, does); the checkpoint is weights, loaded at start.
+        neuron_config["passthrough"] = {
+            k: v for k, v in settings.passthrough.items() if k != "quantized_checkpoints_path"
+        }
+    if settings.max_loras:
+        # The key covers the adapter slots' shapes, never the adapters: NxDI loads those
+        # given at start as weights, not into the graphs (see core.lora).
+        neuron_config["lora_options"] = {
+            k: v for k, v in settings.lora_options.items() if k != "lora_ckpt_paths"
+        }
+    else:  # absent without LoRA, so the keys of other configurations stay put
+        for key in _LORA_KEYS:
+            neuron_config.pop(key, None)
     logits_shapes = settings.token_generation_logits_shapes()
     if logits_shapes:  # graphs of their own (absent elsewhere, so those keys stay put)
         neuron_config["token_generation_logits_shapes"] = [list(s) for s in logits_shapes]
@@ -199,6 +219,20 @@ def compile_configuration(
     backend = RunnerBackend(settings, model_dir)
     try:
         return backend.compile(cache_url)
+    finally:
+        backend.close()
+
+
+def quantize_configuration(settings: NeuronSettings, model_dir: str | Path) -> dict[str, Any]:
+    """Write the configuration's quantized checkpoint where the backend runs (NxDI's own
+    path on the nxd backend); what was written."""
+    if not settings.backend_python:
+        return make_backend(settings, model_dir).quantize()
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    backend = RunnerBackend(settings, model_dir)
+    try:
+        return backend.quantize()
     finally:
         backend.close()
 

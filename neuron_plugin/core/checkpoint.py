@@ -40,3 +40,25 @@ def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
             {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
         )
     return shapes
+
+
+# Files whose loading unpickles (torch.load), which can run code: never read.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def pickle_files(folder: str | Path) -> list[str]:
+    """The pickled weight files in a folder, by name."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.suffix in PICKLE_SUFFIXES)
+
+
+def safetensors_dtypes(model_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype ("F32", "I8", ...) from the headers only."""
+    dtypes: dict[str, str] = {}
+    for path in safetensors_files(model_dir):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        dtypes.update(
+            {name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
+        )
+    return dtypes

@@ -58,6 +58,9 @@ class ForwardInputs:
     # fused draft model's decode takes one token per row and computes
     # speculation_length positions.
     width: int | None = None
+    # [batch] int64 with LoRA on (settings.max_loras): each row's adapter slot, 0 (the
+    # base model's zero slot) for rows without an adapter and for pads (core.adapters).
+    adapter_slots: np.ndarray | None = None
 
     @property
     def draft_budget(self) -> np.ndarray:
@@ -176,12 +179,25 @@ def token_generation_bucket(
     )
 
 
+def _adapter_slots(
+    settings: NeuronSettings, rows: int, given: np.ndarray | Sequence[int] | None
+) -> np.ndarray | None:
+    """[rows] adapter slots with LoRA on (given ones first, 0 after), None without."""
+    if not settings.max_loras:
+        return None
+    slots = np.zeros(rows, dtype=np.int64)
+    if given is not None:
+        slots[: len(given)] = given
+    return slots
+
+
 def context_encoding_inputs(
     settings: NeuronSettings,
     context_ids: np.ndarray,
     start: int,
     seq_id: int,
     block_ids: Sequence[int] | None,
+    adapter_slot: int = 0,
 ) -> ForwardInputs:
     """One prefill (batch 1) of tokens [start, len(context_ids)) of a request, whose
     first `start` tokens are already in the KV cache (a prefix hit or earlier chunks).
@@ -198,6 +214,7 @@ def context_encoding_inputs(
             np.zeros(1, dtype=np.int64),
             np.array([seq_id], dtype=np.int64),
             [block_ids or []],
+            adapter_slots=[adapter_slot],
         )
     bucket = context_encoding_bucket(settings, count, start)
     active = bucket[0]
@@ -222,6 +239,7 @@ def context_encoding_inputs(
         computed_context_lens=np.array([start], dtype=np.int64),
         num_real=1,
         context_ids=context_ids,
+        adapter_slots=_adapter_slots(settings, 1, [adapter_slot]),
     )
 
 
@@ -245,9 +263,11 @@ def token_generation_inputs(
     drafts: np.ndarray | None = None,
     budget: np.ndarray | None = None,
     logits: bool = False,
+    adapter_slots: np.ndarray | Sequence[int] | None = None,
 ) -> ForwardInputs:
-    """One decode batch: row i generates from token_ids[i] at positions[i]; `logits`:
-    some row needs its logits (see token_generation_bucket).
+    """One decode batch: row i generates from token_ids[i] at positions[i] (with the
+    adapter in slot adapter_slots[i], LoRA on); `logits`: some row needs its logits (see
+    token_generation_bucket).
 
     With speculation row i may also accept up to budget[i] drafts (the n-gram drafts
     `drafts[i]` [num_speculative_tokens], negative where there is none; a fused draft
@@ -301,6 +321,7 @@ def token_generation_inputs(
         computed_context_lens=computed,
         num_real=real,
         width=width if width > active else None,
+        adapter_slots=_adapter_slots(settings, rows, adapter_slots),
     )
 
 
@@ -328,4 +349,5 @@ def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...])
         computed_context_lens=np.zeros(rows, dtype=np.int64),
         num_real=0,
         width=width if width > active else None,
+        adapter_slots=_adapter_slots(settings, rows, None),
     )

@@ -62,7 +62,13 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int)
     )
 
 
-def weights_per_core(parameters: int | None, dtype: str, tp_degree: int) -> int | None:
+def weights_per_core(
+    parameters: int | None, dtype: str, tp_degree: int, weight_bytes: int | None = None
+) -> int | None:
+    """The weights' share of one NeuronCore: `weight_bytes` when given (a quantized
+    checkpoint, core.quantization.quantized_weight_bytes), else parameters x dtype."""
+    if weight_bytes is not None:
+        return math.ceil(weight_bytes / tp_degree)
     return None if parameters is None else math.ceil(parameters * DTYPE_BYTES[dtype] / tp_degree)
 
 
@@ -89,9 +95,11 @@ def sequence_budget(
     tp_degree: int,
     memory_per_core: int,
     source: str,
+    weight_bytes: int | None = None,
 ) -> SequenceBudget | None:
-    """None when the weights' size is unknown (not a local safetensors checkpoint)."""
-    weights = weights_per_core(parameters, dtype, tp_degree)
+    """None when the weights' size is unknown (not a local safetensors checkpoint);
+    `weight_bytes`: a quantized checkpoint's weights."""
+    weights = weights_per_core(parameters, dtype, tp_degree, weight_bytes)
     if weights is None:
         return None
     return SequenceBudget(
@@ -112,6 +120,10 @@ class MemoryEstimate:
     # A fused draft model's share (speculative decoding), included in the total.
     draft_weights_per_core_bytes: int | None = 0
     draft_kv_cache_per_core_bytes: int = 0
+    # A quantized checkpoint (core.quantization): the weights at the model dtype, and
+    # what quantization saves of them per core (weights_per_core_bytes is quantized).
+    unquantized_weights_per_core_bytes: int | None = None
+    quantization_saves_per_core_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,13 +135,20 @@ def estimate(
     parameters: int | None,
     memory_per_core: int,
     draft: tuple[Mapping[str, Any], int | None] | None = None,
+    quantized_bytes: tuple[int, int] | None = None,
 ) -> MemoryEstimate:
     """Weights and KV cache per NeuronCore against the core's share of device HBM; with
     a fused draft model (`draft`: its config and parameter count) its weights and its
-    KV cache (the target's slots) too."""
+    KV cache (the target's slots) too; with a quantized checkpoint (`quantized_bytes`:
+    the whole model's weights unquantized and quantized) the quantized weights."""
     slots = kv_cache_slots(settings)
     kv = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree) * slots
-    weights = weights_per_core(parameters, settings.dtype, settings.tp_degree)
+    weights = weights_per_core(
+        parameters, settings.dtype, settings.tp_degree, quantized_bytes and quantized_bytes[1]
+    )
+    unquantized = None
+    if quantized_bytes is not None:
+        unquantized = weights_per_core(None, settings.dtype, settings.tp_degree, quantized_bytes[0])
     draft_weights: int | None = 0
     draft_kv = 0
     if draft is not None:
@@ -146,4 +165,6 @@ def estimate(
         fraction_of_core_memory=None if total is None else total / memory_per_core,
         draft_weights_per_core_bytes=draft_weights,
         draft_kv_cache_per_core_bytes=draft_kv,
+        unquantized_weights_per_core_bytes=unquantized,
+        quantization_saves_per_core_bytes=(unquantized or 0) - (weights or 0) if unquantized else 0,
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucketing.fit import prefix_caching_need
+from neuron_plugin.core.quantization import Quantization
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -69,6 +70,15 @@ class EngineLimits:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # vLLM's --enable-lora flags (core.lora): max_loras 0 means LoRA is off;
+    # lora_target_modules None means vLLM's default (every module); lora_dtype as vLLM
+    # holds it ("auto" or a dtype name).
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    max_cpu_loras: int = 0
+    lora_target_modules: tuple[str, ...] | None = None
+    lora_dtype: str | None = None
+    fully_sharded_loras: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,25 @@ class NeuronSettings:
     # Context lengths (of token_generation_buckets) whose token-generation graphs also
     # have a logits twin (see token_generation_logits_shapes); default all of them.
     token_generation_logits_buckets: tuple[int, ...] = ()
+    # Multi-LoRA (core.lora): adapter slots compiled in (max_loras; 0: LoRA off) of rank
+    # max_lora_rank for the target modules; adapters held on the host (changes no
+    # graph); the nxd backend's NxDI LoRA serving options (lora_config).
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
+    max_cpu_loras: int = 0
+    lora_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """NxDI weight quantization from the passed-through keys (core.quantization)."""
+        return Quantization.from_override(self.passthrough)
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots in the graphs: max_loras plus the base model's zero slot 0 (0
+        without LoRA)."""
+        return self.max_loras + 1 if self.max_loras else 0
 
     @property
     def is_block_layout(self) -> bool:
@@ -217,6 +246,7 @@ class NeuronSettings:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["passthrough"] = dict(self.passthrough)
+        data["lora_options"] = dict(self.lora_options)
         return json.loads(json.dumps(data))
 
     @classmethod
@@ -225,4 +255,5 @@ class NeuronSettings:
         for key in (*GRID_KEYS, "token_generation_logits_buckets"):
             values[key] = tuple(values.get(key, ()))
         values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
+        values["lora_target_modules"] = tuple(values.get("lora_target_modules", ()))
         return cls(**values)

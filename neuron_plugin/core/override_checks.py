@@ -64,7 +64,6 @@ UNSUPPORTED_KEYS = {
         "remove the key and see --speculative-config"
     ),
     "is_medusa": "Medusa heads are not supported; remove the key",
-    "lora_config": "LoRA is not supported yet; merge the adapter or remove lora_config",
 }
 
 

@@ -29,6 +29,7 @@ from neuron_plugin.core.kv_layout import (
     resolve_blocks,
     resolve_kv_layout,
 )
+from neuron_plugin.core.lora import resolve_lora
 from neuron_plugin.core.memory import SequenceBudget
 from neuron_plugin.core.neuron_settings import (
     BLOCK,
@@ -47,6 +48,7 @@ from neuron_plugin.core.override_checks import (
     refuse_what_cannot_work,
     reject_unsupported,
 )
+from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
 from neuron_plugin.core.vllm_flags import WORKER_CLS
@@ -95,6 +97,7 @@ INTERPRETED_KEYS = frozenset(
         "max_context_length",
         "seq_len",
         "torch_dtype",
+        "lora_config",
     )
 )
 
@@ -258,6 +261,14 @@ def resolve_settings(
             f"sampling only, and it is off (every graph returns logits); remove "
             f"{LOGITS_KEY}."
         )
+    lora = resolve_lora(limits, override, backend=backend)
+    quantization = Quantization.from_override(override)
+    if quantization is not None and backend == "reference" and quantization.dtype != "int8":
+        raise NeuronConfigError(
+            f"override_neuron_config.quantization_dtype={quantization.dtype!r}: the reference "
+            f"backend serves int8 weight quantization; use quantization_dtype int8 there "
+            f"(fp8 runs on the nxd backend)."
+        )
     exact = resolve_exact_sampling(exact_sampling)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
@@ -307,6 +318,11 @@ def resolve_settings(
         num_speculative_tokens=drafts,
         draft_model=draft_model,
         token_generation_logits_buckets=grids[LOGITS_KEY],
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank,
+        lora_target_modules=lora.target_modules,
+        max_cpu_loras=lora.max_cpu_loras,
+        lora_options=dict(lora.nxd_options or {}),
     )
 
 

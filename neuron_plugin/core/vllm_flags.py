@@ -141,9 +141,9 @@ VLLM_FLAGS = (
         (None,),
         "vLLM's quantized kernels do not run on NeuronCores (a quantization_config "
         "in the checkpoint's config.json sets this too)",
-        "serve an unquantized checkpoint and let NxDI quantize it with "
-        "override_neuron_config keys quantized, quantization_dtype and "
-        "quantized_checkpoints_path",
+        "serve the unquantized checkpoint with override_neuron_config keys quantized: "
+        "true and quantized_checkpoints_path (NxDI's weight quantization; `neuron-plugin "
+        "quantize` writes that checkpoint)",
     ),
     VllmFlag(
         "--enable-prompt-embeds",
@@ -194,13 +194,6 @@ VLLM_FLAGS = (
         ("auto", WORKER_CLS),
         "the Neuron worker drives the backend",
         "remove --worker-cls",
-    ),
-    VllmFlag(
-        "--enable-lora",
-        "lora_config",
-        (None,),
-        "LoRA adapters are not supported by the neuron_plugin platform yet",
-        "remove --enable-lora or merge the adapter into the weights",
     ),
 )
 

@@ -26,6 +26,18 @@ multiprocess executor reads outputs from another thread). So the engine schedule
 N+1 and processes step N-1's output while the backend computes step N, and the batch
 never holds placeholder tokens: step N's are real before step N+1's state updates.
 
+Speculative decoding (`--speculative-config`, core.speculation): vLLM schedules each
+decoding request's drafts as extra tokens (`scheduled_spec_decode_tokens`); the decode
+call verifies them (n-gram drafts as inputs; a fused draft model proposes its own) and
+each row emits its accepted drafts and one token of the target's, all appended to the
+batch; vLLM rolls back what was not accepted. `serving.drafts` proposes the next step's
+drafts, which vLLM takes through `take_draft_token_ids`. Host-sampled rows take no
+drafts.
+
+LoRA: each step first gets its rows' adapters into slots (`serving.adapters.AdapterStore.
+prepare_step`, after the previous step's backend call completed) and every call carries
+each row's slot; rows without an adapter use the base model's zero slot 0.
+
 Request bookkeeping follows vLLM's GPU runner contract (`InputBatch`,
 `CachedRequestState`); the sequence slot of a request in the contiguous layout is its
 single vLLM block id minus one, so the scheduler's allocator frees and reassigns slots
@@ -56,6 +68,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import LoadedBackend
+from neuron_plugin.core.adapters import row_slots
 from neuron_plugin.core.inputs import (
     ForwardInputs,
     context_encoding_inputs,
@@ -65,6 +78,7 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
+from neuron_plugin.serving.adapters import AdapterStore
 from neuron_plugin.serving.drafts import Drafts
 from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
@@ -93,6 +107,7 @@ class NeuronModelRunner:
         backend: LoadedBackend,
         observers: Sequence[StepObserver] = (),
         async_scheduling: bool = False,
+        adapters: AdapterStore | None = None,
     ):
         self.vllm_config = vllm_config
         # vLLM's async scheduling contract: sample_tokens returns a promise, and the
@@ -127,6 +142,8 @@ class NeuronModelRunner:
         self._timelines: dict[str, _Timeline] = {}
         # Speculative decoding: the next step's drafts (serving.drafts).
         self.drafts = Drafts.for_settings(vllm_config, settings)
+        # LoRA: the adapters on the host and in the backend's slots (None: LoRA off).
+        self.adapters = adapters
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -374,6 +391,7 @@ class NeuronModelRunner:
         total = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
         samples = computed + scheduled >= total
         decoding = (scheduled == 1) & (computed > 0)
+        slots = self._adapter_slots(num_reqs)
         step = self._new_step(so, samples)
         prefills = np.flatnonzero(~decoding)
 
@@ -400,6 +418,7 @@ class NeuronModelRunner:
                 drafts,
                 budget,
                 logits=step.sampling is None or bool(step.sampling.needs_logits[rows].any()),
+                adapter_slots=slots[rows],
             )
             self._run(inputs, rows, step, host_start, last=not prefills.size)
 
@@ -413,6 +432,7 @@ class NeuronModelRunner:
                 start,
                 self._seq_id(state, int(index)),
                 state.block_ids[0],
+                adapter_slot=int(slots[index]),
             )
             self._run(inputs, np.array([index]), step, host_start, last=n == prefills.size)
             if state.req_id not in self._timelines:
@@ -421,6 +441,18 @@ class NeuronModelRunner:
         step.active_s += time.perf_counter() - started
         self._pending = step
         return None
+
+    def _adapter_slots(self, num_reqs: int) -> np.ndarray:
+        """Each batch row's adapter slot, the step's adapters written into slots first
+        (the previous step's call has completed: execute_model collected it)."""
+        ids = self.input_batch.request_lora_mapping[:num_reqs].astype(np.int64)
+        if self.adapters is None or not ids.any():
+            return np.zeros(num_reqs, dtype=np.int64)
+        requests = {}
+        for index in np.flatnonzero(ids):
+            state = self.requests[self.input_batch.req_ids[index]]
+            requests[int(ids[index])] = state.lora_request
+        return row_slots(ids, self.adapters.prepare_step(requests))
 
     def _host_sample(self, step: PendingStep) -> LogprobsLists | None:
         """vLLM's Sampler over the host rows alone: their tokens into `step.tokens`,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, plugin_logger
+from neuron_plugin.core.checkpoint import safetensors_shapes
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     detect_instance_type,
@@ -28,7 +29,13 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
-from neuron_plugin.core.memory import SequenceBudget, checkpoint_parameters, sequence_budget
+from neuron_plugin.core.memory import (
+    DTYPE_BYTES,
+    SequenceBudget,
+    checkpoint_parameters,
+    sequence_budget,
+)
+from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
 from neuron_plugin.core.settings import (
@@ -97,7 +104,23 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
         **speculative_limits(vllm_config.speculative_config),
+        **lora_limits(vllm_config.lora_config),
     )
+
+
+def lora_limits(lora: Any) -> dict[str, Any]:
+    """vLLM's LoRAConfig (None without --enable-lora) as EngineLimits fields."""
+    if lora is None:
+        return {}
+    targets = lora.target_modules
+    return {
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_cpu_loras": lora.max_cpu_loras or lora.max_loras,
+        "lora_target_modules": tuple(targets) if targets else None,
+        "lora_dtype": _dtype_name(lora.lora_dtype) if lora.lora_dtype else None,
+        "fully_sharded_loras": bool(lora.fully_sharded_loras),
+    }
 
 
 def speculative_limits(speculative: Any) -> dict[str, Any]:
@@ -133,13 +156,21 @@ def device_budget(vllm_config: Any) -> SequenceBudget | None:
     model = vllm_config.model_config
     if instance is None or not Path(model.model).is_dir():
         return None
+    dtype = _dtype_name(model.dtype)
+    quantization = Quantization.from_override(override_neuron_config(vllm_config))
+    weight_bytes = None
+    if quantization is not None:
+        weight_bytes = quantized_weight_bytes(
+            safetensors_shapes(model.model), quantization, DTYPE_BYTES[dtype]
+        )[1]
     return sequence_budget(
         model.hf_config.to_dict(),
         checkpoint_parameters(model.model),
-        _dtype_name(model.dtype),
+        dtype,
         vllm_config.parallel_config.tensor_parallel_size,
         INSTANCE_TYPES[instance].memory_per_core(lnc()),
         instance,
+        weight_bytes,
     )
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 from vllm.config import VllmConfig
 from vllm.config.model import get_served_model_name
+from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -31,9 +32,12 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import LoadedBackend
 from neuron_plugin.backends.loader import open_backend
+from neuron_plugin.core.checkpoint import safetensors_shapes
 from neuron_plugin.core.instances import VISIBLE_CORES_ENV, format_core_list
 from neuron_plugin.core.lifecycle import die_with_parent
+from neuron_plugin.core.lora import LoraGeometry, lora_summary
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.serving.adapters import AdapterStore
 from neuron_plugin.serving.model_runner import NeuronModelRunner
 from neuron_plugin.serving.observers import RequestTrace, StepObserver
 from neuron_plugin.serving.telemetry import StepTelemetry
@@ -89,6 +93,7 @@ class NeuronWorker(WorkerBase):
         # workers override it the same way).
         self.model_runner: NeuronModelRunner | None = None  # type: ignore[assignment]
         self.load_seconds = 0.0
+        self.adapters: AdapterStore | None = None
 
     def init_device(self) -> None:
         from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
@@ -102,8 +107,14 @@ class NeuronWorker(WorkerBase):
         started = time.perf_counter()
         self.backend = open_backend(self.settings, self.model_config.model)
         async_scheduling = bool(self.vllm_config.scheduler_config.async_scheduling)
+        self.adapters = self._adapter_store(self.backend)
         self.model_runner = NeuronModelRunner(
-            self.vllm_config, self.settings, self.backend, self.observers, async_scheduling
+            self.vllm_config,
+            self.settings,
+            self.backend,
+            self.observers,
+            async_scheduling,
+            self.adapters,
         )
         if not async_scheduling:
             logger.info("async scheduling off: each step completes before the next starts")
@@ -118,6 +129,49 @@ class NeuronWorker(WorkerBase):
                 "does not overlap the engine's host work (a runner process's does)"
             )
         self.load_seconds = time.perf_counter() - started
+
+    def _adapter_store(self, backend: LoadedBackend) -> AdapterStore | None:
+        """The worker's LoRA adapters (None without --enable-lora)."""
+        settings = self.settings
+        if not settings.max_loras:
+            return None
+        text = self.model_config.hf_text_config
+        geometry = LoraGeometry.from_checkpoint(
+            safetensors_shapes(self.model_config.model),
+            text.num_hidden_layers,
+            settings.lora_target_modules,
+        )
+        logger.info("%s", lora_summary(settings))
+        return AdapterStore(
+            settings,
+            geometry,
+            backend,
+            self.vllm_config.lora_config,
+            getattr(text, "max_position_embeddings", None),
+        )
+
+    def _store(self) -> AdapterStore:
+        adapters = self.adapters
+        if adapters is None:
+            raise ValueError(
+                "LoRA is not enabled on this engine; start it with --enable-lora "
+                "(and --max-loras / --max-lora-rank) to load adapters."
+            )
+        return adapters
+
+    # vLLM's LoRA worker API (the executor calls these from add_lora / remove_lora /
+    # pin_lora / list_loras of the engine; see serving.adapters).
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._store().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._store().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._store().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._store().ids()
 
     def _runner(self) -> NeuronModelRunner:
         if self.model_runner is None:

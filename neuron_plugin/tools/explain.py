@@ -231,7 +231,12 @@ def build_report(
     cores = instance.cores(lnc())
     ranks, ranks_source = engine_cores(settings, instance, instance_source, host[1])
     memory = estimate(
-        settings, hf_config, parameters, instance.memory_per_core(lnc()), draft_of(settings)
+        settings,
+        hf_config,
+        parameters,
+        instance.memory_per_core(lnc()),
+        draft_of(settings),
+        quantized_of(settings, model),
     )
     cte = [list(shape) for shape in settings.context_encoding_shapes()]
     tkg = [list(shape) for shape in settings.token_generation_shapes()]
@@ -279,6 +284,7 @@ def build_report(
             **memory.to_dict(),
         },
         "speculation": speculation_report(settings),
+        "lora": lora_report(settings, model),
         "data_parallel": {
             "engines": settings.dp_degree,
             "engine_cores": ranks,
@@ -289,6 +295,47 @@ def build_report(
         "notes": notes_for(settings, *host) + logits_notes(settings, hf_config),
         "settings": settings.to_dict(),
     }
+
+
+def quantized_of(settings: NeuronSettings, model: str) -> tuple[int, int] | None:
+    """(weights unquantized, quantized) of the whole model, for the memory estimate."""
+    quantization = settings.quantization
+    if quantization is None or not Path(model).is_dir():
+        return None
+    from neuron_plugin.core.checkpoint import safetensors_shapes
+    from neuron_plugin.core.memory import DTYPE_BYTES
+    from neuron_plugin.core.quantization import quantized_weight_bytes
+
+    return quantized_weight_bytes(
+        safetensors_shapes(model), quantization, DTYPE_BYTES[settings.dtype]
+    )
+
+
+def lora_report(settings: NeuronSettings, model: str) -> dict[str, Any] | None:
+    """The adapter slots compiled in and their device memory per core."""
+    if not settings.max_loras:
+        return None
+    from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes, text_config
+    from neuron_plugin.core.lora import LoraGeometry
+    from neuron_plugin.core.memory import DTYPE_BYTES
+
+    report: dict[str, Any] = {
+        "max_loras": settings.max_loras,
+        "slots": settings.lora_slots,
+        "max_lora_rank": settings.max_lora_rank,
+        "target_modules": list(settings.lora_target_modules),
+        "max_cpu_loras": settings.max_cpu_loras,
+        "slots_per_core_bytes": None,
+    }
+    if Path(model).is_dir():
+        geometry = LoraGeometry.from_checkpoint(
+            safetensors_shapes(model),
+            int(text_config(read_hf_config(model))["num_hidden_layers"]),
+            settings.lora_target_modules,
+        )
+        per_slot = geometry.slot_bytes(settings.max_lora_rank, DTYPE_BYTES[settings.dtype])
+        report["slots_per_core_bytes"] = -(-per_slot * settings.lora_slots // settings.tp_degree)
+    return report
 
 
 def draft_of(settings: NeuronSettings) -> tuple[dict[str, Any], int | None] | None:
@@ -401,6 +448,24 @@ def render(report: dict[str, Any]) -> str:
         f"{mem['instance_cores']} cores",
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
+    if mem.get("unquantized_weights_per_core_bytes"):
+        quantization = report["settings"]["passthrough"]
+        lines.append(
+            f"quantized        {quantization.get('quantization_dtype') or 'int8'} "
+            f"{quantization.get('quantization_type') or 'per_tensor_symmetric'} from "
+            f"{quantization.get('quantized_checkpoints_path')}: weights "
+            f"{_size(mem['weights_per_core_bytes'])} instead of "
+            f"{_size(mem['unquantized_weights_per_core_bytes'])} per NeuronCore, saving "
+            f"{_size(mem['quantization_saves_per_core_bytes'])}"
+        )
+    if report["lora"]:
+        lora = report["lora"]
+        lines.append(
+            f"LoRA             {lora['max_loras']} adapter slots (+ the base model's) of "
+            f"rank {lora['max_lora_rank']} for {', '.join(lora['target_modules'])}: "
+            f"{_size(lora['slots_per_core_bytes'])} per NeuronCore; up to "
+            f"{lora['max_cpu_loras']} adapters on the host"
+        )
     if report["speculation"]:
         lines.append(f"speculation      {_speculation_line(report['speculation'], mem)}")
     if report["speculation"]:

@@ -140,3 +140,54 @@ class Server(LoopbackProcess):
         super().__init__([str(Path(sys.executable).with_name("vllm")), "serve", str(model),
                           "--device", "neuron", "--host", "127.0.0.1", "--port", str(port),
                           "--dtype", "float32", *args], port, log_path, env)
+
+
+class PeftOracle:
+    """Greedy continuations from transformers + PEFT (float32): the base model and each
+    adapter (by name) as PEFT itself applies it, one prompt at a time."""
+
+    BASE = "__base__"
+
+    def __init__(self, model_dir: Path, adapters: dict[str, Path]):
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        names = list(adapters)
+        model = PeftModel.from_pretrained(base, str(adapters[names[0]]), adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(str(adapters[name]), adapter_name=name)
+        self.model = model.eval()
+
+    def generate(self, prompt: list[int], max_new_tokens: int, adapter: str | None) -> list[int]:
+        """Greedy tokens, EOS included (the served requests pass ignore_eos)."""
+        torch = self.torch
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = self.model(input_ids=torch.tensor([tokens]),
+                                    adapter_names=[adapter or self.BASE]).logits
+                tokens.append(int(logits[0, -1].argmax()))
+        return tokens[len(prompt):]
+
+
+def dequantized_model(model_dir: Path, folder: Path):
+    """transformers' float model with every weight NxDI's quantized checkpoint in
+    `folder` holds int8 replaced by W_q * scale (what int8 weight-only serving computes);
+    lm_head untied first, as NxDI quantizes it apart from the float embedding."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    tensors = load_file(str(folder / "model.safetensors"))
+    state = model.state_dict()
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8:
+            scale = tensors[name.removesuffix("weight") + "scale"]
+            state[name if name.startswith("lm_head") else "model." + name] = tensor.float() * scale
+    model.load_state_dict(state)
+    return model

@@ -200,6 +200,9 @@ WORKS = [
     ("torch_dtype", "float32", {}, {"dtype": "float32"}),
     ("padding_side", "right", {}, {"kv_layout": "contiguous"}),
     ("quantized", False, {}, {"passthrough": {"quantized": False}}),
+    ("quantized", True, {}, {"passthrough": {"quantized": True,
+                                             "quantized_checkpoints_path": "/q",
+                                             "quantization_type": "per_channel_symmetric"}}),
     ("is_prefix_caching", True, PREFIX, {"is_prefix_caching": True}),
     ("is_block_kv_layout", True, PREFIX, {"kv_layout": "block"}),
     ("pa_block_size", 32, PREFIX, {"block_size": 32}),
@@ -211,12 +214,29 @@ WORKS = [
 ]
 
 
-@pytest.mark.parametrize("key,value,kwargs,expected", WORKS, ids=[w[0] for w in WORKS])
+# keys that come together with the key under test
+COMPANIONS = {("quantized", True): {"quantized_checkpoints_path": "/q",
+                                    "quantization_type": "per_channel_symmetric"}}
+
+
+@pytest.mark.parametrize("key,value,kwargs,expected", WORKS,
+                         ids=[f"{w[0]}={w[1]}" for w in WORKS])
 def test_vllm_neuron_keys_keep_their_meaning(model_dirs, environ, key, value, kwargs,
                                              expected):
+    override = {key: value, **(COMPANIONS.get((key, value), {}) if value is True else {})}
     settings = settings_of(engine_config(model_dirs, **kwargs, additional_config={
-        "override_neuron_config": {key: value}}))
+        "override_neuron_config": override}))
     assert {k: getattr(settings, k) for k in expected} == expected
+
+
+def test_enable_lora_refused_by_vllm_neuron_is_served(model_dirs, environ):
+    """vllm-neuron 0.x raises NotImplementedError for --enable-lora; here it compiles
+    adapter slots (README "Multi-LoRA")."""
+    settings = settings_of(engine_config(model_dirs, enable_lora=True, max_loras=2,
+                                         max_lora_rank=16))
+    assert (settings.max_loras, settings.lora_slots, settings.max_lora_rank) == (2, 3, 16)
+    assert settings.lora_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                            "gate_proj", "up_proj", "down_proj")
 
 
 # key, value, EngineArgs keywords, what the refusal names as the replacement
@@ -224,7 +244,8 @@ REFUSED = [
     ("tp_degree", 2, {}, "--tensor-parallel-size"),
     ("batch_size", 8, {}, "max_num_seqs=4"),
     ("chunked_prefill_config", {"max_num_seqs": 4}, {}, "--enable-chunked-prefill"),
-    ("lora_config", {"max_loras": 2}, {}, "merge the adapter"),
+    # LoRA comes from vLLM's --enable-lora flags; the key alone would turn on NxDI's
+    ("lora_config", {"max_loras": 2}, {}, "--enable-lora"),
     ("text_neuron_config", {"tp_degree": 2}, {}, "text-only"),
     ("vision_neuron_config", {"tp_degree": 2}, {}, "text-only"),
     ("enable_fused_speculation", True, {}, "--speculative-config"),

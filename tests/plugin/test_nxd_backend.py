@@ -657,13 +657,26 @@ def test_sharded_checkpoint_is_loaded_from_the_artifacts(release, tiny, tmp_path
     assert len(backend.model.loaded_weights) == 2
 
 
-def test_quantized_checkpoint_is_written_before_compiling(release, tiny, tmp_path):
+def test_quantized_checkpoint_is_written_by_nxdi_ahead_of_serving(release, tiny, tmp_path):
+    """`neuron-plugin quantize` (backend.quantize) writes NxDI's checkpoint through NxDI's
+    save_quantized_state_dict into a folder; compiling writes nothing; loading reads
+    it (int8 weights, float32 scales, the rest cast to the model dtype)."""
     quantized = tmp_path / "quantized"
-    s = settings(override={"quantized": True, "quantized_checkpoints_path": str(quantized)})
-    backend = loaded(s, tiny, tmp_path / "graphs")
-    assert (quantized / "model.safetensors").exists()
+    s = settings(override={"quantized": True, "quantized_checkpoints_path": str(quantized),
+                           "quantization_type": "per_channel_symmetric"})
+    backend = NxDBackend(s, tiny)
+    backend.compile(tmp_path / "graphs")
+    assert not quantized.exists()
+    with pytest.raises(NeuronConfigError, match="neuron-plugin quantize"):
+        backend.load(tmp_path / "graphs")
+    written = backend.quantize()
+    assert written["path"] == str(quantized) and (quantized / "model.safetensors").exists()
+    backend.load(tmp_path / "graphs")
     weights = backend.model.loaded_weights[0]
-    assert next(iter(weights.values())).dtype == torch.float16
+    assert weights["layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert weights["layers.0.self_attn.q_proj.scale"].dtype == torch.float32
+    assert weights["layers.0.self_attn.q_proj.scale"].shape == (256, 1)
+    assert weights["lm_head.weight"].dtype == torch.int8
 
 
 def test_kv_cache_tensors_in_vllm_neuron_order(release, tiny, tmp_path):

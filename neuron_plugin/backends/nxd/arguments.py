@@ -97,6 +97,8 @@ def _context_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[
         "full_context_lens": inputs.full_context_lens[:1].reshape(1, 1),
         "computed_context_lens": inputs.computed_context_lens[:1].reshape(1, 1),
     }
+    if inputs.adapter_slots is not None:  # the plugin's slots; the backend maps them
+        args["adapter_ids"] = inputs.adapter_slots[:1]
     if not settings.is_block_layout:
         # The mask's width (the prompt's) is what NxDI picks the bucket from.
         window = settings.passthrough.get("windowed_context_encoding_size")
@@ -139,6 +141,8 @@ def _decode_arguments(
         "full_context_lens": inputs.full_context_lens[source].reshape(-1, 1),
         "computed_context_lens": inputs.computed_context_lens[source].reshape(-1, 1),
     }
+    if inputs.adapter_slots is not None:  # pad rows: the base model's slot 0
+        args["adapter_ids"] = np.where(pad, 0, inputs.adapter_slots[source])
     if settings.is_block_layout:
         slots, table = inputs.block_arrays()
         args["slot_mapping"] = np.where(pad[:, None], PAD_SLOT, slots[source])

@@ -19,6 +19,12 @@ the model with the contract's arguments (`arguments`).
   model's config (`neuron_config`), the speculative calls' arguments (`arguments`) and
   their answers (`outputs`). A fused draft's config is in the cache key, and its weights'
   fingerprint where the artifacts embed weights.
+- Quantized weights (core.quantization): `quantize()` writes NxDI's quantized checkpoint
+  through NxDI's own `save_quantized_state_dict` (`neuron-plugin quantize`), into an
+  existing folder so NxDI writes safetensors (application_base.py 756-770; a path that
+  is not a folder would get a `torch.save` pickle); loading reads it from
+  `quantized_checkpoints_path` (checkpoint_loader_fn), refused unless it is such a
+  folder. Compiling never writes it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
+    AdapterLoading,
     InlineCalls,
     Progress,
     StepOutput,
@@ -45,6 +52,7 @@ from neuron_plugin.backends.base import (
 )
 from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.lora import NxDAdapters
 from neuron_plugin.backends.nxd.models import (
     NxDIModelClass,
     model_entry_points,
@@ -62,6 +70,7 @@ from neuron_plugin.backends.nxd.outputs import (
     emitted_tokens,
     first_position_logits,
 )
+from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.instances import (
@@ -72,6 +81,7 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
+from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -125,6 +135,13 @@ class NxDBackend(InlineCalls):
             self.draft_cls = self._draft_class(self.draft_config)
         check_speculation_models(settings, self.hf_config, self.draft_config)
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
+        self.adapters: NxDAdapters | None = None
+        if settings.max_loras:
+            self.adapters = NxDAdapters(settings, self.nxdi.lora, self.nxdi.version or "(unknown)")
+
+    @property
+    def adapter_loading(self) -> AdapterLoading:
+        return self.adapters.loading if self.adapters is not None else AdapterLoading()
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -170,9 +187,11 @@ class NxDBackend(InlineCalls):
         from compile_cache.weights import weights_fingerprint
 
         embeds_weights = bool(self.settings.passthrough.get("save_sharded_checkpoint"))
+        quantization = self.settings.quantization
+        weights = Path(quantization.checkpoint) if quantization else self.model_dir
         fingerprint = None
         if embeds_weights:
-            fingerprint = weights_fingerprint(self.model_dir)
+            fingerprint = weights_fingerprint(weights)
             if self.settings.draft_model:  # the draft's weights are embedded too
                 draft = weights_fingerprint(self.settings.draft_model)
                 fingerprint = hashlib.sha256(f"{fingerprint}+{draft}".encode()).hexdigest()
@@ -192,6 +211,8 @@ class NxDBackend(InlineCalls):
 
     def _new_model(self) -> Any:
         kwargs = neuron_config_kwargs(self.settings)
+        if self.adapters is not None:
+            kwargs["lora_config"] = self.adapters.config_kwargs()
         neuron_config = self.model_cls.get_neuron_config_cls()(**kwargs)
         ignored = unknown_kwargs(neuron_config, kwargs)
         if ignored:
@@ -254,24 +275,66 @@ class NxDBackend(InlineCalls):
 
         logger.info("neuronx-cc graph cache: %s", configure_compiler_cache(open_store()))
         model = self._new_model()
-        if model.neuron_config.quantized:
-            self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
+        if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
+            self._quantized_folder()
         model.compile(str(folder))
         write_artifact_record(Path(folder), self._record())
         if progress:
             for graph in graph_specs(self.settings):
                 progress(graph.name)
 
+    def _quantized_folder(self) -> Path | None:
+        """The quantized checkpoint's folder (None unquantized), checked before NxDI
+        reads it: safetensors in a folder, nothing it would unpickle."""
+        quantization = self.settings.quantization
+        if quantization is None:
+            return None
+        return check_checkpoint_folder(quantization, str(self.model_dir))
+
+    def quantize(self) -> dict[str, Any]:
+        """NxDI's quantized checkpoint of the model, written by NxDI's own
+        save_quantized_state_dict into quantized_checkpoints_path (a folder, created
+        first, so NxDI writes safetensors), then checked as loading checks it."""
+        quantization = self.settings.quantization
+        if quantization is None:
+            raise NeuronConfigError(
+                "neuron-plugin quantize needs override_neuron_config quantized: true and "
+                "quantized_checkpoints_path (the folder to write)."
+            )
+        folder = Path(quantization.checkpoint)
+        if folder.is_file():
+            raise NeuronConfigError(
+                f"override_neuron_config.quantized_checkpoints_path={str(folder)!r} is a "
+                f"file; NxDI would torch.save a pickle there: name a folder."
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        model = self._new_model()
+        self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
+        check_checkpoint_folder(quantization, str(self.model_dir))
+        return {
+            "path": str(folder),
+            "quantization": quantization.describe(),
+            "bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+        }
+
     def load(self, folder: Path) -> None:
         check_artifact_record(Path(folder), self._record())
+        self._quantized_folder()
         model = self._new_model()
         if self.on_cpu:
+            cpu_mode.refuse_quantized(self.settings)
             cpu_mode.load(model)
         else:
             # The loader warms every graph up (run_graph_once) unless skip_warmup is set.
             model.load(str(folder), skip_warmup=True)
             graphs.route_by_tag(model)
         self.model = model
+
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        """The plugin's slot `slot` holds `adapter` from the next call (nxd/lora.py)."""
+        if self.adapters is None:
+            raise ValueError("set_adapter without LoRA slots (settings.max_loras is 0)")
+        self.adapters.set(self.model, slot, adapter)
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The KV cache as NxDI holds it: on the device each state tensor of the
@@ -345,6 +408,11 @@ class NxDBackend(InlineCalls):
         `sampling_params` of exactly the call's rows: `sampling`'s values at the
         `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
         width = int(args["seq_ids"].shape[0])
+        if self.adapters is not None:  # the rows' plugin slots as NxDI's adapter_ids
+            args = {
+                **args,
+                "adapter_ids": self.adapters.adapter_ids(args.get("adapter_ids"), width),
+            }
         columns = [np.ones(width, dtype=np.float32) for _ in range(3)]  # top_k, top_p, temp
         if sampling is not None:
             for column, values in zip(

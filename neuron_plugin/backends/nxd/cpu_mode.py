@@ -44,6 +44,14 @@ def requested(settings: NeuronSettings) -> bool:
             f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
             f"process per rank under torchrun, the backend runs one; use 1"
         )
+    if settings.max_loras:
+        problems.append(
+            "--enable-lora: the CPU mode copies every graph output after the logits into "
+            "the KV cache (model_base.py _copy_past_key_values), and LoRA adds its "
+            "weight_active tensors to those outputs (NeuronBaseModel.forward, "
+            "`outputs += lora_weights`): measured with NxDI 0.9, the first call fails "
+            "with IndexError; serve LoRA on the reference backend or on a device"
+        )
     if settings.dtype == "float16":
         problems.append(
             "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
@@ -63,6 +71,24 @@ def requested(settings: NeuronSettings) -> bool:
             "cannot run " + "; ".join(problems) + "."
         )
     return True
+
+
+def refuse_quantized(settings: NeuronSettings) -> None:
+    """Serving a quantized checkpoint is refused in the CPU mode (writing one with NxDI's
+    own quantizer, `neuron-plugin quantize`, works there): to_cpu() loads it into NxDI's
+    float layers without converting them (NxDI 0.9 application_base.to_cpu never calls
+    neuronx-distributed's quantize.convert, which the device path runs in
+    model_wrapper.DecoderModelInstance.load_module), so int8 values would be read as
+    weights without their scales."""
+    if settings.passthrough.get("quantized"):
+        raise NeuronConfigError(
+            "override_neuron_config.on_cpu=true (NxDI's CPU mode) cannot serve quantized: "
+            "true: to_cpu() loads the quantized checkpoint into NxDI's float layers "
+            "without converting them (it never calls neuronx-distributed's "
+            "quantize.convert), so int8 values would be read as weights without their "
+            "scales; serve the same checkpoint on the reference backend (the same "
+            "layout) to check its accuracy, or on a device."
+        )
 
 
 def bucket_attributes(

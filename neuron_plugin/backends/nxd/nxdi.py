@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from neuron_plugin.backends.nxd.lora import NxDILora
 from neuron_plugin.backends.nxd.models import NxDIModelClass
 from neuron_plugin.core.instances import package_version
 from neuron_plugin.core.settings import NeuronConfigError
@@ -27,6 +28,8 @@ class NxDI:
     version: str | None
     # The patches in effect: they change what NxDI traces, so they are in the cache key.
     patches: tuple[str, ...]
+    # What its LoRA serving (modules/lora_serving) can do.
+    lora: NxDILora
 
 
 def import_nxdi() -> NxDI:
@@ -36,6 +39,10 @@ def import_nxdi() -> NxDI:
         from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
         from neuronx_distributed_inference.modules.attention import attention_base
         from neuronx_distributed_inference.modules.generation import sampling
+        from neuronx_distributed_inference.modules.lora_serving import (
+            LoraModelManager,
+            LoraServingConfig,
+        )
         from neuronx_distributed_inference.utils import hf_adapter
         from neuronx_distributed_inference.utils.constants import MODEL_TYPES
     except ImportError as exc:
@@ -59,4 +66,5 @@ def import_nxdi() -> NxDI:
         FusedSpecNeuronConfig,
         package_version("neuronx-distributed-inference"),
         patched,
+        NxDILora.probe(LoraServingConfig, LoraModelManager),
     )

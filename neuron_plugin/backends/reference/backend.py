@@ -11,6 +11,10 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
   (max_num_seqs + 1, max_model_len) grid of rows; the extra row takes padding writes;
 - block layout: slot = block * block_size + offset over vLLM's num_blocks blocks (block 0
   is vLLM's null block and takes padding writes).
+
+With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
+zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
+so adapters come and go without recompiling and a compiled graph never holds one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import (
+    AdapterLoading,
     GraphSpec,
     InlineCalls,
     Progress,
@@ -44,11 +49,18 @@ from neuron_plugin.backends.reference.decoder import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.quantized import (
+    load_quantized_weights,
+    placeholders,
+    quantized_modules,
+    write_quantized_checkpoint,
+)
 from neuron_plugin.backends.reference.speculative import (
     DraftPrefillGraph,
     FusedDraftGraph,
     VerifyGraph,
 )
+from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
 from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
@@ -57,6 +69,7 @@ from neuron_plugin.core.inputs import (
     decode_active,
     decode_width,
 )
+from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -78,6 +91,8 @@ class ReferenceBackend(InlineCalls):
     """See the module docstring."""
 
     name = "reference"
+    # Adapters are graph inputs: any adapter the slots' shapes hold, at any time.
+    adapter_loading = AdapterLoading(at_run_time=True)
 
     def __init__(self, settings: NeuronSettings, model_dir: str | Path):
         self.settings = settings
@@ -88,8 +103,26 @@ class ReferenceBackend(InlineCalls):
         candidates = (
             min(settings.global_topk, self.spec.vocab_size) if settings.on_device_sampling else None
         )
-        self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec), candidates)
+        self.quantization = settings.quantization
+        self.quantized: frozenset[str] = frozenset()
+        if self.quantization is not None:
+            self.quantized = quantized_modules(
+                self.spec, safetensors_shapes(model_dir), self.quantization
+            )
+        self.lora: LoraGeometry | None = None
+        if settings.max_loras:
+            self.lora = LoraGeometry.from_checkpoint(
+                safetensors_shapes(model_dir), self.spec.num_layers, settings.lora_target_modules
+            )
+        self.module = DecoderGraph(
+            self.spec,
+            rope_tables(self.hf_config, self.spec),
+            candidates,
+            settings.lora_target_modules if self.lora else (),
+            self.quantized,
+        )
         self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
+        self.lora_slots: list[torch.Tensor] = []
         self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
@@ -117,8 +150,29 @@ class ReferenceBackend(InlineCalls):
                 "torch": torch.__version__,
                 "graph_format": GRAPH_FORMAT,
                 "draft_architecture": self.draft.spec.architecture if self.draft else None,
+                # absent without LoRA / quantization, so other records stay put
+                **({"lora_slots": self._lora_shapes()} if self.lora else {}),
+                **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
             },
         )
+
+    def _lora_shapes(self) -> list[list[int]]:
+        """The adapter slot tensors' shapes, in the graphs' `lora_weights` order: per
+        layer, per target module, A [slots, rank, in] then B [slots, out, rank]."""
+        assert self.lora is not None
+        slots, rank = self.settings.lora_slots, self.settings.max_lora_rank
+        shapes = []
+        for _ in range(self.lora.num_layers):
+            for module in self.settings.lora_target_modules:
+                in_features, out_features = self.lora.shapes[module]
+                shapes += [[slots, rank, in_features], [slots, out_features, rank]]
+        return shapes
+
+    def _lora_inputs(self, adapter_slots: torch.Tensor) -> dict[str, Any]:
+        """The graphs' LoRA keyword inputs (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        return {"lora_weights": self.lora_slots, "adapter_slots": adapter_slots}
 
     def cache_manifest_fields(self) -> dict[str, Any]:
         return {
@@ -192,17 +246,48 @@ class ReferenceBackend(InlineCalls):
         )
 
     def _weight_placeholders(self) -> list[torch.Tensor]:
-        """Shapes from the safetensors headers: compiling needs no weight data."""
+        """Shapes from the safetensors headers: compiling needs no weight data (nor, for
+        a quantized configuration, the quantized checkpoint)."""
         shapes = safetensors_shapes(self.model_dir)
+        if self.quantization is not None:
+            return placeholders(self.spec, shapes, self.quantized, self.quantization, self.dtype)
         return [torch.zeros(shape, dtype=self.dtype) for shape in weight_shapes(self.spec, shapes)]
+
+    def _load_weights(self) -> list[torch.Tensor]:
+        if self.quantization is None:
+            return load_weights(self.model_dir, self.spec, self.dtype)
+        return load_quantized_weights(
+            str(self.model_dir),
+            self.spec,
+            safetensors_shapes(self.model_dir),
+            self.quantized,
+            self.quantization,
+            self.dtype,
+        )
+
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint the settings name (`neuron-plugin quantize`)."""
+        if self.quantization is None:
+            raise NeuronConfigError(
+                "neuron-plugin quantize needs override_neuron_config quantized: true and "
+                "quantized_checkpoints_path (the folder to write)."
+            )
+        return write_quantized_checkpoint(
+            self.model_dir, self.quantization.checkpoint, self.quantization
+        )
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         folder = Path(folder)
         (folder / "graphs").mkdir(parents=True, exist_ok=True)
         weights = self._weight_placeholders()
+        if self.lora is not None:
+            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
         for graph in graph_specs(self.settings):
+            batch = 1 if graph.phase == CONTEXT_ENCODING else graph.shape[0]
             exported = torch.export.export(
-                self._graph_module(graph), self._example_inputs(graph, weights)
+                self._graph_module(graph),
+                self._example_inputs(graph, weights),
+                kwargs=self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
             )
             save_graph(exported, folder / "graphs", graph.name)
             if progress:
@@ -216,10 +301,12 @@ class ReferenceBackend(InlineCalls):
             (g.phase, g.shape): load_graph(folder / "graphs", g.name)
             for g in graph_specs(self.settings)
         }
-        self.weights = load_weights(self.model_dir, self.spec, self.dtype)
+        self.weights = self._load_weights()
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        if self.lora is not None:
+            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
         logger.info(
@@ -288,7 +375,35 @@ class ReferenceBackend(InlineCalls):
                 self.v_cache,
                 *(() if draft is None else (draft.k_cache, draft.v_cache)),
                 *extra,
+                *self._lora_inputs(self._row_slots(inputs)).values(),
             )
+
+    def _row_slots(self, inputs: ForwardInputs) -> torch.Tensor:
+        slots = inputs.adapter_slots
+        if slots is None:
+            slots = np.full(inputs.input_ids.shape[0], BASE_SLOT, dtype=np.int64)
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+
+    # -- adapters ----------------------------------------------------------------------
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        """Write an adapter into slot `slot` (1..max_loras) of every slot tensor: its A
+        and B zero-padded to the slots' rank, zero for the modules it does not train.
+        Called between calls only, so no call in flight reads a half-written slot."""
+        if self.lora is None:
+            raise ValueError("set_adapter without LoRA slots (settings.max_loras is 0)")
+        if not 1 <= slot <= self.settings.max_loras:
+            raise ValueError(f"adapter slot {slot} is outside 1..{self.settings.max_loras}")
+        tensors = iter(self.lora_slots)
+        with torch.inference_mode():
+            for layer in range(self.lora.num_layers):
+                for module in self.settings.lora_target_modules:
+                    a_slots, b_slots = next(tensors), next(tensors)
+                    a_slots[slot].zero_()
+                    b_slots[slot].zero_()
+                    if module in adapter.a:
+                        rank = adapter.rank
+                        a_slots[slot, :rank] = torch.from_numpy(adapter.a[module][layer])
+                        b_slots[slot, :, :rank] = torch.from_numpy(adapter.b[module][layer])
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         if self.module.candidates is None:

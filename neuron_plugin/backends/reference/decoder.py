@@ -22,8 +22,17 @@ cache with NaNs.
 With on-device sampling the graph also takes the call's `SamplingInputs` arrays
 (top_k, top_p, temperature: [batch], uniform: [batch, draws]) and returns (logits,
 tokens): the sampler is compiled into every bucket's graph, as NxDI compiles its own
-(see `sampler`). Speculative decoding's graphs (`speculative`) are built from the same
-pieces (`hidden`, `head`).
+(see `sampler`).
+
+With LoRA (core.lora) the graph also takes the adapter slots, an A [slots, rank, in] and
+a B [slots, out, rank] tensor per layer and target module (`lora_weights`, layer by
+layer, modules in `lora_modules` order), and each row's slot (`adapter_slots` [batch]):
+every targeted projection adds B[slot] (A[slot] x) to its row, PEFT's
+y = W x + scaling * B(A x) with the scaling already in B (core.adapters). Slot 0 is
+zero, so rows without an adapter compute the base model exactly.
+
+Speculative decoding's graphs (`speculative`) are built from the same pieces (`hidden`,
+`head`).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from neuron_plugin.backends.reference.architectures import (
     UnsupportedModelError,
     rope_tables,
 )
-from neuron_plugin.backends.reference.mlp import mlp, mlp_weights
+from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core.checkpoint import safetensors_files
 
@@ -58,9 +67,24 @@ __all__ = [
 WeightSources = list[tuple[str, tuple[str, ...]]]
 
 
-def weight_sources(spec: DecoderSpec) -> WeightSources:
+def weight_sources(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> WeightSources:
     """The graph's weight inputs in order: (name, checkpoint tensors it is made of; more
-    than one are stacked, see `mlp`)."""
+    than one are stacked, see `mlp`); with a quantized checkpoint each module of
+    `quantized` also has its `.scale`, and lm_head its own weight even when tied."""
+    return _with_scales(_weight_sources(spec, "lm_head" in quantized), quantized)
+
+
+def _with_scales(sources: WeightSources, quantized: frozenset[str]) -> WeightSources:
+    out: WeightSources = []
+    for name, parts in sources:
+        out.append((name, parts))
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in quantized:
+            out.append((module + ".scale", (module + ".scale",)))
+    return out
+
+
+def _weight_sources(spec: DecoderSpec, own_head: bool) -> WeightSources:
     arch = spec.arch
     names = ["model.embed_tokens.weight"]
     sources: WeightSources = []
@@ -83,14 +107,14 @@ def weight_sources(spec: DecoderSpec) -> WeightSources:
         sources += [(n, (n,)) for n in names] + mlp_weights(spec, i)
         names = []
     names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
+    if own_head or not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     return sources + [(n, (n,)) for n in names]
 
 
-def weight_names(spec: DecoderSpec) -> list[str]:
+def weight_names(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> list[str]:
     """Canonical order of the weight tensors handed to the graph."""
-    return [name for name, _ in weight_sources(spec)]
+    return [name for name, _ in weight_sources(spec, quantized)]
 
 
 def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[int]]:
@@ -172,10 +196,16 @@ class DecoderGraph(nn.Module):
         spec: DecoderSpec,
         rope: dict[str, tuple[torch.Tensor, float]],
         candidates: int | None = None,
+        lora_modules: tuple[str, ...] = (),
+        quantized: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.spec = spec
-        self.names = weight_names(spec)
+        self.lora_modules = lora_modules
+        # Modules (paths, e.g. model.layers.0.self_attn.q_proj) whose weights are int8
+        # with a scale (a quantized checkpoint, core.quantization).
+        self.quantized = quantized
+        self.names = weight_names(spec, quantized)
         self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
         for kind, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
@@ -201,10 +231,23 @@ class DecoderGraph(nn.Module):
         top_p: torch.Tensor | None = None,
         temperature: torch.Tensor | None = None,
         uniform: torch.Tensor | None = None,
+        lora_weights: list[torch.Tensor] | None = None,
+        adapter_slots: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         w = self.named(weights)
+        adapt = None
+        if lora_weights is not None and adapter_slots is not None:
+            adapt = self.lora_rows(lora_weights, adapter_slots)
         x = self.hidden(
-            w, input_ids, positions, write_slots, read_slots, full_context_lens, k_cache, v_cache
+            w,
+            input_ids,
+            positions,
+            write_slots,
+            read_slots,
+            full_context_lens,
+            k_cache,
+            v_cache,
+            adapt,
         )
         logits = self.head(w, x[torch.arange(x.shape[0]), last_index])
         if self.candidates is None:
@@ -216,9 +259,45 @@ class DecoderGraph(nn.Module):
     def named(self, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, weights, strict=True))
 
+    def lora_rows(
+        self, lora_weights: list[torch.Tensor], adapter_slots: torch.Tensor
+    ) -> list[Adapt]:
+        """Per layer, the LoRA delta of each row's adapter: A and B gathered from the
+        row's slot ([batch, rank, in], [batch, out, rank]), applied as B (A x)."""
+        modules = self.lora_modules
+        per_layer = 2 * len(modules)
+        if len(lora_weights) != per_layer * self.spec.num_layers:
+            raise ValueError(
+                f"{len(lora_weights)} LoRA slot tensors for {self.spec.num_layers} layers "
+                f"of {len(modules)} modules"
+            )
+        adapts: list[Adapt] = []
+        for layer in range(self.spec.num_layers):
+            chunk = lora_weights[layer * per_layer : (layer + 1) * per_layer]
+            rows = {
+                m: (chunk[2 * i][adapter_slots], chunk[2 * i + 1][adapter_slots])
+                for i, m in enumerate(modules)
+            }
+            adapts.append(_lora_delta(rows))
+        return adapts
+
+    def linear(self, w: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ bias) of `module` (its weight `module`.weight). A quantized module's
+        int8 weight is cast to x's dtype for the matmul and the result scaled per output
+        channel in float32 (neuronx-distributed QuantizedColumnParallel /
+        QuantizedRowParallel: direct_cast_dequantize, then scale_dequantize)."""
+        weight, bias = w[module + ".weight"], w.get(module + ".bias")
+        if module not in self.quantized:
+            return functional.linear(x, weight, bias)
+        y = functional.linear(x, weight.to(x.dtype))
+        y = (y.float() * w[module + ".scale"].reshape(-1)).to(x.dtype)
+        return y if bias is None else y + bias
+
     def head(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final hidden states `x` [..., hidden]."""
         s = self.spec
+        if "lm_head" in self.quantized:
+            return _softcap(self.linear(w, "lm_head", x), s.final_softcap).float()
         head = w["model.embed_tokens.weight"] if s.tie_word_embeddings else w["lm_head.weight"]
         return _softcap(x @ head.t(), s.final_softcap).float()
 
@@ -232,9 +311,11 @@ class DecoderGraph(nn.Module):
         full_context_lens: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        lora: list[Adapt] | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [batch, active, hidden] of every input token,
-        each token's keys and values written to its cache slot first."""
+        each token's keys and values written to its cache slot first; `lora`: per layer,
+        the rows' adapter deltas (`lora_rows`)."""
         s = self.spec
         batch, active = input_ids.shape
         width = read_slots.shape[1]
@@ -268,10 +349,10 @@ class DecoderGraph(nn.Module):
         for layer in range(s.num_layers):
             p = f"model.layers.{layer}."
             a = p + "self_attn."
+            adapt = None if lora is None else lora[layer]
             h = rms_norm(norm, x, w[p + "input_layernorm.weight"], s.rms_norm_eps)
             q, k, v = (
-                functional.linear(h, w[f"{a}{n}_proj.weight"], w.get(f"{a}{n}_proj.bias"))
-                for n in "qkv"
+                _with_delta(self.linear(w, f"{a}{n}_proj", h), adapt, f"{n}_proj", h) for n in "qkv"
             )
             q = q.view(batch, active, s.num_heads, s.head_dim)
             k = k.view(batch, active, s.num_kv_heads, s.head_dim)
@@ -294,19 +375,35 @@ class DecoderGraph(nn.Module):
                 masks[s.windows[layer]],
                 w.get(a + "sinks"),
             )
-            out = functional.linear(attn, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
             if s.arch.gemma:  # Gemma normalises the attention output too
                 out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
             x = x + out
             pre_mlp = "pre_feedforward_layernorm" if s.arch.gemma else "post_attention_layernorm"
             h = rms_norm(norm, x, w[f"{p}{pre_mlp}.weight"], s.rms_norm_eps)
-            out = mlp(s, w, layer, h)
+            linear = (lambda m, x: self.linear(w, m, x)) if self.quantized else None
+            out = mlp(s, w, layer, h, adapt, linear)
             if s.arch.gemma:
                 out = rms_norm(
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
                 )
             x = x + out
         return rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
+
+
+def _lora_delta(rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Adapt:
+    def delta(module: str, x: torch.Tensor) -> torch.Tensor | None:
+        if module not in rows:
+            return None
+        a, b = rows[module]  # [batch, rank, in], [batch, out, rank]
+        return (x @ a.transpose(1, 2)) @ b.transpose(1, 2)
+
+    return delta
+
+
+def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tensor) -> torch.Tensor:
+    delta = None if adapt is None else adapt(module, x)
+    return y if delta is None else y + delta
 
 
 def _attend(

@@ -16,6 +16,7 @@ load into one [experts, ...] graph input named with `*` for the expert index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,14 +97,43 @@ def mlp_weights(spec: DecoderSpec, layer: int) -> list[tuple[str, tuple[str, ...
     ]
 
 
+# A LoRA delta for (module name, its input), None where the module carries no slots.
+Adapt = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+# A projection of a quantized checkpoint: (module path, its input) -> x W^T, its int8
+# weight scaled per output channel after the matmul (see decoder.DecoderGraph.linear).
+Linear = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    return y if delta is None else y + delta
+
+
 def mlp(
-    spec: DecoderSpec, weights: dict[str, torch.Tensor], layer: int, h: torch.Tensor
+    spec: DecoderSpec,
+    weights: dict[str, torch.Tensor],
+    layer: int,
+    h: torch.Tensor,
+    adapt: Adapt | None = None,
+    linear: Linear | None = None,
 ) -> torch.Tensor:
-    """Layer `layer`'s MLP on h [batch, active, hidden]."""
+    """Layer `layer`'s MLP on h [batch, active, hidden]; `adapt` adds each row's LoRA
+    delta to the dense MLP's projections (LoRA slots exist for dense MLPs only);
+    `linear` computes a quantized checkpoint's dense projections."""
+    if linear is not None and not spec.moe_layers[layer]:
+        prefix = f"model.layers.{layer}.mlp."
+        inner = activation(
+            spec.activation, _plus(linear(prefix + "gate_proj", h), adapt and adapt("gate_proj", h))
+        )
+        inner = inner * _plus(linear(prefix + "up_proj", h), adapt and adapt("up_proj", h))
+        return _plus(linear(prefix + "down_proj", inner), adapt and adapt("down_proj", inner))
     w = [weights[name] for name, _ in mlp_weights(spec, layer)]
     if not spec.moe_layers[layer]:
         gate, up, down = w
-        return (activation(spec.activation, h @ gate.t()) * (h @ up.t())) @ down.t()
+        if adapt is None:
+            return (activation(spec.activation, h @ gate.t()) * (h @ up.t())) @ down.t()
+        inner = activation(spec.activation, _plus(h @ gate.t(), adapt("gate_proj", h)))
+        inner = inner * _plus(h @ up.t(), adapt("up_proj", h))
+        return _plus(inner @ down.t(), adapt("down_proj", inner))
     x = h.reshape(1, -1, spec.hidden_size)  # [1, tokens, hidden], broadcast over experts
     if spec.arch.mlp == "gpt_oss":
         router, router_bias, gate_up, gate_up_bias, down, down_bias = w

@@ -23,7 +23,7 @@ import torch
 
 from compile_cache.cache import CacheResult
 from neuron_plugin import BACKEND_PYTHON_ENV, plugin_logger
-from neuron_plugin.backends.base import StepOutput
+from neuron_plugin.backends.base import AdapterLoading, StepOutput
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
     Arena,
@@ -34,8 +34,15 @@ from neuron_plugin.backends.runner.protocol import (
     read_message,
     write_message,
 )
-from neuron_plugin.core.checkpoint import vocab_size
+from neuron_plugin.core.adapters import AdapterWeights
+from neuron_plugin.core.checkpoint import (
+    read_hf_config,
+    safetensors_shapes,
+    text_config,
+    vocab_size,
+)
 from neuron_plugin.core.inputs import ForwardInputs
+from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -229,16 +236,24 @@ class RunnerBackend:
         self.name = settings.backend
         self.settings = settings
         self.model_dir = os.path.abspath(model_dir)  # the runner may run elsewhere
+        geometry = None
+        if settings.max_loras:
+            geometry = LoraGeometry.from_checkpoint(
+                safetensors_shapes(model_dir),
+                int(text_config(read_hf_config(model_dir))["num_hidden_layers"]),
+                settings.lora_target_modules,
+            )
         self.runner = RunnerProcess(
             settings.backend_python,
             settings.backend,
-            input_arena_bytes(settings),
+            input_arena_bytes(settings, geometry),
             output_arena_bytes(settings, vocab_size(model_dir)),
         )
         self.handshake = self.runner.handshake
         # The backend's own time in the last forward/run (the rest was the boundary's).
         self.last_backend_s = 0.0
         self._in_flight = False  # a submitted "run" whose reply is not read yet
+        self.adapter_loading = AdapterLoading()  # the loaded backend's, once loaded
         logger.info(self.runner.describe())
 
     @property
@@ -250,14 +265,14 @@ class RunnerBackend:
 
     def load(self, cache_url: str | None = None) -> CacheResult:
         """Compile-or-fetch through the compile cache, load and warm up, in the runner."""
-        return _cache_result(
-            self.runner.request(
-                "load",
-                settings=self.settings.to_dict(),
-                model_dir=self.model_dir,
-                cache_url=cache_url,
-            )["cache"]
+        reply = self.runner.request(
+            "load",
+            settings=self.settings.to_dict(),
+            model_dir=self.model_dir,
+            cache_url=cache_url,
         )
+        self.adapter_loading = AdapterLoading.from_dict(reply["adapter_loading"])
+        return _cache_result(reply["cache"])
 
     def compile(self, cache_url: str | None = None) -> CacheResult:
         """Compile-or-fetch without loading (precompile), in the runner."""
@@ -269,6 +284,12 @@ class RunnerBackend:
                 cache_url=cache_url,
             )["cache"]
         )
+
+    def quantize(self) -> dict[str, Any]:
+        """Write the quantized checkpoint (`neuron-plugin quantize`), in the runner."""
+        return self.runner.request(
+            "quantize", settings=self.settings.to_dict(), model_dir=self.model_dir
+        )["written"]
 
     def manifest(self) -> dict[str, Any]:
         return self.runner.request(
@@ -325,6 +346,13 @@ class RunnerBackend:
             logits=torch.from_numpy(out["logits"]),
             backend_s=self.last_backend_s,
         )
+
+    def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
+        """The adapter's arrays through the input arena into the runner's slot `slot`."""
+        if self._in_flight:  # the call's inputs are still in the input arena
+            raise RunnerError("set_adapter while a submitted call is in flight: collect it first")
+        layout = self.runner.inputs.put(adapter.arrays())
+        self.runner.request("set_adapter", slot=slot, adapter=adapter.describe(), arrays=layout)
 
     def ping(self) -> None:
         """An empty round trip (the protocol's fixed cost, for benchmarks)."""

@@ -7,7 +7,8 @@ layout ({name: [dtype, shape, offset]}); the runner answers with the output aren
 layout. A serving call ("run") sends its `SamplingInputs` arrays with its inputs (17
 bytes a row, and 4 more per extra draw with speculation) and gets back a row's tokens (4
 bytes, or 4 per position with speculation) plus logits only for the rows whose sampling
-needs the host; "forward" gets every row's logits. Both replies carry
+needs the host; "forward" gets every row's logits; "set_adapter" sends a LoRA adapter's
+A and B arrays (float32, per target module) for a slot, between calls. Replies carry
 "backend_s", the backend's own time, so the boundary's cost can be told from the
 model's. Both arenas are memfd-backed mappings the client creates before starting the
 runner (inherited file descriptors), sized once from the settings, so they vanish with
@@ -32,10 +33,13 @@ import numpy as np
 
 from neuron_plugin.backends.base import graph_specs
 from neuron_plugin.core.inputs import ForwardInputs, decode_width, padding_inputs
+from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
 
-PROTOCOL_VERSION = 3  # 3: tokens and draws [rows, positions] (speculative decoding)
+# 3: tokens and draws [rows, positions] (speculative decoding); 4: adapter_slots and
+# "set_adapter" (LoRA)
+PROTOCOL_VERSION = 4
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
 SAMPLING_PREFIX = "sampling."
 ALIGN = 64
@@ -161,9 +165,10 @@ def decode_inputs(fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     return ForwardInputs(**values)
 
 
-def input_arena_bytes(settings: NeuronSettings) -> int:
+def input_arena_bytes(settings: NeuronSettings, geometry: LoraGeometry | None = None) -> int:
     """Room for the largest call the settings allow: every graph's padded arrays, plus a
-    whole context of token ids (block-layout context encoding sends them)."""
+    whole context of token ids (block-layout context encoding sends them); with LoRA
+    (`geometry`) at least one adapter at max_lora_rank (`set_adapter`)."""
     largest = 0
     for graph in graph_specs(settings):
         inputs = padding_inputs(settings, graph.phase, graph.shape)
@@ -171,7 +176,12 @@ def input_arena_bytes(settings: NeuronSettings) -> int:
         draws = decode_width(settings)
         arrays.update(encode_sampling(SamplingInputs.greedy(inputs.input_ids.shape[0], draws)))
         largest = max(largest, sum(_aligned(a.nbytes) for a in arrays.values()))
-    return largest + _aligned(8 * settings.max_model_len) + ALIGN
+    largest += _aligned(8 * settings.max_model_len)
+    if geometry is not None and settings.max_loras:
+        # one aligned array per module and A/B
+        padding = 2 * len(geometry.shapes) * ALIGN
+        largest = max(largest, geometry.slot_bytes(settings.max_lora_rank) + padding)
+    return largest + ALIGN
 
 
 def output_arena_bytes(settings: NeuronSettings, vocab_size: int) -> int:

@@ -106,7 +106,10 @@ class Runner:
         self.backend, result = load_backend(
             self._settings(message), message["model_dir"], message.get("cache_url")
         )
-        return {"cache": _cache_result(result)}
+        return {
+            "cache": _cache_result(result),
+            "adapter_loading": self.backend.adapter_loading.to_dict(),
+        }
 
     def compile(self, message: dict[str, Any]) -> dict[str, Any]:
         from compile_cache.cache import CompileCache
@@ -116,6 +119,12 @@ class Runner:
         backend = make_backend(self._settings(message), message["model_dir"])
         result = compile_into_cache(backend, CompileCache(open_store(message.get("cache_url"))))
         return {"cache": _cache_result(result)}
+
+    def quantize(self, message: dict[str, Any]) -> dict[str, Any]:
+        from neuron_plugin.backends.loader import make_backend
+
+        backend = make_backend(self._settings(message), message["model_dir"])
+        return {"written": backend.quantize()}
 
     def manifest(self, message: dict[str, Any]) -> dict[str, Any]:
         from neuron_plugin.backends.loader import cache_manifest, make_backend
@@ -143,6 +152,15 @@ class Runner:
             "arrays": self.outputs.put({"tokens": out.tokens, "logits": out.logits.numpy()}),
             "backend_s": backend_s,
         }
+
+    def set_adapter(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A LoRA adapter's arrays (views of the input arena, copied by the backend)
+        into a slot."""
+        from neuron_plugin.core.adapters import AdapterWeights
+
+        adapter = AdapterWeights.from_arrays(message["adapter"], self.inputs.get(message["arrays"]))
+        self.backend.set_adapter(int(message["slot"]), adapter)
+        return {}
 
     def ping(self, message: dict[str, Any]) -> dict[str, Any]:
         return {}
@@ -184,7 +202,9 @@ def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
         write_message(replies, reply)
 
 
-OPS = frozenset({"hello", "load", "compile", "manifest", "forward", "run", "ping"})
+OPS = frozenset(
+    {"hello", "load", "compile", "manifest", "quantize", "forward", "run", "set_adapter", "ping"}
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,6 +43,14 @@ modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
 A query's logits peak at (sum over the keys it attends of (token id + 1), minus 1) mod
 vocab, with GARBAGE for a key never written, and fall off by one per token id above
 the peak, so a wrong slot, line, block, prefix, pad or last-token choice shows.
+
+LoRA (modules/lora_serving, lora_layer.py BaseMultiLora): the device weights hold each
+adapter slot's weight ("lora.weight" [max_loras], one value per adapter, see
+lora_serving/checkpoint.py) and weight_active [batch_size], one row per sequence. A
+context encoding copies weight[adapter_ids[r]] into weight_active[seq_ids[r]]
+(update_lora_tensor_for_continuous_batching; row r without continuous batching,
+update_lora_tensor) and uses it; a token generation reads weight_active[seq_ids[r]]
+(update_lora_adapter_ids returns seq_ids). The row's value is added to its peak.
 On-device sampling runs the Sampler on these logits; the outputs are [tokens] or
 [tokens, logits] or [logits], by the output_logits of the submodel's own config when it
 was compiled (each ModelWrapper traces its deep copy of the config,
@@ -91,6 +99,7 @@ target's makes its drafts wrong.
 import torch
 
 from neuronx_distributed_inference._release import ACCEPTANCE_PADDING_TOKEN
+from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
 from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
 from neuronx_distributed_inference.modules.generation.sampling import Sampler
 
@@ -213,6 +222,9 @@ class NxDModel:
         self.draft_sampler = Sampler(draft[0]) if self.fused else None
         self.packer = Packer(self._output_count(next(iter(graphs))))
         self.attention = NeuronAttentionBase()
+        # the device weights NxDI reaches (application_base.load_weights initialises them
+        # per rank); the double holds only the LoRA weights there
+        self.weights = [{} for _ in range(c.tp_degree)]
         # test instrumentation: (tag, bucket), the inputs and the bytes of each output
         # (by name: "tokens" / "logits", or a fused graph's, see _fused) of every graph
         # that ran, in order
@@ -273,9 +285,10 @@ class NxDModel:
             return torch.argmax(logits, dim=2).to(torch.int32)
         return sampler(logits[:, -1, :], sampling_params).to(torch.int32)
 
-    def _decoder(self, inputs, memory, config, peak, recompute_slots=True):
+    def _decoder(self, inputs, memory, config, peak, recompute_slots=True, lora_values=None):
         """One decoder graph over `inputs` (ids, mask, positions, seq_ids, then the
-        block layout's slot mapping and block table): logits [rows, queries, vocab]."""
+        block layout's slot mapping and block table): logits [rows, queries, vocab], each
+        row's peak moved by its LoRA value (`lora_values`, none without LoRA)."""
         ids, mask, positions, seq_ids = inputs[:4]
         cte = self._is_context_encoding(ids, config)
         if self.block:
@@ -283,7 +296,7 @@ class NxDModel:
                                    recompute_slots)
         else:
             contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte)
-        return self._logits(contexts, peak)
+        return self._logits(contexts, peak, lora_values)
 
     def _plain(self, tag, inputs):
         """A graph of submodel `tag` without a draft: a context encoding, a token
@@ -294,7 +307,8 @@ class NxDModel:
         if self.window and inputs[0].shape[-1] == c.speculation_length:
             raise NotImplementedError("the NxDI double does not reproduce NxDI's "
                                       "speculation model over sliding-window attention")
-        logits = self._decoder(layout, self.memory, c, target_peak)
+        logits = self._decoder(layout, self.memory, c, target_peak,
+                               lora_values=self._lora_values(tag, inputs))
         if self.sampler is None:
             return {"logits": logits}
         outputs = {"tokens": self._sample_on_device(self.sampler, c, logits, inputs[4])}
@@ -306,7 +320,25 @@ class NxDModel:
     def _value(stored) -> int:
         return int(stored) if stored else GARBAGE
 
-    def _logits(self, contexts, peak):
+    def _lora_values(self, tag, inputs):
+        """Each row's LoRA value (see the module docstring), 0 without LoRA."""
+        rows = inputs[0].shape[0]
+        if "lora.weight" not in self.weights[0]:
+            return [0] * rows
+        seq_ids = inputs[3]
+        adapter_ids = inputs[6] if inputs[6].numel() else torch.zeros(rows, dtype=torch.int32)
+        continuous = self.config.is_continuous_batching
+        lines = [int(seq_ids[r]) if continuous else r for r in range(rows)]
+        values = []
+        for r, line in enumerate(lines):
+            for rank_weights in self.weights:
+                active = rank_weights["lora.weight_active"]
+                if tag == CONTEXT_ENCODING_MODEL_TAG:
+                    active[line] = rank_weights["lora.weight"][int(adapter_ids[r])]
+            values.append(int(self.weights[0]["lora.weight_active"][line]))
+        return values
+
+    def _logits(self, contexts, peak, lora_values=None):
         """[rows, queries, vocab padded to a multiple of tp_degree]: the lm_head's padded
         columns hold the float minimum (model_base.py mask_padded_logits), and with
         output_logits the shards are gathered whole (_gather_along_dim), pads included.
@@ -317,8 +349,9 @@ class NxDModel:
         logits = torch.full((len(contexts), queries, width), torch.finfo(torch.float32).min)
         ids = torch.arange(self.vocab_size)
         for row, per_query in enumerate(contexts):
+            lora = lora_values[row] if lora_values else 0
             for query, values in enumerate(per_query):
-                top = peak(values, self.vocab_size)
+                top = (peak(values, self.vocab_size) + lora) % self.vocab_size
                 logits[row, query, : self.vocab_size] = -((ids - top) % self.vocab_size).float()
         return logits
 

@@ -90,6 +90,11 @@ class NeuronApplicationBase(torch.nn.Module):
         self.is_compiled = is_compiled(model_path)
         self.is_loaded_to_neuron = False
         self.loaded_weights = None
+        # ef2731e application_base.py 100-101
+        if self.neuron_config.lora_config is not None:
+            from neuronx_distributed_inference.modules.lora_serving import LoraModelManager
+
+            self.lora_model_manager = LoraModelManager(self.neuron_config.lora_config)
 
     @classmethod
     def validate_config(cls, config):
@@ -148,11 +153,27 @@ class NeuronApplicationBase(torch.nn.Module):
                                                  getattr(text, "sliding_window", None),
                                                  draft))
         self.load_weights(compiled_model_path)
+        self._load_lora_weights()
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
         self.is_loaded_to_neuron = True
         if not self.neuron_config.skip_warmup and not skip_warmup:
             self.warmup()
+
+    def _load_lora_weights(self):
+        """The LoRA weights among the loaded device weights (one weight set for every
+        submodel): each adapter slot's weight [max_loras] (lora_checkpoint.py
+        update_weights_for_lora) and weight_active [batch_size], one row per sequence
+        (lora_layer.py set_weight_shapes, max_loras_active = batch_size)."""
+        lora = self.neuron_config.lora_config
+        if lora is None:
+            return
+        from neuronx_distributed_inference.modules.lora_serving.lora_model import MODULE
+
+        weights = self.lora_model_manager.device_weights()
+        for rank_weights in self.traced_model.nxd_model.weights:
+            rank_weights[MODULE] = weights.clone()
+            rank_weights[MODULE + "_active"] = torch.zeros(lora.batch_size)
 
     def _graphs(self):
         """tag -> its graphs' output_logits and [(bucket, shape key of its example
@@ -202,17 +223,21 @@ class NeuronApplicationBase(torch.nn.Module):
         model_path = getattr(self.config, "_name_or_path", None)
         if model_path is None or not os.path.exists(model_path):
             model_path = self.model_path
-        if self.config.neuron_config.quantized:
-            model_path = self.config.neuron_config.quantized_checkpoints_path
-            if not os.path.exists(model_path):
-                raise FileNotFoundError(f"Quantized checkpoint file not found: {model_path}")
         if not self.config.neuron_config.enable_fused_speculation:
-            return self._read_weights(model_path)
+            return self._target_weights(model_path)
         weights = {f"draft_model.{name}": tensor for name, tensor in
                    self._read_weights(self.fused_spec_config.draft_model_path).items()}
         weights.update({f"target_model.{name}": tensor for name, tensor in
-                        self._read_weights(model_path).items()})
+                        self._target_weights(model_path).items()})
         return weights
+
+    def _target_weights(self, model_path):
+        if self.config.neuron_config.quantized:
+            from neuronx_distributed_inference.quantization import load_quantized_state_dict
+
+            return load_quantized_state_dict(self.config.neuron_config.quantized_checkpoints_path,
+                                             self.neuron_config.torch_dtype)
+        return self._read_weights(model_path)
 
     @staticmethod
     def _read_weights(model_path):
@@ -224,11 +249,7 @@ class NeuronApplicationBase(torch.nn.Module):
 
     @classmethod
     def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig):
-        weights = {}
-        for name in sorted(os.listdir(model_path)):
-            if name.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(model_path, name)))
-        path = config.neuron_config.quantized_checkpoints_path
-        os.makedirs(path, exist_ok=True)
-        save_file({k: v.to(torch.float16) for k, v in weights.items()},
-                  os.path.join(path, "model.safetensors"))
+        """NxDI's own quantizer (see neuronx_distributed_inference/quantization.py)."""
+        from neuronx_distributed_inference.quantization import save_quantized_state_dict
+
+        save_quantized_state_dict(model_path, config.neuron_config)

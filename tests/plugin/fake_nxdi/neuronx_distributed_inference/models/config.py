@@ -139,6 +139,10 @@ class NeuronConfig:
         self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
         if self.quantized is True:
             assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        # ef2731e config.py 216-238 (0.7: 198-221): NxDI's defaults
+        self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
+        self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
+        self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
         self.speculation_length = kwargs.pop("speculation_length", 0)
         self.spec_batch_size = kwargs.pop("spec_batch_size", self.batch_size)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
@@ -157,7 +161,12 @@ class NeuronConfig:
         if self.is_chunked_prefill:
             assert self.is_block_kv_layout, "is_block_kv_layout has to be true for chunked prefill because it depends on block KV"
         self.tensor_replacement_config = kwargs.pop("tensor_replacement_config", None)
+        # ef2731e config.py 356-358: a dict becomes a LoraServingConfig
         self.lora_config = kwargs.pop("lora_config", None)
+        if type(self.lora_config) is dict:
+            from neuronx_distributed_inference.modules.lora_serving import LoraServingConfig
+
+            self.lora_config = LoraServingConfig(**self.lora_config)
         self.tp_degree = kwargs.pop("tp_degree", 1)
         self.save_sharded_checkpoint = kwargs.pop("save_sharded_checkpoint", False)
         self.start_rank_id = kwargs.pop("start_rank_id", 0)

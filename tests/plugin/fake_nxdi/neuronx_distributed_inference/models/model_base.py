@@ -166,6 +166,13 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _forward(self, input_ids, seq_ids, attention_mask, position_ids, sampling_params,
                  adapter_ids, slot_mapping, block_table, full_context_lens,
                  computed_context_lens):
+        # ef2731e model_base.py 3347-3356: run-time adapters swap into the device weights
+        # at each context encoding, their CPU ids becoming device positions
+        lora = self.neuron_config.lora_config
+        is_context_encoding = input_ids.shape[-1] > 1 and not position_ids.min().item()
+        if lora and lora.dynamic_multi_lora and is_context_encoding:
+            adapter_ids = self.lora_model_manager.dynamic_update_weights_for_lora(
+                self.context_encoding_model.model.nxd_model.weights, adapter_ids)
         # preprocess_inputs
         if attention_mask is None:
             attention_mask = self._infer_attention_mask(position_ids)

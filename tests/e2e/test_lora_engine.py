@@ -1,0 +1,67 @@
+"""Multi-LoRA through vLLM's offline engine (`LLM`), the backend in this process and the
+block KV layout (prefix caching on): adapters a request names without any earlier
+add_lora are read when its first step comes (what `LLM.generate(lora_request=...)`
+relies on), a batch mixing two adapters and the base model gives PEFT's tokens per row,
+prefix-cache blocks are never shared across adapters, and the engine's add/list/pin/
+remove_lora reach the worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.support import PeftOracle, corpus_token_ids, make_llm, shutdown_llm
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dirs, lora_adapters) -> PeftOracle:
+    return PeftOracle(model_dirs["llama"], lora_adapters)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    llm = make_llm(model_dirs["llama"], enable_prefix_caching=True, block_size=32,
+                   enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+                   additional_config={"override_neuron_config": {
+                       "context_encoding_buckets": [32, 64, 128, 256]}})
+    yield llm
+    shutdown_llm(llm)
+
+
+def _lora(name: str, adapter_id: int, path):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, adapter_id, str(path))
+
+
+def test_unseen_adapters_in_one_batch_with_the_base_model_match_peft(llm, model_dirs,
+                                                                     lora_adapters, oracle):
+    from vllm import SamplingParams
+
+    shared = corpus_token_ids(model_dirs["llama"], 70, offset=11)  # > 2 KV blocks
+    prompts = [shared, shared, corpus_token_ids(model_dirs["llama"], 40, offset=500), shared]
+    a = _lora("a", 1, lora_adapters["lora-a"])
+    b = _lora("b", 2, lora_adapters["lora-b"])
+    requests = [a, None, b, a]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second time, prefix-cache hits within each adapter's blocks
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               lora_request=requests, use_tqdm=False)
+        names = ["lora-a", None, "lora-b", "lora-a"]
+        for prompt, name, out in zip(prompts, names, outputs, strict=True):
+            assert list(out.outputs[0].token_ids) == oracle.generate(prompt, MAX_TOKENS, name)
+    assert outputs[0].num_cached_tokens > 0  # a's blocks hit for a...
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # ...not base
+
+
+def test_engine_lora_api_reaches_the_worker(llm, lora_adapters):
+    engine = llm.llm_engine
+    c = _lora("c", 3, lora_adapters["lora-c"])
+    assert engine.add_lora(c)
+    assert 3 in engine.list_loras()
+    assert engine.pin_lora(3)
+    assert engine.remove_lora(3)
+    assert 3 not in engine.list_loras()

@@ -1,0 +1,242 @@
+"""LoRA adapters below the engine: reading PEFT folders with vLLM's own checks (refusals
+name the adapter, the value and the limit), the slot layout (scaling folded into B,
+ranks zero-padded), the host cache (LRU, pins, never the step's adapters), slot reuse,
+and the reference backend's slots in process and through the runner's shared memory,
+whose logits per row equal transformers + PEFT's."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_plugin.backends.loader import open_backend
+from neuron_plugin.core.adapters import (
+    AdapterError,
+    AdapterSlots,
+    LayerWeights,
+    build_adapter,
+    row_slots,
+)
+from neuron_plugin.core.checkpoint import safetensors_shapes
+from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
+from neuron_plugin.core.lora import LoraGeometry
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.serving.adapters import AdapterStore, read_adapter
+
+BUCKETS = {"context_encoding_buckets": [32, 64], "token_generation_buckets": [64]}
+
+
+def lora_settings(**changes):
+    limits = EngineLimits(max_model_len=64, max_num_seqs=3, block_size=None,
+                          enable_prefix_caching=False, enable_chunked_prefill=False,
+                          max_num_batched_tokens=64, dtype="float32", max_loras=2,
+                          max_lora_rank=8, max_cpu_loras=2)
+    settings = resolve_settings(dataclasses.replace(limits, **changes), BUCKETS,
+                                backend="reference", architecture="LlamaForCausalLM")
+    return settings
+
+
+def geometry_of(model_dir, settings) -> LoraGeometry:
+    return LoraGeometry.from_checkpoint(safetensors_shapes(model_dir), 2,
+                                        settings.lora_target_modules)
+
+
+def request(name, adapter_id, path, inplace=False):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, adapter_id, str(path), load_inplace=inplace)
+
+
+def lora_config(rank=8):
+    from vllm.config.lora import LoRAConfig
+
+    return LoRAConfig(max_loras=2, max_lora_rank=rank)
+
+
+def read(model_dirs, path, name="x", adapter_id=1, settings=None):
+    settings = settings or lora_settings()
+    return read_adapter(request(name, adapter_id, path), settings,
+                        geometry_of(model_dirs["llama"], settings), lora_config(), 4096)
+
+
+# -- the slot layout and the slots ------------------------------------------------------
+def test_slots_are_reused_least_recently_used_first_never_a_needed_one():
+    slots = AdapterSlots(2)
+    assert slots.assign([7, 9]) == ({7: 1, 9: 2}, [(1, 7), (2, 9)])
+    assert slots.assign([9]) == ({9: 2}, [])
+    # 7 is least recently used: 5 takes its slot; 9 keeps its own
+    assert slots.assign([5, 9]) == ({5: 1, 9: 2}, [(1, 5)])
+    assert slots.assign([7, 5]) == ({7: 2, 5: 1}, [(2, 7)])
+    with pytest.raises(RuntimeError, match="3 LoRA adapters, more than --max-loras 2"):
+        slots.assign([1, 2, 3])
+    ids = np.array([0, 7, 5, 0, 7])
+    assert row_slots(ids, {7: 2, 5: 1}).tolist() == [0, 2, 1, 0, 2]
+
+
+def test_slot_layout_folds_scaling_and_pads_ranks():
+    geometry = LoraGeometry(2, {"q_proj": (4, 6), "v_proj": (4, 2)})
+    a = np.ones((3, 4), dtype=np.float32)
+    b = np.ones((6, 3), dtype=np.float32)
+    v_a, v_b = np.ones((2, 4), dtype=np.float32), np.ones((2, 2), dtype=np.float32)
+    adapter = build_adapter("x", 1, "/p", [LayerWeights(1, "q_proj", a, b, 2.0),
+                                           LayerWeights(0, "v_proj", v_a, v_b, 0.5)],
+                            geometry, 8)
+    assert adapter.rank == 3
+    assert adapter.a["q_proj"].shape == (2, 3, 4) and adapter.b["v_proj"].shape == (2, 2, 3)
+    assert adapter.b["q_proj"][1].max() == 2.0 and adapter.b["q_proj"][0].max() == 0.0
+    assert adapter.b["v_proj"][0, :, :2].max() == 0.5 and adapter.b["v_proj"][0, :, 2].max() == 0
+    for layers, message in (
+        ([LayerWeights(0, "q_proj", np.ones((9, 4)), np.ones((6, 9)), 1.0)],
+         "rank 9 is above --max-lora-rank 8"),
+        ([LayerWeights(0, "o_proj", a, b, 1.0)], "trains o_proj, which has no compiled"),
+        ([LayerWeights(2, "q_proj", a, b, 1.0)], "trains layer 2, the model has 2 layers"),
+        ([LayerWeights(0, "q_proj", np.ones((3, 5)), b, 1.0)], r"lora_A \[3, 5\].*needs \[3, 4\]"),
+    ):
+        with pytest.raises(AdapterError, match=message) as info:
+            build_adapter("x", 1, "/p", layers, geometry, 8)
+        assert "'x' (/p)" in str(info.value)
+
+
+# -- reading PEFT folders -----------------------------------------------------------------
+def test_adapter_as_vllm_reads_it(model_dirs, lora_adapters):
+    """rsLoRA with a per-module rank and alpha (lora-b): each module's scaling is in B."""
+    adapter = read(model_dirs, lora_adapters["lora-b"], "b", 2)
+    assert adapter.rank == 4 and sorted(adapter.a) == ["down_proj", "k_proj", "o_proj",
+                                                       "q_proj", "v_proj"]
+    from safetensors.torch import load_file
+
+    raw = load_file(str(lora_adapters["lora-b"] / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1.self_attn."
+    v_b = raw[prefix + "v_proj.lora_B.weight"].numpy()  # rank 2 (rank_pattern)
+    o_b = raw[prefix + "o_proj.lora_B.weight"].numpy()  # alpha 4 (alpha_pattern)
+    np.testing.assert_allclose(adapter.b["v_proj"][1, :, :2], v_b * 8 / 2**0.5, rtol=1e-6)
+    assert not adapter.b["v_proj"][1, :, 2:].any()
+    np.testing.assert_allclose(adapter.b["o_proj"][1], o_b * 4 / 2.0, rtol=1e-6)
+
+
+def test_bad_adapters_are_refused_naming_the_adapter(model_dirs, lora_adapters, tmp_path):
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    from build_tiny_lora import build_lora
+
+    llama = model_dirs["llama"]
+    with pytest.raises(LoRAAdapterNotFoundError):
+        read(model_dirs, tmp_path / "nowhere")
+    pickled = build_lora(llama, tmp_path / "pickled", seed=5, safe_serialization=False, r=8,
+                         lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match=r"'x' \(.*pickled\).*adapter_model.bin.*safetensors"):
+        read(model_dirs, pickled)
+    rank16 = build_lora(llama, tmp_path / "rank16", seed=4, r=16, lora_alpha=16,
+                        target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match=r"'x'.*rank 16 is greater than max_lora_rank 8.*"
+                                           r"--max-lora-rank 8"):
+        read(model_dirs, rank16)
+    narrow = lora_settings(lora_target_modules=("q_proj",))
+    with pytest.raises(AdapterError, match=r"'x'.*k_proj.*--lora-target-modules"):
+        read(model_dirs, lora_adapters["lora-b"], settings=narrow)
+    dora = tmp_path / "dora"
+    shutil.copytree(lora_adapters["lora-c"], dora)
+    config = (dora / "adapter_config.json").read_text().replace('"use_dora": false',
+                                                               '"use_dora": true')
+    (dora / "adapter_config.json").write_text(config)
+    with pytest.raises(AdapterError, match="'x'.*DoRA"):
+        read(model_dirs, dora)
+    saved = tmp_path / "saved"
+    shutil.copytree(lora_adapters["lora-c"], saved)
+    config = (saved / "adapter_config.json").read_text().replace('"modules_to_save": null',
+                                                                '"modules_to_save": ["lm_head"]')
+    (saved / "adapter_config.json").write_text(config)
+    with pytest.raises(AdapterError, match="'x'.*modules_to_save"):
+        read(model_dirs, saved)
+
+
+# -- the store and the backend's slots ----------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_url(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("adapter-cache"))
+
+
+def _store(model_dirs, backend, settings):
+    return AdapterStore(settings, geometry_of(model_dirs["llama"], settings), backend,
+                        lora_config(), 4096)
+
+
+def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cache_url):
+    settings = lora_settings()  # 2 slots, 2 adapters on the host
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings)
+    a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
+    assert store.add(a) and store.add(b) and store.pin(1)
+    assert store.prepare_step({1: a}) == {1: 1}
+    assert store.add(c) and store.ids() == {1, 3}  # b: least recently used, not pinned
+    assert store.add(b) and store.ids() == {1, 2}
+    assert store.prepare_step({2: b}) == {2: 2}
+    # c was evicted from the host: read again from its path, into a's slot (LRU)
+    assert store.prepare_step({3: c}) == {3: 1} and store.ids() == {1, 3}
+    q_a = backend.lora_slots[0]  # layer 0 q_proj A [slots, rank, in]
+    want = store.read(c).a["q_proj"][0]
+    torch.testing.assert_close(q_a[1, : want.shape[0]], torch.from_numpy(want))
+    assert store.pin(3)
+    with pytest.raises(AdapterError, match="'b'.*--max-cpu-loras 2.*all of them are pinned"):
+        store.add(b)
+    with pytest.raises(AdapterError, match="pin_lora.99"):
+        store.pin(99)
+    # removed while a request uses it: it keeps its slot (nothing is read again)
+    assert store.remove(3) and store.ids() == {1}
+    assert store.prepare_step({3: c}) == {3: 1} and store.ids() == {1}
+    # a slot taken by another adapter: read again from the request's path
+    assert store.prepare_step({1: a, 2: b}) == {1: 1, 2: 2} and store.ids() == {1}
+    assert store.prepare_step({3: c}) == {3: 2} and store.ids() == {1, 3}  # b: LRU
+
+
+def test_slots_give_peft_logits_per_row_in_process_and_through_the_runner(
+        model_dirs, lora_adapters, cache_url):
+    from tests.e2e.support import PeftOracle
+
+    oracle = PeftOracle(model_dirs["llama"], {"lora-a": lora_adapters["lora-a"],
+                                              "lora-b": lora_adapters["lora-b"]})
+    settings = lora_settings()
+    local = open_backend(settings, model_dirs["llama"], cache_url)
+    remote = open_backend(dataclasses.replace(settings, backend_python=sys.executable),
+                          model_dirs["llama"], cache_url)
+    try:
+        prompts = [[5, 17, 99, 300], [11, 12, 13], [200, 201, 5, 9, 8]]
+        names = ["lora-a", None, "lora-b"]
+        for backend in (local, remote):
+            store = _store(model_dirs, backend, settings)
+            slots = store.prepare_step({1: request("a", 1, lora_adapters["lora-a"]),
+                                        2: request("b", 2, lora_adapters["lora-b"])})
+            row_slot = [slots.get(1), 0, slots.get(2)]
+            for seq, (prompt, slot, name) in enumerate(zip(prompts, row_slot, names,
+                                                           strict=True)):
+                inputs = context_encoding_inputs(settings, np.array(prompt), 0, seq, None,
+                                                 adapter_slot=slot)
+                want = oracle.model(input_ids=torch.tensor([prompt]),
+                                    adapter_names=[name or oracle.BASE]).logits[0, -1]
+                torch.testing.assert_close(backend.forward(inputs)[0], want, atol=2e-5,
+                                           rtol=1e-5)
+            nxt = [7, 8, 9]
+            inputs = token_generation_inputs(settings, np.array(nxt),
+                                             np.array([len(p) for p in prompts]),
+                                             np.arange(3), None, adapter_slots=row_slot)
+            got = backend.forward(inputs)
+            for row, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+                want = oracle.model(input_ids=torch.tensor([[*prompt, nxt[row]]]),
+                                    adapter_names=[name or oracle.BASE]).logits[0, -1]
+                torch.testing.assert_close(got[row], want, atol=2e-5, rtol=1e-5)
+    finally:
+        remote.close()
+
+
+def test_lora_settings_refusals():
+    with pytest.raises(NeuronConfigError, match="--lora-dtype bfloat16 differs from --dtype"):
+        lora_settings(lora_dtype="bfloat16")
+    with pytest.raises(NeuronConfigError, match="--fully-sharded-loras"):
+        lora_settings(fully_sharded_loras=True)
+    assert lora_settings(lora_target_modules=("qkv_proj",)).lora_target_modules == (
+        "q_proj", "k_proj", "v_proj")

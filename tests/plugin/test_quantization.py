@@ -1,0 +1,204 @@
+"""Quantized checkpoints below the engine: the quantization keys' checks, the reference
+quantizer writing exactly what NxDI's save_quantized_state_dict writes (the NxDI double
+reproduces it; tests/e2e/test_nxdi_cpu_mode.py checks against the real code), the
+reference backend computing exactly the dequantized model from that layout, the nxd
+backend's quantized load through the double, refusals of checkpoints that would be
+unpickled or do not match, the compile-cache key, and explain-config's HBM saved."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from neuron_plugin.backends.loader import cache_manifest, open_backend
+from neuron_plugin.backends.nxd.backend import NxDBackend
+from neuron_plugin.backends.reference.backend import ReferenceBackend
+from neuron_plugin.core.inputs import context_encoding_inputs
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from tests.e2e.support import dequantized_model
+from tests.plugin.fake_nxdi.nxdi_release import purge
+from tests.plugin.test_nxd_backend import settings as nxd_settings
+from tests.plugin.test_nxd_backend import use_release
+
+LIMITS = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=None,
+                      enable_prefix_caching=False, enable_chunked_prefill=False,
+                      max_num_batched_tokens=128, dtype="float32")
+BUCKETS = {"context_encoding_buckets": [32, 64, 128], "token_generation_buckets": [128]}
+ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def quantized(path, arch="llama", backend="reference", **keys):
+    override = {**BUCKETS, "quantized": True, "quantized_checkpoints_path": str(path),
+                "quantization_type": "per_channel_symmetric", **keys}
+    return resolve_settings(LIMITS, override, backend=backend, architecture=ARCH[arch])
+
+
+def test_quantization_keys_are_checked():
+    for override, words in (
+        ({"quantized": True}, ["quantized_checkpoints_path", "neuron-plugin quantize"]),
+        ({"quantized": True, "quantized_checkpoints_path": "/q",
+          "quantization_type": "blockwise_symmetric"}, ["'blockwise_symmetric'",
+                                                         "per_channel_symmetric"]),
+        ({"quantized": True, "quantized_checkpoints_path": "/q", "quantization_dtype": "int4"},
+         ["quantization_dtype='int4'", "int8"]),
+        ({"quantized_checkpoints_path": "/q"}, ["without quantized: true"]),
+        ({"quantized": True, "quantized_checkpoints_path": "/q",
+          "modules_to_not_convert": "lm_head"}, ["modules_to_not_convert='lm_head'", "list"]),
+    ):
+        with pytest.raises(NeuronConfigError) as info:
+            resolve_settings(LIMITS, override, backend="nxd", architecture="LlamaForCausalLM")
+        for word in words:
+            assert word in str(info.value), (override, str(info.value))
+    with pytest.raises(NeuronConfigError, match="reference backend serves int8"):
+        quantized("/q", quantization_dtype="f8e4m3")
+
+
+def _written(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: lm_head tied to the embedding
+@pytest.mark.parametrize("keys", [
+    {"quantization_type": "per_channel_symmetric", "modules_to_not_convert": ["down_proj"]},
+    {"quantization_type": "per_tensor_symmetric", "modules_to_not_convert": ["down_proj"]},
+], ids=["per-channel", "per-tensor"])
+def test_reference_quantizer_writes_what_nxdi_writes(arch, keys, model_dirs, monkeypatch,
+                                                     tmp_path):
+    model = model_dirs[arch]
+    ReferenceBackend(quantized(tmp_path / "reference", arch, **keys), model).quantize()
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        NxDBackend(quantized(tmp_path / "nxdi", arch, backend="nxd", **keys), model).quantize()
+    finally:
+        purge()
+    ours, nxdi = _written(tmp_path / "reference"), _written(tmp_path / "nxdi")
+    assert sorted(ours) == sorted(nxdi)
+    for name, tensor in nxdi.items():
+        assert ours[name].dtype == tensor.dtype or name.endswith(".weight"), name
+        torch.testing.assert_close(ours[name].to(tensor.dtype), tensor, atol=0, rtol=0)
+    assert ours["lm_head.weight"].dtype == torch.int8
+    per_channel = keys["quantization_type"] == "per_channel_symmetric"
+    # NxDI's per-tensor path ignores modules_to_not_convert
+    assert (ours["layers.0.mlp.down_proj.weight"].dtype == torch.int8) != per_channel
+    scale = ours["layers.1.self_attn.k_proj.scale"]
+    assert scale.dtype == torch.float32
+    assert scale.shape == ((128, 1) if per_channel else (1,))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_reference_backend_computes_the_dequantized_model(arch, model_dirs, tmp_path):
+    model_dir = model_dirs[arch]
+    s = quantized(tmp_path / "q", arch)
+    ReferenceBackend(s, model_dir).quantize()
+    backend = open_backend(s, model_dir, str(tmp_path / "cache"))
+    oracle = dequantized_model(model_dir, tmp_path / "q")
+    assert backend.weights[backend.module.names.index(
+        "model.layers.0.self_attn.q_proj.weight")].dtype == torch.int8
+    rng = np.random.default_rng(3)
+    for length in (1, 17, 100):
+        prompt = rng.integers(3, 900, size=length)
+        got = backend.forward(context_encoding_inputs(s, prompt, 0, 0, None))[0]
+        want = oracle(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_checkpoints_that_do_not_match_or_would_be_unpickled_are_refused(model_dirs,
+                                                                         tiny_model, tmp_path):
+    model = model_dirs["llama"]
+    cache = str(tmp_path / "cache")
+    per_tensor = quantized(tmp_path / "q", quantization_type="per_tensor_symmetric")
+    ReferenceBackend(per_tensor, model).quantize()
+    with pytest.raises(NeuronConfigError, match=r"layers.0.self_attn.q_proj.scale should be "
+                                                r"float32 \[256, 1\].*it holds torch.float32 "
+                                                r"\[1\].*neuron-plugin quantize"):
+        open_backend(quantized(tmp_path / "q"), model, cache)
+    (tmp_path / "q" / "pytorch_model.bin").write_bytes(b"never read")
+    with pytest.raises(NeuronConfigError, match="pytorch_model.bin.*unpickle"):
+        open_backend(per_tensor, model, cache)
+    (tmp_path / "file.pt").write_bytes(b"never read")
+    with pytest.raises(NeuronConfigError, match="is a file.*pickle"):
+        open_backend(quantized(tmp_path / "file.pt"), model, cache)
+    with pytest.raises(NeuronConfigError, match="holds no quantized checkpoint"):
+        open_backend(quantized(tmp_path / "nowhere"), model, cache)
+    with pytest.raises(NeuronConfigError, match="dense decoders only"):
+        ReferenceBackend(dataclasses.replace(quantized("/q"), architecture="MixtralForCausalLM"),
+                         tiny_model("mixtral"))
+
+
+def test_nxdi_cpu_mode_writes_but_does_not_serve_a_quantized_checkpoint(model_dirs,
+                                                                        monkeypatch, tmp_path):
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = nxd_settings({"tp_degree": 1}, {"on_cpu": True, "quantized": True,
+                                            "quantized_checkpoints_path": str(tmp_path / "q")})
+        backend = NxDBackend(s, model_dirs["llama"])
+        backend.quantize()
+        (tmp_path / "graphs").mkdir()  # a compile-cache entry's folder
+        backend.compile(tmp_path / "graphs")
+        with pytest.raises(NeuronConfigError, match="never calls.*convert"):
+            backend.load(tmp_path / "graphs")
+    finally:
+        purge()
+
+
+def test_nxd_fp8_checkpoint_through_nxdis_path(model_dirs, monkeypatch, tmp_path):
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = quantized(tmp_path / "fp8", backend="nxd", quantization_dtype="f8e4m3")
+        NxDBackend(s, model_dirs["llama"]).quantize()
+    finally:
+        purge()
+    tensors = _written(tmp_path / "fp8")
+    weight = tensors["layers.0.mlp.up_proj.weight"]
+    assert weight.dtype == torch.float8_e4m3fn
+    assert float(weight.float().abs().max()) == 240.0  # NxDI's e4m3 bound, not 448
+
+
+def test_cache_key_covers_the_layout_not_the_checkpoint_path(model_dirs):
+    model = model_dirs["llama"]
+
+    def key(path, **keys):
+        s = quantized(path, **keys)
+        return cache_manifest(s, ReferenceBackend(s, model))
+
+    assert key("/a") == key("/b")
+    assert key("/a") != key("/a", quantization_type="per_tensor_symmetric")
+    assert key("/a") != key("/a", modules_to_not_convert=["lm_head"])
+
+
+def test_explain_config_shows_the_memory_quantization_saves(model_dirs, monkeypatch,
+                                                            capsys):
+    from neuron_plugin.tools import cli
+
+    monkeypatch.setenv("VLLM_NEURON_BACKEND", "reference")
+    extra = {"override_neuron_config": {**BUCKETS, "quantized": True,
+                                        "quantized_checkpoints_path": "/q",
+                                        "quantization_type": "per_channel_symmetric"}}
+    args = ["explain-config", str(model_dirs["llama"]), "--max-model-len", "128",
+            "--dtype", "bfloat16", "--additional-config", json.dumps(extra)]
+    assert cli.main([*args, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    full, saved = (memory["unquantized_weights_per_core_bytes"],
+                   memory["quantization_saves_per_core_bytes"])
+    # 14 projections of 2 layers plus lm_head at 1 byte instead of 2, plus their scales
+    assert full - saved == memory["weights_per_core_bytes"] and 0.3 * full < saved < 0.5 * full
+    assert cli.main(args) == 0
+    assert "quantized        int8 per_channel_symmetric from /q: weights" in (
+        capsys.readouterr().out)
+
+
+def test_a_folder_nxdi_would_pickle_into_is_never_written(model_dirs, monkeypatch, tmp_path):
+    target = tmp_path / "target.pt"
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "placeholder.safetensors"))
+    target.write_bytes(b"")
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        with pytest.raises(NeuronConfigError, match="is a file"):
+            NxDBackend(quantized(target, backend="nxd"), model_dirs["llama"]).quantize()
+    finally:
+        purge()
