@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from neuron_plugin.backends.base import StepOutput
+    from neuron_plugin.backends.kv_blocks import KVGeometry
     from neuron_plugin.core.inputs import ForwardInputs
     from neuron_plugin.core.sampling import SamplingInputs
     from neuron_plugin.core.settings import NeuronSettings
@@ -79,6 +80,16 @@ class HostOnlyBackend:
 
     def collect(self) -> StepOutput:
         return self._submitted
+
+    # No KV cache: nothing to transfer (the benchmark serves no disaggregated requests).
+    def kv_geometry(self) -> KVGeometry:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
 
 
 def vllm_config_for(model: Path, batch: int, length: int):

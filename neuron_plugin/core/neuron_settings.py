@@ -12,9 +12,12 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bucketing.fit import prefix_caching_need
+
+if TYPE_CHECKING:
+    from neuron_plugin.core.kv_transfer import KVTransferLimits
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -69,6 +72,8 @@ class EngineLimits:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # vLLM's --kv-transfer-config (prefill/decode disaggregation), None without it.
+    kv_transfer: KVTransferLimits | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
+from neuron_plugin.core.kv_transfer import KVTransferLimits
 from neuron_plugin.core.memory import SequenceBudget, checkpoint_parameters, sequence_budget
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
@@ -97,6 +98,19 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
         **speculative_limits(vllm_config.speculative_config),
+        kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
+    )
+
+
+def kv_transfer_limits(config: Any) -> KVTransferLimits | None:
+    """vLLM's KVTransferConfig, the fields the platform checks (None without one)."""
+    if config is None:
+        return None
+    return KVTransferLimits(
+        connector=config.kv_connector,
+        module_path=config.kv_connector_module_path,
+        role=config.kv_role,
+        extra=dict(config.kv_connector_extra_config or {}),
     )
 
 

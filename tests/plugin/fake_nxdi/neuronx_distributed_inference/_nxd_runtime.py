@@ -32,7 +32,10 @@ modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
   reads the W - 1 newest keys and writes at position % (W - 1), wherever the position. Row r is cache line r, except in a
   batch-bucketing graph smaller than the KV cache (0.8+), where it is line seq_ids[r]
   (update_kv_by_layer_id / get_kv_by_layer_id);
-- block layout: the prefix (context encoding) or cached context (token generation) is
+- block layout: the state tensors have NxDI's prefix-caching shapes and dtype
+  (`block_kv_shape`); a graph writes a token into every layer's K and V (each its own
+  value, `slot_value`) and reads layer 0's K. The prefix (context encoding) or cached
+  context (token generation) is
   read through the block table the wrapper cropped to bucket // pa_block_size blocks, so
   positions past the last whole block are not read; new tokens are written to their
   slot_mapping slots (-1: nowhere; token generation recomputes the others from the
@@ -49,6 +52,8 @@ was compiled (each ModelWrapper traces its deep copy of the config,
 DecoderModelInstance; NeuronBaseModel.forward `if self.neuron_config.output_logits`).
 """
 
+import math
+
 import torch
 
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
@@ -60,6 +65,48 @@ GARBAGE = 389  # what an attended key contributes that no call ever wrote
 # context encoding narrower than 128 tokens takes the token-generation attention (prior
 # scores masked); from 128 on it takes perform_prefix_prefill.
 PREFIX_PREFILL_MIN_WIDTH = 128
+
+
+# What a block-layout graph writes for a token into KV tensor i (K0, V0, K1, ...): the
+# token's value plus i * KV_INDEX_STRIDE, so a block moved into the wrong layer or K/V
+# shows in the one the graphs read (index 0).
+KV_INDEX_STRIDE = 4096
+
+
+def slot_value(token, index):
+    return float(token) + 1 + KV_INDEX_STRIDE * index
+
+
+def kv_heads_per_rank(neuron_config, text) -> int:
+    """modules/kvcache/kv_cache_manager.py _get_num_kv_heads_per_rank (ef2731e lines
+    166-186) with attention/gqa.py determine_sharding_strategy and
+    get_shardable_head_counts (lines 62-100): KV heads replicated up to the TP degree
+    where they divide it (GQA.REPLICATE_TO_TP_DEGREE), else converted to multi-head
+    attention, split evenly over the ranks."""
+    tp = neuron_config.tp_degree
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    padded_heads = heads + (-heads % tp)
+    if heads == kv:
+        kv = padded_heads
+    elif kv < tp or kv % tp:
+        kv = tp if tp % kv == 0 else padded_heads
+    return kv // tp
+
+
+def block_kv_shape(neuron_config, text):
+    """modules/kvcache/block_kv_cache_manager.py _init_kv_shape_for_prefix_caching
+    (ef2731e lines 48-77): (pa_num_blocks + 1 reserved block, pa_block_size, heads per
+    rank, head_dim), the block dimension tiled when a sequence spans fewer than 128 blocks
+    and the block token-generation kernel is off."""
+    c = neuron_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads = kv_heads_per_rank(c, text)
+    per_seq = (c.max_length + c.pa_block_size - 1) // c.pa_block_size
+    if per_seq < 128 and not c.attn_block_tkg_nki_kernel_enabled:
+        tiling = 2 ** math.ceil(math.log2(128 / per_seq))
+        return (c.pa_num_blocks + 1, tiling, c.pa_block_size // tiling, heads, head_dim)
+    return (c.pa_num_blocks + 1, c.pa_block_size, heads, head_dim)
 
 
 def shape_key(tensors) -> str:
@@ -123,16 +170,21 @@ class NxDModel:
     """`traced_model.nxd_model`: per-rank state (the KV cache), the per-tag bucket models
     and flatteners, the router, the packer and forward (see the module docstring)."""
 
-    def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None):
+    def __init__(self, neuron_config, text, graphs):
         c = neuron_config
         self.config = c
-        self.vocab_size = vocab_size
-        self.window = sliding_window
+        self.vocab_size = text.vocab_size
+        self.window = getattr(text, "sliding_window", None)
         self.block = c.is_block_kv_layout
-        shape = ((c.pa_num_blocks, c.pa_block_size, 1, 1) if self.block
-                 else (c.max_batch_size, 1, c.seq_len, 1))
-        self.state = [{f"kv_mgr.past_key_values.{i}": torch.zeros(shape)
-                       for i in range(2 * num_layers)} for _ in range(c.tp_degree)]
+        if self.block:
+            # kv_cache_manager.py lines 138-142: the cache dtype
+            shape, dtype = block_kv_shape(c, text), (getattr(c, "attention_dtype", None)
+                                                     or c.torch_dtype)
+        else:
+            shape, dtype = (c.max_batch_size, 1, c.seq_len, 1), torch.float32
+        self.state = [{f"kv_mgr.past_key_values.{i}": torch.zeros(shape, dtype=dtype)
+                       for i in range(2 * text.num_hidden_layers)}
+                      for _ in range(c.tp_degree)]
         # graphs: tag -> {"output_logits": bool, "graphs": [(bucket, example input shapes)]}
         # in the order the submodels were added
         self.buckets = {tag: [bucket for bucket, _ in g["graphs"]] for tag, g in graphs.items()}
@@ -174,10 +226,12 @@ class NxDModel:
         """What bucket `index` of submodel `tag` computes, as its list of outputs."""
         self.ran.append((tag, self.buckets[tag][index]))
         self.inputs.append(tuple(inputs))
-        contexts = (self._block(tag, inputs) if self.block
-                    else self._contiguous(tag, inputs))
-        for rank_state in self.state[1:]:
-            rank_state["kv_mgr.past_key_values.0"].copy_(self.memory)
+        if self.block:
+            contexts = self._block(tag, inputs)
+        else:
+            contexts = self._contiguous(tag, inputs)
+            for rank_state in self.state[1:]:
+                rank_state["kv_mgr.past_key_values.0"].copy_(self.memory)
         logits = self._logits(contexts)
         if self.sampler is None:
             outputs = {"logits": logits}
@@ -303,7 +357,7 @@ class NxDModel:
     def _block(self, tag, inputs):
         input_ids, mask, positions = inputs[:3]
         slot_mapping, block_table = inputs[11], inputs[12]
-        flat = self.memory.view(-1)
+        flat = self._slot_rows(self.memory)[:, 0]  # layer 0's K, one value a slot
         size = self.config.pa_block_size
         readable = block_table.shape[1] * size if block_table.dim() == 2 else 0
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
@@ -329,10 +383,23 @@ class NxDModel:
             for slot, token in zip(slots, tokens):
                 if slot >= flat.numel():
                     raise IndexError(f"NRT: KV slot {slot} out of bounds for "
-                                     f"{self.config.pa_num_blocks} blocks of {size}")
+                                     f"{self.config.pa_num_blocks + 1} blocks of {size}")
                 if slot >= 0:
-                    flat[slot] = float(token) + 1
+                    self._write_slot(slot, token)
         return contexts
+
+    @staticmethod
+    def _slot_rows(tensor):
+        """A block-layout state tensor as (slots, heads * head_dim): the flat slot index
+        block_kv_cache_manager._update_cache_with_reshape scatters at (lines 246-303)."""
+        return tensor.view(-1, tensor.shape[-2] * tensor.shape[-1])
+
+    def _write_slot(self, slot, token):
+        """Every layer's K and V of every rank take the token at `slot`."""
+        for rank_state in self.state:
+            for i in range(len(rank_state)):
+                rows = self._slot_rows(rank_state[f"kv_mgr.past_key_values.{i}"])
+                rows[slot] = slot_value(token, i)
 
 
 class TracedModel:

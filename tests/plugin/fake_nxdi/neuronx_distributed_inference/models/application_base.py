@@ -126,9 +126,7 @@ class NeuronApplicationBase(torch.nn.Module):
         if graphs != self._graphs():
             raise RuntimeError(f"compiled graphs {graphs} differ from {self._graphs()}")
         text = self.config.get_text_config()
-        self.traced_model = TracedModel(NxDModel(self.neuron_config, text.vocab_size,
-                                                 text.num_hidden_layers, graphs,
-                                                 getattr(text, "sliding_window", None)))
+        self.traced_model = TracedModel(NxDModel(self.neuron_config, text, graphs))
         self.load_weights(compiled_model_path)
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
