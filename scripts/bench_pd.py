@@ -196,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-output-len", type=int, default=2)
     parser.add_argument("--long-prompts", type=int, default=30)
     parser.add_argument("--long-rate", type=float, default=1.5)
-    parser.add_argument("--long-lead-s", type=float, default=3.0,
-                        help="seconds of long prompts before the decode client starts")
+    parser.add_argument(
+        "--long-lead-s",
+        type=float,
+        default=3.0,
+        help="seconds of long prompts before the decode client starts",
+    )
     parser.add_argument("--configs", default="disaggregated,one-server")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "pd")
     args = parser.parse_args(argv)
