@@ -189,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--decode-input-len", type=int, default=32)
-    parser.add_argument("--decode-output-len", type=int, default=128)
-    parser.add_argument("--decode-prompts", type=int, default=32)
-    parser.add_argument("--decode-rate", type=float, default=2.0)
-    parser.add_argument("--long-input-len", type=int, default=960)
+    parser.add_argument("--decode-output-len", type=int, default=64)
+    parser.add_argument("--decode-prompts", type=int, default=24)
+    parser.add_argument("--decode-rate", type=float, default=1.0)
+    parser.add_argument("--long-input-len", type=int, default=768)
     parser.add_argument("--long-output-len", type=int, default=2)
-    parser.add_argument("--long-prompts", type=int, default=30)
-    parser.add_argument("--long-rate", type=float, default=1.5)
+    parser.add_argument("--long-prompts", type=int, default=16)
+    parser.add_argument("--long-rate", type=float, default=0.5)
     parser.add_argument(
         "--long-lead-s",
         type=float,
