@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-prompts", type=int, default=24)
     parser.add_argument("--decode-rate", type=float, default=1.0)
     parser.add_argument("--long-input-len", type=int, default=768)
-    parser.add_argument("--long-output-len", type=int, default=2)
-    parser.add_argument("--long-prompts", type=int, default=16)
-    parser.add_argument("--long-rate", type=float, default=0.5)
+    parser.add_argument("--long-output-len", type=int, default=1)
+    parser.add_argument("--long-prompts", type=int, default=12)
+    parser.add_argument("--long-rate", type=float, default=0.3)
     parser.add_argument(
         "--long-lead-s",
         type=float,
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of long prompts before the decode client starts",
     )
     parser.add_argument("--configs", default="disaggregated,one-server")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="runs of each configuration, interleaved"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "pd")
     args = parser.parse_args(argv)
     from build_tiny_model import build
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.out.parent / f"{args.out.name}-logs"
     logs.mkdir(exist_ok=True)
     rows = []
-    for name in args.configs.split(","):
+    for run, name in enumerate(args.configs.split(",") * args.repeat):
         procs = Processes(logs)
         with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="neuron-kv-") as kv:
             stack.callback(procs.stop)
@@ -223,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                 url = start_one_server(args, procs)
             else:
                 raise SystemExit(f"--configs: unknown configuration {name!r}")
-            result = measure(args, url, name, logs)
-        rows.append({"config": name, **result})
+            load = os.getloadavg()[0]
+            result = measure(args, url, f"{name}-{run}", logs)
+        # The machine's 1-minute load average when the run started (it is shared).
+        rows.append({"config": name, "run": run, "load_average": round(load, 1), **result})
         print(json.dumps(rows[-1]), flush=True)
     moved = {
         "decode_request": kv_bytes(args, args.decode_input_len),
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         {"rows": rows, "kv_bytes_per_request": moved},
         [
             "configuration (2 engines)",
+            "run (load average)",
             "decode requests TTFT p50 / p99 ms",
             "decode requests ITL p50 / p99 ms",
             "long prompts TTFT p50 / p99 ms",
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             [
                 r["config"],
+                f"{r['run']} ({r['load_average']})",
                 f"{r['decode']['median_ttft_ms']:.1f} / {r['decode']['p99_ttft_ms']:.1f}",
                 f"{r['decode']['median_itl_ms']:.1f} / {r['decode']['p99_itl_ms']:.1f}",
                 f"{r['long']['median_ttft_ms']:.1f} / {r['long']['p99_ttft_ms']:.1f}",

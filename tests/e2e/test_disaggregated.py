@@ -122,6 +122,8 @@ def test_greedy_tokens_through_the_router_equal_transformers_and_one_server(
     assert _prefills(decode) - decode_prefills == 0
     assert sorted(os.listdir(kv)) == []  # every payload deleted once imported
     assert "KV transfer for request" not in decode.log()  # no load failed
+    # every prefill answer named a payload (the router warns when one does not)
+    assert "No kv_transfer_params" not in router.log()
     # The prefill server alone (its prefix cache holds its own KV, not the transfer's).
     for prompt, (_, reply) in zip(prompts, replies):
         status, single = _complete(prefill.url, model, prompt)
