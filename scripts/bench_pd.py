@@ -67,9 +67,13 @@ class Processes:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         log = (self.logs / f"{name}.log").open("w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.procs.append(proc)
         return proc
 
@@ -99,9 +103,13 @@ def start_disaggregated(args: argparse.Namespace, procs: Processes, kv: Path) ->
 
     ports = [free_port() for _ in range(3)]
     servers = []
+    # Each server its half of the host's cores, as vLLM gives each of the one server's
+    # two data-parallel engines (OMP_NUM_THREADS = cores / engines): torch threads of two
+    # servers that each take every core spin against each other.
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     for name, port in (("prefill", ports[1]), ("decode", ports[2])):
         cmd = serve_cmd(args, port, ["--kv-transfer-config", connector_config(str(kv))])
-        servers.append((name, port, procs.start(name, cmd)))
+        servers.append((name, port, procs.start(name, cmd, threads)))
     for name, port, proc in servers:
         wait_healthy(f"http://127.0.0.1:{port}", proc, 900, name)
     router = str(Path(sys.executable).with_name("vllm-router"))

@@ -30,6 +30,9 @@ serve=("$venv/bin/vllm" serve "$model" --device neuron --host 127.0.0.1
        --config "$root/configs/serve-tiny.yaml" --max-model-len 1024 --max-num-seqs 4
        --enable-prefix-caching --block-size 32 --kv-transfer-config "$kv_config" "$@")
 
+# Each server its half of the host's cores (torch threads of two servers that each take
+# every core spin against each other; vLLM splits them the same way between engines).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) > 1 ? $(nproc) / 2 : 1 ))}"
 "${serve[@]}" --port "$prefill_port" >"$logs/prefill.log" 2>&1 &
 prefill=$!
 "${serve[@]}" --port "$decode_port" >"$logs/decode.log" 2>&1 &
