@@ -796,3 +796,38 @@ def test_kv_blocks_need_the_block_layout(release, tiny, tmp_path):
     backend = loaded(settings(), tiny, tmp_path / "graphs")
     with pytest.raises(NeuronConfigError, match="block KV layout only.*--enable-prefix-caching"):
         backend.kv_geometry()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_blocks_through_the_runner_arena(tiny, sdk_python, monkeypatch, tmp_path, dtype):
+    """The nxd backend in a runner process (the SDK environment, NxDI being the double):
+    blocks cross the KV arena as raw bytes in NxDI's cache dtype, and a prompt's blocks
+    moved to other blocks decode there as where they were computed."""
+    from neuron_plugin.backends.loader import open_backend
+    from neuron_plugin.backends.runner.client import RunnerBackend
+    from tests.plugin.fake_nxdi.nxdi_release import ROOT as FAKE_ROOT
+
+    repo = FAKE_ROOT.parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(FAKE_ROOT), str(repo), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_NXDI_RELEASE", "0.9-ef2731e")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    s = dataclasses.replace(settings({**PREFIX, "dtype": dtype}), backend_python=sdk_python)
+    backend = open_backend(s, tiny, str(tmp_path / "cache"))
+    assert isinstance(backend, RunnerBackend)
+    try:
+        geometry = backend.kv_geometry()
+        assert geometry == KVGeometry(2, 32, 2, 64, dtype)
+        assert backend.runner.kv.size == geometry.block_bytes * s.max_blocks_per_seq
+        data = torch.randn(geometry.shape(3)).to(geometry.torch_dtype)
+        backend.write_kv_blocks(np.array([9, 4, 12]), data)
+        assert torch.equal(backend.read_kv_blocks(np.array([9, 4, 12])), data)
+        if dtype == "float32":  # the double's token values are exact in float32
+            prompt = np.arange(1, 41)
+            backend.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
+            backend.write_kv_blocks(np.array([5, 7]), backend.read_kv_blocks(np.array([1, 2])))
+            step = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]),
+                                           [[5, 7]])
+            assert backend.forward(step).argmax(-1).tolist() == [expected([*prompt, 70])]
+    finally:
+        backend.close()
