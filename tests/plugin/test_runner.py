@@ -143,17 +143,17 @@ time.sleep(600)
 
 
 
-@pytest.mark.parametrize("where", ["in-process", "runner", "sdk-runner"])
+@pytest.mark.parametrize("where", ["in-process", "sdk-runner"])
 def test_kv_blocks_move_between_backends_through_the_kv_arena(model_dirs, cache_url, where,
                                                              sdk_python):
     """A prompt's blocks read from one backend and written into other blocks of another
-    (in this process, a runner, a runner under the torch-2.9 environment) decode there
+    (in this process, a runner under the torch-2.9 environment) decode there
     exactly as where they were computed; the runner's KV arena is sized from the geometry
     for a request's worth of blocks."""
     import torch
 
     settings = settings_for(True)
-    python = {"in-process": None, "runner": sys.executable, "sdk-runner": sdk_python}[where]
+    python = {"in-process": None, "sdk-runner": sdk_python}[where]
     source = open_backend(settings, model_dirs["llama"], cache_url)
     target = open_backend(dataclasses.replace(settings, backend_python=python),
                           model_dirs["llama"], cache_url)
