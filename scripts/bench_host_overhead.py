@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from neuron_plugin.backends.base import AdapterLoading, StepOutput
+    from neuron_plugin.backends.kv_blocks import KVGeometry
     from neuron_plugin.core.adapters import AdapterWeights
     from neuron_plugin.core.inputs import ForwardInputs
     from neuron_plugin.core.sampling import SamplingInputs
@@ -89,6 +90,16 @@ class HostOnlyBackend:
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         raise ValueError("the host-only backend measures serving without LoRA adapters")
+
+    # No KV cache: nothing to transfer (the benchmark serves no disaggregated requests).
+    def kv_geometry(self) -> KVGeometry:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        raise RuntimeError("the host-only benchmark backend holds no KV cache")
 
 
 def vllm_config_for(model: Path, batch: int, length: int):

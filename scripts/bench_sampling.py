@@ -135,6 +135,16 @@ class SeamMeter:
     def module(self) -> torch.nn.Module | None:
         return self.backend.module
 
+    # KV blocks are not part of this benchmark: passed through uncounted.
+    def kv_geometry(self):
+        return self.backend.kv_geometry()
+
+    def read_kv_blocks(self, block_ids):
+        return self.backend.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids, kv) -> None:
+        self.backend.write_kv_blocks(block_ids, kv)
+
     def reset(self) -> None:
         self.counts = dict.fromkeys(self.counts, 0)
 

@@ -189,3 +189,93 @@ def test_the_served_configuration_resolves_as_vllm_serve_would(model_dirs, tmp_p
     compiled = ("buckets", "graphs", "kv_layout")
     assert [reports[1][k] for k in compiled] == [reports[0][k] for k in compiled]
     assert reports[1]["settings"]["tp_degree"] == settings["tp_degree"]
+
+
+# -- disaggregated prefill and decode (configs/kubernetes/disaggregated/pd.yaml) ------------
+PD = KUBERNETES / "disaggregated" / "pd.yaml"
+
+
+def _pd(kind: str, name: str) -> dict:
+    (found,) = [r for r in yaml.safe_load_all(PD.read_text())
+                if r and r["kind"] == kind and r["metadata"]["name"] == name]
+    return found
+
+
+def _pd_containers() -> dict[str, dict]:
+    pod = _pd("Deployment", "vllm-neuron-pd")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def _pd_serve_config() -> dict:
+    return yaml.safe_load(_pd("ConfigMap", "vllm-neuron-pd-config")["data"]["serve.yaml"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pd_resources_are_valid_kubernetes(version):
+    resources = [r for r in yaml.safe_load_all(PD.read_text()) if r]
+    assert {r["kind"] for r in resources} == {"ConfigMap", "ServiceAccount", "Job",
+                                              "Deployment", "Service"}
+    for resource in resources:
+        kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_pd_prefill_and_decode_share_the_payload_folder_and_the_configuration():
+    containers = _pd_containers()
+    prefill, decode = containers["prefill"], containers["decode"]
+    kv = _pd_serve_config()["kv-transfer-config"]
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (
+        "NeuronKVConnector", "neuron_plugin.kv_transfer.connector")
+    path = kv["kv_connector_extra_config"]["path"]
+    volumes = {v["name"]: v for v in _pd("Deployment", "vllm-neuron-pd")["spec"]["template"][
+        "spec"]["volumes"]}
+    for server in (prefill, decode):
+        assert server["command"][:2] == ["vllm", "serve"]
+        assert _option(server["command"], "--config") == ["/etc/vllm-neuron/serve.yaml"]
+        mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+        assert volumes[mounts[path]]["emptyDir"]["medium"] == "Memory"
+        assert volumes[mounts["/etc/vllm-neuron/serve.yaml"]]["configMap"]["name"] == \
+            "vllm-neuron-pd-config"
+        # each server its own NeuronCores: tensor-parallel-size of them
+        assert server["resources"]["limits"]["aws.amazon.com/neuroncore"] == \
+            _pd_serve_config()["tensor-parallel-size"]
+        (port,) = server["ports"]
+        assert server["readinessProbe"]["httpGet"] == {"path": "/health", "port": port["name"]}
+    assert _env(prefill) == _env(decode)
+    assert "VLLM_NEURON_CACHE_SIGNING_KEY" not in _env(prefill)
+
+
+def test_pd_router_sends_prefill_to_the_prefill_server_and_decode_to_the_decode_server():
+    containers = _pd_containers()
+    command = containers["router"]["command"]
+    assert command[0] == "vllm-router" and "--vllm-pd-disaggregation" in command
+    ports = {name: containers[name]["ports"][0]["containerPort"] for name in ("prefill",
+                                                                                "decode")}
+    for role in ("prefill", "decode"):
+        assert _option(command, f"--{role}") == [f"http://127.0.0.1:{ports[role]}"]
+        assert _option(containers[role]["command"], "--port") == [str(ports[role])]
+    service = _pd("Service", "vllm-neuron-pd")
+    labels = _pd("Deployment", "vllm-neuron-pd")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] in {
+        p["name"] for p in containers["router"]["ports"]}
+    job = _pd("Job", "vllm-neuron-pd-precompile")["spec"]["template"]["spec"]
+    (precompile,) = job["containers"]
+    assert _option(precompile["command"], "--config") == ["/etc/vllm-neuron/serve.yaml"]
+    assert {c["image"] for c in [precompile, *containers.values()]} == {
+        "vllm-neuron-plugin:0.1.0"}
+
+
+def test_pd_served_configuration_resolves_as_vllm_serve_would(model_dirs, tmp_path):
+    """The disaggregated servers' flags (the plugin's connector, the block layout) pass
+    `neuron-plugin explain-config` as `vllm serve` would resolve them."""
+    serve = _pd_serve_config() | {"model": str(model_dirs["qwen3"])}
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve))
+    cli = str(Path(sys.executable).with_name("neuron-plugin"))
+    env = dict(os.environ, VLLM_NEURON_BACKEND="nxd", NEURON_RT_VISIBLE_CORES="0")
+    done = subprocess.run([cli, "explain-config", "--config", str(config), "--json"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["kv_layout"]["layout"] == "block"
+    assert report["kv_layout"]["block_size"] == serve["block-size"]

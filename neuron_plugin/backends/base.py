@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import (
@@ -209,6 +210,20 @@ class LoadedBackend(Protocol):
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """Write a LoRA adapter into slot `slot` (1..settings.max_loras), replacing the
         one there; rows whose `adapter_slots` name the slot use it from the next call."""
+
+    # KV blocks (prefill/decode disaggregation, `kv_blocks`): block layout only, and
+    # never while a submitted call is in flight.
+    def kv_geometry(self) -> KVGeometry:
+        """What one KV block holds (layers, block size, stored KV heads, head dim, dtype)."""
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """The blocks `block_ids`, every layer's K and V in one layer-major tensor
+        `kv_geometry().shape(len(block_ids))` (a runner's is a view of its KV arena,
+        valid until the next call)."""
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        """Overwrite the blocks `block_ids` with `kv`, laid out as `read_kv_blocks`
+        answers them."""
 
 
 class InlineCalls:

@@ -12,10 +12,13 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
+
+if TYPE_CHECKING:
+    from neuron_plugin.core.kv_transfer import KVTransferLimits
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -79,6 +82,8 @@ class EngineLimits:
     lora_target_modules: tuple[str, ...] | None = None
     lora_dtype: str | None = None
     fully_sharded_loras: bool = False
+    # vLLM's --kv-transfer-config (prefill/decode disaggregation), None without it.
+    kv_transfer: KVTransferLimits | None = None
 
 
 @dataclass(frozen=True)

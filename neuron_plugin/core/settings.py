@@ -29,6 +29,7 @@ from neuron_plugin.core.kv_layout import (
     resolve_blocks,
     resolve_kv_layout,
 )
+from neuron_plugin.core.kv_transfer import kv_transfer_problems
 from neuron_plugin.core.lora import resolve_lora
 from neuron_plugin.core.memory import SequenceBudget
 from neuron_plugin.core.neuron_settings import (
@@ -229,6 +230,9 @@ def resolve_settings(
         on_device_sampling=on_device,
         batch_bucketing=bool(batches) and list(batches) != [limits.max_num_seqs],
     )
+    transfer_problems = kv_transfer_problems(limits.kv_transfer, kv_layout, reason, draft_model)
+    if transfer_problems:
+        raise NeuronConfigError(" ".join(transfer_problems))
     grids = resolve_grids(
         limits,
         override,

@@ -122,13 +122,6 @@ VLLM_FLAGS = (
         "size it with --max-num-seqs (and --num-gpu-blocks-override in the block layout)",
     ),
     VllmFlag(
-        "--kv-transfer-config",
-        "kv_transfer_config",
-        (None,),
-        _NO_GPU_KV,
-        "remove --kv-transfer-config (disaggregated prefill is not supported)",
-    ),
-    VllmFlag(
         "--ec-transfer-config",
         "ec_transfer_config",
         (None,),

@@ -42,6 +42,11 @@ Request bookkeeping follows vLLM's GPU runner contract (`InputBatch`,
 `CachedRequestState`); the sequence slot of a request in the contiguous layout is its
 single vLLM block id minus one, so the scheduler's allocator frees and reassigns slots
 on finish, abort and preemption without a second allocator that could drift.
+
+With a KV connector (prefill/decode disaggregation) every step makes vLLM's connector
+calls (`serving.kv_steps`): loads at the start of `execute_model`, when no backend call
+is in flight, and saves when the step completes, before its output leaves the worker;
+steps without scheduled tokens make them too.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.serving.adapters import AdapterStore
 from neuron_plugin.serving.drafts import Drafts
 from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
+from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
 from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
 
@@ -144,6 +150,8 @@ class NeuronModelRunner:
         self.drafts = Drafts.for_settings(vllm_config, settings)
         # LoRA: the adapters on the host and in the backend's slots (None: LoRA off).
         self.adapters = adapters
+        # vLLM's KV connector (prefill/decode disaggregation), set by the worker.
+        self.kv_transfer: KVTransferSteps | None = None
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -375,8 +383,14 @@ class NeuronModelRunner:
         # of each request (update_states) build on them.
         self._complete_in_flight()
         started = time.perf_counter()
+        if self.kv_transfer is not None:  # loads write the cache: nothing is in flight
+            self.kv_transfer.begin(so)
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            if self.kv_transfer is not None:
+                return ModelRunnerOutput.with_kv_conn_output_only(
+                    self.kv_transfer.finish(so.finished_req_ids)
+                )
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -502,6 +516,10 @@ class NeuronModelRunner:
             self._collect(step)
             logprobs = self._host_sample(step) if step.host.any() else None
             step.output = self._output(step, logprobs)
+            if self.kv_transfer is not None:  # saves read what the step's calls wrote
+                step.output.kv_connector_output = self.kv_transfer.finish(
+                    step.scheduler_output.finished_req_ids
+                )
             if self._in_flight is step:
                 self._in_flight = None
             step.active_s += time.perf_counter() - started

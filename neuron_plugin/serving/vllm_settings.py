@@ -29,6 +29,7 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
+from neuron_plugin.core.kv_transfer import KVTransferLimits
 from neuron_plugin.core.memory import (
     DTYPE_BYTES,
     SequenceBudget,
@@ -105,6 +106,19 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         vllm_flags=vllm_flag_values(vllm_config),
         **speculative_limits(vllm_config.speculative_config),
         **lora_limits(vllm_config.lora_config),
+        kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
+    )
+
+
+def kv_transfer_limits(config: Any) -> KVTransferLimits | None:
+    """vLLM's KVTransferConfig, the fields the platform checks (None without one)."""
+    if config is None:
+        return None
+    return KVTransferLimits(
+        connector=config.kv_connector,
+        module_path=config.kv_connector_module_path,
+        role=config.kv_role,
+        extra=dict(config.kv_connector_extra_config or {}),
     )
 
 

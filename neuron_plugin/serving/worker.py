@@ -38,6 +38,7 @@ from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.lora import LoraGeometry, lora_summary
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.serving.adapters import AdapterStore
+from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.model_runner import NeuronModelRunner
 from neuron_plugin.serving.observers import RequestTrace, StepObserver
 from neuron_plugin.serving.telemetry import StepTelemetry
@@ -204,6 +205,38 @@ class NeuronWorker(WorkerBase):
                 f"--num-gpu-blocks-override {self.settings.num_blocks} or remove "
                 f"conflicting overrides."
             )
+        if self.vllm_config.kv_transfer_config is not None:
+            self._start_kv_transfer(kv_cache_config)
+
+    def _start_kv_transfer(self, kv_cache_config: KVCacheConfig) -> None:
+        """vLLM's worker-side KV connector, bound to the backend that owns the cache
+        (the platform admits NeuronKVConnector only: core.kv_transfer)."""
+        from vllm.distributed.kv_transfer import (
+            ensure_kv_transfer_initialized,
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        from neuron_plugin.kv_transfer.connector import NeuronKVConnector
+
+        ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+        if not has_kv_transfer_group():
+            return
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, NeuronKVConnector):
+            raise NeuronConfigError(
+                f"--kv-transfer-config built {type(connector).__name__}, which cannot reach "
+                f"a KV cache held by the Neuron backend; use NeuronKVConnector "
+                f"(README 'Disaggregated prefill and decode')."
+            )
+        runner = self._runner()
+        connector.bind_backend(runner.backend)
+        runner.kv_transfer = KVTransferSteps(connector, self.vllm_config)
+
+    def get_kv_connector_handshake_metadata(self) -> dict | None:
+        """vLLM's engine asks every worker when a connector is configured; the plugin's
+        connector exchanges nothing at start (the payload carries what it needs)."""
+        return None
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Compilation and warm-up happen in load_model, through the compile cache.
@@ -230,6 +263,10 @@ class NeuronWorker(WorkerBase):
         return module
 
     def shutdown(self) -> None:
+        if self.vllm_config.kv_transfer_config is not None:
+            from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+            ensure_kv_transfer_shutdown()
         self.telemetry.close()
         close = getattr(self.backend, "close", None)  # a runner process has one
         if close is not None:

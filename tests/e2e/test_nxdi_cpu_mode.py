@@ -162,3 +162,45 @@ def test_real_nxdi_graphs_return_logits_only_for_steps_with_host_rows(
     for seq in (0, 3):
         prompt = device["prompts"][seq]
         assert device["tokens"][seq] == oracles("llama").generate(prompt, STEPS + 1)
+
+
+# -- KV blocks out of and into real NxDI (prefill/decode disaggregation) ---------------------
+KV_PROBE = Path(__file__).with_name("nxdi_kv_probe.py")
+
+
+def test_real_nxdi_kv_blocks_move_to_another_backend_and_decode_there(nxdi_python, model_dirs,
+                                                                       oracles):
+    """NxDI's own block KV cache (its CPU mode, the prefix-caching layout): a prompt's
+    blocks read from one backend and written into other blocks of a second decode there
+    to transformers' tokens, as on the backend that computed them."""
+    from neuron_plugin.core.settings import EngineLimits, resolve_settings
+
+    limits = EngineLimits(max_model_len=256, max_num_seqs=4, block_size=32,
+                          enable_prefix_caching=True, enable_chunked_prefill=False,
+                          max_num_batched_tokens=256, dtype="float32", tp_degree=1)
+    settings = resolve_settings(limits, {"on_cpu": True,
+                                         "context_encoding_buckets": [32, 64, 128, 256],
+                                         "token_generation_buckets": [64, 128, 256]},
+                                backend="nxd", architecture="LlamaForCausalLM")
+    model = model_dirs["llama"]
+    prompt = corpus_token_ids(model, 45, offset=321)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "NXD_CPU_MODE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [nxdi_python, str(KV_PROBE), json.dumps(settings.to_dict()), str(model),
+         json.dumps(prompt), str(NEW_TOKENS - 1)],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # NxDI's prefix-caching cache: pa_num_blocks + 1 blocks, the block dimension tiled
+    # (8 blocks a sequence < 128), 2 KV heads of 64 (block_kv_cache_manager.py)
+    assert report["state_shape"] == [settings.num_blocks + 1, 16, 2, 2, 64]
+    assert report["geometry"] == {"layers": 2, "block_size": 32, "kv_heads": 2,
+                                  "head_dim": 64, "dtype": "float32"}
+    assert report["kv_shape"] == [2, 2, 2, 32, 2, 64]
+    assert report["round_trip_equal"] and report["nonzero"]
+    expected = oracles("llama").generate(prompt, NEW_TOKENS)
+    assert report["prefill_tokens"] == expected
+    assert report["moved_tokens"] == expected

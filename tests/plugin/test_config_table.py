@@ -32,6 +32,8 @@ PREFIX = {"enable_prefix_caching": True}
 NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                 "prompt_lookup_max": 3}}
 NXD = {"VLLM_NEURON_BACKEND": "nxd"}
+NEURON_KV = {"kv_connector": "NeuronKVConnector", "kv_role": "kv_both",
+             "kv_connector_module_path": "neuron_plugin.kv_transfer.connector"}
 
 ROWS = [
     # -- vLLM flags the platform cannot honour ---------------------------------------
@@ -57,9 +59,22 @@ ROWS = [
     Row("kv-cache-memory-bytes", {"kv_cache_memory_bytes": 1_000_000},
         ("--kv-cache-memory-bytes 1000000", "--max-num-seqs",
          "--num-gpu-blocks-override")),
-    Row("disaggregated-prefill", {"kv_transfer_config": {"kv_connector": "ExampleConnector",
-                                                         "kv_role": "kv_both"}},
-        ("--kv-transfer-config", "remove --kv-transfer-config")),
+    # Disaggregated prefill is served with the plugin's connector in the block layout.
+    Row("kv-connector-of-vllm", {**PREFIX, "kv_transfer_config": {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+        ('--kv-transfer-config {"kv_connector": "NixlConnector", '
+         '"kv_connector_module_path": null} is not supported on Neuron',
+         "the KV cache lives in the compiled NxD graphs", '"kv_connector": "NeuronKVConnector"',
+         '"kv_connector_module_path": "neuron_plugin.kv_transfer.connector"')),
+    Row("kv-transfer-contiguous-layout", {"kv_transfer_config": {**NEURON_KV}},
+        ("--kv-transfer-config needs the block KV layout", "contiguous",
+         "block_size = max_model_len", "pass --enable-prefix-caching")),
+    Row("kv-transfer-unknown-option", {**PREFIX, "kv_transfer_config": {
+        **NEURON_KV, "kv_connector_extra_config": {"path": "/dev/shm/kv", "dir": "x"}}},
+        ("kv_connector_extra_config has unknown keys ['dir']", "remove the others")),
+    Row("kv-transfer-relative-path", {**PREFIX, "kv_transfer_config": {
+        **NEURON_KV, "kv_connector_extra_config": {"path": "kv"}}},
+        ("kv_connector_extra_config.path='kv' must be an absolute folder path",)),
     Row("encoder-cache-transfer", {"ec_transfer_config": {"ec_connector": "x",
                                                           "ec_role": "ec_both"}},
         ("--ec-transfer-config", "remove --ec-transfer-config")),
@@ -324,3 +339,25 @@ def test_every_refused_flag_is_read_from_vllms_config(model_dirs, clean_env):
     values = vllm_flag_values(config)
     assert sorted(values) == sorted(flag.flag for flag in VLLM_FLAGS)
     assert flag_problems(values) == []
+
+
+def test_the_plugin_connector_is_served_in_the_block_layout(model_dirs, clean_env):
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(model_dirs["llama"]), dtype="float32", max_model_len=512,
+                        max_num_seqs=4, enable_prefix_caching=True,
+                        enable_chunked_prefill=False,
+                        kv_transfer_config=NEURON_KV).create_engine_config()
+    assert config.kv_transfer_config.kv_connector == "NeuronKVConnector"
+    assert config.cache_config.block_size == 32
+
+
+def test_a_draft_model_is_refused_with_kv_transfer():
+    from neuron_plugin.core.kv_transfer import KVTransferLimits, kv_transfer_problems
+
+    limits = KVTransferLimits(NEURON_KV["kv_connector"], NEURON_KV["kv_connector_module_path"],
+                              "kv_both")
+    assert kv_transfer_problems(limits, "block", "prefix caching on", None) == []
+    (problem,) = kv_transfer_problems(limits, "block", "prefix caching on", "/models/draft")
+    assert "--speculative-config model=/models/draft" in problem
+    assert "the draft's own KV cache is not transferred" in problem and "ngram" in problem

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from neuron_plugin.backends.base import graph_specs, run_graph_once
+from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.backend import DISTRIBUTIONS, NxDBackend
 from neuron_plugin.backends.nxd.graphs import LOGITS_TAG
@@ -749,3 +750,97 @@ def test_decode_pads_leave_other_requests_lines_alone(seam, tiny, tmp_path):
     assert backend.forward(alone).argmax(-1).tolist() == [expected([*first, 7])]
     later = token_generation_inputs(s, np.array([8]), np.array([20]), np.array([1]), None)
     assert backend.forward(later).argmax(-1).tolist() == [expected([*second, 8])]
+
+
+# -- KV blocks (prefill/decode disaggregation) ------------------------------------------------
+def test_kv_blocks_are_nxdi_state_tensors_moved_between_servers(seam, tiny, tmp_path):
+    """The double holds NxDI's prefix-caching state (block_kv_cache_manager: pa_num_blocks
+    + 1 blocks, the block dimension tiled under 128 blocks a sequence, KV heads split over
+    the TP ranks): a prompt's blocks read from one backend and written into other blocks
+    of another decode there as they would where they were computed."""
+    s = settings(PREFIX)
+    prefill = loaded(s, tiny, tmp_path / "p")
+    decode = loaded(s, tiny, tmp_path / "d")
+    state = prefill.model.context_encoding_model.model.nxd_model.state
+    assert state[0]["kv_mgr.past_key_values.0"].shape == (s.num_blocks + 1, 16, 2, 1, 64)
+    geometry = prefill.kv_geometry()
+    assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=2, head_dim=64,
+                                  dtype="float32")
+    prompt = np.arange(1, 41)  # a block and a part
+    prefill.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
+    kv = prefill.read_kv_blocks(np.array([1, 2])).clone()
+    assert kv.shape == geometry.shape(2)
+    decode.write_kv_blocks(np.array([5, 7]), kv)
+    assert torch.equal(decode.read_kv_blocks(np.array([5, 7])), kv)
+    step = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]), [[5, 7]])
+    assert decode.forward(step).argmax(-1).tolist() == [expected([*prompt, 70])]
+
+
+def test_kv_blocks_are_layer_major_with_ranks_heads_in_order(release, tiny, tmp_path):
+    s = settings(PREFIX)
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    kv = torch.randn(backend.kv_geometry().shape(2))
+    backend.write_kv_blocks(np.array([3, 9]), kv)
+    state = backend.model.context_encoding_model.model.nxd_model.state
+    for layer in range(2):
+        for kind in range(2):  # K, V
+            for rank in range(2):
+                tensor = state[rank][f"kv_mgr.past_key_values.{2 * layer + kind}"]
+                blocks = tensor.view(s.num_blocks + 1, 32, 1, 64)
+                assert torch.equal(blocks[9], kv[layer, kind, 1, :, rank : rank + 1])
+    assert torch.equal(backend.read_kv_blocks(np.array([9, 3])), kv[:, :, [1, 0]])
+
+
+@pytest.mark.parametrize("block_ids, message", [
+    ([0], r"outside 1\.\.32 \(block 0 is vLLM's null block\)"),
+    ([33], "outside 1..32"),
+    ([4, 4], "repeat a block"),
+    (list(range(1, 10)), "a request holds 1 to 8"),
+])
+def test_kv_block_ids_outside_a_request_are_refused(release, tiny, tmp_path, block_ids, message):
+    backend = loaded(settings(PREFIX), tiny, tmp_path / "graphs")
+    with pytest.raises(ValueError, match=message):
+        backend.read_kv_blocks(np.array(block_ids))
+    with pytest.raises(ValueError, match="do not fit this backend's cache"):
+        backend.write_kv_blocks(np.array([1]), torch.zeros(2, 2, 1, 32, 2, 32))
+
+
+def test_kv_blocks_need_the_block_layout(release, tiny, tmp_path):
+    backend = loaded(settings(), tiny, tmp_path / "graphs")
+    with pytest.raises(NeuronConfigError, match="block KV layout only.*--enable-prefix-caching"):
+        backend.kv_geometry()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_blocks_through_the_runner_arena(tiny, sdk_python, monkeypatch, tmp_path, dtype):
+    """The nxd backend in a runner process (the SDK environment, NxDI being the double):
+    blocks cross the KV arena as raw bytes in NxDI's cache dtype, and a prompt's blocks
+    moved to other blocks decode there as where they were computed."""
+    from neuron_plugin.backends.loader import open_backend
+    from neuron_plugin.backends.runner.client import RunnerBackend
+    from tests.plugin.fake_nxdi.nxdi_release import ROOT as FAKE_ROOT
+
+    repo = FAKE_ROOT.parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(FAKE_ROOT), str(repo), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_NXDI_RELEASE", "0.9-ef2731e")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    s = dataclasses.replace(settings({**PREFIX, "dtype": dtype}), backend_python=sdk_python)
+    backend = open_backend(s, tiny, str(tmp_path / "cache"))
+    assert isinstance(backend, RunnerBackend)
+    try:
+        geometry = backend.kv_geometry()
+        assert geometry == KVGeometry(2, 32, 2, 64, dtype)
+        assert backend.runner.kv.size == geometry.block_bytes * s.max_blocks_per_seq
+        data = torch.randn(geometry.shape(3)).to(geometry.torch_dtype)
+        backend.write_kv_blocks(np.array([9, 4, 12]), data)
+        assert torch.equal(backend.read_kv_blocks(np.array([9, 4, 12])), data)
+        if dtype == "float32":  # the double's token values are exact in float32
+            prompt = np.arange(1, 41)
+            backend.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
+            backend.write_kv_blocks(np.array([5, 7]), backend.read_kv_blocks(np.array([1, 2])))
+            step = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]),
+                                           [[5, 7]])
+            assert backend.forward(step).argmax(-1).tolist() == [expected([*prompt, 70])]
+    finally:
+        backend.close()

@@ -16,6 +16,7 @@ import pytest
 
 from neuron_plugin.backends.loader import open_backend
 from neuron_plugin.backends.runner.client import RunnerBackend, RunnerError
+from neuron_plugin.backends.runner.protocol import ProtocolError
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 from tests.e2e.support import alive
@@ -142,6 +143,64 @@ time.sleep(600)
     assert not alive(runner_pid), "the runner outlived its parent"
 
 
+
+
+@pytest.mark.parametrize("where", ["in-process", "sdk-runner"])
+def test_kv_blocks_move_between_backends_through_the_kv_arena(model_dirs, cache_url, where,
+                                                             sdk_python):
+    """A prompt's blocks read from one backend and written into other blocks of another
+    (in this process, a runner under the torch-2.9 environment) decode there
+    exactly as where they were computed; the runner's KV arena is sized from the geometry
+    for a request's worth of blocks."""
+    import torch
+
+    settings = settings_for(True)
+    python = {"in-process": None, "sdk-runner": sdk_python}[where]
+    source = open_backend(settings, model_dirs["llama"], cache_url)
+    target = open_backend(dataclasses.replace(settings, backend_python=python),
+                          model_dirs["llama"], cache_url)
+    try:
+        prompt = np.arange(3, 43, dtype=np.int64)
+        source.forward(context_encoding_inputs(settings, prompt, 0, 0, [1, 2]))
+        kv = source.read_kv_blocks(np.array([1, 2]))
+        geometry = target.kv_geometry()
+        assert geometry == source.kv_geometry()
+        assert kv.shape == geometry.shape(2) == (2, 2, 2, 32, 2, 64)
+        target.write_kv_blocks(np.array([4, 3]), kv)
+        assert torch.equal(target.read_kv_blocks(np.array([4, 3])), kv)
+        if python is not None:
+            assert target.runner.kv.size == geometry.block_bytes * settings.max_blocks_per_seq
+        step = [np.array([7]), np.array([40]), np.array([0])]
+        here = source.forward(token_generation_inputs(settings, *step, [[1, 2]])).clone()
+        there = target.forward(token_generation_inputs(settings, *step, [[4, 3]]))
+        assert torch.equal(here, there)
+    finally:
+        if python is not None:
+            target.close()
+
+
+def test_kv_block_errors_cross_the_boundary(model_dirs, cache_url):
+    import torch
+
+    settings = settings_for(True, backend_python=sys.executable)
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    try:
+        with pytest.raises(RunnerError, match="repeat a block"):
+            backend.read_kv_blocks(np.array([2, 2]))
+        with pytest.raises(RunnerError, match="do not fit this backend's cache"):
+            backend.write_kv_blocks(np.array([1]), torch.zeros(2, 2, 2, 32, 2, 64))
+        more = torch.zeros(backend.kv_geometry().shape(settings.max_blocks_per_seq + 1))
+        with pytest.raises(ProtocolError, match="do not fit the KV arena"):
+            backend.write_kv_blocks(np.arange(1, settings.max_blocks_per_seq + 2), more)
+    finally:
+        backend.close()
+    contiguous = open_backend(settings_for(False, backend_python=sys.executable),
+                              model_dirs["llama"], cache_url)
+    try:
+        with pytest.raises(NeuronConfigError, match="block KV layout only"):
+            contiguous.kv_geometry()
+    finally:
+        contiguous.close()
 
 
 def test_doctor_checks_the_runner_interpreter(tmp_path):

@@ -50,8 +50,10 @@ from neuron_plugin.backends.base import (
     with_draft_config,
     write_artifact_record,
 )
+from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
 from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters
 from neuron_plugin.backends.nxd.models import (
     NxDIModelClass,
@@ -345,6 +347,24 @@ class NxDBackend(InlineCalls):
         state = self.model.context_encoding_model.model.nxd_model.state
         names = list(state[0])
         return [rank_state[name] for name in names for rank_state in state]
+
+    # -- KV blocks (backends.kv_blocks, nxd.kv_state) ------------------------------------
+    def _kv_state(self) -> NxDKVState:
+        require_block_layout(self.settings)
+        if self.model is None:
+            raise RuntimeError("KV blocks of an NxD backend that is not loaded")
+        return NxDKVState(self.model, self.settings, self.on_cpu)
+
+    def kv_geometry(self) -> KVGeometry:
+        return self._kv_state().geometry()
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        state = self._kv_state()
+        return state.read(checked_block_ids(block_ids, self.settings))
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        state = self._kv_state()
+        state.write(checked_block_ids(block_ids, self.settings), kv)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         if inputs.num_real == 0:

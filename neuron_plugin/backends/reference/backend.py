@@ -40,6 +40,12 @@ from neuron_plugin.backends.base import (
     with_draft_config,
     write_artifact_record,
 )
+from neuron_plugin.backends.kv_blocks import (
+    KVGeometry,
+    check_blocks_tensor,
+    checked_block_ids,
+    require_block_layout,
+)
 from neuron_plugin.backends.reference.decoder import (
     DecoderGraph,
     DecoderSpec,
@@ -421,6 +427,46 @@ class ReferenceBackend(InlineCalls):
             tokens=tokens.reshape(rows, -1)[: inputs.num_real].numpy().astype(np.int32),
             logits=logits.index_select(0, wanted),
         )
+
+    # -- KV blocks (backends.kv_blocks) ----------------------------------------------
+    def kv_geometry(self) -> KVGeometry:
+        require_block_layout(self.settings)
+        if self.draft is not None:
+            raise NeuronConfigError(
+                "KV blocks of a fused draft model's cache are not transferred; remove "
+                "--speculative-config (or use method ngram) on a disaggregated server."
+            )
+        spec = self.spec
+        return KVGeometry(
+            spec.num_layers,
+            self.settings.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            self.settings.dtype,
+        )
+
+    def _block_slots(self, block_ids: np.ndarray) -> torch.Tensor:
+        size = self.settings.block_size
+        ids = checked_block_ids(block_ids, self.settings)
+        return torch.from_numpy((ids[:, None] * size + np.arange(size)).reshape(-1))
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        geometry = self.kv_geometry()
+        slots = self._block_slots(block_ids)
+        assert self.k_cache is not None and self.v_cache is not None  # loaded
+        kv = torch.stack(
+            (self.k_cache.index_select(1, slots), self.v_cache.index_select(1, slots)), dim=1
+        )
+        return kv.reshape(geometry.shape(slots.numel() // geometry.block_size))
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        geometry = self.kv_geometry()
+        slots = self._block_slots(block_ids)
+        check_blocks_tensor(geometry, slots.numel() // geometry.block_size, kv)
+        assert self.k_cache is not None and self.v_cache is not None  # loaded
+        rows = kv.reshape(geometry.layers, 2, slots.numel(), geometry.kv_heads, geometry.head_dim)
+        self.k_cache.index_copy_(1, slots, rows[:, 0])
+        self.v_cache.index_copy_(1, slots, rows[:, 1])
 
 
 class Draft:

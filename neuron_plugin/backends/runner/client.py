@@ -24,9 +24,11 @@ import torch
 from compile_cache.cache import CacheResult
 from neuron_plugin import BACKEND_PYTHON_ENV, plugin_logger
 from neuron_plugin.backends.base import AdapterLoading, StepOutput
+from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
     Arena,
+    KVArena,
     encode_inputs,
     encode_sampling,
     input_arena_bytes,
@@ -72,7 +74,8 @@ class RunnerProcess:
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.inputs = Arena.create("neuron-runner-inputs", input_bytes)
         self.outputs = Arena.create("neuron-runner-outputs", output_bytes)
-        fds = (self.inputs.fd, self.outputs.fd)
+        self.kv = KVArena.create("neuron-runner-kv")  # sized on first use
+        fds = (self.inputs.fd, self.outputs.fd, self.kv.fd)
         try:
             self.process = subprocess.Popen(
                 [
@@ -87,6 +90,8 @@ class RunnerProcess:
                     str(fds[1]),
                     "--output-bytes",
                     str(output_bytes),
+                    "--kv-fd",
+                    str(fds[2]),
                     "--parent-pid",
                     str(os.getpid()),
                 ],
@@ -201,6 +206,7 @@ class RunnerProcess:
     def _close_arenas(self) -> None:
         self.inputs.close()
         self.outputs.close()
+        self.kv.close()
 
 
 def probe(python: str, backend: str) -> dict[str, Any]:
@@ -254,6 +260,7 @@ class RunnerBackend:
         self.last_backend_s = 0.0
         self._in_flight = False  # a submitted "run" whose reply is not read yet
         self.adapter_loading = AdapterLoading()  # the loaded backend's, once loaded
+        self._kv_geometry: KVGeometry | None = None
         logger.info(self.runner.describe())
 
     @property
@@ -347,12 +354,48 @@ class RunnerBackend:
             backend_s=self.last_backend_s,
         )
 
+    def _idle(self, op: str) -> None:
+        if self._in_flight:  # the runner is computing; its arenas are in use
+            raise RunnerError(f"{op} while a submitted call is in flight: collect it first")
+
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """The adapter's arrays through the input arena into the runner's slot `slot`."""
-        if self._in_flight:  # the call's inputs are still in the input arena
-            raise RunnerError("set_adapter while a submitted call is in flight: collect it first")
+        self._idle("set_adapter")
         layout = self.runner.inputs.put(adapter.arrays())
         self.runner.request("set_adapter", slot=slot, adapter=adapter.describe(), arrays=layout)
+
+    # -- KV blocks through the KV arena (protocol docstring) ------------------------------
+    def kv_geometry(self) -> KVGeometry:
+        """The backend's KV geometry; the first call sizes the KV arena for a request's
+        worth of blocks and has the runner map it."""
+        if self._kv_geometry is None:
+            self._idle("kv_geometry")
+            geometry = KVGeometry.from_dict(self.runner.request("kv_geometry")["geometry"])
+            size = geometry.block_bytes * self.settings.max_blocks_per_seq
+            self.runner.kv.resize(size)
+            self.runner.request("map_kv_arena", bytes=size)
+            self._kv_geometry = geometry
+        return self._kv_geometry
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """A view of the KV arena, valid until the next KV call."""
+        self.kv_geometry()
+        self._idle("read_kv_blocks")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        reply = self.runner.request(
+            "read_kv_blocks", arrays=self.runner.inputs.put({"block_ids": ids})
+        )
+        return self.runner.kv.get(reply["kv"])
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None:
+        self.kv_geometry()
+        self._idle("write_kv_blocks")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self.runner.request(
+            "write_kv_blocks",
+            arrays=self.runner.inputs.put({"block_ids": ids}),
+            kv=self.runner.kv.put(kv),
+        )
 
     def ping(self) -> None:
         """An empty round trip (the protocol's fixed cost, for benchmarks)."""

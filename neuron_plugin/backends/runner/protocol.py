@@ -4,18 +4,34 @@ Control: each message is a 4-byte little-endian length and a UTF-8 JSON object; 
 carry "op", replies carry "ok" (and "error" when false). JSON, so nothing received can
 run code. Arrays: the client writes a call's arrays into the input arena and sends their
 layout ({name: [dtype, shape, offset]}); the runner answers with the output arena's
-layout. A serving call ("run") sends its `SamplingInputs` arrays with its inputs (17
-bytes a row, and 4 more per extra draw with speculation) and gets back a row's tokens (4
-bytes, or 4 per position with speculation) plus logits only for the rows whose sampling
-needs the host; "forward" gets every row's logits; "set_adapter" sends a LoRA adapter's
-A and B arrays (float32, per target module) for a slot, between calls. Replies carry
-"backend_s", the backend's own time, so the boundary's cost can be told from the
-model's. Both arenas are memfd-backed mappings the client creates before starting the
-runner (inherited file descriptors), sized once from the settings, so they vanish with
-the last process holding them: nothing is left in /dev/shm after a crash. Requests are
-answered in order, one at a time, so a client may send a "run" and read its reply later
-(`RunnerBackend.submit`/`collect`: the forward overlaps the host's next step) as long as
-it sends nothing else, and writes nothing into the arenas, until it has read that reply.
+layout. Operations:
+- "hello" (protocol version, backend), "load", "compile", "manifest" and "quantize"
+  (writes the quantized checkpoint the settings name) carry settings and a model folder,
+  no arrays; "load" answers which LoRA adapters the backend takes (`AdapterLoading`).
+- "run", a serving call: every `ForwardInputs` array (`adapter_slots` [rows] int64, each
+  row's LoRA slot, with LoRA on) and the call's `SamplingInputs` arrays ("sampling."
+  names: top_k, top_p, temperature, needs_logits [rows] and uniform [rows, draws]
+  float32, 17 bytes a row and 4 more per extra draw with speculation); it answers the
+  rows' tokens [rows, width] int32 (width 1, or speculation_length with speculation,
+  padded with -1) plus logits only for the rows whose sampling needs the host.
+- "forward": the same inputs, every row's logits.
+- "set_adapter": a LoRA adapter's A and B arrays (float32, per target module) for a
+  slot, between calls.
+- "kv_geometry", "map_kv_arena", "read_kv_blocks", "write_kv_blocks": KV blocks
+  (prefill/decode disaggregation, `backends.kv_blocks`): block ids [n] int64 in the
+  input arena, the blocks themselves in the KV arena (below).
+- "ping": an empty round trip; "shutdown".
+Call replies carry "backend_s", the backend's own time, so the boundary's cost can be
+told from the model's. Both arenas are memfd-backed mappings the client creates before
+starting the runner (inherited file descriptors), sized once from the settings, so they
+vanish with the last process holding them: nothing is left in /dev/shm after a crash.
+KV blocks go through a third memfd mapping, the KV arena, sized once the backend's KV
+geometry is known for a request's worth of blocks (`max_model_len / block_size` of
+them): raw tensor bytes described by {"dtype", "shape"} in the message, a dtype of
+`kv_blocks.TORCH_DTYPES` only. Requests are answered in order, one at a time, so a
+client may send a "run" and read its reply later (`RunnerBackend.submit`/`collect`: the
+forward overlaps the host's next step) as long as it sends nothing else, and writes
+nothing into the arenas, until it has read that reply.
 """
 
 from __future__ import annotations
@@ -30,16 +46,18 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 import numpy as np
+import torch
 
 from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.backends.kv_blocks import TORCH_DTYPES
 from neuron_plugin.core.inputs import ForwardInputs, decode_width, padding_inputs
 from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
 
 # 3: tokens and draws [rows, positions] (speculative decoding); 4: adapter_slots and
-# "set_adapter" (LoRA)
-PROTOCOL_VERSION = 4
+# "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation)
+PROTOCOL_VERSION = 5
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
 SAMPLING_PREFIX = "sampling."
 ALIGN = 64
@@ -126,6 +144,72 @@ class Arena:
         # A caller may still hold a view; the mapping then goes when that view does.
         with contextlib.suppress(BufferError):
             self.map.close()
+        os.close(self.fd)
+
+
+class KVArena:
+    """The KV arena: a memfd both processes map once its size is known (`map`); the
+    client, which created it, sizes it."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.size = 0
+        self.map: mmap.mmap | None = None
+
+    @classmethod
+    def create(cls, name: str) -> KVArena:
+        return cls(os.memfd_create(name, 0))  # no MFD_CLOEXEC: the runner inherits it
+
+    def resize(self, size: int) -> None:
+        """The client: grow the file to `size` bytes and map it."""
+        os.ftruncate(self.fd, size)
+        self.attach(size)
+
+    def attach(self, size: int) -> None:
+        """Map the first `size` bytes (the runner maps what the client sized)."""
+        if os.fstat(self.fd).st_size < size:
+            raise ProtocolError(f"the KV arena holds {os.fstat(self.fd).st_size} bytes, not {size}")
+        self._unmap()
+        self.map = mmap.mmap(self.fd, size)
+        self.size = size
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self.map is None or nbytes > self.size:
+            raise ProtocolError(
+                f"{nbytes} bytes of KV blocks do not fit the KV arena ({self.size} bytes, "
+                f"a request's worth of blocks)"
+            )
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes)
+
+    def put(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """Copy a tensor's bytes in; its description for the other side."""
+        name = next((n for n, d in TORCH_DTYPES.items() if d == tensor.dtype), None)
+        if name is None:
+            raise ProtocolError(f"KV blocks in {tensor.dtype} cannot cross the runner boundary")
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self._buffer(raw.numel()).copy_(raw)
+        return {"dtype": name, "shape": list(tensor.shape)}
+
+    def get(self, description: Mapping[str, Any]) -> torch.Tensor:
+        """A view (no copy) of the tensor a description names, checked."""
+        dtype, shape = description.get("dtype"), description.get("shape")
+        if dtype not in TORCH_DTYPES:
+            raise ProtocolError(f"KV blocks in dtype {dtype!r}, not one of {sorted(TORCH_DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ProtocolError(f"KV blocks of shape {shape!r}: not a list of sizes")
+        torch_dtype = TORCH_DTYPES[dtype]
+        count = int(np.prod(shape)) if shape else 1
+        nbytes = count * torch.empty(0, dtype=torch_dtype).element_size()
+        return self._buffer(nbytes).view(torch_dtype).reshape(shape)
+
+    def _unmap(self) -> None:
+        if self.map is not None:
+            with contextlib.suppress(BufferError):  # a view may still hold it
+                self.map.close()
+            self.map = None
+
+    def close(self) -> None:
+        self._unmap()
         os.close(self.fd)
 
 

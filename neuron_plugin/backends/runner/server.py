@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
     Arena,
+    KVArena,
     decode_inputs,
     decode_sampling,
     read_message,
@@ -77,9 +78,10 @@ def check_backend_importable(name: str) -> None:
 class Runner:
     """One backend behind the protocol's operations."""
 
-    def __init__(self, inputs: Arena, outputs: Arena):
+    def __init__(self, inputs: Arena, outputs: Arena, kv: KVArena):
         self.inputs = inputs
         self.outputs = outputs
+        self.kv = kv
         self.backend: Any = None
 
     def hello(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +164,23 @@ class Runner:
         self.backend.set_adapter(int(message["slot"]), adapter)
         return {}
 
+    # KV blocks (backends.kv_blocks): block ids in the input arena, blocks in the KV arena.
+    def kv_geometry(self, message: dict[str, Any]) -> dict[str, Any]:
+        return {"geometry": self.backend.kv_geometry().to_dict()}
+
+    def map_kv_arena(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.kv.attach(int(message["bytes"]))
+        return {}
+
+    def read_kv_blocks(self, message: dict[str, Any]) -> dict[str, Any]:
+        ids = self.inputs.get(message["arrays"])["block_ids"].copy()
+        return {"kv": self.kv.put(self.backend.read_kv_blocks(ids))}
+
+    def write_kv_blocks(self, message: dict[str, Any]) -> dict[str, Any]:
+        ids = self.inputs.get(message["arrays"])["block_ids"].copy()
+        self.backend.write_kv_blocks(ids, self.kv.get(message["kv"]))
+        return {}
+
     def ping(self, message: dict[str, Any]) -> dict[str, Any]:
         return {}
 
@@ -203,7 +222,21 @@ def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
 
 
 OPS = frozenset(
-    {"hello", "load", "compile", "manifest", "quantize", "forward", "run", "set_adapter", "ping"}
+    {
+        "hello",
+        "load",
+        "compile",
+        "manifest",
+        "quantize",
+        "forward",
+        "run",
+        "set_adapter",
+        "ping",
+        "kv_geometry",
+        "map_kv_arena",
+        "read_kv_blocks",
+        "write_kv_blocks",
+    }
 )
 
 
@@ -215,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input-bytes", type=int, required=True)
     parser.add_argument("--output-fd", type=int, required=True)
     parser.add_argument("--output-bytes", type=int, required=True)
+    parser.add_argument("--kv-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGKILL, args.parent_pid)
@@ -227,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
     runner = Runner(
-        Arena(args.input_fd, args.input_bytes), Arena(args.output_fd, args.output_bytes)
+        Arena(args.input_fd, args.input_bytes),
+        Arena(args.output_fd, args.output_bytes),
+        KVArena(args.kv_fd),
     )
     return serve(runner, requests, replies)

@@ -32,7 +32,10 @@ modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
   reads the W - 1 newest keys and writes at position % (W - 1), wherever the position. Row r is cache line r, except in a
   batch-bucketing graph smaller than the KV cache (0.8+), where it is line seq_ids[r]
   (update_kv_by_layer_id / get_kv_by_layer_id);
-- block layout: the prefix (context encoding) or cached context (token generation) is
+- block layout: the state tensors have NxDI's prefix-caching shapes and dtype
+  (`block_kv_shape`); a graph writes a token into every layer's K and V (each its own
+  value, `slot_value`) and reads layer 0's K. The prefix (context encoding) or cached
+  context (token generation) is
   read through the block table the wrapper cropped to bucket // pa_block_size blocks, so
   positions past the last whole block are not read; new tokens are written to their
   slot_mapping slots (-1: nowhere; token generation recomputes the others from the
@@ -96,6 +99,8 @@ and all accepted, and can predict which; a draft cache that does not mirror the
 target's makes its drafts wrong.
 """
 
+import math
+
 import torch
 
 from neuronx_distributed_inference._release import ACCEPTANCE_PADDING_TOKEN
@@ -112,6 +117,48 @@ DRAFT_MISS_EVERY = 4  # see the module docstring
 # model_base.py _create_windowed_attn_mask_spec_decode (ef2731e line 329).
 WINDOW_SPEC_ASSERT = ("Currently we only support speculative decoding with sliding window "
                       "attention when the cascaded tkg attention kernel is enabled")
+
+
+# What a block-layout graph writes for a token into KV tensor i (K0, V0, K1, ...): the
+# token's value plus i * KV_INDEX_STRIDE, so a block moved into the wrong layer or K/V
+# shows in the one the graphs read (index 0).
+KV_INDEX_STRIDE = 4096
+
+
+def slot_value(token, index):
+    return float(token) + 1 + KV_INDEX_STRIDE * index
+
+
+def kv_heads_per_rank(neuron_config, text) -> int:
+    """modules/kvcache/kv_cache_manager.py _get_num_kv_heads_per_rank (ef2731e lines
+    166-186) with attention/gqa.py determine_sharding_strategy and
+    get_shardable_head_counts (lines 62-100): KV heads replicated up to the TP degree
+    where they divide it (GQA.REPLICATE_TO_TP_DEGREE), else converted to multi-head
+    attention, split evenly over the ranks."""
+    tp = neuron_config.tp_degree
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    padded_heads = heads + (-heads % tp)
+    if heads == kv:
+        kv = padded_heads
+    elif kv < tp or kv % tp:
+        kv = tp if tp % kv == 0 else padded_heads
+    return kv // tp
+
+
+def block_kv_shape(neuron_config, text):
+    """modules/kvcache/block_kv_cache_manager.py _init_kv_shape_for_prefix_caching
+    (ef2731e lines 48-77): (pa_num_blocks + 1 reserved block, pa_block_size, heads per
+    rank, head_dim), the block dimension tiled when a sequence spans fewer than 128 blocks
+    and the block token-generation kernel is off."""
+    c = neuron_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads = kv_heads_per_rank(c, text)
+    per_seq = (c.max_length + c.pa_block_size - 1) // c.pa_block_size
+    if per_seq < 128 and not c.attn_block_tkg_nki_kernel_enabled:
+        tiling = 2 ** math.ceil(math.log2(128 / per_seq))
+        return (c.pa_num_blocks + 1, tiling, c.pa_block_size // tiling, heads, head_dim)
+    return (c.pa_num_blocks + 1, c.pa_block_size, heads, head_dim)
 
 
 def shape_key(tensors) -> str:
@@ -175,6 +222,7 @@ def target_peak(values: list[int], vocab: int) -> int:
     return (sum(values) - 1) % vocab
 
 
+
 def draft_peak(values: list[int], vocab: int) -> int:
     """The double's draft: the target's answer, one id higher when the query attends a
     multiple of DRAFT_MISS_EVERY keys."""
@@ -186,25 +234,26 @@ class NxDModel:
     models and flatteners, the router, the packer and forward (see the module
     docstring)."""
 
-    def __init__(self, neuron_config, vocab_size, num_layers, graphs, sliding_window=None,
-                 draft=None):
-        """`draft`: (draft NeuronConfig, draft layers) of a fused speculation model."""
+    def __init__(self, neuron_config, text, graphs, draft=None):
+        """`text`: the model's text config; `draft`: (draft NeuronConfig, draft text
+        config) of a fused speculation model."""
         c = neuron_config
         self.config = c
-        self.vocab_size = vocab_size
-        self.window = sliding_window
+        self.vocab_size = text.vocab_size
+        self.window = getattr(text, "sliding_window", None)
         self.block = c.is_block_kv_layout
         self.fused = bool(c.enable_fused_speculation)
-        shape = ((c.pa_num_blocks, c.pa_block_size, 1, 1) if self.block
-                 else (c.max_batch_size, 1, c.seq_len, 1))
-        layers = {"": num_layers}
+        # state key prefix -> (NeuronConfig, text config) of the decoder owning that cache
+        decoders = {"": (c, text)}
         if self.fused:
-            layers = {"draft_model.": draft[1], "target_model.": num_layers}
-        self.state = [{f"{prefix}kv_mgr.past_key_values.{i}": torch.zeros(shape)
-                       for prefix, count in layers.items() for i in range(2 * count)}
+            decoders = {"draft_model.": draft, "target_model.": (c, text)}
+        self.layers = {prefix: t.num_hidden_layers for prefix, (_, t) in decoders.items()}
+        self.state = [{f"{prefix}kv_mgr.past_key_values.{i}": self._kv_tensor(config, t)
+                       for prefix, (config, t) in decoders.items()
+                       for i in range(2 * t.num_hidden_layers)}
                       for _ in range(c.tp_degree)]
-        self.target_key = f"{'target_model.' if self.fused else ''}kv_mgr.past_key_values.0"
-        self.draft_key = "draft_model.kv_mgr.past_key_values.0"
+        self.target_prefix = "target_model." if self.fused else ""
+        self.draft_prefix = "draft_model."
         # graphs: tag -> {"output_logits": bool, "graphs": [(bucket, example input shapes)]}
         # in the order the submodels were added
         self.buckets = {tag: [bucket for bucket, _ in g["graphs"]] for tag, g in graphs.items()}
@@ -232,13 +281,19 @@ class NxDModel:
         self.inputs = []
         self.returned = []
 
-    @property
-    def memory(self):
-        return self.state[0][self.target_key]
+    def _kv_tensor(self, config, text):
+        """One KV state tensor: contiguous (max_batch_size, 1, seq_len, 1) float32 holding
+        a value a position; block layout NxDI's prefix-caching shape and cache dtype
+        (kv_cache_manager.py lines 138-142)."""
+        if self.block:
+            dtype = getattr(config, "attention_dtype", None) or config.torch_dtype
+            return torch.zeros(block_kv_shape(config, text), dtype=dtype)
+        c = self.config
+        return torch.zeros((c.max_batch_size, 1, c.seq_len, 1))
 
     @property
-    def draft_memory(self):
-        return self.state[0][self.draft_key]
+    def memory(self):
+        return self.state[0][f"{self.target_prefix}kv_mgr.past_key_values.0"]
 
     def router(self, inputs):
         key = shape_key(inputs)
@@ -258,9 +313,11 @@ class NxDModel:
         self.ran.append((tag, self.buckets[tag][index]))
         self.inputs.append(tuple(inputs))
         outputs = self._fused(tag, inputs) if self.fused else self._plain(tag, inputs)
-        for key in {self.target_key, self.draft_key} & set(self.state[0]):
-            for rank_state in self.state[1:]:
-                rank_state[key].copy_(self.state[0][key])
+        if not self.block:  # block-layout writes reach every rank already (_write_slot)
+            for prefix in self.layers:
+                key = f"{prefix}kv_mgr.past_key_values.0"
+                for rank_state in self.state[1:]:
+                    rank_state[key].copy_(self.state[0][key])
         self.returned.append({name: t.numel() * t.element_size() for name, t in outputs.items()})
         return list(outputs.values())
 
@@ -285,16 +342,18 @@ class NxDModel:
             return torch.argmax(logits, dim=2).to(torch.int32)
         return sampler(logits[:, -1, :], sampling_params).to(torch.int32)
 
-    def _decoder(self, inputs, memory, config, peak, recompute_slots=True, lora_values=None):
+    def _decoder(self, inputs, prefix, config, peak, recompute_slots=True, lora_values=None):
         """One decoder graph over `inputs` (ids, mask, positions, seq_ids, then the
-        block layout's slot mapping and block table): logits [rows, queries, vocab], each
-        row's peak moved by its LoRA value (`lora_values`, none without LoRA)."""
+        block layout's slot mapping and block table), on the KV cache whose state keys
+        start with `prefix`: logits [rows, queries, vocab], each row's peak moved by its
+        LoRA value (`lora_values`, none without LoRA)."""
         ids, mask, positions, seq_ids = inputs[:4]
         cte = self._is_context_encoding(ids, config)
         if self.block:
-            contexts = self._block(ids, mask, positions, inputs[4], inputs[5], memory, cte,
+            contexts = self._block(ids, mask, positions, inputs[4], inputs[5], prefix, cte,
                                    recompute_slots)
         else:
+            memory = self.state[0][f"{prefix}kv_mgr.past_key_values.0"]
             contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte)
         return self._logits(contexts, peak, lora_values)
 
@@ -307,7 +366,7 @@ class NxDModel:
         if self.window and inputs[0].shape[-1] == c.speculation_length:
             raise NotImplementedError("the NxDI double does not reproduce NxDI's "
                                       "speculation model over sliding-window attention")
-        logits = self._decoder(layout, self.memory, c, target_peak,
+        logits = self._decoder(layout, self.target_prefix, c, target_peak,
                                lora_values=self._lora_values(tag, inputs))
         if self.sampler is None:
             return {"logits": logits}
@@ -452,9 +511,10 @@ class NxDModel:
         slots = (size * blocks + (positions % size).squeeze(1)).unsqueeze(1)
         return torch.where(slot_mapping >= 0, slots, torch.full_like(slots, -1))
 
-    def _block(self, input_ids, mask, positions, slot_mapping, block_table, memory, cte,
+    def _block(self, input_ids, mask, positions, slot_mapping, block_table, prefix, cte,
                recompute_slots):
-        flat = memory.view(-1)
+        # layer 0's K of the decoder whose state keys start with `prefix`, a value a slot
+        flat = self._slot_rows(self.state[0][f"{prefix}kv_mgr.past_key_values.0"])[:, 0]
         size = self.config.pa_block_size
         readable = block_table.shape[1] * size if block_table.dim() == 2 else 0
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
@@ -481,9 +541,9 @@ class NxDModel:
             for slot, token in zip(slots, tokens):
                 if slot >= flat.numel():
                     raise IndexError(f"NRT: KV slot {slot} out of bounds for "
-                                     f"{self.config.pa_num_blocks} blocks of {size}")
+                                     f"{self.config.pa_num_blocks + 1} blocks of {size}")
                 if slot >= 0:
-                    flat[slot] = float(token) + 1
+                    self._write_slot(slot, token, prefix)
         return contexts
 
     # -- what a NeuronFusedSpecModel graph computes ---------------------------------------
@@ -516,8 +576,8 @@ class NxDModel:
         c = self.config
         ids, mask, positions, seq_ids, sampling_params = inputs[:5]
         layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
-        target_logits = self._decoder(layout, self.memory, c, target_peak)
-        draft_logits = self._decoder(layout, self.draft_memory, self.draft_config, draft_peak)
+        target_logits = self._decoder(layout, self.target_prefix, c, target_peak)
+        draft_logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
         target_token = self.sampler(target_logits[:, -1, :], sampling_params).to(torch.int32)
         self.draft_sampler(draft_logits[:, -1, :], sampling_params)  # dropped by NxDI
         rows = ids.shape[0]
@@ -552,7 +612,7 @@ class NxDModel:
             layout = (candidates[:, -1:], draft_mask, position, seq_ids)
             if self.block:
                 layout += (inputs[7][:, i:i + 1], inputs[8])
-            logits = self._decoder(layout, self.draft_memory, self.draft_config, draft_peak)
+            logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
             draft_logits.append(logits)
             token = self._sample_on_device(self.draft_sampler, self.draft_config, logits,
                                            sampling_params)
@@ -564,7 +624,7 @@ class NxDModel:
         layout = (candidates[:, :-1], mask, target_positions, seq_ids)
         if self.block:
             layout += (inputs[7], inputs[8])
-        target_logits = self._decoder(layout, self.memory, c, target_peak,
+        target_logits = self._decoder(layout, self.target_prefix, c, target_peak,
                                       recompute_slots=False)
         target_tokens = self._sample_on_device(self.sampler, c, target_logits,
                                                sampling_params)
@@ -591,6 +651,20 @@ class NxDModel:
         index = (first_pad + (k - 1)) % k
         next_ids = accepted[torch.arange(rows), index].reshape(rows, 1)
         return [accepted, next_ids, next_mask, next_positions]
+
+    @staticmethod
+    def _slot_rows(tensor):
+        """A block-layout state tensor as (slots, heads * head_dim): the flat slot index
+        block_kv_cache_manager._update_cache_with_reshape scatters at (lines 246-303)."""
+        return tensor.view(-1, tensor.shape[-2] * tensor.shape[-1])
+
+    def _write_slot(self, slot, token, prefix):
+        """Every layer's K and V of every rank (of the decoder whose state keys start
+        with `prefix`) take the token at `slot`."""
+        for rank_state in self.state:
+            for i in range(2 * self.layers[prefix]):
+                rows = self._slot_rows(rank_state[f"{prefix}kv_mgr.past_key_values.{i}"])
+                rows[slot] = slot_value(token, i)
 
 
 class TracedModel:

@@ -146,12 +146,8 @@ class NeuronApplicationBase(torch.nn.Module):
         draft = None
         if self.neuron_config.enable_fused_speculation:
             draft_config = self.fused_spec_config.draft_config
-            draft = (draft_config.neuron_config,
-                     draft_config.get_text_config().num_hidden_layers)
-        self.traced_model = TracedModel(NxDModel(self.neuron_config, text.vocab_size,
-                                                 text.num_hidden_layers, graphs,
-                                                 getattr(text, "sliding_window", None),
-                                                 draft))
+            draft = (draft_config.neuron_config, draft_config.get_text_config())
+        self.traced_model = TracedModel(NxDModel(self.neuron_config, text, graphs, draft))
         self.load_weights(compiled_model_path)
         self._load_lora_weights()
         for model_wrapper in self.models:

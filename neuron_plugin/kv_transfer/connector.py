@@ -1,0 +1,416 @@
+"""`NeuronKVConnector`: vLLM's KV-connector v1 contract for Neuron, loaded with
+
+    --kv-transfer-config '{"kv_connector": "NeuronKVConnector",
+        "kv_connector_module_path": "neuron_plugin.kv_transfer.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"path": "/dev/shm/neuron-kv"}}'
+
+on a prefill and a decode server behind `vllm-router --vllm-pd-disaggregation`.
+
+Prefill server: a request with `do_remote_decode` (the router's prefill request, one
+output token) is computed as usual; in the step its prompt completes, the worker reads
+the request's KV blocks out of the backend (`read_kv_blocks`, every layer in one call)
+and writes them as a payload file (`payload`) before the step's output leaves the
+worker, so the file is whole before the HTTP response. `request_finished` answers
+`kv_transfer_params` naming it (`params`); the blocks are freed at once (no delayed free,
+no lease: the payload holds its own copy).
+
+Decode server: a request with `do_remote_prefill` is an asynchronous external hit of its
+whole prompt (`get_num_new_matched_tokens` -> (prompt - local hit, True)); vLLM allocates
+its blocks and parks it in WAITING_FOR_REMOTE_KVS. At the next step the worker reads the
+payload, checks it (model, dtype, block size, geometry, prompt), writes the blocks past
+the local prefix-cache hit into the backend (`write_kv_blocks`), deletes the file and
+reports the request in `finished_recving`; vLLM then schedules it with its last prompt
+token to compute, and it decodes. A payload that is missing, corrupt or not this
+server's goes to `failed_recving` with its reason logged, and vLLM applies
+`kv_load_failure_policy`: `recompute` (the decode server computes the prompt itself) or
+`fail` (the request ends with an error).
+
+vLLM calls the worker side from the model runner (`serving.kv_steps`) on every engine
+step, steps without scheduled tokens included (a waiting load is done in such a step).
+The layer hooks (`wait_for_layer_load`, `save_kv_layer`) are called by vLLM attention
+layers, which this platform has none of: the compiled graphs read and write the whole
+cache, so transfers happen between backend calls.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from neuron_plugin import plugin_logger
+from neuron_plugin.backends.kv_blocks import KVGeometry
+from neuron_plugin.core.kv_transfer import TransferOptions, transfer_options
+from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.kv_transfer import payload
+from neuron_plugin.kv_transfer.params import (
+    decode_params,
+    new_key,
+    remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from neuron_plugin.serving.vllm_settings import override_neuron_config
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = plugin_logger(__name__)
+
+
+class KVBlockIO(Protocol):
+    """The part of the backend contract the worker side uses (`backends.base`)."""
+
+    def kv_geometry(self) -> KVGeometry: ...
+
+    def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor: ...
+
+    def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Write this prefill request's blocks as payload `key`."""
+
+    req_id: str
+    key: str
+    block_ids: list[int]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Load payload `key` into this decode request's blocks from `first_block` on (the
+    ones before hold a local prefix-cache hit); `error` when its params are unusable."""
+
+    req_id: str
+    key: str | None
+    error: str | None
+    block_ids: list[int]
+    first_block: int
+    token_ids: list[int]
+
+
+@dataclass
+class NeuronKVMetadata(KVConnectorMetadata):
+    """One step's jobs, from the scheduler side to the worker side."""
+
+    saves: list[SaveJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Which requests save or load, and their blocks (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        config = vllm_config.kv_transfer_config
+        assert config is not None  # the connector exists only with one
+        self.block_size = vllm_config.cache_config.block_size
+        self.saves = config.is_kv_producer
+        self.loads = config.is_kv_consumer
+        self._keys: dict[str, str] = {}  # prefill request -> its payload's key
+        self._prompts: dict[str, list[int]] = {}
+        self._blocks: dict[str, list[int]] = {}  # prefill request -> its blocks so far
+        self._saved: set[str] = set()
+        self._local_hit: dict[str, int] = {}  # decode request -> local tokens at match
+        self._tried: set[str] = set()  # decode requests whose load was planned once
+        self._new_loads: list[LoadJob] = []
+
+    def on_new_request(self, request: Request) -> None:
+        if self.saves and wants_remote_decode(request.kv_transfer_params):
+            self._keys[request.request_id] = new_key()
+            self._prompts[request.request_id] = list(request.prompt_token_ids or ())
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """A decode request's whole prompt past the local hit, loaded asynchronously;
+        once only (after a failed load with `recompute` it is computed here)."""
+        rid = request.request_id
+        if not self.loads or rid in self._tried:
+            return 0, False
+        if not wants_remote_prefill(request.kv_transfer_params):
+            return 0, False
+        external = request.num_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        self._local_hit[rid] = num_computed_tokens
+        return external, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        rid = request.request_id
+        if num_external == 0 or rid not in self._local_hit:
+            return
+        self._tried.add(rid)
+        local = self._local_hit.pop(rid)
+        prompt = list(request.prompt_token_ids or ())
+        key, error = None, None
+        try:
+            params = request.kv_transfer_params or {}
+            key = payload.check_key(remote_prefill(params, len(prompt)).key)
+        except ValueError as exc:
+            key, error = None, str(exc)
+        self._new_loads.append(
+            LoadJob(
+                rid, key, error, list(blocks.get_block_ids()[0]), local // self.block_size, prompt
+            )
+        )
+
+    def build_meta(self, so: SchedulerOutput) -> NeuronKVMetadata:
+        saves: list[SaveJob] = []
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self._keys:
+                self._blocks[new.req_id] = list(new.block_ids[0])
+                self._maybe_save(new.req_id, new.num_computed_tokens, so, saves)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._blocks:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if rid in cached.resumed_req_ids:  # after a preemption: all its blocks
+                    self._blocks[rid] = list(new_blocks[0])
+                else:
+                    self._blocks[rid].extend(new_blocks[0])
+            self._maybe_save(rid, cached.num_computed_tokens[i], so, saves)
+        loads, self._new_loads = self._new_loads, []
+        return NeuronKVMetadata(saves=saves, loads=loads)
+
+    def _maybe_save(
+        self, rid: str, computed: int, so: SchedulerOutput, saves: list[SaveJob]
+    ) -> None:
+        """A save job in the step that completes the request's prompt."""
+        prompt = self._prompts[rid]
+        if rid in self._saved or computed + so.num_scheduled_tokens.get(rid, 0) < len(prompt):
+            return
+        blocks = math.ceil(len(prompt) / self.block_size)
+        saves.append(SaveJob(rid, self._keys[rid], self._blocks[rid][:blocks], prompt))
+        self._saved.add(rid)
+
+    def finished(self, request: Request) -> dict[str, Any] | None:
+        """The prefill request's params for the decode server (None for any other)."""
+        rid = request.request_id
+        self._tried.discard(rid)
+        self._local_hit.pop(rid, None)
+        self._blocks.pop(rid, None)
+        prompt = self._prompts.pop(rid, None)
+        key = self._keys.pop(rid, None)
+        saved = rid in self._saved
+        self._saved.discard(rid)
+        if key is None or prompt is None or not saved:
+            return None  # not a prefill request, or it ended before its prompt was done
+        return decode_params(key, len(prompt))
+
+
+class WorkerSide:
+    """Moves blocks between the backend and payload files (module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, options: TransferOptions):
+        config = vllm_config.kv_transfer_config
+        assert config is not None
+        self.options = options
+        self.recompute = config.kv_load_failure_policy == "recompute"
+        self.folder = payload.prepare_folder(options.path)
+        quantization = Quantization.from_override(override_neuron_config(vllm_config))
+        self.model = payload.model_identity(vllm_config.model_config.model, quantization)
+        self.max_blocks = math.ceil(
+            vllm_config.model_config.max_model_len / vllm_config.cache_config.block_size
+        )
+        self.io: KVBlockIO | None = None
+        self.geometry: KVGeometry | None = None
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._swept = 0.0
+        # Totals since start (bytes of payload files), for logs and benchmarks.
+        self.saved_bytes = 0
+        self.loaded_bytes = 0
+
+    def bind(self, io: KVBlockIO) -> None:
+        self.io = io
+        self.geometry = io.kv_geometry()
+        logger.info(
+            "KV transfer: payloads in %s (%s per block: %d layers x K/V x %d tokens x %d "
+            "KV heads x %d, %s); loads failing: %s",
+            self.folder,
+            f"{self.geometry.block_bytes:,} bytes",
+            self.geometry.layers,
+            self.geometry.block_size,
+            self.geometry.kv_heads,
+            self.geometry.head_dim,
+            self.geometry.dtype,
+            "recompute" if self.recompute else "fail the request",
+        )
+
+    def _bound(self) -> tuple[KVBlockIO, KVGeometry]:
+        if self.io is None or self.geometry is None:
+            raise RuntimeError("NeuronKVConnector used before the worker bound its backend")
+        return self.io, self.geometry
+
+    def load(self, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            self._recving.add(job.req_id)
+            try:
+                self._load(job)
+            except (ValueError, OSError) as exc:
+                self._failed.add(job.req_id)
+                logger.error(
+                    "KV transfer for request %s failed: %s. %s",
+                    job.req_id,
+                    exc,
+                    "The decode server computes the prompt itself (kv_load_failure_policy "
+                    "recompute)."
+                    if self.recompute
+                    else "The request fails (kv_load_failure_policy fail; recompute "
+                    "serves it from the prompt instead).",
+                )
+            finally:
+                if job.key is not None:
+                    payload.remove_payload(self.folder, job.key)
+
+    def _load(self, job: LoadJob) -> None:
+        if job.error is not None or job.key is None:
+            raise ValueError(job.error or "no payload key")
+        io, geometry = self._bound()
+        kv = payload.read_payload(
+            self.folder, job.key, self.model, geometry, job.token_ids, self.max_blocks
+        )
+        blocks = kv.shape[2]
+        if len(job.block_ids) < blocks:
+            raise ValueError(
+                f"the request holds {len(job.block_ids)} blocks for a payload of {blocks}"
+            )
+        if job.first_block < blocks:
+            ids = np.array(job.block_ids[job.first_block : blocks], dtype=np.int64)
+            io.write_kv_blocks(ids, kv[:, :, job.first_block : blocks].contiguous())
+        self.loaded_bytes += int(kv.numel() * kv.element_size())
+        logger.debug("KV transfer: loaded request %s (%d blocks)", job.req_id, blocks)
+
+    def save(self, jobs: list[SaveJob]) -> None:
+        for job in jobs:
+            try:
+                io, geometry = self._bound()
+                kv = io.read_kv_blocks(np.array(job.block_ids, dtype=np.int64))
+                size = payload.write_payload(
+                    self.folder, job.key, kv, job.token_ids, self.model, geometry
+                )
+                self.saved_bytes += size
+                logger.debug("KV transfer: saved request %s (%d bytes)", job.req_id, size)
+            except (ValueError, OSError) as exc:
+                # The decode server finds no payload and applies its failure policy.
+                logger.error("KV transfer: saving request %s failed: %s", job.req_id, exc)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        now = time.time()
+        if now - self._swept < self.options.ttl_s / 4:
+            return
+        self._swept = now
+        removed = payload.sweep(self.folder, self.options.ttl_s, now)
+        if removed:
+            logger.info(
+                "KV transfer: removed %d payloads no decode server took within ttl_s=%g s",
+                removed,
+                self.options.ttl_s,
+            )
+
+    def results(self) -> KVConnectorTransferResults:
+        recving, self._recving = self._recving, set()
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+
+
+class NeuronKVConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        assert config is not None  # the base class refuses to start without one
+        options = transfer_options(config.kv_connector_extra_config)
+        self._scheduler = SchedulerSide(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(vllm_config, options) if role == KVConnectorRole.WORKER else None
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on the worker's NeuronKVConnector")
+        return self._scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on the scheduler's NeuronKVConnector")
+        return self._worker
+
+    # -- worker side ---------------------------------------------------------------------
+    def bind_backend(self, io: KVBlockIO) -> None:
+        """The plugin's worker hands over its backend (the KV cache's owner)."""
+        self._worker_side().bind(io)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, NeuronKVMetadata)
+        self._worker_side().load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Called by vLLM attention layers, which run nowhere here: every load is done in
+        `start_load_kv`, before the step's backend calls."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Called by vLLM attention layers, which run nowhere here: `wait_for_save` reads
+        the blocks out of the backend once the step's calls are complete."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, NeuronKVMetadata)
+        self._worker_side().save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self._worker_side().results()
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker_side().results()
+
+    # -- scheduler side ------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler_side().finished(request)

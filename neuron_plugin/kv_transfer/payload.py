@@ -1,0 +1,295 @@
+"""The KV payload: one request's KV blocks in a safetensors file a prefill server writes
+and a decode server reads once, then deletes. No vLLM import.
+
+    <folder>/<key>.safetensors
+      kv         [layers, 2, blocks, block_size, kv_heads, head_dim]  the KV dtype
+      token_ids  [num_tokens] int64                                     the prompt
+      metadata   format, model, dtype, block_size, num_tokens, layout   (strings)
+
+Safe by construction: safetensors is a JSON header and raw bytes, so reading a payload
+runs no code (nothing is unpickled). The key is 32 lowercase hex digits the prefill
+server drew at random, so a path is never built from anything else. The file is written
+under a temporary name, opened exclusively, and renamed into place, so a reader sees a
+whole payload or none. A reader refuses a symlink or anything but a regular file, a file
+larger than a request's worth of blocks, any tensor or metadata key it does not know, and
+a payload whose model, dtype, block size, geometry or prompt is not its own, each with
+the difference and the fix. Leftovers (a decode server never came) are swept after
+`ttl_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from compile_cache.manifest import VOLATILE_MODEL_KEYS
+from compile_cache.weights import weights_fingerprint
+from neuron_plugin.backends.kv_blocks import KVGeometry
+from neuron_plugin.core.checkpoint import read_hf_config
+from neuron_plugin.core.quantization import Quantization
+
+FORMAT = "neuron-kv/1"
+LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+METADATA_KEYS = frozenset({"format", "model", "dtype", "block_size", "num_tokens", "layout"})
+TENSOR_KEYS = frozenset({"kv", "token_ids"})
+KEY = re.compile(r"[0-9a-f]{32}")
+SUFFIX = ".safetensors"
+_LEFTOVER = re.compile(r"(?:[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.\d+\.partial)")
+HEADER_LIMIT = 64 << 10
+# safetensors' dtype names
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+SAME_SERVERS = (
+    "serve the same checkpoint with the same --dtype, --block-size, "
+    "--tensor-parallel-size and weight quantization on the prefill and decode servers"
+)
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be used; the message says which and what to do."""
+
+
+def model_identity(model_dir: str | Path, quantization: Quantization | None = None) -> str:
+    """What two servers must share for one's KV to be the other's: the checkpoint's
+    weights (compile_cache.weights' fingerprint), its config (names, versions and token
+    ids aside) and, when the weights are served quantized (core.quantization), how: the
+    quantized checkpoint is derived from these weights, so its dtype, type and the
+    modules kept unquantized (not its path, which may differ between hosts)."""
+
+    def stable(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: stable(v) for k, v in value.items() if k not in VOLATILE_MODEL_KEYS}
+        if isinstance(value, list):
+            return [stable(v) for v in value]
+        return value
+
+    config = json.dumps(stable(read_hf_config(model_dir)), sort_keys=True)
+    identity = f"{weights_fingerprint(model_dir)}\0{config}"
+    if quantization is not None:
+        served = [
+            quantization.dtype,
+            quantization.type,
+            sorted(quantization.modules_to_not_convert),
+        ]
+        identity += "\0" + json.dumps(served)
+    return hashlib.sha256(identity.encode()).hexdigest()
+
+
+def check_key(key: object) -> str:
+    """A payload key is 32 lowercase hex digits, so no path is built from anything else."""
+    if not isinstance(key, str) or not KEY.fullmatch(key):
+        raise PayloadError(
+            f"KV payload key {key!r} is not 32 lowercase hex digits: kv_transfer_params "
+            f"must carry the key the prefill server returned, unchanged"
+        )
+    return key
+
+
+def payload_path(folder: str | Path, key: str) -> Path:
+    return Path(folder) / f"{check_key(key)}{SUFFIX}"
+
+
+def prepare_folder(folder: str | Path) -> Path:
+    """The payload folder, created (owner only) if missing; a directory, not a link."""
+    path = Path(folder)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        raise PayloadError(
+            f"kv_connector_extra_config.path={str(folder)!r} is not a directory (a "
+            f"symlink or a file); point it at a folder both servers share"
+        )
+    return path
+
+
+def write_payload(
+    folder: str | Path,
+    key: str,
+    kv: torch.Tensor,
+    token_ids: Sequence[int],
+    model: str,
+    geometry: KVGeometry,
+) -> int:
+    """Write one request's blocks atomically; the file's size in bytes."""
+    final = payload_path(folder, key)
+    data = save_safetensors(
+        {"kv": kv.contiguous(), "token_ids": torch.tensor(list(token_ids), dtype=torch.int64)},
+        metadata={
+            "format": FORMAT,
+            "model": model,
+            "dtype": geometry.dtype,
+            "block_size": str(geometry.block_size),
+            "num_tokens": str(len(token_ids)),
+            "layout": LAYOUT,
+        },
+    )
+    partial = final.with_name(f".{key}.{os.getpid()}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(partial, final)
+    return len(data)
+
+
+def _refused(key: str, what: str, theirs: Any, ours: Any, fix: str = SAME_SERVERS) -> PayloadError:
+    return PayloadError(
+        f"KV payload {key} refused: its {what} is {theirs}, this server's is {ours}; {fix}"
+    )
+
+
+def _read_whole(path: Path, key: str, limit: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise PayloadError(
+            f"no KV payload {path}: the prefill server did not write it (it failed or "
+            f"stopped before answering), it expired (ttl_s), or another decode server "
+            f"took it; both servers need the same kv_connector_extra_config.path"
+        ) from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise PayloadError(f"KV payload {path} cannot be opened safely: {exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PayloadError(f"KV payload {path} is not a regular file")
+        if info.st_size > limit:
+            raise PayloadError(
+                f"KV payload {key} refused: {info.st_size} bytes, more than a request's "
+                f"worth of this server's KV blocks ({limit} bytes); {SAME_SERVERS}"
+            )
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _header(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensor entries, metadata) of a safetensors file, checked for shape only."""
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if length <= 0 or length > min(HEADER_LIMIT, len(data) - 8):
+        raise PayloadError(f"KV payload {key} is not a safetensors file (truncated or corrupt)")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except ValueError:
+        raise PayloadError(f"KV payload {key} has a corrupt header") from None
+    if not isinstance(header, dict):
+        raise PayloadError(f"KV payload {key} has a corrupt header")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or set(metadata) != METADATA_KEYS:
+        found = sorted(metadata) if isinstance(metadata, dict) else metadata
+        raise PayloadError(
+            f"KV payload {key} refused: its metadata keys are {found}, expected "
+            f"{sorted(METADATA_KEYS)} (format {FORMAT}); install the same "
+            f"vllm-neuron-plugin version on the prefill and decode servers"
+        )
+    if set(header) != TENSOR_KEYS:
+        raise PayloadError(
+            f"KV payload {key} refused: its tensors are {sorted(header)}, expected "
+            f"{sorted(TENSOR_KEYS)}"
+        )
+    return header, metadata
+
+
+def read_payload(
+    folder: str | Path,
+    key: str,
+    model: str,
+    geometry: KVGeometry,
+    prompt: Sequence[int],
+    max_blocks: int,
+) -> torch.Tensor:
+    """The blocks of `prompt`'s KV, every check passed (module docstring)."""
+    path = payload_path(folder, key)
+    limit = (
+        geometry.block_bytes * max_blocks + 8 * (max_blocks * geometry.block_size) + HEADER_LIMIT
+    )
+    data = _read_whole(path, key, limit)
+    header, meta = _header(data, key)
+    if meta["format"] != FORMAT or meta["layout"] != LAYOUT:
+        raise _refused(
+            key,
+            "format",
+            f"{meta['format']} ({meta['layout']})",
+            f"{FORMAT} ({LAYOUT})",
+            "install the same vllm-neuron-plugin version on the prefill and decode servers",
+        )
+    if meta["model"] != model:
+        raise _refused(key, "model", meta["model"][:16], model[:16])
+    if meta["dtype"] != geometry.dtype:
+        raise _refused(key, "KV dtype", meta["dtype"], geometry.dtype)
+    if meta["block_size"] != str(geometry.block_size):
+        raise _refused(key, "block size", meta["block_size"], geometry.block_size)
+    if meta["num_tokens"] != str(len(prompt)):
+        raise _refused(
+            key,
+            "prompt length",
+            meta["num_tokens"],
+            len(prompt),
+            "the decode request must carry the prompt the prefill server encoded",
+        )
+    blocks = math.ceil(len(prompt) / geometry.block_size)
+    kv_entry, ids_entry = header["kv"], header["token_ids"]
+    if not isinstance(kv_entry, dict) or kv_entry.get("dtype") != _ST_DTYPES[geometry.dtype]:
+        found = kv_entry.get("dtype") if isinstance(kv_entry, dict) else kv_entry
+        raise _refused(key, "kv tensor dtype", found, _ST_DTYPES[geometry.dtype])
+    if kv_entry.get("shape") != list(geometry.shape(blocks)):
+        raise _refused(
+            key, f"kv shape ({LAYOUT})", kv_entry.get("shape"), list(geometry.shape(blocks))
+        )
+    if (
+        not isinstance(ids_entry, dict)
+        or ids_entry.get("dtype") != "I64"
+        or ids_entry.get("shape") != [len(prompt)]
+    ):
+        raise PayloadError(f"KV payload {key} refused: token_ids is not int64 [{len(prompt)}]")
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # safetensors' own checks: offsets, sizes
+        raise PayloadError(f"KV payload {key} is corrupt: {exc}") from None
+    if tensors["token_ids"].tolist() != list(prompt):
+        raise PayloadError(
+            f"KV payload {key} refused: it holds the KV of another prompt of the same "
+            f"length; the decode request must carry the prompt the prefill server encoded"
+        )
+    return tensors["kv"]
+
+
+def remove_payload(folder: str | Path, key: str) -> None:
+    payload_path(folder, key).unlink(missing_ok=True)
+
+
+def sweep(folder: str | Path, ttl_s: float, now: float | None = None) -> int:
+    """Delete payloads (and partial writes) older than `ttl_s`; how many."""
+    now = time.time() if now is None else now
+    removed = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not _LEFTOVER.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > ttl_s:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:  # another server swept it first
+                continue
+    return removed

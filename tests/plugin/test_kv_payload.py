@@ -1,0 +1,206 @@
+"""The KV payload a prefill server writes and a decode server reads (real files): a round
+trip, and every refusal with its reason and fix: another model, dtype, block size,
+geometry or prompt; unknown metadata or tensor keys; a file too large, truncated, not
+safetensors (a pickle is never unpickled), a symlink; a key that is not 32 hex digits.
+Leftovers are swept after their lifetime; kv_transfer_params parse strictly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+from neuron_plugin.backends.kv_blocks import KVGeometry
+from neuron_plugin.kv_transfer import params, payload
+
+GEOMETRY = KVGeometry(layers=2, block_size=4, kv_heads=2, head_dim=3, dtype="float32")
+MODEL = "a" * 64
+PROMPT = [5, 6, 7, 8, 9, 10]  # two blocks, the second partial
+
+
+def _kv(geometry: KVGeometry = GEOMETRY, blocks: int = 2) -> torch.Tensor:
+    return torch.randn(geometry.shape(blocks)).to(geometry.torch_dtype)
+
+
+def _read(folder, key, geometry=GEOMETRY, prompt=PROMPT, model=MODEL):
+    return payload.read_payload(folder, key, model, geometry, prompt, max_blocks=4)
+
+
+def test_round_trip_is_exact_and_leaves_no_partial_file(tmp_path):
+    kv = _kv()
+    key = params.new_key()
+    size = payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY)
+    assert os.listdir(tmp_path) == [f"{key}.safetensors"]
+    assert (tmp_path / f"{key}.safetensors").stat().st_size == size
+    assert oct((tmp_path / f"{key}.safetensors").stat().st_mode & 0o777) == "0o600"
+    assert torch.equal(_read(tmp_path, key), kv)
+    payload.remove_payload(tmp_path, key)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bfloat16_round_trip(tmp_path):
+    geometry = dataclasses.replace(GEOMETRY, dtype="bfloat16")
+    kv = _kv(geometry)
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, geometry)
+    assert torch.equal(_read(tmp_path, key, geometry), kv)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"model": "b" * 64}, "its model is bbbbbbbbbbbbbbbb, this server's is aaaaaaaaaaaaaaaa"),
+    ({"dtype": "bfloat16"}, "its KV dtype is bfloat16, this server's is float32"),
+    ({"block_size": 2}, "its block size is 2, this server's is 4"),
+    ({"kv_heads": 4}, "its kv shape (layers,kv,blocks,block_size,kv_heads,head_dim) is "
+                      "[2, 2, 2, 4, 4, 3], this server's is [2, 2, 2, 4, 2, 3]"),
+    ({"layers": 3}, "its kv shape"),
+    ({"prompt": PROMPT[:-1]}, "its prompt length is 5, this server's is 6"),
+    ({"prompt": [t + 1 for t in PROMPT]}, "it holds the KV of another prompt"),
+])
+def test_a_payload_of_another_configuration_is_refused_naming_it(tmp_path, change, reason):
+    written = dataclasses.replace(GEOMETRY, **{k: v for k, v in change.items()
+                                             if k in ("dtype", "block_size", "kv_heads",
+                                                      "layers")})
+    prompt = change.get("prompt", PROMPT)
+    blocks = -(-len(prompt) // written.block_size)
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, _kv(written, blocks), prompt,
+                          change.get("model", MODEL), written)
+    with pytest.raises(payload.PayloadError) as error:
+        _read(tmp_path, key)
+    assert reason in str(error.value)
+    assert f"KV payload {key} refused" in str(error.value)
+    if "prompt" not in change:
+        assert payload.SAME_SERVERS in str(error.value)  # the fix
+
+
+def _rewrite_header(path, edit):
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda h: h["__metadata__"].update(extra="1"), "its metadata keys are"),
+    (lambda h: h.update(extra=h["token_ids"]), "its tensors are ['extra', 'kv', 'token_ids']"),
+    (lambda h: h["__metadata__"].update(format="neuron-kv/0"), "its format is neuron-kv/0"),
+])
+def test_unknown_keys_and_formats_are_refused(tmp_path, edit, reason):
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+    _rewrite_header(tmp_path / f"{key}.safetensors", edit)
+    with pytest.raises(payload.PayloadError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        _read(tmp_path, key)
+
+
+def test_a_pickle_is_never_unpickled(tmp_path, monkeypatch):
+    key = params.new_key()
+    (tmp_path / f"{key}.safetensors").write_bytes(pickle.dumps({"kv": [1, 2, 3]}))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    with pytest.raises(payload.PayloadError, match="is not a safetensors file"):
+        _read(tmp_path, key)
+
+
+def test_truncated_oversized_and_linked_files_are_refused(tmp_path):
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+    path = tmp_path / f"{key}.safetensors"
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 10])
+    with pytest.raises(payload.PayloadError, match="is corrupt"):
+        _read(tmp_path, key)
+    path.write_bytes(whole + b"\0" * (payload.HEADER_LIMIT + 10_000))
+    with pytest.raises(payload.PayloadError, match="more than a request's worth"):
+        _read(tmp_path, key)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(whole)
+    path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(payload.PayloadError, match="cannot be opened safely"):
+        _read(tmp_path, key)
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "A" * 32, "a" * 31, "a" * 33, "", 7])
+def test_keys_that_are_not_32_hex_digits_name_no_file(tmp_path, key):
+    with pytest.raises(payload.PayloadError, match="is not 32 lowercase hex digits"):
+        payload.payload_path(tmp_path, key)
+
+
+def test_missing_payload_says_why_it_may_be_missing(tmp_path):
+    with pytest.raises(payload.PayloadError, match="no KV payload .* the same "
+                                                   "kv_connector_extra_config.path"):
+        _read(tmp_path, params.new_key())
+
+
+def test_sweep_removes_only_old_payloads_and_partial_writes(tmp_path):
+    old, fresh = params.new_key(), params.new_key()
+    for key in (old, fresh):
+        payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+    partial = tmp_path / f".{params.new_key()}.123.partial"
+    partial.write_bytes(b"x")
+    other = tmp_path / "notes.txt"
+    other.write_text("not a payload")
+    for path in (tmp_path / f"{old}.safetensors", partial, other):
+        os.utime(path, (1000, 1000))
+    assert payload.sweep(tmp_path, ttl_s=60) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{fresh}.safetensors", "notes.txt"])
+
+
+def test_model_identity_follows_weights_and_config_not_names(model_dirs, tmp_path):
+    import shutil
+
+    source = model_dirs["llama"]
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["_name_or_path"] = "somewhere/else"
+    (copy / "config.json").write_text(json.dumps(config))
+    assert payload.model_identity(copy) == payload.model_identity(source)
+    config["rms_norm_eps"] = 1e-6
+    (copy / "config.json").write_text(json.dumps(config))
+    assert payload.model_identity(copy) != payload.model_identity(source)
+
+
+def test_model_identity_names_weight_quantization_not_its_folder(model_dirs):
+    """A quantized server's KV is not an unquantized one's (nor another quantization's);
+    the quantized checkpoint's folder may differ between hosts."""
+    from neuron_plugin.core.quantization import Quantization
+
+    def quantized(path, **keys):
+        return Quantization.from_override(
+            {"quantized": True, "quantized_checkpoints_path": path, **keys})
+
+    model = model_dirs["llama"]
+    plain = payload.model_identity(model)
+    per_channel = quantized("/a", quantization_type="per_channel_symmetric")
+    assert payload.model_identity(model, per_channel) != plain
+    assert payload.model_identity(model, per_channel) == payload.model_identity(
+        model, quantized("/b", quantization_type="per_channel_symmetric"))
+    assert payload.model_identity(model, per_channel) != payload.model_identity(
+        model, quantized("/a"))
+    assert payload.model_identity(model, per_channel) != payload.model_identity(
+        model, quantized("/a", quantization_type="per_channel_symmetric",
+                         modules_to_not_convert=["lm_head"]))
+
+
+def test_kv_transfer_params_parse_strictly():
+    key = params.new_key()
+    good = params.decode_params(key, 6)
+    assert params.wants_remote_prefill(good) and not params.wants_remote_decode(good)
+    assert params.remote_prefill(good, 6) == params.RemotePrefill(key, 6)
+    assert params.wants_remote_decode({"do_remote_decode": True, "remote_engine_id": None})
+    with pytest.raises(ValueError, match="no neuron_kv object: the prefill server does not "
+                                         "run NeuronKVConnector"):
+        params.remote_prefill({"do_remote_prefill": True, "remote_block_ids": [1]}, 6)
+    with pytest.raises(ValueError, match="num_tokens=5 is not this request's prompt length 6"):
+        params.remote_prefill(params.decode_params(key, 5), 6)
+    with pytest.raises(ValueError, match="format=2, expected 1"):
+        params.remote_prefill({"neuron_kv": {"format": 2, "key": key, "num_tokens": 6}}, 6)
