@@ -26,6 +26,14 @@ multiprocess executor reads outputs from another thread). So the engine schedule
 N+1 and processes step N-1's output while the backend computes step N, and the batch
 never holds placeholder tokens: step N's are real before step N+1's state updates.
 
+Speculative decoding (`--speculative-config`, core.speculation): vLLM schedules each
+decoding request's drafts as extra tokens (`scheduled_spec_decode_tokens`); the decode
+call verifies them (n-gram drafts as inputs; a fused draft model proposes its own) and
+each row emits its accepted drafts and one token of the target's, all appended to the
+batch; vLLM rolls back what was not accepted. `serving.drafts` proposes the next step's
+drafts, which vLLM takes through `take_draft_token_ids`. Host-sampled rows take no
+drafts.
+
 Request bookkeeping follows vLLM's GPU runner contract (`InputBatch`,
 `CachedRequestState`); the sequence slot of a request in the contiguous layout is its
 single vLLM block id minus one, so the scheduler's allocator frees and reassigns slots
