@@ -77,9 +77,10 @@ def test_validate_request_names_limit_and_fix(model_dirs):
     from vllm.exceptions import VLLMValidationError
     from vllm.platforms import current_platform
 
-    # validate_request reads the config it resolved through a weak reference: hold it
-    keep = engine_config(model_dirs, additional_config={  # noqa: F841
-        "override_neuron_config": {"context_encoding_buckets": [64, 128]}})
+    # validate_request reads the live config through a weak reference, as a server
+    # holds its config: the test holds it too, or a collection in between loses it.
+    config = engine_config(model_dirs, additional_config={"override_neuron_config": {
+        "context_encoding_buckets": [64, 128]}})
     current_platform.validate_request({"type": "token", "prompt_token_ids": [1] * 128},
                                       SamplingParams())
     with pytest.raises(VLLMValidationError) as info:
@@ -106,7 +107,7 @@ def test_echo_with_logprobs_is_refused_as_echo(model_dirs):
     from vllm.exceptions import VLLMValidationError
     from vllm.platforms import current_platform
 
-    keep = engine_config(model_dirs)  # noqa: F841 (resolved, held)
+    config = engine_config(model_dirs)  # held: see above
     params = CompletionRequest(model="m", prompt="hi", echo=True, logprobs=2,
                                max_tokens=4).to_sampling_params(max_tokens=4)
     assert params.prompt_logprobs == 2

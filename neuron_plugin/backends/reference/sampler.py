@@ -45,6 +45,12 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.minimum(drawn, last)
 
 
+def draw(probs: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token id [rows] each row's uniform number draws from (`probs`, `ids`) of
+    `candidate_probs`."""
+    return ids.gather(-1, inverse_cdf(probs, uniform).unsqueeze(-1)).squeeze(-1)
+
+
 def sample(
     logits: torch.Tensor,
     top_k: torch.Tensor,
@@ -59,8 +65,7 @@ def sample(
     the host, so a row's draw costs 4 bytes across the runner's seam."""
     greedy = logits.max(dim=-1).indices
     probs, indices = candidate_probs(logits, top_k, top_p, temperature, candidates)
-    token = indices.gather(-1, inverse_cdf(probs, uniform).unsqueeze(-1)).squeeze(-1)
-    return torch.where(top_k == 1, greedy, token)
+    return torch.where(top_k == 1, greedy, draw(probs, indices, uniform))
 
 
 def verify(
@@ -92,8 +97,7 @@ def verify(
     draws = uniform.reshape(-1)
     greedy = flat.max(dim=-1).indices
     probs, indices = candidate_probs(flat, top_k_, top_p_, temperature_, candidates)
-    ordinary = indices.gather(-1, inverse_cdf(probs, draws).unsqueeze(-1)).squeeze(-1)
-    ordinary = torch.where(top_k_ == 1, greedy, ordinary)
+    ordinary = torch.where(top_k_ == 1, greedy, draw(probs, indices, draws))
 
     # The draft each position verifies (the last position verifies none).
     proposed = torch.cat((drafts, drafts[:, :1]), dim=1).reshape(-1)
@@ -104,9 +108,7 @@ def verify(
     accepted = torch.where(top_k_ == 1, proposed == greedy, (draws <= p_draft) & (hit > 0))
     # (u - p) / (1 - p), with p = hit / kept
     remainder = ((draws - p_draft) * kept / (kept - hit).clamp(min=1e-12)).clamp(0.0, 1.0)
-    residual = indices.gather(
-        -1, inverse_cdf(probs.masked_fill(is_draft, 0.0), remainder).unsqueeze(-1)
-    ).squeeze(-1)
+    residual = draw(probs.masked_fill(is_draft, 0.0), indices, remainder)
     correction = torch.where(top_k_ == 1, greedy, residual).reshape(rows, width)
 
     position = torch.arange(width).unsqueeze(0)

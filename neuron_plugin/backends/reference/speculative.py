@@ -170,11 +170,9 @@ class DraftPrefillGraph(nn.Module):
         v_cache: torch.Tensor,
         draft_k_cache: torch.Tensor,
         draft_v_cache: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        temperature: torch.Tensor,
-        uniform: torch.Tensor,
+        *sampling: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`sampling`: the target's sampler inputs (top_k, top_p, temperature, uniform)."""
         self.draft.hidden(
             self.draft.named(draft_weights),
             input_ids,
@@ -195,8 +193,5 @@ class DraftPrefillGraph(nn.Module):
             last_index,
             k_cache,
             v_cache,
-            top_k,
-            top_p,
-            temperature,
-            uniform,
+            *sampling,
         )
