@@ -265,6 +265,18 @@ def test_nxdi_seq_len_reaches_the_whole_last_block():
     assert neuron_config_kwargs(settings({"max_model_len": 1000}))["seq_len"] == 1000
 
 
+def test_block_layout_too_short_for_nxdis_tiled_cache_is_refused():
+    """block_kv_cache_manager.py _init_kv_shape_for_prefix_caching: 64 tokens are 2 blocks
+    of 32, tiled 64 ways, so a tile would hold 32 // 64 = 0 rows (the double's cache is as
+    empty as NxDI's: every write is out of bounds)."""
+    with pytest.raises(NeuronConfigError, match=r"max_model_len=64 is too short.*"
+                                                r"--block-size 32.*--max-model-len 97 or more"):
+        neuron_config_kwargs(settings({**PREFIX, "max_model_len": 64}))
+    assert neuron_config_kwargs(settings({**PREFIX, "max_model_len": 97}))["pa_block_size"] == 32
+    kernel = {"attn_block_tkg_nki_kernel_enabled": True}  # NxDI does not tile with it
+    assert neuron_config_kwargs(settings({**PREFIX, "max_model_len": 64}, override=kernel))
+
+
 def test_passthrough_key_the_backend_sets_differently_is_an_error():
     s = settings(override={"on_device_sampling_config": {}, "output_logits": False})
     with pytest.raises(NeuronConfigError, match="output_logits=False but the nxd backend "

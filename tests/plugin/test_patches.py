@@ -120,9 +120,13 @@ def hypothetically_fixed(modules, monkeypatch) -> None:
     monkeypatch.setattr(modules.sampling.Sampler, "_multinomial_sample", _multinomial_sample)
 
 
+# A sequence of 128 tokens: NxDI's prefix-caching cache tiles each block by 128 / blocks
+# per sequence (block_kv_cache_manager.py _init_kv_shape_for_prefix_caching), which leaves
+# a block of pa_block_size // tiling_factor = 0 rows below max_length 128.
 PREFIX_CACHING = dict(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=8,
-                      pa_num_blocks=16, prefix_buckets=[16, 64], batch_size=1,
-                      is_continuous_batching=False)
+                      pa_num_blocks=16, seq_len=128, max_context_length=128,
+                      context_encoding_buckets=[8, 128], token_generation_buckets=[16, 128],
+                      prefix_buckets=[16, 128], batch_size=1, is_continuous_batching=False)
 
 
 # -- probes ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ with the target's argmax (model_base.py `_sample_on_device`, lines 1163-1173).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,7 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
             pa_num_blocks=s.num_blocks,
             pa_block_size=s.block_size,
         )
+        check_block_tiling(s, s.passthrough.get("max_length", derived["seq_len"]))
     if batch_bucketing(s):
         derived["token_generation_batches"] = list(s.token_generation_batches)
     if s.speculation_method:
@@ -117,6 +119,35 @@ def on_device_sampling_config(user: Mapping[str, Any], global_topk: int) -> dict
         "dynamic": True,
         "deterministic": bool(user.get("deterministic", False)),
     }
+
+
+def block_rows_per_tile(block_size: int, max_length: int) -> int:
+    """Rows of a KV block tile in NxDI's prefix-caching cache: with fewer than 128 blocks
+    per sequence it splits each block into the smallest power of 2 >= 128 / blocks tiles
+    (block_kv_cache_manager.py _init_kv_shape_for_prefix_caching, ef2731e lines 48-77)."""
+    per_seq = -(-max_length // block_size)
+    if per_seq >= 128:
+        return block_size
+    return block_size // 2 ** math.ceil(math.log2(128 / per_seq))
+
+
+def check_block_tiling(settings: NeuronSettings, max_length: int) -> None:
+    """Refuse a block layout whose tiled KV cache NxDI would make empty (0 rows a tile:
+    every write out of bounds), naming the smallest max_model_len that works."""
+    if settings.passthrough.get("attn_block_tkg_nki_kernel_enabled"):
+        return  # NxDI does not tile with the block token-generation kernel
+    size = settings.block_size
+    if block_rows_per_tile(size, max_length) > 0:
+        return
+    enough = next(n for n in range(max_length, 128 * size + 1) if block_rows_per_tile(size, n))
+    raise NeuronConfigError(
+        f"max_model_len={settings.max_model_len} is too short for NxDI's block KV layout "
+        f"with --block-size {size}: its prefix-caching cache splits each block into "
+        f"tiles by 128 / blocks per sequence (block_kv_cache_manager.py "
+        f"_init_kv_shape_for_prefix_caching), which leaves {size}-token blocks with 0 "
+        f"rows a tile at {max_length} tokens; pass --max-model-len {enough} or more, or "
+        f"serve without --enable-prefix-caching and chunked prefill (contiguous layout)."
+    )
 
 
 def check_speculation_settings(settings: NeuronSettings) -> None:
