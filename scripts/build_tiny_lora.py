@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from neuron_plugin.core.checkpoint import replacing_folder
 
 RECIPE_VERSION = 1
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -79,17 +79,9 @@ def build_lora(
         **lora,
     )
     peft_model = get_peft_model(model, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with replacing_folder(out) as staging:
         peft_model.save_pretrained(str(staging), safe_serialization=safe_serialization)
         (staging / "tiny_lora_recipe.json").write_text(json.dumps(wanted, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return out
 
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from neuron_plugin.core.checkpoint import replacing_folder
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_corpus.txt"
 RECIPE_VERSION = 2  # 2: the tokenizer config carries CHAT_TEMPLATE
@@ -327,9 +327,7 @@ def build(
     if train_steps:
         train_on_corpus(model, tokenizer, train_steps, seed)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with replacing_folder(out) as staging:
         # save_pretrained writes the Hub's tensor names and layout (transformers 5 keeps
         # MoE experts fused in memory and splits them back per expert when saving).
         model.save_pretrained(staging)
@@ -339,12 +337,6 @@ def build(
         # In tokenizer_config.json, where most Hugging Face checkpoints keep it.
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return out
 
 

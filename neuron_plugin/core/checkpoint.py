@@ -5,7 +5,11 @@ another's module for it."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +66,20 @@ def safetensors_dtypes(model_dir: str | Path) -> dict[str, str]:
             {name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
         )
     return dtypes
+
+
+@contextmanager
+def replacing_folder(out: str | Path) -> Iterator[Path]:
+    """A staging folder beside `out` that replaces `out` whole when the block completes
+    (removed if it raises): a reader never sees a half-written checkpoint."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)

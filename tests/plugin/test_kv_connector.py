@@ -17,8 +17,10 @@ os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
+
+from bench_host_overhead import scheduler_output  # noqa: E402
 
 from neuron_plugin.kv_transfer.connector import LoadJob, SchedulerSide, WorkerSide  # noqa: E402
 from neuron_plugin.kv_transfer.params import decode_params  # noqa: E402
@@ -57,20 +59,6 @@ def _blocks(*ids: int) -> KVCacheBlocks:
     return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
 
 
-def _step(new=(), cached=None, scheduled=None) -> SchedulerOutput:
-    scheduled = scheduled or {}
-    return SchedulerOutput(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-    )
-
-
 def _new(request: Request, blocks: list[int], computed: int = 0) -> NewRequestData:
     return NewRequestData(request.request_id, request.prompt_token_ids, [],
                           request.sampling_params, None, (blocks,), computed, None)
@@ -88,7 +76,7 @@ def test_a_whole_prompt_is_saved_in_its_prefill_step(configs):
     request = _request("p1", PROMPT, {"do_remote_decode": True, "remote_engine_id": None})
     side.on_new_request(request)
     assert side.matched_tokens(request, 0) == (0, False)  # a prefill request loads nothing
-    (save,) = side.build_meta(_step([_new(request, [4, 9, 2])], scheduled={"p1": 70})).saves
+    (save,) = side.build_meta(scheduler_output([_new(request, [4, 9, 2])], scheduled={"p1": 70})).saves
     assert (save.req_id, save.block_ids, save.token_ids) == ("p1", [4, 9, 2], PROMPT)
     params = side.finished(request)
     assert params == decode_params(save.key, 70)
@@ -99,18 +87,18 @@ def test_a_chunked_prompt_is_saved_when_its_last_chunk_is_scheduled(configs):
     side = SchedulerSide(configs["kv_both"])
     request = _request("p2", PROMPT, {"do_remote_decode": True})
     side.on_new_request(request)
-    assert side.build_meta(_step([_new(request, [4])], scheduled={"p2": 32})).saves == []
-    assert side.build_meta(_step(cached=_cached("p2", [7], 32), scheduled={"p2": 32})).saves == []
-    (save,) = side.build_meta(_step(cached=_cached("p2", [8], 64), scheduled={"p2": 6})).saves
+    assert side.build_meta(scheduler_output([_new(request, [4])], scheduled={"p2": 32})).saves == []
+    assert side.build_meta(scheduler_output(cached=_cached("p2", [7], 32), scheduled={"p2": 32})).saves == []
+    (save,) = side.build_meta(scheduler_output(cached=_cached("p2", [8], 64), scheduled={"p2": 6})).saves
     assert save.block_ids == [4, 7, 8]
-    assert side.build_meta(_step(cached=_cached("p2", [], 70), scheduled={"p2": 1})).saves == []
+    assert side.build_meta(scheduler_output(cached=_cached("p2", [], 70), scheduled={"p2": 1})).saves == []
 
 
 def test_a_request_aborted_before_its_prompt_is_done_returns_no_params(configs):
     side = SchedulerSide(configs["kv_both"])
     request = _request("p3", PROMPT, {"do_remote_decode": True})
     side.on_new_request(request)
-    side.build_meta(_step([_new(request, [4])], scheduled={"p3": 32}))
+    side.build_meta(scheduler_output([_new(request, [4])], scheduled={"p3": 32}))
     assert side.finished(request) is None
 
 
@@ -120,7 +108,7 @@ def test_a_decode_request_loads_its_prompt_past_the_local_hit_once(configs):
     assert side.matched_tokens(request, 64) == (6, True)  # two blocks cached here
     side.after_alloc(request, _blocks(3, 5, 11), 6)
     side.after_alloc(request, _blocks(3, 5, 11), 0)  # vLLM's second call after the load
-    (load,) = side.build_meta(_step()).loads
+    (load,) = side.build_meta(scheduler_output()).loads
     assert load == LoadJob("d1", "ab" * 16, None, [3, 5, 11], 2, PROMPT)
     # after a failed load with kv_load_failure_policy recompute, vLLM asks again
     assert side.matched_tokens(request, 0) == (0, False)
@@ -138,7 +126,7 @@ def test_params_that_cannot_name_a_payload_become_a_failed_load(configs, params,
     request = _request("d2", PROMPT, params)
     assert side.matched_tokens(request, 0) == (70, True)
     side.after_alloc(request, _blocks(3, 5, 11), 70)
-    (load,) = side.build_meta(_step()).loads
+    (load,) = side.build_meta(scheduler_output()).loads
     assert load.key is None and reason in load.error
 
 
@@ -149,7 +137,7 @@ def test_roles_limit_what_a_server_does(configs):
     assert producer.matched_tokens(decode, 0) == (0, False)
     prefill = _request("p4", PROMPT, {"do_remote_decode": True})
     consumer.on_new_request(prefill)
-    assert consumer.build_meta(_step([_new(prefill, [4, 9, 2])], scheduled={"p4": 70})).saves == []
+    assert consumer.build_meta(scheduler_output([_new(prefill, [4, 9, 2])], scheduled={"p4": 70})).saves == []
 
 
 def test_the_worker_side_reports_every_load_and_its_failures(model_dirs, tmp_path):

@@ -23,8 +23,6 @@ tests/e2e/test_quantization.py (README "Quantized checkpoints").
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import torch
 
 from neuron_plugin.backends.reference.architectures import DecoderSpec
 from neuron_plugin.backends.reference.decoder import weight_sources
-from neuron_plugin.core.checkpoint import safetensors_files
+from neuron_plugin.core.checkpoint import replacing_folder, safetensors_files
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.quantization import (
     PER_CHANNEL,
@@ -188,16 +186,8 @@ def write_quantized_checkpoint(
         if stored not in result:
             result[stored] = tensor.contiguous()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with replacing_folder(out) as staging:
         save_file(result, str(staging / CHECKPOINT_FILE))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return {
         "path": str(out),
         "quantization": quantization.describe(),
