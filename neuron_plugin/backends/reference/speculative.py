@@ -78,7 +78,7 @@ class FusedDraftGraph(nn.Module):
 
     def __init__(self, target: DecoderGraph, draft: DecoderGraph, width: int):
         super().__init__()
-        self.target = target
+        self.verifier = VerifyGraph(target)
         self.draft = draft
         self.width = width
 
@@ -101,7 +101,7 @@ class FusedDraftGraph(nn.Module):
         temperature: torch.Tensor,
         uniform: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        draft, target = self.draft, self.target
+        draft = self.draft
         dw = draft.named(draft_weights)
         start = positions[:, :1]
         token = input_ids[:, :1]
@@ -121,30 +121,21 @@ class FusedDraftGraph(nn.Module):
                 token = draft.head(dw, x[:, 0]).max(dim=-1).indices.unsqueeze(-1)
                 candidates.append(token)
         proposed = torch.cat(candidates, dim=1)
-        w = target.named(weights)
-        x = target.hidden(
-            w,
+        return self.verifier(
+            weights,
             proposed,
             start + torch.arange(self.width).unsqueeze(0),
             write_slots,
             read_slots,
             full_context_lens,
+            last_index,
             k_cache,
             v_cache,
-        )
-        logits = target.head(w, x)
-        assert target.candidates is not None  # speculation needs on-device sampling
-        tokens = verify(
-            logits,
-            proposed[:, 1:],
-            last_index,
             top_k,
             top_p,
             temperature,
             uniform,
-            target.candidates,
         )
-        return logits[:, 0], tokens
 
 
 class DraftPrefillGraph(nn.Module):
