@@ -18,8 +18,8 @@ as safetensors only: NxDI would `torch.save` a pickle where the path is not an e
 folder, and `torch.load` one at load; both are refused.
 
 Backends: nxd serves every type and dtype NxDI does (its quantized layers); the
-reference backend serves int8 per-channel weight-only (the weights stay int8 in memory
-and each projection is scaled per output channel after its matmul, as NxDI's
+reference backend serves int8 weight-only, per channel or per tensor (the weights stay
+int8 in memory and each projection is scaled after its matmul, as NxDI's
 QuantizedColumnParallel / QuantizedRowParallel compute it).
 
 Pure: no vLLM, torch or NxDI import.
@@ -88,8 +88,8 @@ class Quantization:
         if not path:
             raise NeuronConfigError(
                 f"{KEY}.quantized=true needs quantized_checkpoints_path, the folder of the "
-                f"quantized checkpoint (NxDI asserts it); write one with `neuron-plugin "
-                f"quantize MODEL --out DIR [serve flags]` and pass that DIR."
+                f"quantized checkpoint (NxDI asserts it); name a folder there, and "
+                f"`neuron-plugin quantize MODEL [serve flags]` writes it."
             )
         qtype = override.get("quantization_type") or DEFAULT_TYPE
         if qtype not in NXDI_TYPES:
@@ -109,21 +109,26 @@ class Quantization:
                 f"{KEY}.modules_to_not_convert={keep!r} must be a list of module names, "
                 f'e.g. ["lm_head"].'
             )
+        if keep and qtype == PER_TENSOR:
+            raise NeuronConfigError(
+                f"{KEY}.modules_to_not_convert={list(keep)!r} has no effect with "
+                f"quantization_type={PER_TENSOR!r}: NxDI's per-tensor quantizer converts "
+                f"every linear module (quantize_pytorch_model_per_tensor_symmetric); use "
+                f"{PER_CHANNEL!r} or remove modules_to_not_convert."
+            )
         return cls(str(path), qtype, dtype, tuple(keep))
 
     def converts(self, module: str) -> bool:
         """Whether NxDI quantizes `module` (a module path of the Hugging Face model):
         modules_to_not_convert entries match as substrings (neuronx-distributed
-        quantization_utils._normalize_modules_to_not_convert_paths). NxDI's per-tensor
-        path ignores the list (quantize_pytorch_model_per_tensor_symmetric)."""
-        if self.type == PER_TENSOR:
-            return True
+        quantization_utils._normalize_modules_to_not_convert_paths); the list is empty
+        per tensor (refused in from_override)."""
         return not any(entry in module for entry in self.modules_to_not_convert)
 
     def describe(self) -> str:
         kept = (
             f", {', '.join(self.modules_to_not_convert)} kept in the model dtype"
-            if self.modules_to_not_convert and self.type == PER_CHANNEL
+            if self.modules_to_not_convert
             else ""
         )
         return f"{self.dtype} {self.type.replace('_', ' ')}{kept}"
@@ -169,12 +174,37 @@ def quantized_weight_bytes(
     return full, full - saved
 
 
+def check_output_folder(quantization: Quantization, model: str) -> Path:
+    """Where `neuron-plugin quantize` may write: a new or empty folder, or one holding
+    only a previous checkpoint's *.safetensors, never the model's folder or one above
+    it (writing replaces what the folder holds)."""
+    path = Path(quantization.checkpoint).expanduser()
+    where = f"{KEY}.quantized_checkpoints_path={str(path)!r}"
+    model_dir = Path(model).expanduser().resolve()
+    if path.resolve() == model_dir or path.resolve() in model_dir.parents:
+        raise NeuronConfigError(
+            f"{where} is the model's folder or contains it ({model}); writing the quantized "
+            f"checkpoint there would replace the model's files: name a folder of its own."
+        )
+    if path.is_file() or path.is_symlink():
+        raise NeuronConfigError(f"{where} is a file or a link: name a folder.")
+    if path.is_dir():
+        other = sorted(p.name for p in path.iterdir() if p.suffix != ".safetensors")
+        if other:
+            raise NeuronConfigError(
+                f"{where} holds {', '.join(other[:5])}, not a quantized checkpoint's "
+                f"*.safetensors only; writing there would replace them: name a new or "
+                f"empty folder."
+            )
+    return path
+
+
 def check_checkpoint_folder(quantization: Quantization, model: str) -> Path:
     """The quantized checkpoint's folder, refused where it would not load as safetensors."""
     path = Path(quantization.checkpoint)
     fix = (
-        f"write it with `neuron-plugin quantize {model} --out {path} --additional-config "
-        f"'{{\"override_neuron_config\": {{...}}}}'` (the serve flags you use)"
+        f"write it with `neuron-plugin quantize {model} [the serve flags you use]`, which "
+        f"writes quantized_checkpoints_path"
     )
     if path.is_file():
         raise NeuronConfigError(

@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.kv_blocks import KVGeometry
+from neuron_plugin.backends.runner.client import RunnerError
 from neuron_plugin.core.kv_transfer import TransferOptions, transfer_options
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.kv_transfer import payload
@@ -266,7 +267,7 @@ class WorkerSide:
             self._recving.add(job.req_id)
             try:
                 self._load(job)
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, RunnerError) as exc:
                 self._failed.add(job.req_id)
                 logger.error(
                     "KV transfer for request %s failed: %s. %s",
@@ -310,7 +311,7 @@ class WorkerSide:
                 )
                 self.saved_bytes += size
                 logger.debug("KV transfer: saved request %s (%d bytes)", job.req_id, size)
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, RunnerError) as exc:
                 # The decode server finds no payload and applies its failure policy.
                 logger.error("KV transfer: saving request %s failed: %s", job.req_id, exc)
         self._sweep()
@@ -320,7 +321,11 @@ class WorkerSide:
         if now - self._swept < self.options.ttl_s / 4:
             return
         self._swept = now
-        removed = payload.sweep(self.folder, self.options.ttl_s, now)
+        try:
+            removed = payload.sweep(self.folder, self.options.ttl_s, now)
+        except OSError as exc:  # the folder removed or unreadable: serving goes on
+            logger.warning("KV transfer: sweeping %s failed: %s", self.folder, exc)
+            return
         if removed:
             logger.info(
                 "KV transfer: removed %d payloads no decode server took within ttl_s=%g s",
@@ -385,10 +390,6 @@ class NeuronKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, NeuronKVMetadata)
         self._worker_side().save(meta.saves)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self._worker_side().results()
-        return None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker_side().results()

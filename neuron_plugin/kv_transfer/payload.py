@@ -175,10 +175,15 @@ def _read_whole(path: Path, key: str, limit: int) -> bytes:
                 f"KV payload {key} refused: {info.st_size} bytes, more than a request's "
                 f"worth of this server's KV blocks ({limit} bytes); {SAME_SERVERS}"
             )
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        # at most the size checked: a file still growing is refused, never read unbounded
+        chunks, left = [], info.st_size + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
             chunks.append(chunk)
-        return b"".join(chunks)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) != info.st_size:
+            raise PayloadError(f"KV payload {key} changed size while it was read")
+        return data
     finally:
         os.close(fd)
 
@@ -190,16 +195,20 @@ def _header(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise PayloadError(f"KV payload {key} is not a safetensors file (truncated or corrupt)")
     try:
         header = json.loads(data[8 : 8 + length])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
         raise PayloadError(f"KV payload {key} has a corrupt header") from None
     if not isinstance(header, dict):
         raise PayloadError(f"KV payload {key} has a corrupt header")
     metadata = header.pop("__metadata__", None)
-    if not isinstance(metadata, dict) or set(metadata) != METADATA_KEYS:
+    if (
+        not isinstance(metadata, dict)
+        or set(metadata) != METADATA_KEYS
+        or not all(isinstance(value, str) for value in metadata.values())
+    ):
         found = sorted(metadata) if isinstance(metadata, dict) else metadata
         raise PayloadError(
             f"KV payload {key} refused: its metadata keys are {found}, expected "
-            f"{sorted(METADATA_KEYS)} (format {FORMAT}); install the same "
+            f"{sorted(METADATA_KEYS)} with string values (format {FORMAT}); install the same "
             f"vllm-neuron-plugin version on the prefill and decode servers"
         )
     if set(header) != TENSOR_KEYS:

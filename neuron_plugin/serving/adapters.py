@@ -54,6 +54,8 @@ from neuron_plugin.core.settings import NeuronSettings
 logger = plugin_logger(__name__)
 
 SAFETENSORS = "adapter_model.safetensors"
+# room for a safetensors header (tensor names, shapes, offsets) beside the weights
+HEADER_ALLOWANCE = 1 << 20
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
 
@@ -66,6 +68,7 @@ def read_adapter(
 ) -> AdapterWeights:
     """The adapter a vLLM LoRARequest names, checked and in the slot layout."""
     import torch
+    from safetensors import SafetensorError
     from vllm.exceptions import LoRAAdapterNotFoundError
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
@@ -89,6 +92,16 @@ def read_adapter(
             f"LoRA adapter {name!r} ({given}): the folder also holds {', '.join(pickles)}, "
             f"which NxDI's adapter loader would unpickle beside {SAFETENSORS}; remove "
             f"the pickled files from the folder."
+        )
+    size = (folder / SAFETENSORS).stat().st_size
+    limit = geometry.slot_bytes(settings.max_lora_rank) + HEADER_ALLOWANCE
+    if size > limit:  # checked before anything reads the tensors into memory
+        raise AdapterError(
+            f"LoRA adapter {name!r} ({given}): {SAFETENSORS} is {size:,} bytes, more than "
+            f"a float32 adapter of rank --max-lora-rank {settings.max_lora_rank} over every "
+            f"compiled target module can hold ({limit:,} bytes with its header); serve an "
+            f"adapter of rank <= {settings.max_lora_rank} on "
+            f"{', '.join(settings.lora_target_modules)} only."
         )
     try:
         helper = PEFTHelper.from_local_dir(str(folder), max_position_embeddings)
@@ -121,6 +134,11 @@ def read_adapter(
             device="cpu",
             dtype=torch.float32,
         )
+    except SafetensorError as exc:
+        raise AdapterError(
+            f"LoRA adapter {name!r} ({given}): {SAFETENSORS} is not a readable safetensors "
+            f"file ({exc}); save the adapter again."
+        ) from exc
     except ValueError as exc:
         raise AdapterError(
             f"LoRA adapter {name!r} ({given}) does not fit the compiled LoRA slots: {exc}; "
@@ -135,6 +153,12 @@ def read_adapter(
                 f"LoRA adapter {name!r} ({given}) trains {module_name}, not a projection of "
                 f"a decoder layer ({', '.join(MODULE_PARENTS)}); the Neuron graphs carry "
                 f"LoRA slots for those only."
+            )
+        if weights.lora_a is None or weights.lora_b is None:
+            half = "lora_B" if weights.lora_a is not None else "lora_A"
+            raise AdapterError(
+                f"LoRA adapter {name!r} ({given}) has no {half} weight for {module_name} "
+                f"(a LoRA module needs both lora_A and lora_B); save the adapter again."
             )
         layers.append(
             LayerWeights(
@@ -188,14 +212,15 @@ class AdapterStore:
         )
         if refusal is not None:
             raise AdapterError(refusal)
-        if request.load_inplace and self.settings.backend == "nxd" and adapter_id in self._held:
+        known = adapter_id in self._held or self.slots.slot_of(adapter_id) is not None
+        if request.load_inplace and self.settings.backend == "nxd" and known:
             raise AdapterError(
                 f"LoRA adapter {request.lora_name!r}: reloading it in place is not served on "
                 f"the nxd backend (NxDI keeps an adapter's device copy by name); load the "
                 f"new weights under a new name."
             )
         adapter = self.read(request)
-        if adapter_id in self._held:  # reloaded in place: its slot holds old weights
+        if request.load_inplace:  # its slot, if any, holds the old weights (held or not)
             self.slots.forget(adapter_id)
         self._hold(adapter)
         logger.info(
@@ -256,7 +281,7 @@ class AdapterStore:
         return slots
 
     def _write(self, requests: Mapping[int, Any], writes: list[tuple[int, int]]) -> None:
-        for slot, adapter_id in writes:
+        for done, (slot, adapter_id) in enumerate(writes):
             try:
                 adapter = self._held.get(adapter_id)
                 if adapter is None:  # never added, evicted, or removed while in use
@@ -266,7 +291,9 @@ class AdapterStore:
                     self._held.move_to_end(adapter_id)
                 self.backend.set_adapter(slot, adapter)
             except BaseException:
-                self.slots.forget(adapter_id)  # the slot holds no (whole) adapter
+                # this slot holds no (whole) adapter, the later ones still their old one
+                for _, unwritten in writes[done:]:
+                    self.slots.forget(unwritten)
                 raise
             logger.debug("LoRA adapter %r written into slot %d", adapter.name, slot)
 

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from neuron_plugin.backends.loader import quantize_configuration
     from neuron_plugin.core.checkpoint import safetensors_shapes
     from neuron_plugin.core.memory import DTYPE_BYTES
-    from neuron_plugin.core.quantization import quantized_weight_bytes
+    from neuron_plugin.core.quantization import check_output_folder, quantized_weight_bytes
     from neuron_plugin.core.settings import NeuronConfigError
     from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             '"per_channel_symmetric"}}\' (the flags you serve with).'
         )
     model = vllm_config.model_config.model
+    check_output_folder(quantization, model)
     written = quantize_configuration(settings, model)
     full, quantized = quantized_weight_bytes(
         safetensors_shapes(model), quantization, DTYPE_BYTES[settings.dtype]

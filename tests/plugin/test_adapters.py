@@ -155,6 +155,31 @@ def test_bad_adapters_are_refused_naming_the_adapter(model_dirs, lora_adapters, 
         read(model_dirs, saved)
 
 
+def test_oversized_corrupt_and_half_adapters_are_refused(model_dirs, lora_adapters, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, weights: bytes | None = None, drop: str | None = None):
+        folder = tmp_path / name
+        shutil.copytree(lora_adapters["lora-c"], folder)
+        target = folder / "adapter_model.safetensors"
+        if weights is not None:
+            target.write_bytes(weights)
+        if drop is not None:
+            tensors = load_file(str(target))
+            save_file({k: v for k, v in tensors.items() if drop not in k}, str(target))
+        return folder
+
+    # refused from its size, before anything parses it
+    with pytest.raises(AdapterError, match=r"'x'.*is 3,145,728 bytes, more than a float32 "
+                                           r"adapter of rank --max-lora-rank 8"):
+        read(model_dirs, variant("huge", bytes(3 << 20)))
+    with pytest.raises(AdapterError, match=r"'x'.*not a readable safetensors file"):
+        read(model_dirs, variant("corrupt", b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"))
+    with pytest.raises(AdapterError, match=r"'x'.*no lora_B weight for "
+                                           r"model\.layers\.1\.self_attn\.q_proj"):
+        read(model_dirs, variant("half", drop="layers.1.self_attn.q_proj.lora_B"))
+
+
 # -- the store and the backend's slots ----------------------------------------------------
 @pytest.fixture(scope="module")
 def cache_url(tmp_path_factory) -> str:
@@ -192,6 +217,23 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
     # a slot taken by another adapter: read again from the request's path
     assert store.prepare_step({1: a, 2: b}) == {1: 1, 2: 2} and store.ids() == {1}
     assert store.prepare_step({3: c}) == {3: 2} and store.ids() == {1, 3}  # b: LRU
+
+
+def test_reload_in_place_rewrites_the_slot_even_after_host_eviction(model_dirs, lora_adapters,
+                                                                    cache_url):
+    settings = lora_settings()  # 2 adapters on the host
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings)
+    a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
+    assert store.prepare_step({1: a}) == {1: 1}
+    assert store.add(b) and store.add(c)
+    assert store.ids() == {2, 3}  # a left the host; its slot still holds it
+    new = request("a", 1, lora_adapters["lora-c"], inplace=True)  # a's id, new weights
+    assert store.add(new)
+    assert store.prepare_step({1: new}) == {1: 1}
+    want = store.read(new).a["q_proj"][0]
+    torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]],
+                               torch.from_numpy(want))
 
 
 def test_slots_give_peft_logits_per_row_in_process_and_through_the_runner(

@@ -9,6 +9,7 @@ finished_recving, failures also in failed_recving."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -164,3 +165,7 @@ def test_the_worker_side_reports_every_load_and_its_failures(model_dirs, tmp_pat
     assert results.failed_recving == {"d4", "d5"}
     assert worker.results().finished_recving == set()
     assert backend.read_kv_blocks(np.array([3, 5, 11])).equal(before)
+    # the payload folder removed under a running server (a tmpfs cleaner): saves and the
+    # sweep that follows them log it, and the server goes on
+    shutil.rmtree(tmp_path / "kv")
+    worker.save([])

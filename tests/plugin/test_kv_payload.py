@@ -92,12 +92,24 @@ def _rewrite_header(path, edit):
     (lambda h: h["__metadata__"].update(extra="1"), "its metadata keys are"),
     (lambda h: h.update(extra=h["token_ids"]), "its tensors are ['extra', 'kv', 'token_ids']"),
     (lambda h: h["__metadata__"].update(format="neuron-kv/0"), "its format is neuron-kv/0"),
+    # a forged value of another type (a peer's bug or worse) is refused, never indexed
+    (lambda h: h["__metadata__"].update(model=5), "with string values"),
 ])
 def test_unknown_keys_and_formats_are_refused(tmp_path, edit, reason):
     key = params.new_key()
     payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
     _rewrite_header(tmp_path / f"{key}.safetensors", edit)
     with pytest.raises(payload.PayloadError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        _read(tmp_path, key)
+
+
+def test_a_deeply_nested_header_is_refused_not_a_crash(tmp_path):
+    """json.loads raises RecursionError, not ValueError, on ~30k nested brackets (well
+    inside HEADER_LIMIT): it must end as the payload's refusal, not the engine's death."""
+    key = params.new_key()
+    raw = b"[" * 30_000
+    (tmp_path / f"{key}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(payload.PayloadError, match="corrupt header"):
         _read(tmp_path, key)
 
 

@@ -157,6 +157,15 @@ def test_what_nxdi_cannot_serve_is_refused(nxdi, tiny, lora_adapters, tmp_path):
         NxDBackend(dataclasses.replace(
             lora_settings({"lora_ckpt_paths": {"b": str(lora_adapters["lora-b"])}}),
             max_lora_rank=1), tiny)
+    # lora-b: per-module ranks and alphas, which NxDI's loader would ignore
+    with pytest.raises(NeuronConfigError, match="'b'.*sets rank_pattern/alpha_pattern"):
+        NxDBackend(lora_settings({"lora_ckpt_paths": {"b": str(lora_adapters["lora-b"])}}),
+                   tiny)
+    broken = tmp_path / "broken"
+    shutil.copytree(lora_adapters["lora-a"], broken)
+    (broken / "adapter_config.json").write_text("{not json")
+    with pytest.raises(NeuronConfigError, match="'x'.*unreadable adapter_config.json"):
+        NxDBackend(lora_settings({"lora_ckpt_paths": {"x": str(broken)}}), tiny)
 
 
 def test_cache_key_covers_slot_shapes_not_adapters(nxdi, tiny, lora_adapters):

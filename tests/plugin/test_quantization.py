@@ -49,6 +49,10 @@ def test_quantization_keys_are_checked():
         ({"quantized_checkpoints_path": "/q"}, ["without quantized: true"]),
         ({"quantized": True, "quantized_checkpoints_path": "/q",
           "modules_to_not_convert": "lm_head"}, ["modules_to_not_convert='lm_head'", "list"]),
+        ({"quantized": True, "quantized_checkpoints_path": "/q",
+          "quantization_type": "per_tensor_symmetric", "modules_to_not_convert": ["lm_head"]},
+         ["no effect with quantization_type='per_tensor_symmetric'",
+          "quantize_pytorch_model_per_tensor_symmetric"]),
     ):
         with pytest.raises(NeuronConfigError) as info:
             resolve_settings(LIMITS, override, backend="nxd", architecture="LlamaForCausalLM")
@@ -65,7 +69,7 @@ def _written(folder) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: lm_head tied to the embedding
 @pytest.mark.parametrize("keys", [
     {"quantization_type": "per_channel_symmetric", "modules_to_not_convert": ["down_proj"]},
-    {"quantization_type": "per_tensor_symmetric", "modules_to_not_convert": ["down_proj"]},
+    {"quantization_type": "per_tensor_symmetric"},
 ], ids=["per-channel", "per-tensor"])
 def test_reference_quantizer_writes_what_nxdi_writes(arch, keys, model_dirs, monkeypatch,
                                                      tmp_path):
@@ -83,7 +87,7 @@ def test_reference_quantizer_writes_what_nxdi_writes(arch, keys, model_dirs, mon
         torch.testing.assert_close(ours[name].to(tensor.dtype), tensor, atol=0, rtol=0)
     assert ours["lm_head.weight"].dtype == torch.int8
     per_channel = keys["quantization_type"] == "per_channel_symmetric"
-    # NxDI's per-tensor path ignores modules_to_not_convert
+    # down_proj kept in the model dtype per channel; per tensor NxDI converts every module
     assert (ours["layers.0.mlp.down_proj.weight"].dtype == torch.int8) != per_channel
     scale = ours["layers.1.self_attn.k_proj.scale"]
     assert scale.dtype == torch.float32
@@ -202,3 +206,23 @@ def test_a_folder_nxdi_would_pickle_into_is_never_written(model_dirs, monkeypatc
             NxDBackend(quantized(target, backend="nxd"), model_dirs["llama"]).quantize()
     finally:
         purge()
+
+
+def test_quantize_never_writes_over_the_model_or_other_files(model_dirs, tmp_path):
+    """`neuron-plugin quantize` replaces what its folder holds: the model's folder, a
+    folder above it, or one holding other files is refused before anything is written."""
+    from neuron_plugin.core.quantization import check_output_folder
+
+    model = model_dirs["llama"]
+    for folder, words in ((model, "is the model's folder or contains it"),
+                          (model.parent, "is the model's folder or contains it"),
+                          (tmp_path, "holds notes.txt")):
+        (tmp_path / "notes.txt").write_text("keep me")
+        with pytest.raises(NeuronConfigError, match=words):
+            check_output_folder(quantized(folder).quantization, str(model))
+    previous = tmp_path / "previous"
+    save_file({"x": torch.zeros(1)}, str(previous.parent / "x.safetensors"))
+    previous.mkdir()
+    save_file({"x": torch.zeros(1)}, str(previous / "model.safetensors"))
+    assert check_output_folder(quantized(previous).quantization, str(model)) == previous
+    assert check_output_folder(quantized(tmp_path / "new").quantization, str(model))

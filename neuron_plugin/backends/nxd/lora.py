@@ -99,8 +99,14 @@ def check_start_adapters(settings: NeuronSettings) -> dict[str, str]:
                 f"as safetensors only (found {', '.join(pickles) or 'no *.safetensors'}); "
                 f"NxDI unpickles .bin/.pt files, which can run code: convert them."
             )
-        config = json.loads(config_file.read_text())
-        rank = int(config.get("r", 0))
+        try:
+            config = json.loads(config_file.read_text())
+            rank = int(config.get("r", 0))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise NeuronConfigError(
+                f"{KEY}.lora_ckpt_paths: adapter {name!r} ({given}) has an unreadable "
+                f"adapter_config.json ({exc}); give the folder PEFT's save_pretrained wrote."
+            ) from exc
         if rank > settings.max_lora_rank:
             raise NeuronConfigError(
                 f"{KEY}.lora_ckpt_paths: adapter {name!r} ({given}) has rank {rank}, above "
@@ -115,11 +121,12 @@ def check_start_adapters(settings: NeuronSettings) -> dict[str, str]:
                 f"outside --lora-target-modules ({', '.join(settings.lora_target_modules)}); "
                 f"add them to --lora-target-modules."
             )
-        if config.get("alpha_pattern"):
+        patterns = [k for k in ("rank_pattern", "alpha_pattern") if config.get(k)]
+        if patterns:
             raise NeuronConfigError(
-                f"{KEY}.lora_ckpt_paths: adapter {name!r} ({given}) sets alpha_pattern, which "
-                f"NxDI ignores (it scales every module by lora_alpha / r); retrain it with "
-                f"one alpha."
+                f"{KEY}.lora_ckpt_paths: adapter {name!r} ({given}) sets "
+                f"{'/'.join(patterns)}, which NxDI ignores (it scales every module by "
+                f"lora_alpha / r, at rank r); retrain it with one rank and alpha."
             )
         checked[name] = str(folder.resolve())
     return checked
