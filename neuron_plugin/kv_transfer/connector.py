@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.request import RequestStatus
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.kv_blocks import KVGeometry
@@ -124,6 +125,8 @@ class SchedulerSide:
         config = vllm_config.kv_transfer_config
         assert config is not None  # the connector exists only with one
         self.block_size = vllm_config.cache_config.block_size
+        # the payload folder, to delete payloads no load will take (`_discard`)
+        self.folder = transfer_options(config.kv_connector_extra_config).path
         self.saves = config.is_kv_producer
         self.loads = config.is_kv_consumer
         self._keys: dict[str, str] = {}  # prefill request -> its payload's key
@@ -155,17 +158,15 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
-        if num_external == 0 or rid not in self._local_hit:
+        if rid not in self._local_hit:
             return
         self._tried.add(rid)
         local = self._local_hit.pop(rid)
+        key, error = self._key(request)
+        if num_external == 0:  # vLLM dropped the external hit: it computes the prompt
+            self._discard(key)
+            return
         prompt = list(request.prompt_token_ids or ())
-        key, error = None, None
-        try:
-            params = request.kv_transfer_params or {}
-            key = payload.check_key(remote_prefill(params, len(prompt)).key)
-        except ValueError as exc:
-            key, error = None, str(exc)
         self._new_loads.append(
             LoadJob(
                 rid, key, error, list(blocks.get_block_ids()[0]), local // self.block_size, prompt
@@ -204,8 +205,12 @@ class SchedulerSide:
         self._saved.add(rid)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
-        """The prefill request's params for the decode server (None for any other)."""
+        """The prefill request's params for the decode server (None for any other).
+        A payload nobody will load is deleted here rather than left to `ttl_s`: an
+        aborted prefill's, and that of a decode request that ended before its load."""
         rid = request.request_id
+        if wants_remote_prefill(request.kv_transfer_params) and rid not in self._tried:
+            self._discard(self._key(request)[0])
         self._tried.discard(rid)
         self._local_hit.pop(rid, None)
         self._blocks.pop(rid, None)
@@ -215,7 +220,29 @@ class SchedulerSide:
         self._saved.discard(rid)
         if key is None or prompt is None or not saved:
             return None  # not a prefill request, or it ended before its prompt was done
+        if request.status == RequestStatus.FINISHED_ABORTED:  # the client went away
+            self._discard(key)
+            return None
         return decode_params(key, len(prompt))
+
+    @staticmethod
+    def _key(request: Request) -> tuple[str | None, str | None]:
+        """(the payload key a decode request names, or None with why it names none)."""
+        try:
+            params = request.kv_transfer_params or {}
+            prompt_len = len(request.prompt_token_ids or ())
+            return payload.check_key(remote_prefill(params, prompt_len).key), None
+        except ValueError as exc:
+            return None, str(exc)
+
+    def _discard(self, key: str | None) -> None:
+        """Delete a payload no load will take (best effort: `ttl_s` sweeps the rest)."""
+        if key is None:
+            return
+        try:
+            payload.remove_payload(self.folder, key)
+        except OSError as exc:
+            logger.warning("KV transfer: deleting payload %s failed: %s", key, exc)
 
 
 class WorkerSide:

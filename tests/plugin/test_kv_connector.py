@@ -117,6 +117,46 @@ def test_a_decode_request_loads_its_prompt_past_the_local_hit_once(configs):
     assert side.matched_tokens(request, 0) == (70, True)  # a new request of that id
 
 
+def test_payloads_no_load_will_take_are_deleted_at_once(model_dirs, tmp_path):
+    """Rather than left in the payload folder (memory, in /dev/shm) until ttl_s."""
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(_vllm_config(model_dirs["llama"], extra={"path": str(tmp_path)}))
+
+    def payload_file(key: str):
+        path = tmp_path / f"{key}.safetensors"
+        path.write_bytes(b"kv")  # what the prefill server's worker wrote
+        return path
+
+    # a prefill request aborted after its save (the client went away)
+    prefill = _request("p5", PROMPT, {"do_remote_decode": True})
+    side.on_new_request(prefill)
+    (save,) = side.build_meta(scheduler_output([_new(prefill, [4, 9, 2])],
+                                               scheduled={"p5": 70})).saves
+    saved = payload_file(save.key)
+    prefill.status = RequestStatus.FINISHED_ABORTED
+    assert side.finished(prefill) is None and not saved.exists()
+    # a decode request that ended while it waited, before its blocks were allocated
+    waiting = _request("d6", PROMPT, decode_params("ab" * 16, 70))
+    left = payload_file("ab" * 16)
+    assert side.matched_tokens(waiting, 0) == (70, True)
+    side.finished(waiting)
+    assert not left.exists()
+    # vLLM dropped the external hit (it computes the prompt itself): no load comes
+    dropped = _request("d7", PROMPT, decode_params("cd" * 16, 70))
+    unused = payload_file("cd" * 16)
+    assert side.matched_tokens(dropped, 0) == (70, True)
+    side.after_alloc(dropped, _blocks(3, 5, 11), 0)
+    assert side.build_meta(scheduler_output()).loads == [] and not unused.exists()
+    # a planned load: the worker reads and then deletes the payload, the scheduler never
+    loading = _request("d8", PROMPT, decode_params("ef" * 16, 70))
+    kept = payload_file("ef" * 16)
+    assert side.matched_tokens(loading, 0) == (70, True)
+    side.after_alloc(loading, _blocks(3, 5, 11), 70)
+    side.finished(loading)
+    assert kept.exists()
+
+
 @pytest.mark.parametrize("params, reason", [
     ({"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "no neuron_kv object"),
     (decode_params("../../etc/passwd", 70), "is not 32 lowercase hex digits"),
