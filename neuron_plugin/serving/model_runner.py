@@ -462,10 +462,12 @@ class NeuronModelRunner:
         ids = self.input_batch.request_lora_mapping[:num_reqs].astype(np.int64)
         if self.adapters is None or not ids.any():
             return np.zeros(num_reqs, dtype=np.int64)
-        requests = {}
-        for index in np.flatnonzero(ids):
-            state = self.requests[self.input_batch.req_ids[index]]
-            requests[int(ids[index])] = state.lora_request
+        rows = np.flatnonzero(ids)
+        adapters, first = np.unique(ids[rows], return_index=True)  # one row per adapter
+        requests = {
+            int(adapter): self.requests[self.input_batch.req_ids[rows[i]]].lora_request
+            for adapter, i in zip(adapters, first, strict=True)
+        }
         return row_slots(ids, self.adapters.prepare_step(requests))
 
     def _host_sample(self, step: PendingStep) -> LogprobsLists | None:

@@ -162,6 +162,11 @@ class ReferenceBackend(InlineCalls):
             },
         )
 
+    def _empty_lora_slots(self) -> None:
+        """Every adapter slot zero (the base model's), for compiling and at load."""
+        if self.lora is not None:
+            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
+
     def _lora_shapes(self) -> list[list[int]]:
         """The adapter slot tensors' shapes, in the graphs' `lora_weights` order: per
         layer, per target module, A [slots, rank, in] then B [slots, out, rank]."""
@@ -286,8 +291,7 @@ class ReferenceBackend(InlineCalls):
         folder = Path(folder)
         (folder / "graphs").mkdir(parents=True, exist_ok=True)
         weights = self._weight_placeholders()
-        if self.lora is not None:
-            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
+        self._empty_lora_slots()
         for graph in graph_specs(self.settings):
             batch = 1 if graph.phase == CONTEXT_ENCODING else graph.shape[0]
             exported = torch.export.export(
@@ -311,8 +315,7 @@ class ReferenceBackend(InlineCalls):
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
-        if self.lora is not None:
-            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
+        self._empty_lora_slots()
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
         logger.info(
