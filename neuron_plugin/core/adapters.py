@@ -169,10 +169,6 @@ class AdapterSlots:
     def slot_of(self, adapter_id: int) -> int | None:
         return self._slots.get(adapter_id)
 
-    def holders(self) -> dict[int, int]:
-        """adapter id -> slot."""
-        return dict(self._slots)
-
     def forget(self, adapter_id: int) -> None:
         """The adapter's weights changed (reloaded in place): its slot is stale."""
         self._slots.pop(adapter_id, None)

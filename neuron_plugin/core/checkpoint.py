@@ -55,19 +55,6 @@ def pickle_files(folder: str | Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.suffix in PICKLE_SUFFIXES)
 
 
-def safetensors_dtypes(model_dir: str | Path) -> dict[str, str]:
-    """Tensor name -> safetensors dtype ("F32", "I8", ...) from the headers only."""
-    dtypes: dict[str, str] = {}
-    for path in safetensors_files(model_dir):
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        dtypes.update(
-            {name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
-        )
-    return dtypes
-
-
 @contextmanager
 def replacing_folder(out: str | Path) -> Iterator[Path]:
     """A staging folder beside `out` that replaces `out` whole when the block completes

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +296,3 @@ class AdapterStore:
                     self.slots.forget(unwritten)
                 raise
             logger.debug("LoRA adapter %r written into slot %d", adapter.name, slot)
-
-    def in_slots(self) -> Iterable[tuple[int, int]]:
-        return self.slots.holders().items()

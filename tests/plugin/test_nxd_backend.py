@@ -274,7 +274,8 @@ def test_block_layout_too_short_for_nxdis_tiled_cache_is_refused():
         neuron_config_kwargs(settings({**PREFIX, "max_model_len": 64}))
     assert neuron_config_kwargs(settings({**PREFIX, "max_model_len": 97}))["pa_block_size"] == 32
     kernel = {"attn_block_tkg_nki_kernel_enabled": True}  # NxDI does not tile with it
-    assert neuron_config_kwargs(settings({**PREFIX, "max_model_len": 64}, override=kernel))
+    kwargs = neuron_config_kwargs(settings({**PREFIX, "max_model_len": 64}, override=kernel))
+    assert kwargs["attn_block_tkg_nki_kernel_enabled"] and kwargs["pa_block_size"] == 32
 
 
 def test_passthrough_key_the_backend_sets_differently_is_an_error():

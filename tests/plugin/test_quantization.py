@@ -220,9 +220,9 @@ def test_quantize_never_writes_over_the_model_or_other_files(model_dirs, tmp_pat
         (tmp_path / "notes.txt").write_text("keep me")
         with pytest.raises(NeuronConfigError, match=words):
             check_output_folder(quantized(folder).quantization, str(model))
-    previous = tmp_path / "previous"
-    save_file({"x": torch.zeros(1)}, str(previous.parent / "x.safetensors"))
+    previous = tmp_path / "previous"  # a previous checkpoint is replaced
     previous.mkdir()
     save_file({"x": torch.zeros(1)}, str(previous / "model.safetensors"))
     assert check_output_folder(quantized(previous).quantization, str(model)) == previous
-    assert check_output_folder(quantized(tmp_path / "new").quantization, str(model))
+    new = tmp_path / "new"
+    assert check_output_folder(quantized(new).quantization, str(model)) == new
