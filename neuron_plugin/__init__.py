@@ -5,7 +5,10 @@ on a plain CPU or GPU host, so it activates only when
 1. `VLLM_NEURON_BACKEND` is `nxd` or `reference` (explicit choice of backend), or
 2. Neuron devices exist (`/dev/neuron*`): the NxD Inference backend, or
 3. the command line says `--device neuron`: NxD on a Neuron host, otherwise the CPU
-   reference backend, with one log line saying so and how to choose otherwise.
+   reference backend, with one log line saying so and how to choose otherwise, or
+4. vLLM has no platform of its own here (none of its built-in platforms activates: the
+   `vllm` wheel, a CUDA build, on a host without a GPU, where vLLM alone fails with
+   "Device string must not be empty"): the CPU reference backend, saying so.
 The decision is written to `VLLM_NEURON_BACKEND` so engine processes started later
 (vLLM spawns them) make the same one.
 """
@@ -17,7 +20,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +54,29 @@ def asks_for_neuron(argv: Sequence[str]) -> bool:
     return False
 
 
+def vllm_platform_found() -> bool:
+    """Whether one of vLLM's built-in platforms activates on this host, by vLLM's own
+    detection (`vllm.platforms.builtin_platform_plugins`; one that raises counts as
+    absent, as vLLM counts it)."""
+    from vllm.platforms import builtin_platform_plugins
+
+    for detect in builtin_platform_plugins.values():
+        try:
+            if detect() is not None:
+                return True
+        except Exception:  # vLLM logs these at debug level and moves on
+            continue
+    return False
+
+
 def choose_backend(
-    env: Mapping[str, str], argv: Sequence[str], devices: Sequence[str]
+    env: Mapping[str, str],
+    argv: Sequence[str],
+    devices: Sequence[str],
+    vllm_has_platform: Callable[[], bool] = lambda: True,
 ) -> str | None:
-    """The backend to run, or None when this platform should stay inactive (pure)."""
+    """The backend to run, or None when this platform should stay inactive (pure but
+    for `vllm_has_platform`, asked last)."""
     chosen = env.get(BACKEND_ENV, "").strip().lower()
     if chosen:
         if chosen not in BACKENDS:
@@ -66,7 +88,7 @@ def choose_backend(
         return chosen
     if devices:
         return "nxd"
-    if asks_for_neuron(argv):
+    if asks_for_neuron(argv) or not vllm_has_platform():
         return "reference"
     return None
 
@@ -105,19 +127,27 @@ def register() -> str | None:
     """vLLM platform-plugin entry point: the platform's qualified name, or None."""
     devices = neuron_devices()
     explicit = os.environ.get(BACKEND_ENV)
-    backend = choose_backend(os.environ, sys.argv, devices)
+    backend = choose_backend(os.environ, sys.argv, devices, vllm_platform_found)
     if backend is None:
         return None
     if MULTIPROC_ENV not in os.environ:  # decided once; engine processes inherit it
         os.environ[MULTIPROC_ENV] = engine_start_method(sys.modules.get("__main__"))
     if not explicit:
         os.environ[BACKEND_ENV] = backend
-        if backend == "reference":
+        if backend == "reference" and asks_for_neuron(sys.argv):
             logger.warning(
                 "--device neuron on a host without Neuron devices: serving on the CPU "
                 "reference backend (same buckets, KV layouts and compile cache as NxD). "
                 "Set %s=nxd on an inf2/trn host, or drop --device neuron to use vLLM's "
                 "own platform.",
+                BACKEND_ENV,
+            )
+        elif backend == "reference":
+            logger.warning(
+                "no Neuron devices here and none of vLLM's own platforms activates (this "
+                "vLLM build needs a GPU it cannot find): serving on the neuron platform's "
+                "CPU reference backend. Set %s=nxd on an inf2/trn host, or install the "
+                "vLLM build for this host's hardware.",
                 BACKEND_ENV,
             )
     return PLATFORM_QUALNAME

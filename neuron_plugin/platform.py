@@ -10,7 +10,6 @@ cannot work raises `NeuronConfigError` before anything compiles.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 from typing import Any
@@ -19,9 +18,10 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin import BACKEND_ENV, plugin_logger
-from neuron_plugin.core.instances import parse_core_list
+from neuron_plugin.core.instances import package_version, parse_core_list
 from neuron_plugin.core.sampling import on_device_refusal, sampling_summary
 from neuron_plugin.core.speculation import host_sampling_refusal, speculation_summary
+from neuron_plugin.core.vllm_builds import TESTED, installed_vllm
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -34,15 +34,6 @@ PREFIX_CACHING_EVIDENCE = (
     "prefix caching with bucketing measured 40-45% slower on inf2 (59 -> 86 ms per batch "
     "of 4 even at full cache hits) because it switches NxDI to the block KV layout"
 )
-
-
-def vllm_is_cpu_build() -> bool:
-    """True under vLLM's CPU build: its `vllm` distribution's version carries "cpu", the
-    same test vLLM's CPU platform detection applies."""
-    try:
-        return "cpu" in importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 ADDITIONAL_CONFIG_EXAMPLE = (
@@ -110,9 +101,14 @@ class NeuronPlatform(Platform):
         return [torch.bfloat16, torch.float16, torch.float32]
 
     def is_cpu(self) -> bool:
-        """vLLM-side work (inputs, sampling, cleanup) runs on host tensors; NxDI owns
-        device memory. vLLM gates its host code paths on this (e.g. it skips
-        torch.accelerator calls, which have no device to act on here)."""
+        """Every tensor vLLM holds here is a host tensor (NxDI owns device memory), and
+        vLLM's host-side choices follow this answer: its workers keep their thread
+        count (`set_multiprocessing_worker_envs` in v1/executor/multiproc_executor.py
+        pins OMP_NUM_THREADS otherwise), streams are placeholders
+        (`utils/torch_utils.py`), no Triton warm-ups are registered. The one place it
+        would reach for the CPU build's compiled ops, the Sampler, is pinned to vLLM's
+        PyTorch code (`serving.host_sampling.HostRowsSampler`), so this holds on every
+        vLLM build."""
         return True
 
     @classmethod
@@ -158,16 +154,10 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        """vLLM's host-side ops (sampler, input batch) come from its kernel library. The
-        CPU build ships one per instruction set and its default `_C` needs AVX512 (an
-        AVX2-only host dies with SIGILL importing it), so under that build pick the
-        library the way vLLM's own CPU platform does."""
-        if vllm_is_cpu_build():
-            from vllm.platforms.cpu import CpuPlatform
-
-            CpuPlatform.import_kernels()
-        else:
-            super().import_kernels()
+        """Nothing to import: the plugin calls no op from vLLM's kernel libraries. The
+        `vllm` wheel's are CUDA kernels with no device here (the wheel for 0.33 ships
+        no `vllm._C` at all), and the CPU build's default `_C` needs AVX512 (an
+        AVX2-only host dies with SIGILL importing it)."""
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
@@ -234,6 +224,14 @@ class NeuronPlatform(Platform):
                 "KV layout and 2-D (chunk x prefix) context-encoding graphs; "
                 "pass --no-enable-chunked-prefill (LLM: "
                 "enable_chunked_prefill=False) to encode whole prompts."
+            )
+        build = installed_vllm(package_version)
+        if build is not None and build.tested_by() is None:
+            logger.warning(
+                "neuron platform: %s is not a tested pair of release and build (tested: "
+                "%s); `neuron-plugin doctor` says what to install",
+                build.describe(),
+                ", ".join(f"{release} {kind}" for release, kind in TESTED),
             )
         settings = resolve_from_vllm_config(vllm_config)
         apply(settings, vllm_config)

@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
-# The test suite: set up vLLM's environment, run ruff (lint and format) and mypy, set up
-# the backend runner's environment (the Neuron SDK's pins), then run pytest. Extra
-# arguments go to pytest, e.g. scripts/run-tests.sh -k bucketing
+# The test suite: set up vLLM's test environment (the CPU build), run ruff (lint and
+# format) and mypy, then pytest. Meanwhile two more environments install in the
+# background, each with its own stamp (a rerun with nothing changed skips pip):
+#   .venv-sdk  the backend runner's (the Neuron SDK's pins: torch 2.9, transformers 4.57,
+#              no vLLM; scripts/setup-backend-env.sh),
+#   .venv-host a Neuron host's vLLM environment (the `vllm` wheel of the newest supported
+#              release from the package index, pip's machine-local settings off, as a host
+#              installs it; scripts/setup-host-env.sh), which tests/e2e/test_deployment_build.py
+#              serves from.
+# Tests that need one wait for its set-up (tests/conftest.py `environment`); pytest runs
+# the deployment build's tests last. Extra arguments go to pytest, e.g.
+# scripts/run-tests.sh -k bucketing
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup-env.sh" cpu,test
 venv="${VENV:-$root/.venv}"
 cd "$root"
-# The static checks first (before the SDK environment's set-up): any lint
-# finding, format difference or type error fails the run. Their scope and rules are in
-# pyproject.toml ([tool.ruff], [tool.mypy]).
+
+logs="$root/.test-setup"
+mkdir -p "$logs"
+export NEURON_TEST_SETUP_DIR="$logs"
+# in_background NAME COMMAND...: run it, its output in NAME.log, its exit status in
+# NAME.status once done.
+in_background() {
+  local name="$1"; shift
+  rm -f "$logs/$name.status"
+  ( set +e; "$@" > "$logs/$name.log" 2>&1; echo $? > "$logs/$name.status" ) &
+}
+in_background sdk "$root/scripts/setup-backend-env.sh"
+in_background host env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$root/scripts/setup-host-env.sh"
+# Never leave an install half done (a stamp-less venv would install again next time).
+trap 'wait' EXIT
+export NEURON_TEST_SDK_PYTHON="${VENV_SDK:-$root/.venv-sdk}/bin/python"
+export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
+
+# The static checks (any lint finding, format difference or type error fails the run);
+# their scope and rules are in pyproject.toml ([tool.ruff], [tool.mypy]).
 "$venv/bin/ruff" check
 "$venv/bin/ruff" format --check
 "$venv/bin/mypy"
-"$root/scripts/setup-backend-env.sh"
-export NEURON_TEST_SDK_PYTHON="${VENV_SDK:-$root/.venv-sdk}/bin/python"
-exec "$venv/bin/python" -m pytest "$@"
+"$venv/bin/python" -m pytest "$@"

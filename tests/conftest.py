@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.environments import environment
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The deployment build's tests last: scripts/run-tests.sh installs their
+    environment in the background while the others run."""
+    items.sort(key=lambda item: item.get_closest_marker("deployment") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -58,11 +66,12 @@ def sdk_python() -> str:
     """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
     transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend
     runner (scripts/setup-backend-env.sh)."""
-    python = os.environ.get("NEURON_TEST_SDK_PYTHON", str(ROOT / ".venv-sdk" / "bin" / "python"))
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"no backend environment at {python}: run scripts/setup-backend-env.sh "
+    python = environment("sdk", "NEURON_TEST_SDK_PYTHON", "scripts/setup-backend-env.sh")
+    default = ROOT / ".venv-sdk" / "bin" / "python"
+    if python is None and not os.access(default, os.X_OK):
+        pytest.fail(f"no backend environment at {default}: run scripts/setup-backend-env.sh "
                     f"(scripts/run-tests.sh does) or set NEURON_TEST_SDK_PYTHON")
-    return python
+    return python or str(default)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,18 @@ runs the Sampler over one row of logits.
 Results go back into the step in the model runner's row order: tokens by row, logprobs
 reordered to the host rows' order in the step's batch and addressed through vLLM's
 `LogprobsLists.cu_num_generated_tokens` (a device row generates no logprobs row).
+
+The Sampler runs vLLM's PyTorch code on every vLLM build (`HostRowsSampler`). vLLM picks
+its sampling kernels from the platform: on a CPU platform (this one: every tensor vLLM
+holds here is a host tensor) `Sampler.greedy_sample` calls `torch.ops._C.greedy_argmax`
+and `TopKTopPSampler` takes `forward_cpu`, which calls `torch.ops._C.fused_gumbel_argmax`
+(`v1/sample/sampler.py`, `v1/sample/ops/topk_topp_sampler.py`, vLLM 0.32 and 0.33): ops
+that only the CPU build's `_C` library registers. The `vllm` wheel, which Neuron hosts
+install, has no such library, and its `apply_top_k_top_p` prefers Triton kernels
+wherever Triton reports a driver. So greedy rows take `argmax`, and sampled rows vLLM's
+PyTorch top-k/top-p (`apply_top_k_top_p_pytorch`), softmax and `random_sample` (its
+exponential-race draw from each request's own generator): one path, so a seeded request
+gets the same tokens on the CPU build and on the wheel.
 """
 
 from __future__ import annotations
@@ -24,14 +36,50 @@ import dataclasses
 import numpy as np
 import torch
 from vllm.config import VllmConfig
+from vllm.config.model import LogprobsMode
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch, random_sample
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.serving.vllm_compat import first_bitmask_rows
+
+
+class HostRowsSampler(Sampler):
+    """vLLM's Sampler on its PyTorch paths, whatever the build (see the module
+    docstring): everything but the final draw is vLLM's own code."""
+
+    def __init__(self, logprobs_mode: LogprobsMode):
+        super().__init__(logprobs_mode=logprobs_mode)
+        # TopKTopPSampler binds its own pick to `forward` in its __init__ the same way.
+        self.topk_topp_sampler.forward = self._top_k_top_p_sample
+
+    @staticmethod
+    def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1).view(-1)
+
+    def _top_k_top_p_sample(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`TopKTopPSampler.forward_native` with the PyTorch top-k/top-p (host tensors
+        sync for free, which lets top-k alone skip the full sort)."""
+        sampler = self.topk_topp_sampler
+        logits = apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+        processed = None
+        if sampler.logprobs_mode == "processed_logits":
+            processed = logits
+        elif sampler.logprobs_mode == "processed_logprobs":
+            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        return random_sample(probs, generators, sampler.use_fp64_gumbel), processed
 
 
 class HostSampler:
@@ -50,7 +98,7 @@ class HostSampler:
             logitsprocs=build_logitsprocs(vllm_config, device, False, False, ()),
             is_pooling_model=False,
         )
-        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
+        self.sampler = HostRowsSampler(vllm_config.model_config.logprobs_mode)
 
     # -- membership, mirroring the model runner's batch -------------------------------
     def add(self, state: CachedRequestState) -> None:
@@ -107,16 +155,17 @@ def _first_positions(
     scheduler_output: SchedulerOutput, grammar_output: GrammarOutput
 ) -> tuple[SchedulerOutput, GrammarOutput]:
     """The grammar bitmask of each request's first position: a host row takes no drafts,
-    but vLLM may still have scheduled placeholders for it (it pads a short request to
-    the speculative length) and sends a bitmask row per scheduled position."""
-    spec = scheduler_output.scheduled_spec_decode_tokens
+    but vLLM may still send bitmask rows for drafts (it pads a short request to the
+    speculative length; 0.33 always sends the speculative length's rows)."""
     ids = grammar_output.structured_output_request_ids
-    if not any(spec.get(r) for r in ids):
+    bitmask = grammar_output.grammar_bitmask
+    if bitmask.shape[0] == len(ids):
         return scheduler_output, grammar_output
-    firsts = np.cumsum([0] + [1 + len(spec.get(r, ())) for r in ids[:-1]])
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    firsts = first_bitmask_rows(ids, spec, bitmask.shape[0])
     return (
         dataclasses.replace(scheduler_output, scheduled_spec_decode_tokens={}),
-        dataclasses.replace(grammar_output, grammar_bitmask=grammar_output.grammar_bitmask[firsts]),
+        dataclasses.replace(grammar_output, grammar_bitmask=bitmask[firsts]),
     )
 
 

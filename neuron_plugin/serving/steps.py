@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, ModelRunnerOutput
 
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.sampling import SamplingInputs
@@ -45,8 +45,10 @@ class PendingStep:
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):
-    """A step's output under async scheduling (vLLM 0.32's contract): `get_output`
-    blocks until the step is complete."""
+    """A step's output under async scheduling: `get_output` blocks until the step is
+    complete. vLLM 0.33 also asks a failed step for the KV-connector output it got
+    (`get_kv_connector_output`, abstract there; `WorkerProc` in
+    `v1/executor/multiproc_executor.py` calls it when `get_output` raises)."""
 
     def __init__(self, complete: Callable[[PendingStep], ModelRunnerOutput], step: PendingStep):
         self._complete = complete
@@ -54,3 +56,8 @@ class AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_output(self) -> ModelRunnerOutput:
         return self._complete(self._step)
+
+    def get_kv_connector_output(self) -> KVConnectorOutput | None:
+        """What the step's KV connector reported, if the step got that far."""
+        output = self._step.output
+        return None if output is None else output.kv_connector_output

@@ -1,7 +1,8 @@
 """`neuron-plugin doctor`: what in this environment stops the plugin from serving on
 Neuron, and how to fix it.
 
-Checks: Neuron devices and visible cores, the installed vLLM / NxD Inference /
+Checks: Neuron devices and visible cores, the installed vLLM (release and build, and
+whether a test run proves that pair: `core.vllm_builds`), NxD Inference /
 torch-neuronx / neuronx-cc against the supported matrix (`SUPPORTED`, mirrored in
 neuron_plugin/tools/CLI.md), the version pins those packages declare (NxDI pins transformers
 and torch-neuronx pins torch), the platform entry point, compile-cache reachability and
@@ -42,6 +43,7 @@ from neuron_plugin.core.instances import (
     visible_cores,
 )
 from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.core.vllm_builds import SUPPORTED_RELEASES, VllmBuild, installed_vllm
 
 GIB = 1 << 30
 DISK_WARN_BYTES = 20 * GIB
@@ -55,26 +57,18 @@ NXDI_LAST_FOR_V2_CORES = "0.9"
 class Supported:
     distribution: str
     specifier: str
-    needed_for: str  # "all" backends, or "nxd" only
     why: str
 
 
 SUPPORTED = (
     Supported(
-        "vllm",
-        "==0.32.*",
-        "all",
-        "the plugin implements vLLM 0.32's platform, worker and scheduler interfaces",
-    ),
-    Supported(
         NXDI,
         ">=0.7,<0.11",
-        "nxd",
         "the NxD seam follows NxDI 0.7-0.10 (Neuron SDK 2.27-2.31); inf2/trn1 "
         "need < 0.9 (SDK 2.27/2.28)",
     ),
-    Supported("torch-neuronx", ">=2.8", "nxd", "runs NxDI's traced graphs"),
-    Supported("neuronx-cc", ">=2", "nxd", "compiles NxDI's graphs"),
+    Supported("torch-neuronx", ">=2.8", "runs NxDI's traced graphs"),
+    Supported("neuronx-cc", ">=2", "compiles NxDI's graphs"),
 )
 PINNED_BY_NEURON = (NXDI, "neuronx-distributed", "torch-neuronx", "neuronx-cc")
 
@@ -151,23 +145,46 @@ def check_instance(instance: str | None) -> Check:
     )
 
 
+def check_vllm(vllm: VllmBuild | None) -> Check:
+    """The installed vLLM: its version and build, and whether a test run proves it."""
+    fix = f"pip install 'vllm{SUPPORTED_RELEASES}' (README 'Running on inf2', step 3)"
+    if vllm is None:
+        return Check("vllm", "fail", "vLLM is not installed", fix)
+    if not vllm.supported():
+        return Check(
+            "vllm",
+            "fail",
+            f"{vllm.describe()}: the plugin implements the contracts of vLLM "
+            f"{SUPPORTED_RELEASES} only",
+            fix,
+        )
+    tested = vllm.tested_by()
+    if tested is None:
+        return Check(
+            "vllm",
+            "warn",
+            f"{vllm.describe()}: supported release, but this build is untested",
+            f"{fix}; or run `neuron-plugin validate` on this host and report the result",
+        )
+    return Check("vllm", "ok", f"{vllm.describe()}: tested ({tested})")
+
+
 def check_versions(
     versions: Mapping[str, str | None], has_devices: bool, chip_target: str | None
 ) -> list[Check]:
-    """Each supported package against its specifier; NxD-only packages are required
-    only where Neuron devices exist."""
+    """Each NxD package against its specifier; required only where Neuron devices
+    exist."""
     checks = []
     for item in SUPPORTED:
         found = versions.get(item.distribution)
         name = f"{item.distribution} version"
-        required = item.needed_for == "all" or has_devices
         if found is None:
             checks.append(
                 Check(
                     name,
-                    "fail" if required else "info",
+                    "fail" if has_devices else "info",
                     f"not installed ({item.why})",
-                    "see README 'Running on inf2'" if required else "",
+                    "see README 'Running on inf2'" if has_devices else "",
                 )
             )
             continue
@@ -287,7 +304,7 @@ def check_requirements(versions: Mapping[str, str | None]) -> list[Check]:
                 "fail" if unmet else "ok",
                 "; ".join(unmet) or "declared requirements met",
                 "install the versions the Neuron SDK release pins in its own "
-                "environment (vLLM 0.32 needs torch 2.13 and transformers 5)"
+                "environment (vLLM 0.32/0.33 need torch 2.13/2.14 and transformers 5)"
                 if unmet
                 else "",
             )
@@ -401,8 +418,10 @@ def collect(
         chosen = backend or environ.get(BACKEND_ENV) or ("nxd" if devices else "reference")
         runner, runner_versions = check_runner(backend_python, chosen)
         runner_checks.append(runner)
-        nxd_only = {s.distribution for s in SUPPORTED if s.needed_for == "nxd"}
-        versions = {**versions, **{d: runner_versions.get(d) for d in nxd_only}}
+        versions = {
+            **versions,
+            **{s.distribution: runner_versions.get(s.distribution) for s in SUPPORTED},
+        }
     nxdi = check_nxdi_import(backend_python or sys.executable, devices, environ)
     checks = [
         check_devices(devices),
@@ -410,6 +429,7 @@ def collect(
         check_cores(environ, devices, instance),
         *runner_checks,
         nxdi,
+        check_vllm(installed_vllm(package_version)),
         *check_versions(versions, bool(devices), target),
         *([] if backend_python else check_requirements(versions)),
         check_platform_entry_point(),

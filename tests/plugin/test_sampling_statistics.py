@@ -132,10 +132,13 @@ def test_device_frequencies_match_vllms_distribution(device_sampler, kind, tempe
 
 
 def test_vllms_sampler_draws_from_that_distribution():
-    """The oracle above is what vLLM's Sampler itself draws (top-k setting: its fast path)."""
+    """The oracle above is what vLLM's Sampler itself draws (top-k setting: its fast
+    path), as the plugin runs it for host rows (`HostRowsSampler`: vLLM's PyTorch paths
+    on every vLLM build)."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.sample.sampler import Sampler
+
+    from neuron_plugin.serving.host_sampling import HostRowsSampler
 
     kind, temperature, top_k, top_p = SETTINGS[2]
     logits = _logits(kind)
@@ -148,20 +151,21 @@ def test_vllms_sampler_draws_from_that_distribution():
         repetition_penalties=torch.ones(rows), output_token_ids=[[] for _ in range(rows)],
         allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
     torch.manual_seed(3)
-    tokens = Sampler()(logits.expand(rows, VOCAB).clone(), metadata).sampled_token_ids
+    sampler = HostRowsSampler("raw_logprobs")
+    tokens = sampler(logits.expand(rows, VOCAB).clone(), metadata).sampled_token_ids
     ok, why = agreement(np.bincount(tokens[:, 0].numpy(), minlength=VOCAB),
                         vllm_distribution(logits, temperature, top_k, top_p))
     assert ok, why
 
 
 def test_greedy_rows_equal_vllms_greedy_sampler(device_sampler):
-    from vllm.v1.sample.sampler import Sampler
+    from neuron_plugin.serving.host_sampling import HostRowsSampler
 
     logits = 3 * torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(5))
     greedy = SamplingInputs.greedy(ROWS)
     tokens = device_sampler(logits, *(torch.from_numpy(a) for a in (
         greedy.top_k, greedy.top_p, greedy.temperature, greedy.uniform[:, 0])))
-    assert torch.equal(tokens, Sampler.greedy_sample(logits.clone()))
+    assert torch.equal(tokens, HostRowsSampler.greedy_sample(logits.clone()))
 
 
 @pytest.mark.parametrize("mutation", ["top_p ignored", "temperature applied twice"])
