@@ -1,8 +1,9 @@
 """Neuron instance types, NeuronCores and device memory: what a host offers a model.
 
 The table follows AWS's Neuron architecture pages (Inf2, Trn1, Trn2): an Inferentia2 or
-Trainium chip has two NeuronCore-v2 and 32 GiB of HBM shared by them; a Trainium2 chip
-has eight NeuronCore-v3 and 96 GiB, exposed by default (LNC=2) as four logical cores.
+Trainium chip has two NeuronCore-v2 and 32 GiB of HBM shared by them, read at 820 GB/s;
+a Trainium2 chip has eight NeuronCore-v3 and 96 GiB at 2.9 TB/s (the NKI architecture
+guide), exposed by default (LNC=2) as four logical cores.
 The number of cores a process may use is what `NEURON_RT_VISIBLE_CORES` names, or every
 core of every device in `/dev/neuron*`. Data-parallel engines on one host split those
 cores into disjoint runs of `tensor_parallel_size` (`core_slices`); the runtime reserves
@@ -35,15 +36,20 @@ class Chip:
     target: str  # the compiler's platform target (neuronx-cc --target)
     physical_cores: int
     hbm_bytes: int
+    hbm_bytes_per_s: float
     default_lnc: int = 1
 
     def logical_cores(self, lnc: int | None = None) -> int:
         return self.physical_cores // (lnc or self.default_lnc)
 
+    def bandwidth_per_core(self, lnc: int | None = None) -> float:
+        """HBM bytes a logical core reads per second: the chip's shared by its cores."""
+        return self.hbm_bytes_per_s / self.logical_cores(lnc)
 
-INFERENTIA2 = Chip("Inferentia2", "inf2", 2, 32 * GIB)
-TRAINIUM = Chip("Trainium", "trn1", 2, 32 * GIB)
-TRAINIUM2 = Chip("Trainium2", "trn2", 8, 96 * GIB, default_lnc=2)
+
+INFERENTIA2 = Chip("Inferentia2", "inf2", 2, 32 * GIB, 820e9)
+TRAINIUM = Chip("Trainium", "trn1", 2, 32 * GIB, 820e9)
+TRAINIUM2 = Chip("Trainium2", "trn2", 8, 96 * GIB, 2.9e12, default_lnc=2)
 
 
 @dataclass(frozen=True)

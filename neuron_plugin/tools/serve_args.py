@@ -15,14 +15,14 @@ from typing import Any
 from neuron_plugin import BACKEND_ENV, choose_backend, neuron_devices
 
 
-def engine_config_from_serve_args(
+def engine_args_from_serve_args(
     argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
 ) -> tuple[argparse.Namespace, Any]:
-    """(parsed options, VllmConfig). `own_options` adds the command's options, which must
-    include `--backend` (default None): it is read first, because vLLM resolves its
-    platform (and so the backend) while parsing. Without it the backend is chosen as
-    `vllm serve` with these flags would choose it, falling back to nxd (a build host
-    without devices still compiles for Neuron)."""
+    """(parsed options, vLLM's AsyncEngineArgs). `own_options` adds the command's
+    options, which must include `--backend` (default None): it is read first, because
+    vLLM resolves its platform (and so the backend) while parsing. Without it the backend
+    is chosen as `vllm serve` with these flags would choose it, falling back to nxd (a
+    build host without devices still compiles for Neuron)."""
     pre = argparse.ArgumentParser(add_help=False)
     own_options(pre)
     known, _ = pre.parse_known_args(argv)
@@ -42,4 +42,12 @@ def engine_config_from_serve_args(
     options = parser.parse_args(list(argv))
     if options.model_tag:
         options.model = options.model_tag
-    return options, AsyncEngineArgs.from_cli_args(options).create_engine_config()
+    return options, AsyncEngineArgs.from_cli_args(options)
+
+
+def engine_config_from_serve_args(
+    argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
+) -> tuple[argparse.Namespace, Any]:
+    """(parsed options, VllmConfig): `engine_args_from_serve_args`'s configuration."""
+    options, engine_args = engine_args_from_serve_args(argv, own_options, prog=prog)
+    return options, engine_args.create_engine_config()

@@ -16,8 +16,6 @@ ignores top-p or applies the temperature twice.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -25,11 +23,11 @@ import torch
 from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, SamplingInputs
+from neuron_plugin.validation.statistics import goodness_of_fit as agreement
 
 VOCAB = 151_936
 ROWS = 256          # rows per compiled call
 DRAWS = 8 * ROWS    # draws per setting
-SIGNIFICANCE_Z = 3.090  # standard normal quantile of 1 - 0.001
 
 
 class _Sampler(torch.nn.Module):
@@ -88,27 +86,6 @@ def device_draws(sampler, logits: torch.Tensor, temperature: float, top_k: int,
             params.top_k, params.top_p, params.temperature, params.uniform)))
         counts += np.bincount(tokens.numpy(), minlength=VOCAB)
     return counts
-
-
-def agreement(counts: np.ndarray, expected: np.ndarray) -> tuple[bool, str]:
-    """(whether `counts` fit `expected` at the stated tolerance, why)."""
-    outside = int(counts[expected == 0].sum())
-    if outside:
-        return False, f"{outside} draws outside vLLM's support"
-    n = counts.sum()
-    order = np.argsort(-expected)
-    want, got = n * expected[order], counts[order].astype(float)
-    alone = want >= 5
-    bins_want = [*want[alone], want[~alone].sum()]
-    bins_got = [*got[alone], got[~alone].sum()]
-    if bins_want[-1] < 5:  # fold a thin pooled tail into the last bin
-        bins_want[-2:] = [sum(bins_want[-2:])]
-        bins_got[-2:] = [sum(bins_got[-2:])]
-    stat = sum((o - e) ** 2 / e for o, e in zip(bins_got, bins_want))
-    df = len(bins_want) - 1
-    # Wilson-Hilferty: the chi-square quantile at 1 - 0.001 for df degrees of freedom.
-    limit = df * (1 - 2 / (9 * df) + SIGNIFICANCE_Z * math.sqrt(2 / (9 * df))) ** 3
-    return stat <= limit, f"chi-square {stat:.1f} on {df} df, limit {limit:.1f}"
 
 
 # (logits, temperature, top_k, top_p)

@@ -1,0 +1,400 @@
+"""`neuron-plugin validate MODEL [vllm serve flags]`: prove a host, feature by feature,
+against an oracle on the same host's CPU.
+
+The configuration `vllm serve` would run is served through the real serving path (vLLM's
+engine, the plugin's worker, model runner and backend, in the backend's runner process
+where one is configured) and every case of the feature matrix (`validation/cases.py`)
+is judged against transformers on the same checkpoint in float32, run in the backend's
+environment (`validation/oracle.py`). Then the engine is shut down and each compiled
+graph is timed on the backend alone, beside the HBM roofline of the instance. The report
+(Markdown and JSON, schema in `validation/report.py`) is what a hardware bug report
+attaches; the exit status is 1 when any case fails, 2 for a configuration that cannot
+run (its error names the setting and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neuron_plugin import BACKEND_ENV, BACKENDS, plugin_logger
+from neuron_plugin.core.instances import (
+    detect_instance_type,
+    host_visible_core_ids,
+    package_version,
+)
+from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.speculation import host_sampling_refusal
+from neuron_plugin.core.vllm_builds import installed_vllm
+from neuron_plugin.tools.serve_args import engine_args_from_serve_args
+from neuron_plugin.tools.validate_backend import speed_report
+from neuron_plugin.validation.cases import (
+    CASE_NAMES,
+    Case,
+    Limits,
+    Request,
+    Served,
+    judge,
+    plan,
+    selected,
+)
+from neuron_plugin.validation.oracle_client import OracleProcess
+from neuron_plugin.validation.report import CaseResult, ValidationReport
+from neuron_plugin.validation.speed import decode_host_share
+
+logger = plugin_logger(__name__)
+
+SCORED = ("greedy", "logprobs", "quantized")
+NXD_DISTRIBUTIONS = (
+    "neuronx-distributed-inference",
+    "neuronx-distributed",
+    "torch-neuronx",
+    "neuronx-cc",
+)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("validate")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help=f"backend to validate (default: ${BACKEND_ENV}, else what `vllm serve` with "
+        f"these flags would use)",
+    )
+    group.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where report.json and report.md go (default ./neuron-validate-<UTC time>)",
+    )
+    group.add_argument(
+        "--quick", action="store_true", help="a short subset: three buckets, fewer draws"
+    )
+    group.add_argument(
+        "--new-tokens", type=int, default=12, help="greedy tokens per request (default 12)"
+    )
+    group.add_argument(
+        "--cases",
+        metavar="NAME[,NAME]",
+        help=f"run only these cases (default: all): {', '.join(CASE_NAMES)}",
+    )
+    group.add_argument(
+        "--lora-adapter",
+        metavar="FOLDER",
+        help="the PEFT adapter the lora case serves (default: one the kit builds)",
+    )
+    group.add_argument(
+        "--oracle-python",
+        metavar="PYTHON",
+        help="the oracle's interpreter (default: the backend's, where transformers is)",
+    )
+    group.add_argument(
+        "--oracle-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="float32 unless the host's memory cannot hold the model so",
+    )
+    group.add_argument(
+        "--repeats", type=int, default=10, help="timed calls per compiled graph (default 10)"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "validate",
+        add_help=False,
+        help="check a `vllm serve` configuration on this host against a CPU oracle, "
+        "feature by feature, and time its graphs",
+        description="Takes the same flags as `vllm serve`.",
+    )
+    parser.set_defaults(run=run, argv=[], own_options=_options, prog="neuron-plugin validate")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    options, engine_args = engine_args_from_serve_args(args.argv, args.own_options, prog=args.prog)
+    chosen = selected(options.cases)
+    if options.new_tokens < 2:
+        raise ValueError(
+            f"--new-tokens {options.new_tokens}: at least 2 (a token after the prefill)"
+        )
+    out = options.out or Path(f"neuron-validate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+    out.mkdir(parents=True, exist_ok=True)
+    model = engine_args.model
+    llm = _engine(engine_args, out)
+    vllm_config = llm.llm_engine.vllm_config
+    from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
+
+    settings = settings_from_vllm_config(vllm_config)
+    python = options.oracle_python or settings.backend_python or sys.executable
+    oracle = OracleProcess(python, model, options.oracle_dtype, out / "oracle.log")
+    adapter = options.lora_adapter
+    if settings.max_loras and adapter is None:
+        from neuron_plugin.validation.adapter import build_adapter
+
+        adapter = str(
+            build_adapter(
+                model,
+                out / "adapter",
+                settings.lora_target_modules,
+                rank=min(8, settings.max_lora_rank),
+            )
+        )
+    limits = _limits(settings, vllm_config)
+    cases, results = plan(limits, options.new_tokens, options.quick, adapter)
+    cases = [c for c in cases if c.name in chosen]
+    results = [r for r in results if r.name in chosen]
+    try:
+        results += _run_cases(llm, cases, oracle, limits.tolerance)
+        share = _decode_host_share(llm, limits, out)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    try:
+        speed, key, extra = speed_report(
+            settings,
+            model,
+            options.repeats,
+            oracle,
+            vllm_config,
+            quick=options.quick,
+            kv_transfer="kv-transfer" in chosen,
+            tolerance=limits.tolerance,
+        )
+    finally:
+        oracle.close()
+    results += extra
+    report = ValidationReport(
+        ok=not any(r.status == "fail" for r in results),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        model=str(model),
+        command=list(args.argv),
+        backend=settings.backend,
+        instance_type=detect_instance_type(),
+        visible_cores=host_visible_core_ids()[0],
+        versions=_versions(settings),
+        settings=settings.to_dict(),
+        compile_cache_key=key,
+        oracle={
+            "python": python,
+            "dtype": options.oracle_dtype,
+            "tolerance_nats": limits.tolerance,
+        },
+        cases=results,
+        speed=speed.model_copy(update={"decode_host_share": share}),
+        seconds=time.perf_counter() - started,
+    )
+    (out / "report.json").write_text(report.model_dump_json(indent=2))
+    (out / "report.md").write_text(report.markdown())
+    for result in results:
+        print(f"[{result.status:>14}] {result.name}: {result.detail}")
+    print(
+        f"{'PASS' if report.ok else 'FAIL'}: report in {out / 'report.md'} and "
+        f"{out / 'report.json'}"
+    )
+    return 0 if report.ok else 1
+
+
+def _engine(engine_args: Any, out: Path) -> Any:
+    """vLLM's engine for the parsed `vllm serve` flags, statistics on (prefix-cache hits
+    are read from them) and the plugin's telemetry published into `out`."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from neuron_plugin.serving.vllm_settings import TELEMETRY_DIR_KEY
+
+    values = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+    values["additional_config"] = {
+        **(values.get("additional_config") or {}),
+        TELEMETRY_DIR_KEY: str(out / "telemetry"),
+    }
+    values["disable_log_stats"] = False
+    return LLM(**values)
+
+
+def _limits(settings: NeuronSettings, vllm_config: Any) -> Limits:
+    return Limits(
+        vocab_size=vllm_config.model_config.get_vocab_size(),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        context_encoding_buckets=settings.context_encoding_buckets,
+        block_size=settings.block_size,
+        block_layout=settings.is_block_layout,
+        prefix_caching=settings.is_prefix_caching,
+        chunked_prefill=settings.is_chunked_prefill,
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        on_device_sampling=settings.on_device_sampling,
+        speculation=settings.speculation_method,
+        lora=settings.max_loras > 0,
+        quantized=settings.quantization is not None,
+        host_refusal=host_sampling_refusal(
+            settings, "the cases with log-probabilities or a seed sample on the host"
+        ),
+    )
+
+
+def _run_cases(
+    llm: Any, cases: Sequence[Case], oracle: OracleProcess, tolerance: float
+) -> list[CaseResult]:
+    from tqdm import tqdm
+
+    results = []
+    for case in tqdm(cases, desc="validating", unit="case"):
+        started = time.perf_counter()
+        try:
+            observed: dict[str, Any] = {}
+            served = _serve(llm, case, observed)
+            scores = [
+                _score(oracle, case, r, s) for r, s in zip(case.requests, served, strict=True)
+            ]
+            result = judge(case, served, scores, tolerance, observed)
+        except Exception as exc:  # one case's failure is reported; the others still run
+            logger.exception("validate: case %s raised", case.name)
+            result = CaseResult(
+                name=case.name,
+                status="fail",
+                detail=f"{type(exc).__name__}: {exc}",
+                inputs=[r.to_dict() for r in case.requests[:3]],
+            )
+        results.append(result.model_copy(update={"seconds": time.perf_counter() - started}))
+    return results
+
+
+def _serve(llm: Any, case: Case, observed: dict[str, Any]) -> list[Served]:
+    """The case's requests through the engine, in `case.batches` rounds (a later round
+    finds what an earlier one cached); prefix-cache hits counted around them."""
+    rounds = np.array_split(np.arange(len(case.requests)), case.batches)
+    before = _prefix_hits(llm)
+    served: list[Served] = []
+    for indices in rounds:
+        served += _generate(llm, [case.requests[i] for i in indices])
+    observed["prefix_hit_tokens"] = _prefix_hits(llm) - before
+    return served
+
+
+def _generate(llm: Any, requests: Sequence[Request]) -> list[Served]:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    adapters: dict[str, int] = {}
+    loras: list[LoRARequest | None] = []
+    for request in requests:
+        if request.adapter is None:
+            loras.append(None)
+            continue
+        ident = adapters.setdefault(request.adapter, len(adapters) + 1)
+        loras.append(LoRARequest(f"validate-{ident}", ident, request.adapter))
+    outputs = llm.generate(
+        [{"prompt_token_ids": r.prompt} for r in requests],
+        [SamplingParams(**r.sampling) for r in requests],
+        lora_request=loras,
+        use_tqdm=False,
+    )
+    served = []
+    for output in outputs:
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                {int(t): float(lp.logprob) for t, lp in step.items()}
+                for step in completion.logprobs
+            ]
+        served.append(Served(list(completion.token_ids), logprobs))
+    return served
+
+
+def _prefix_hits(llm: Any) -> float:
+    return sum(
+        getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"
+    )
+
+
+def _score(
+    oracle: OracleProcess, case: Case, request: Request, served: Served
+) -> dict[str, Any] | None:
+    if case.judge not in SCORED:
+        return None
+    ask: dict[str, Any] = {
+        "op": "score",
+        "prompt": request.prompt,
+        "tokens": served.tokens,
+        "adapter": request.adapter,
+    }
+    if case.judge == "logprobs" and served.logprobs is not None:
+        ask["of"] = [sorted(step) for step in served.logprobs]
+    return oracle.ask(ask)
+
+
+def _decode_host_share(llm: Any, limits: Limits, out: Path) -> float | None:
+    """The host's share of decode steps: a batch of long greedy requests (mostly decode
+    steps) between two telemetry snapshots."""
+    before = _snapshot(out)
+    rng = np.random.default_rng(7)
+    requests = [
+        Request(
+            rng.integers(0, limits.vocab_size, 16).tolist(),
+            {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True},
+        )
+        for _ in range(limits.max_num_seqs)
+    ]
+    _generate(llm, requests)
+    time.sleep(1.0)  # the engine publishes its counters every 0.5 s
+    return decode_host_share(before, _snapshot(out))
+
+
+def _snapshot(out: Path) -> dict[str, Any] | None:
+    files = sorted((out / "telemetry").glob("engine-*.json"))
+    return json.loads(files[0].read_text()) if files else None
+
+
+def _versions(settings: NeuronSettings) -> dict[str, str | None]:
+    vllm = installed_vllm(package_version)
+    versions: dict[str, str | None] = {
+        "plugin": package_version("vllm-neuron-plugin"),
+        "git_commit": _git_commit(),
+        "vllm": vllm.describe() if vllm else None,
+        "torch": package_version("torch"),
+        "transformers": package_version("transformers"),
+    }
+    if settings.backend == "nxd":
+        versions.update(_backend_versions(settings.backend_python or sys.executable))
+    return versions
+
+
+def _git_commit() -> str | None:
+    source = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        return None  # an installed package, not a checkout
+    return done.stdout.strip()
+
+
+def _backend_versions(python: str) -> dict[str, str | None]:
+    """The NxD packages' versions in the backend's environment (metadata only)."""
+    code = (
+        "import importlib.metadata as m, json\n"
+        "def v(d):\n"
+        "    try:\n        return m.version(d)\n"
+        "    except m.PackageNotFoundError:\n        return None\n"
+        f"print(json.dumps({{d: v(d) for d in {list(NXD_DISTRIBUTIONS)!r}}}))"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return dict.fromkeys(NXD_DISTRIBUTIONS)
+    found: dict[str, str | None] = json.loads(done.stdout)
+    return found

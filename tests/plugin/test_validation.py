@@ -1,0 +1,280 @@
+"""`neuron-plugin validate`'s pure parts (neuron_plugin/validation): which cases a
+configuration gets, how answers are judged, the statistics, the roofline, the report, and
+the oracle process in the backend's environment against transformers and PEFT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from neuron_plugin.validation.cases import (
+    CASE_NAMES,
+    Limits,
+    Served,
+    judge,
+    plan,
+    selected,
+)
+from neuron_plugin.validation.report import CaseResult, ValidationReport
+from neuron_plugin.validation.speed import bucket_latencies, decode_host_share, roofline_ms
+from neuron_plugin.validation.statistics import goodness_of_fit, homogeneity
+
+LIMITS = Limits(vocab_size=1000, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                context_encoding_buckets=(32, 64, 128, 256), block_size=32,
+                block_layout=False, prefix_caching=False, chunked_prefill=False,
+                max_num_batched_tokens=256, on_device_sampling=True)
+
+
+def _names(cases, skipped) -> tuple[list[str], dict[str, str]]:
+    return [c.name for c in cases], {r.name: r.status for r in skipped}
+
+
+def test_every_feature_is_a_case_or_listed_with_the_flag_that_turns_it_on():
+    cases, skipped = plan(LIMITS, new_tokens=8, quick=False, adapter=None)
+    names, rest = _names(cases, skipped)
+    assert names == ["bucket-boundaries", "first-steps-logprobs", "continuous-batching",
+                     "mixed-step", "device-sampling"]
+    assert rest == {"prefix-cache-hit": "not-configured", "chunked-prefill": "not-configured",
+                    "speculation": "not-configured", "lora": "not-configured",
+                    "quantized": "not-configured"}
+    assert set(names) | set(rest) | {"kv-transfer"} == set(CASE_NAMES)
+    assert "--enable-prefix-caching" in next(r.detail for r in skipped
+                                             if r.name == "prefix-cache-hit")
+    boundaries = cases[0]
+    lengths = [len(r.prompt) for r in boundaries.requests]
+    # one token, each bucket -1/0/+1 within the room, and the longest prompt that fits
+    assert lengths == [1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 248]
+    assert all(r.sampling["temperature"] == 0 for r in boundaries.requests)
+
+
+def test_a_full_configuration_gets_every_case():
+    limits = Limits(**{**LIMITS.__dict__, "block_layout": True, "prefix_caching": True,
+                       "chunked_prefill": True, "max_num_batched_tokens": 64,
+                       "speculation": "ngram", "lora": True, "quantized": True})
+    cases, skipped = plan(limits, new_tokens=8, quick=True, adapter="/adapters/a")
+    assert not skipped
+    lora = next(c for c in cases if c.name == "lora")
+    assert {r.adapter for r in lora.requests} == {"/adapters/a", None}
+    hit = next(c for c in cases if c.name == "prefix-cache-hit")
+    first, second = hit.requests
+    shared = hit.evidence["shared_tokens"]
+    assert shared % 32 == 0 and first.prompt[:shared] == second.prompt[:shared]
+    assert first.prompt != second.prompt and hit.batches == 2
+    assert limits.tolerance == 0.3  # quantized weights: their own bound
+    with pytest.raises(ValueError, match="needs an adapter"):
+        plan(limits, new_tokens=8, quick=True, adapter=None)
+
+
+def test_a_configuration_that_refuses_host_sampling_lists_those_cases_refused():
+    limits = Limits(**{**LIMITS.__dict__, "host_refusal": "no logits with a draft model"})
+    cases, skipped = plan(limits, new_tokens=8, quick=True, adapter=None)
+    refused = {r.name: r.detail for r in skipped if r.status == "refused"}
+    assert refused == dict.fromkeys(
+        ["first-steps-logprobs", "mixed-step", "device-sampling"], "no logits with a draft model")
+    assert "bucket-boundaries" in [c.name for c in cases]
+
+
+def test_cases_are_selected_by_name():
+    assert selected("lora, speculation") == {"lora", "speculation"}
+    assert selected(None) == set(CASE_NAMES)
+    with pytest.raises(ValueError, match=r"unknown case nonsense; choose from bucket-bound"):
+        selected("lora,nonsense")
+
+
+def _score(argmax, best, chosen, of=None) -> dict:
+    score = {"argmax": argmax, "best": best, "chosen": chosen}
+    if of is not None:
+        score["of"] = of
+    return score
+
+
+def test_greedy_tokens_pass_on_the_argmax_or_a_near_tie_and_fail_otherwise():
+    cases, _ = plan(LIMITS, new_tokens=2, quick=True, adapter=None)
+    case = cases[0]
+    one = case.requests[:1]
+    right = Served([5, 6])
+    near_tie = Served([5, 7])  # 7 is 0.2 nats below the oracle's 6 (bf16 tolerance 0.3)
+    wrong = Served([5, 8])
+    scores = [_score([5, 6], [-0.1, -1.0], [-0.1, -1.0])]
+    ok = judge(case.__class__(case.name, case.feature, one, "greedy"), [right], scores, 0.3, {})
+    assert ok.status == "pass"
+    tie = [_score([5, 6], [-0.1, -1.0], [-0.1, -1.2])]
+    assert judge(case.__class__(case.name, "", one, "greedy"), [near_tie], tie, 0.3,
+                 {}).status == "pass"
+    bad = [_score([5, 6], [-0.1, -1.0], [-0.1, -3.0])]
+    failed = judge(case.__class__(case.name, "", one, "greedy"), [wrong], bad, 0.3, {})
+    assert failed.status == "fail"
+    assert "token 1 is 8, the oracle's is 6 (2 nats better" in failed.detail
+    assert failed.inputs == [one[0].to_dict()]
+
+
+def test_logprobs_beyond_the_tolerance_fail():
+    cases, _ = plan(LIMITS, new_tokens=2, quick=True, adapter=None)
+    case = next(c for c in cases if c.name == "first-steps-logprobs")
+    one = case.__class__(case.name, "", case.requests[:1], "logprobs")
+    served = Served([5], [{5: -0.1, 9: -2.0}])
+    close = _score([5], [-0.1], [-0.1], [{"5": -0.12, "9": -2.2}])
+    far = _score([5], [-0.1], [-0.1], [{"5": -0.12, "9": -2.5}])
+    assert judge(one, [served], [close], 0.3, {}).status == "pass"
+    result = judge(one, [served], [far], 0.3, {})
+    assert result.status == "fail" and "token 9's logprob is -2.0000, the oracle's -2.5000" \
+        in result.detail
+
+
+def test_a_prefix_hit_must_come_from_the_cache():
+    limits = Limits(**{**LIMITS.__dict__, "block_layout": True, "prefix_caching": True})
+    cases, _ = plan(limits, new_tokens=2, quick=True, adapter=None)
+    hit = next(c for c in cases if c.name == "prefix-cache-hit")
+    served = [Served([1, 2]), Served([3, 4])]
+    scores = [_score([1, 2], [0, 0], [0, 0]), _score([3, 4], [0, 0], [0, 0])]
+    shared = hit.evidence["shared_tokens"]
+    assert judge(hit, served, scores, 0.3, {"prefix_hit_tokens": shared}).status == "pass"
+    missed = judge(hit, served, scores, 0.3, {"prefix_hit_tokens": 0})
+    assert missed.status == "fail" and f"not the {shared} shared" in missed.detail
+
+
+def test_device_draws_must_follow_the_host_samplers_distribution():
+    cases, _ = plan(LIMITS, new_tokens=2, quick=True, adapter=None, sample_draws=1000)
+    case = next(c for c in cases if c.name == "device-sampling")
+    rng = np.random.default_rng(0)
+    host = rng.choice(20, size=500, p=np.full(20, 0.05))
+    same = rng.choice(20, size=500, p=np.full(20, 0.05))
+    skewed = rng.choice(20, size=500, p=np.r_[np.full(10, 0.09), np.full(10, 0.01)])
+
+    def served(device):
+        tokens = iter([*device, *host])
+        return [Served([int(next(tokens))]) for _ in case.requests]
+
+    scores = [None] * len(case.requests)
+    assert judge(case, served(same), scores, 0.3, {}).status == "pass"
+    wrong = judge(case, served(skewed), scores, 0.3, {})
+    assert wrong.status == "fail" and "differ: chi-square" in wrong.detail
+    stuck = judge(case, served(np.zeros(500, dtype=int)), scores, 0.3, {})
+    assert stuck.status == "fail" and "drew one token only" in stuck.detail
+
+
+def test_quantized_weights_are_held_to_the_stated_bound():
+    limits = Limits(**{**LIMITS.__dict__, "quantized": True})
+    case = next(c for c in plan(limits, 2, True, None)[0] if c.name == "quantized")
+    n = len(case.requests)
+    tokens = [[1, 2, 3, 4, 5]] * n
+    served = [Served(t, [{tok: -1.0} for tok in t]) for t in tokens]
+    agree = [_score([1, 2, 3, 4, 5], [-1.0] * 5, [-1.1] * 5)] * n
+    assert judge(case, served, agree, 0.3, {}).status == "pass"
+    drift = [_score([1, 2, 3, 4, 5], [-1.0] * 5, [-1.5] * 5)] * n  # 0.5 nats off
+    assert "largest logprob gap 0.500" in judge(case, served, drift, 0.3, {}).detail
+    disagree = [_score([1, 9, 9, 4, 5], [-1.0] * 5, [-1.1] * 5)] * n  # 60% agreement
+    assert judge(case, served, disagree, 0.3, {}).status == "fail"
+
+
+def test_statistics_accept_the_same_distribution_and_reject_another():
+    rng = np.random.default_rng(1)
+    p = np.r_[np.full(8, 0.1), np.full(20, 0.01)]
+    draws = np.bincount(rng.choice(28, size=2000, p=p), minlength=28)
+    assert goodness_of_fit(draws, p)[0]
+    assert not goodness_of_fit(draws, np.full(28, 1 / 28))[0]
+    zero = np.r_[p[:-1], 0.0] / p[:-1].sum()  # the last token, drawn ~20 times, impossible
+    ok, why = goodness_of_fit(draws, zero)
+    assert not ok and why.endswith("draws where the probability is 0")
+    other = np.bincount(rng.choice(28, size=2000, p=p), minlength=28)
+    assert homogeneity(draws, other)[0]
+    assert not homogeneity(draws, np.bincount(rng.choice(28, size=2000), minlength=28))[0]
+
+
+def test_roofline_and_host_share():
+    # 1 GB of weights and 4x1024 positions of 128 KiB each, at 820 GB/s
+    assert roofline_ms((4, 1024), 10**9, 131072, 820e9) == pytest.approx(
+        1e3 * (10**9 + 4 * 1024 * 131072) / 820e9)
+    rows = bucket_latencies({"token_generation": [((4, 1024), 3.0)],
+                             "context_encoding": [((128,), 9.0)]}, 10**9, 131072, 820e9)
+    tkg, cte = rows
+    assert tkg.ratio == pytest.approx(3.0 / tkg.roofline_ms) and cte.roofline_ms is None
+    assert bucket_latencies({"token_generation": [((4, 64), 1.0)]}, 10**9, 1, None)[0] \
+        .roofline_ms is None  # off a Neuron instance
+    before = {"step_host": {"sum": 1.0}, "buckets": [
+        {"phase": "token_generation", "forward": {"sum": 4.0}},
+        {"phase": "context_encoding", "forward": {"sum": 100.0}}]}
+    after = {"step_host": {"sum": 2.0}, "buckets": [
+        {"phase": "token_generation", "forward": {"sum": 13.0}},
+        {"phase": "context_encoding", "forward": {"sum": 150.0}}]}
+    assert decode_host_share(before, after) == pytest.approx(1 / 10)
+    assert decode_host_share(before, None) is None
+
+
+def test_the_report_round_trips_and_puts_failures_first():
+    report = ValidationReport(
+        ok=False, created="2026-11-26T00:00:00+00:00", model="m", command=["m"],
+        backend="nxd", instance_type="inf2.xlarge", visible_cores=[0, 1],
+        versions={"plugin": "0.1.0"}, settings={}, compile_cache_key="k", oracle={},
+        cases=[CaseResult(name="lora", status="pass", detail="ok"),
+               CaseResult(name="mixed-step", status="fail", detail="token 3",
+                          inputs=[{"prompt": [1, 2]}])],
+        seconds=1.0)
+    again = ValidationReport.model_validate_json(report.model_dump_json())
+    assert again == report
+    markdown = report.markdown()
+    assert markdown.index("| mixed-step | fail |") < markdown.index("| lora | pass |")
+    assert '"prompt"' in markdown.split("## mixed-step: inputs")[1]
+    schema = ValidationReport.model_json_schema()
+    assert schema["properties"]["cases"]["items"]["$ref"].endswith("CaseResult")
+    with pytest.raises(ValueError):
+        ValidationReport.model_validate({**json.loads(report.model_dump_json()), "extra": 1})
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dirs, sdk_python, tmp_path_factory):
+    from neuron_plugin.validation.oracle_client import OracleProcess
+
+    process = OracleProcess(sdk_python, str(model_dirs["llama"]), "float32",
+                            tmp_path_factory.mktemp("oracle") / "oracle.log")
+    yield process
+    process.close()
+
+
+def test_the_oracle_in_the_sdk_environment_scores_transformers_greedy_tokens(
+        oracle, model_dirs):
+    from tests.e2e.support import GreedyOracle, corpus_token_ids
+
+    prompt = corpus_token_ids(model_dirs["llama"], 20)
+    tokens = GreedyOracle(model_dirs["llama"]).generate(prompt, 6)
+    score = oracle.ask({"op": "score", "prompt": prompt, "tokens": tokens, "adapter": None,
+                        "of": [[t] for t in tokens]})
+    assert score["argmax"] == tokens
+    assert score["chosen"] == pytest.approx(score["best"])
+    assert [row[str(t)] for row, t in zip(score["of"], tokens, strict=True)] == \
+        pytest.approx(score["chosen"])
+    assert "transformers" in oracle.ask({"op": "info"})
+    assert oracle.ask({"op": "score", "prompt": prompt, "tokens": []})["error"].startswith(
+        "ValueError: nothing to score")
+
+
+def test_the_oracles_lora_hooks_compute_what_peft_does(oracle, model_dirs, lora_adapters,
+                                                        tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from neuron_plugin.validation.adapter import build_adapter
+    from tests.e2e.support import corpus_token_ids
+
+    prompt = corpus_token_ids(model_dirs["llama"], 16)
+    kit = build_adapter(model_dirs["llama"], tmp_path / "kit", ["q_proj", "v_proj", "down_proj"],
+                        rank=4, seed=3)
+    for folder in (lora_adapters["lora-a"], kit):
+        base = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base, str(folder)).eval()
+        with torch.no_grad():
+            logprobs = torch.log_softmax(peft(input_ids=torch.tensor([prompt])).logits[0, -1],
+                                         -1)
+        token = int(logprobs.argmax())
+        score = oracle.ask({"op": "score", "prompt": prompt, "tokens": [token],
+                            "adapter": str(folder)})
+        assert score["argmax"] == [token]
+        assert score["chosen"][0] == pytest.approx(float(logprobs[token]), abs=1e-4)
+    refused = oracle.ask({"op": "score", "prompt": prompt, "tokens": [1],
+                          "adapter": str(lora_adapters["lora-b"])})
+    assert "rank_pattern / alpha_pattern" in refused["error"]
+    assert Path(kit, "adapter_config.json").exists()
