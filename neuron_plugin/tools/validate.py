@@ -132,7 +132,14 @@ def run(args: argparse.Namespace) -> int:
     out = options.out or Path(f"neuron-validate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
     out.mkdir(parents=True, exist_ok=True)
     model = engine_args.model
-    llm = _engine(engine_args, out)
+    refusals = _refusals(engine_args)  # before the engine: probes resolve configurations
+    try:
+        llm = _engine(engine_args, out)
+    except RuntimeError as exc:  # vLLM's "Engine core initialization failed"
+        raise ValueError(
+            f"the configuration did not start ({exc}); the engine's log above names the "
+            f"cause (a backend refusal names the setting and the fix)"
+        ) from exc
     vllm_config = llm.llm_engine.vllm_config
     from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     limits = _limits(settings, vllm_config)
     cases, results = plan(limits, options.new_tokens, options.quick, adapter)
     cases = [c for c in cases if c.name in chosen]
-    results = [r for r in results if r.name in chosen]
+    results = [_refused(r, refusals) for r in results if r.name in chosen]
     try:
         results += _run_cases(llm, cases, oracle, limits.tolerance)
         share = _decode_host_share(llm, limits, out)
@@ -222,6 +229,51 @@ def _engine(engine_args: Any, out: Path) -> Any:
     }
     values["disable_log_stats"] = False
     return LLM(**values)
+
+
+# A feature the configuration leaves off -> the engine arguments that turn it on.
+_FEATURE_PROBES: dict[str, dict[str, Any]] = {
+    "prefix-cache-hit": {"enable_prefix_caching": True},
+    "chunked-prefill": {"enable_chunked_prefill": True},
+    "speculation": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    },
+    "lora": {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8},
+}
+
+
+def _refusals(engine_args: Any) -> dict[str, str]:
+    """Which features this backend and configuration would refuse if they were turned on
+    (feature -> the plugin's error), by resolving the configuration with each on."""
+    from neuron_plugin.tools.cli import error_message
+
+    refused = {}
+    for feature, changes in _FEATURE_PROBES.items():
+        if all(getattr(engine_args, k) == v for k, v in changes.items()):
+            continue  # already on: the feature's case runs
+        try:
+            dataclasses.replace(engine_args, **changes).create_engine_config()
+        except ValueError as exc:
+            refused[feature] = error_message(exc)
+    return refused
+
+
+def _refused(result: CaseResult, refusals: dict[str, str]) -> CaseResult:
+    """A not-configured feature this backend would refuse, listed as refused, why."""
+    why = refusals.get(result.name)
+    if why is None or result.status != "not-configured":
+        return result
+    return result.model_copy(
+        update={
+            "status": "refused",
+            "detail": f"{result.detail}; but this backend refuses it: {why}",
+        }
+    )
 
 
 def _limits(settings: NeuronSettings, vllm_config: Any) -> Limits:

@@ -63,7 +63,7 @@ class Limits:
 
     def describe_tolerance(self) -> str:
         kind = "quantized weights" if self.quantized else self.dtype
-        return f"the {kind} tolerance of {self.tolerance} nats"
+        return f"{kind} tolerance of {self.tolerance} nats"
 
 
 @dataclass(frozen=True)
