@@ -131,7 +131,8 @@ def prepare_folder(folder: str | Path) -> Path:
             f"{setting} belongs to uid {info.st_uid} with mode {oct(info.st_mode & 0o777)}; "
             f"this server runs as uid {os.geteuid()}, and a payload folder another user "
             f"owns or may write lets that user read prompts and fill the folder: use a "
-            f"folder of this user's that others cannot write (it is created with mode 0700)"
+            f"folder of this user's that others cannot write, e.g. {str(path / 'payloads')!r} "
+            f"(created with mode 0700)"
         )
     return path
 
