@@ -23,6 +23,7 @@ never live in a store:
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -127,28 +128,51 @@ def _load_public(path: Path) -> Ed25519PublicKey:
     return key
 
 
+def write_secret_once(path: Path, data: bytes) -> None:
+    """Create the secret file `path` (mode 0600) holding `data` unless it exists. Two
+    processes creating it at once agree on one: each writes a temporary file and
+    hard-links it into place, and the later link finds the earlier file."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        with contextlib.suppress(FileExistsError):  # another process linked first
+            os.link(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 def _own_key(path: Path) -> Ed25519PrivateKey:
-    """The user's own key, created on first use. Two processes creating it at once
-    agree on one: each writes a temporary file and hard-links it into place."""
-    if not path.exists():
-        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        try:
-            generate_key(temp)
-            try:
-                os.link(temp, path)
-                os.replace(f"{temp}.pub", f"{path}.pub")
-            except FileExistsError:
-                pass
-        except OSError as err:
-            raise TrustConfigError(
-                f"cannot create this user's compile-cache signing key {path} ({err}); "
-                f"set {SIGNING_KEY_ENV} to a key file (`neuron-cache keygen PATH`) or make "
-                f"{path.parent} writable (it follows XDG_CONFIG_HOME)"
-            ) from err
-        finally:
-            for leftover in (temp, Path(f"{temp}.pub")):
-                leftover.unlink(missing_ok=True)
-    return _load_private(path, "this user's compile-cache signing key")
+    """The user's own key, created on first use (`write_secret_once`), its public half
+    beside it."""
+    try:
+        write_secret_once(
+            path,
+            Ed25519PrivateKey.generate().private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+        )
+        key = _load_private(path, "this user's compile-cache signing key")
+        public = Path(f"{path}.pub")
+        if not public.exists():
+            public.write_bytes(
+                key.public_key().public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+                )
+            )
+    except OSError as err:
+        raise TrustConfigError(
+            f"cannot create this user's compile-cache signing key {path} ({err}); "
+            f"set {SIGNING_KEY_ENV} to a key file (`neuron-cache keygen PATH`) or make "
+            f"{path.parent} writable (it follows XDG_CONFIG_HOME)"
+        ) from err
+    return key
 
 
 class Trust:

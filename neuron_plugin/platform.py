@@ -25,6 +25,7 @@ from neuron_plugin.core.vllm_builds import TESTED, installed_vllm
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
+    resolved_kv_transfer_config,
     resolved_settings,
 )
 
@@ -235,6 +236,10 @@ class NeuronPlatform(Platform):
             )
         settings = resolve_from_vllm_config(vllm_config)
         apply(settings, vllm_config)
+        if settings.max_loras:
+            from neuron_plugin.serving.lora_api import install
+
+            install()  # in vLLM's API server: a refused adapter is HTTP 400, not 500
         logger.info(
             "neuron platform: backend=%s%s, KV layout %s (%s), block_size=%d, blocks=%d, "
             "context-encoding buckets %s%s, token-generation buckets %s x batches %s, "
@@ -293,6 +298,11 @@ class NeuronPlatform(Platform):
         token_ids = (
             processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
         )
+        kv_config = resolved_kv_transfer_config()
+        if kv_config is not None:
+            from neuron_plugin.kv_transfer.admission import check_request
+
+            check_request(kv_config, params, None if token_ids is None else len(token_ids))
         if token_ids is None or settings.is_chunked_prefill:
             return
         largest = max(settings.context_encoding_buckets)

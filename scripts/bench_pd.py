@@ -186,7 +186,7 @@ def kv_bytes(args: argparse.Namespace, prompt_len: int) -> int:
     blocks = math.ceil(prompt_len / args.block_size)
     kv = torch.zeros(geometry.shape(blocks), dtype=geometry.torch_dtype)
     with tempfile.TemporaryDirectory() as folder:
-        return write_payload(folder, "0" * 32, kv, [0] * prompt_len, "0" * 64, geometry)
+        return write_payload(folder, "0" * 32, kv, [0] * prompt_len, "0" * 64, geometry, b"0" * 32)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,7 +232,12 @@ def test_pd_prefill_and_decode_share_the_payload_folder_and_the_configuration():
         assert server["command"][:2] == ["vllm", "serve"]
         assert _option(server["command"], "--config") == ["/etc/vllm-neuron/serve.yaml"]
         mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
-        assert volumes[mounts[path]]["emptyDir"]["medium"] == "Memory"
+        # the payload folder: a subfolder (created 0700) of a memory-backed volume
+        (volume,) = [mounts[m] for m in mounts if path.startswith(m + "/")]
+        assert volumes[volume]["emptyDir"]["medium"] == "Memory"
+        # one payload key for both (else the decode server refuses every payload)
+        assert _env(server)["VLLM_NEURON_KV_KEY"]["valueFrom"]["secretKeyRef"]["name"] == \
+            "vllm-neuron-pd-kv-key"
         assert volumes[mounts["/etc/vllm-neuron/serve.yaml"]]["configMap"]["name"] == \
             "vllm-neuron-pd-config"
         # each server its own NeuronCores: tensor-parallel-size of them

@@ -108,11 +108,23 @@ def build_adapter(
     max_lora_rank: int,
 ) -> AdapterWeights:
     """The slot layout of an adapter's modules, refusing what the compiled slots cannot
-    hold: a module not compiled in, a rank above max_lora_rank, a layer the model does
-    not have, or shapes of another base model."""
+    hold: a module not compiled in, a layer the model does not have, shapes of another
+    base model (checked before the rank, which only well-shaped weights have), or a rank
+    above max_lora_rank."""
     given = list(layers)
     if not given:
         raise _refuse(name, path, "it holds no LoRA weights", "check adapter_model.safetensors")
+    outside = sorted({w.module for w in given} - set(geometry.shapes))
+    if outside:
+        raise _refuse(
+            name,
+            path,
+            f"it trains {', '.join(outside)}, which {'has' if len(outside) == 1 else 'have'} "
+            f"no compiled LoRA slots (target modules {', '.join(geometry.shapes)})",
+            f"restart with --lora-target-modules including {' '.join(outside)}",
+        )
+    for w in given:
+        _check_module(name, path, w, geometry)
     rank = max(w.lora_a.shape[0] for w in given)
     if rank > max_lora_rank:
         raise _refuse(
@@ -124,38 +136,40 @@ def build_adapter(
     a: dict[str, np.ndarray] = {}
     b: dict[str, np.ndarray] = {}
     for w in given:
-        if w.module not in geometry.shapes:
-            raise _refuse(
-                name,
-                path,
-                f"it trains {w.module}, which has no compiled LoRA slots (target modules "
-                f"{', '.join(geometry.shapes)})",
-                f"restart with --lora-target-modules including {w.module}",
-            )
-        if not 0 <= w.layer < geometry.num_layers:
-            raise _refuse(
-                name,
-                path,
-                f"it trains layer {w.layer}, the model has {geometry.num_layers} layers",
-                "use an adapter trained for this base model",
-            )
         in_features, out_features = geometry.shapes[w.module]
         r = w.lora_a.shape[0]
-        if w.lora_a.shape != (r, in_features) or w.lora_b.shape != (out_features, r):
-            raise _refuse(
-                name,
-                path,
-                f"layer {w.layer} {w.module} has lora_A {list(w.lora_a.shape)} and lora_B "
-                f"{list(w.lora_b.shape)}, the model's {w.module} needs [{r}, {in_features}] "
-                f"and [{out_features}, {r}]",
-                "use an adapter trained for this base model",
-            )
         if w.module not in a:
             a[w.module] = np.zeros((geometry.num_layers, rank, in_features), dtype=np.float32)
             b[w.module] = np.zeros((geometry.num_layers, out_features, rank), dtype=np.float32)
         a[w.module][w.layer, :r] = w.lora_a
         b[w.module][w.layer, :, :r] = w.lora_b * np.float32(w.scaling)
     return AdapterWeights(name, adapter_id, path, rank, a, b)
+
+
+def _check_module(name: str, path: str, w: LayerWeights, geometry: LoraGeometry) -> None:
+    if not 0 <= w.layer < geometry.num_layers:
+        raise _refuse(
+            name,
+            path,
+            f"it trains layer {w.layer}, the model has {geometry.num_layers} layers",
+            "use an adapter trained for this base model",
+        )
+    in_features, out_features = geometry.shapes[w.module]
+    r = w.lora_b.shape[1] if w.lora_b.ndim == 2 else -1
+    if w.lora_a.shape == (r, in_features) and w.lora_b.shape == (out_features, r):
+        return
+    transposed = w.lora_a.shape == (in_features, r) and w.lora_b.shape == (out_features, r)
+    raise _refuse(
+        name,
+        path,
+        f"layer {w.layer} {w.module} has lora_A {list(w.lora_a.shape)} and lora_B "
+        f"{list(w.lora_b.shape)}; the model's {w.module} needs lora_A [r, {in_features}] "
+        f"and lora_B [{out_features}, r] with one r"
+        + (f" (this lora_A is transposed: [{in_features}, {r}])" if transposed else ""),
+        "save lora_A as [r, in_features]"
+        if transposed
+        else "use an adapter trained for this base model",
+    )
 
 
 class AdapterSlots:

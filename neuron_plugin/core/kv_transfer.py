@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from neuron_plugin.core.neuron_settings import BLOCK
+from neuron_plugin.core.neuron_settings import BLOCK, KVTransferLimits
 
 CONNECTOR = "NeuronKVConnector"
 MODULE_PATH = "neuron_plugin.kv_transfer.connector"
 DEFAULT_PATH = "/dev/shm/neuron-kv"
 DEFAULT_TTL_S = 600.0
+# The key that authenticates payloads between the servers of one deployment
+# (kv_transfer.auth): the key itself, or a file holding it; neither: this user's own key.
+KEY_ENV = "VLLM_NEURON_KV_KEY"
+KEY_FILE_ENV = "VLLM_NEURON_KV_KEY_FILE"
+OPTIONS = ("path", "ttl_s", "max_bytes")
 EXAMPLE = (
     f'{{"kv_connector": "{CONNECTOR}", "kv_connector_module_path": "{MODULE_PATH}", '
     f'"kv_role": "kv_both", "kv_load_failure_policy": "recompute", '
@@ -46,16 +51,6 @@ def connector_config(path: str, role: str = "kv_both", policy: str = "recompute"
 
 
 @dataclass(frozen=True)
-class KVTransferLimits:
-    """vLLM's --kv-transfer-config as the user gave it (the fields this platform reads)."""
-
-    connector: str | None
-    module_path: str | None
-    role: str | None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class TransferOptions:
     """NeuronKVConnector's `kv_connector_extra_config`."""
 
@@ -65,16 +60,21 @@ class TransferOptions:
     # Payloads no decode server took (the client went away, the router failed) are
     # deleted after this many seconds.
     ttl_s: float = DEFAULT_TTL_S
+    # The most bytes of payloads the folder may hold: a prefill server does not write a
+    # payload past it (its decode server computes that prompt itself). None: half the
+    # size of the file system the folder is on.
+    max_bytes: int | None = None
 
 
 def transfer_options(extra: Mapping[str, Any] | None) -> TransferOptions:
     """The connector's options from `kv_connector_extra_config`, each checked."""
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - {"path", "ttl_s"})
+    unknown = sorted(set(extra) - set(OPTIONS))
     if unknown:
         raise ValueError(
             f"--kv-transfer-config kv_connector_extra_config has unknown keys {unknown}: "
-            f"{CONNECTOR} reads path (the payload folder) and ttl_s; remove the others."
+            f"{CONNECTOR} reads path (the payload folder), ttl_s and max_bytes; remove "
+            f"the others."
         )
     path = extra.get("path", DEFAULT_PATH)
     if not isinstance(path, str) or not path.startswith("/"):
@@ -89,7 +89,15 @@ def transfer_options(extra: Mapping[str, Any] | None) -> TransferOptions:
             f"--kv-transfer-config kv_connector_extra_config.ttl_s={ttl!r} must be a "
             f"positive number of seconds (default {DEFAULT_TTL_S:g})."
         )
-    return TransferOptions(path=path, ttl_s=float(ttl))
+    max_bytes = extra.get("max_bytes")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0
+    ):
+        raise ValueError(
+            f"--kv-transfer-config kv_connector_extra_config.max_bytes={max_bytes!r} must be "
+            f"a positive number of bytes (default: half the payload folder's file system)."
+        )
+    return TransferOptions(path=path, ttl_s=float(ttl), max_bytes=max_bytes)
 
 
 def kv_transfer_problems(

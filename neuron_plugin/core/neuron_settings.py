@@ -12,13 +12,10 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
-
-if TYPE_CHECKING:
-    from neuron_plugin.core.kv_transfer import KVTransferLimits
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -45,6 +42,17 @@ class EngineUpdate:
     name: str
     value: Any
     reason: str
+
+
+@dataclass(frozen=True)
+class KVTransferLimits:
+    """vLLM's --kv-transfer-config as the user gave it (the fields this platform reads;
+    core.kv_transfer checks them)."""
+
+    connector: str | None
+    module_path: str | None
+    role: str | None
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,18 @@ its blocks and parks it in WAITING_FOR_REMOTE_KVS. At the next step the worker r
 payload, checks it (model, dtype, block size, geometry, prompt), writes the blocks past
 the local prefix-cache hit into the backend (`write_kv_blocks`), deletes the file and
 reports the request in `finished_recving`; vLLM then schedules it with its last prompt
-token to compute, and it decodes. A payload that is missing, corrupt or not this
-server's goes to `failed_recving` with its reason logged, and vLLM applies
-`kv_load_failure_policy`: `recompute` (the decode server computes the prompt itself) or
-`fail` (the request ends with an error).
+token to compute, and it decodes. A payload that is missing, corrupt, unsigned or
+forged (`auth`), holding NaN/Inf, or not this server's goes to `failed_recving` with its
+reason logged, and vLLM applies `kv_load_failure_policy`: `recompute` (the decode server
+computes the prompt itself) or `fail` (the request ends with an error). Nothing a load
+meets ends the engine: every error of a load fails that request only.
+
+Payload lifetime: a request's payload is deleted once loaded, and whenever the request
+ends without loading it (aborted, params refused or unusable: the key a request names is
+kept for this even when the rest is wrong); a sweep at start-up, every ttl_s / 4 on a
+timer thread and at shutdown deletes those older than `ttl_s` (what vLLM's API server
+refused before the engine saw it); a prefill server writes no payload that would take
+the folder past `max_bytes`.
 
 vLLM calls the worker side from the model runner (`serving.kv_steps`) on every engine
 step, steps without scheduled tokens included (a waiting load is done in such a step).
@@ -36,7 +44,7 @@ cache, so transfers happen between backend calls.
 from __future__ import annotations
 
 import math
-import time
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,16 +63,16 @@ from neuron_plugin import plugin_logger
 from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.backends.runner.client import RunnerError
 from neuron_plugin.core.kv_transfer import TransferOptions, transfer_options
-from neuron_plugin.core.quantization import Quantization
-from neuron_plugin.kv_transfer import payload
+from neuron_plugin.core.neuron_settings import NeuronSettings
+from neuron_plugin.kv_transfer import auth, payload
 from neuron_plugin.kv_transfer.params import (
     decode_params,
+    named_key,
     new_key,
     remote_prefill,
     wants_remote_decode,
     wants_remote_prefill,
 )
-from neuron_plugin.serving.vllm_settings import override_neuron_config
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -100,7 +108,8 @@ class SaveJob:
 @dataclass(frozen=True)
 class LoadJob:
     """Load payload `key` into this decode request's blocks from `first_block` on (the
-    ones before hold a local prefix-cache hit); `error` when its params are unusable."""
+    ones before hold a local prefix-cache hit); `error` when its params are unusable
+    (`key` is then the payload to delete, if they name one)."""
 
     req_id: str
     key: str | None
@@ -207,10 +216,11 @@ class SchedulerSide:
     def finished(self, request: Request) -> dict[str, Any] | None:
         """The prefill request's params for the decode server (None for any other).
         A payload nobody will load is deleted here rather than left to `ttl_s`: an
-        aborted prefill's, and that of a decode request that ended before its load."""
+        aborted prefill's, and the one a request names that ended before its load (or
+        never had one planned: params refused or not asking for it)."""
         rid = request.request_id
-        if wants_remote_prefill(request.kv_transfer_params) and rid not in self._tried:
-            self._discard(self._key(request)[0])
+        if rid not in self._tried:
+            self._discard(named_key(request.kv_transfer_params))
         self._tried.discard(rid)
         self._local_hit.pop(rid, None)
         self._blocks.pop(rid, None)
@@ -227,22 +237,18 @@ class SchedulerSide:
 
     @staticmethod
     def _key(request: Request) -> tuple[str | None, str | None]:
-        """(the payload key a decode request names, or None with why it names none)."""
+        """(the payload key a decode request names, None when its params are usable);
+        with unusable params the key is still the one they name, for deletion."""
+        params = request.kv_transfer_params or {}
         try:
-            params = request.kv_transfer_params or {}
-            prompt_len = len(request.prompt_token_ids or ())
-            return payload.check_key(remote_prefill(params, prompt_len).key), None
+            return remote_prefill(params, len(request.prompt_token_ids or ())).key, None
         except ValueError as exc:
-            return None, str(exc)
+            return named_key(params), str(exc)
 
     def _discard(self, key: str | None) -> None:
-        """Delete a payload no load will take (best effort: `ttl_s` sweeps the rest)."""
-        if key is None:
-            return
-        try:
+        """Delete a payload no load will take (a failure is logged: the sweep gets it)."""
+        if key is not None:
             payload.remove_payload(self.folder, key)
-        except OSError as exc:
-            logger.warning("KV transfer: deleting payload %s failed: %s", key, exc)
 
 
 class WorkerSide:
@@ -254,26 +260,34 @@ class WorkerSide:
         self.options = options
         self.recompute = config.kv_load_failure_policy == "recompute"
         self.folder = payload.prepare_folder(options.path)
-        quantization = Quantization.from_override(override_neuron_config(vllm_config))
-        self.model = payload.model_identity(vllm_config.model_config.model, quantization)
-        self.max_blocks = math.ceil(
-            vllm_config.model_config.max_model_len / vllm_config.cache_config.block_size
-        )
+        self.max_bytes = options.max_bytes or payload.default_max_bytes(self.folder)
+        self.secret = auth.load_key()
+        self.model_dir = vllm_config.model_config.model
+        self.model: str | None = None
+        self.max_blocks = 0
         self.io: KVBlockIO | None = None
         self.geometry: KVGeometry | None = None
         self._recving: set[str] = set()
         self._failed: set[str] = set()
-        self._swept = 0.0
         # Totals since start (bytes of payload files), for logs and benchmarks.
         self.saved_bytes = 0
         self.loaded_bytes = 0
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(
+            target=self._sweep_every, name="neuron-kv-sweep", daemon=True
+        )
+        self._sweeper.start()
 
-    def bind(self, io: KVBlockIO) -> None:
+    def bind(self, io: KVBlockIO, settings: NeuronSettings) -> None:
+        """The backend that owns the KV cache, and the settings it was resolved with
+        (the model's identity covers their weight quantization)."""
         self.io = io
         self.geometry = io.kv_geometry()
+        self.model = payload.model_identity(self.model_dir, settings.quantization)
+        self.max_blocks = settings.max_blocks_per_seq
         logger.info(
             "KV transfer: payloads in %s (%s per block: %d layers x K/V x %d tokens x %d "
-            "KV heads x %d, %s); loads failing: %s",
+            "KV heads x %d, %s; at most %s bytes in all); loads failing: %s",
             self.folder,
             f"{self.geometry.block_bytes:,} bytes",
             self.geometry.layers,
@@ -281,25 +295,27 @@ class WorkerSide:
             self.geometry.kv_heads,
             self.geometry.head_dim,
             self.geometry.dtype,
+            f"{self.max_bytes:,}",
             "recompute" if self.recompute else "fail the request",
         )
 
-    def _bound(self) -> tuple[KVBlockIO, KVGeometry]:
-        if self.io is None or self.geometry is None:
+    def _bound(self) -> tuple[KVBlockIO, KVGeometry, str]:
+        if self.io is None or self.geometry is None or self.model is None:
             raise RuntimeError("NeuronKVConnector used before the worker bound its backend")
-        return self.io, self.geometry
+        return self.io, self.geometry, self.model
 
     def load(self, jobs: list[LoadJob]) -> None:
         for job in jobs:
             self._recving.add(job.req_id)
             try:
                 self._load(job)
-            except (ValueError, OSError, RunnerError) as exc:
+            except Exception as exc:  # a load fails its request, never the engine
                 self._failed.add(job.req_id)
-                logger.error(
+                expected = isinstance(exc, (ValueError, OSError, RunnerError))
+                (logger.error if expected else logger.exception)(
                     "KV transfer for request %s failed: %s. %s",
                     job.req_id,
-                    exc,
+                    exc if expected else f"{type(exc).__name__}: {exc}",
                     "The decode server computes the prompt itself (kv_load_failure_policy "
                     "recompute)."
                     if self.recompute
@@ -313,9 +329,9 @@ class WorkerSide:
     def _load(self, job: LoadJob) -> None:
         if job.error is not None or job.key is None:
             raise ValueError(job.error or "no payload key")
-        io, geometry = self._bound()
+        io, geometry, model = self._bound()
         kv = payload.read_payload(
-            self.folder, job.key, self.model, geometry, job.token_ids, self.max_blocks
+            self.folder, job.key, model, geometry, job.token_ids, self.max_blocks, self.secret
         )
         blocks = kv.shape[2]
         if len(job.block_ids) < blocks:
@@ -331,26 +347,29 @@ class WorkerSide:
     def save(self, jobs: list[SaveJob]) -> None:
         for job in jobs:
             try:
-                io, geometry = self._bound()
+                io, geometry, model = self._bound()
                 kv = io.read_kv_blocks(np.array(job.block_ids, dtype=np.int64))
                 size = payload.write_payload(
-                    self.folder, job.key, kv, job.token_ids, self.model, geometry
+                    self.folder,
+                    job.key,
+                    kv,
+                    job.token_ids,
+                    model,
+                    geometry,
+                    self.secret,
+                    self.max_bytes,
                 )
                 self.saved_bytes += size
                 logger.debug("KV transfer: saved request %s (%d bytes)", job.req_id, size)
             except (ValueError, OSError, RunnerError) as exc:
                 # The decode server finds no payload and applies its failure policy.
                 logger.error("KV transfer: saving request %s failed: %s", job.req_id, exc)
-        self._sweep()
 
-    def _sweep(self) -> None:
-        now = time.time()
-        if now - self._swept < self.options.ttl_s / 4:
-            return
-        self._swept = now
+    def sweep(self) -> None:
+        """Delete payloads older than ttl_s (a failure is logged: serving goes on)."""
         try:
-            removed = payload.sweep(self.folder, self.options.ttl_s, now)
-        except OSError as exc:  # the folder removed or unreadable: serving goes on
+            removed = payload.sweep(self.folder, self.options.ttl_s)
+        except OSError as exc:  # the folder removed or unreadable
             logger.warning("KV transfer: sweeping %s failed: %s", self.folder, exc)
             return
         if removed:
@@ -359,6 +378,20 @@ class WorkerSide:
                 removed,
                 self.options.ttl_s,
             )
+
+    def _sweep_every(self) -> None:
+        """At start, then every ttl_s / 4 (at least each second) until `close`."""
+        interval = max(self.options.ttl_s / 4, 1.0)
+        while True:
+            self.sweep()
+            if self._stop.wait(interval):
+                return
+
+    def close(self) -> None:
+        """Stop the sweeper, sweeping once more."""
+        self._stop.set()
+        self._sweeper.join(timeout=5)
+        self.sweep()
 
     def results(self) -> KVConnectorTransferResults:
         recving, self._recving = self._recving, set()
@@ -390,9 +423,14 @@ class NeuronKVConnector(KVConnectorBase_V1):
         return self._worker
 
     # -- worker side ---------------------------------------------------------------------
-    def bind_backend(self, io: KVBlockIO) -> None:
-        """The plugin's worker hands over its backend (the KV cache's owner)."""
-        self._worker_side().bind(io)
+    def bind_backend(self, io: KVBlockIO, settings: NeuronSettings) -> None:
+        """The plugin's worker hands over its backend (the KV cache's owner) and the
+        settings it resolved."""
+        self._worker_side().bind(io, settings)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -4,17 +4,22 @@ and a decode server reads once, then deletes. No vLLM import.
     <folder>/<key>.safetensors
       kv         [layers, 2, blocks, block_size, kv_heads, head_dim]  the KV dtype
       token_ids  [num_tokens] int64                                     the prompt
-      metadata   format, model, dtype, block_size, num_tokens, layout   (strings)
+      metadata   format, model, dtype, block_size, num_tokens, layout,  (strings)
+               hmac (kv_transfer.auth)
 
 Safe by construction: safetensors is a JSON header and raw bytes, so reading a payload
 runs no code (nothing is unpickled). The key is 32 lowercase hex digits the prefill
 server drew at random, so a path is never built from anything else. The file is written
 under a temporary name, opened exclusively, and renamed into place, so a reader sees a
-whole payload or none. A reader refuses a symlink or anything but a regular file, a file
-larger than a request's worth of blocks, any tensor or metadata key it does not know, and
-a payload whose model, dtype, block size, geometry or prompt is not its own, each with
-the difference and the fix. Leftovers (a decode server never came) are swept after
-`ttl_s`.
+whole payload or none. A reader opens it without following a link and without blocking
+(a FIFO or a device at its path never stalls the engine) and refuses anything but a
+regular file, a file larger than a request's worth of blocks, any tensor or metadata key
+it does not know, a payload whose model, dtype, block size, geometry or prompt is not
+its own, one whose tag the deployment's key did not make (`auth`), and KV holding NaN or
+Inf (which would reach other requests through the prefix cache), each with the
+difference and the fix. Deleting a payload never raises: what cannot be deleted is
+logged and left to the sweep. Leftovers (a decode server never came) are swept after
+`ttl_s`; the folder holds at most `max_bytes` of payloads.
 """
 
 from __future__ import annotations
@@ -30,21 +35,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from compile_cache.manifest import VOLATILE_MODEL_KEYS
 from compile_cache.weights import weights_fingerprint
+from neuron_plugin import plugin_logger
 from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.core.checkpoint import read_hf_config
+from neuron_plugin.core.kv_transfer import KEY_ENV, KEY_FILE_ENV
 from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.kv_transfer import auth
+from neuron_plugin.kv_transfer.params import KEY
 
-FORMAT = "neuron-kv/1"
+logger = plugin_logger(__name__)
+
+FORMAT = "neuron-kv/2"
 LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
-METADATA_KEYS = frozenset({"format", "model", "dtype", "block_size", "num_tokens", "layout"})
+METADATA_KEYS = frozenset(
+    {"format", "model", "dtype", "block_size", "num_tokens", "layout", auth.TAG_KEY}
+)
 TENSOR_KEYS = frozenset({"kv", "token_ids"})
-KEY = re.compile(r"[0-9a-f]{32}")
 SUFFIX = ".safetensors"
 _LEFTOVER = re.compile(r"(?:[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.\d+\.partial)")
 HEADER_LIMIT = 64 << 10
@@ -101,16 +114,49 @@ def payload_path(folder: str | Path, key: str) -> Path:
 
 
 def prepare_folder(folder: str | Path) -> Path:
-    """The payload folder, created (owner only) if missing; a directory, not a link."""
+    """The payload folder, created (owner only) if missing: a directory, not a link,
+    this user's and writable by no other (payloads hold prompts; another user could
+    read them or fill the folder)."""
     path = Path(folder)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = os.lstat(path).st_mode
-    if not stat.S_ISDIR(mode):
+    info = os.lstat(path)
+    setting = f"kv_connector_extra_config.path={str(folder)!r}"
+    if not stat.S_ISDIR(info.st_mode):
         raise PayloadError(
-            f"kv_connector_extra_config.path={str(folder)!r} is not a directory (a "
-            f"symlink or a file); point it at a folder both servers share"
+            f"{setting} is not a directory (a symlink or a file); point it at a folder "
+            f"both servers share"
+        )
+    if info.st_uid != os.geteuid() or info.st_mode & 0o002:
+        raise PayloadError(
+            f"{setting} belongs to uid {info.st_uid} with mode {oct(info.st_mode & 0o777)}; "
+            f"this server runs as uid {os.geteuid()}, and a payload folder another user "
+            f"owns or may write lets that user read prompts and fill the folder: use a "
+            f"folder of this user's that others cannot write, e.g. {str(path / 'payloads')!r} "
+            f"(created with mode 0700)"
         )
     return path
+
+
+def default_max_bytes(folder: str | Path) -> int:
+    """The cap on the folder's payloads when none is set: half its file system."""
+    fs = os.statvfs(folder)
+    return fs.f_blocks * fs.f_frsize // 2
+
+
+def folder_bytes(folder: str | Path) -> int:
+    """Bytes of the payloads (and partial writes) in the folder now."""
+    used = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not _LEFTOVER.fullmatch(entry.name):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # taken or swept meanwhile
+                continue
+            if stat.S_ISREG(info.st_mode):
+                used += info.st_size
+    return used
 
 
 def write_payload(
@@ -120,20 +166,36 @@ def write_payload(
     token_ids: Sequence[int],
     model: str,
     geometry: KVGeometry,
+    secret: bytes,
+    max_bytes: int | None = None,
 ) -> int:
-    """Write one request's blocks atomically; the file's size in bytes."""
+    """Write one request's blocks atomically, tagged with `secret` (auth); the file's
+    size in bytes. Refused when the folder would then hold more than `max_bytes`."""
     final = payload_path(folder, key)
-    data = save_safetensors(
-        {"kv": kv.contiguous(), "token_ids": torch.tensor(list(token_ids), dtype=torch.int64)},
-        metadata={
-            "format": FORMAT,
-            "model": model,
-            "dtype": geometry.dtype,
-            "block_size": str(geometry.block_size),
-            "num_tokens": str(len(token_ids)),
-            "layout": LAYOUT,
-        },
-    )
+    tensors = {
+        "kv": kv.contiguous(),
+        "token_ids": torch.tensor(list(token_ids), dtype=torch.int64),
+    }
+    metadata = {
+        "format": FORMAT,
+        "model": model,
+        "dtype": geometry.dtype,
+        "block_size": str(geometry.block_size),
+        "num_tokens": str(len(token_ids)),
+        "layout": LAYOUT,
+    }
+    metadata[auth.TAG_KEY] = auth.tag(secret, key, metadata, [tensors["token_ids"], tensors["kv"]])
+    data = save_safetensors(tensors, metadata=metadata)
+    if max_bytes is not None:
+        used = folder_bytes(folder)
+        if used + len(data) > max_bytes:
+            raise PayloadError(
+                f"KV payload {key} not written: the folder {folder} holds {used:,} bytes of "
+                f"payloads and {len(data):,} more would pass kv_connector_extra_config."
+                f"max_bytes={max_bytes:,}; the decode server computes this prompt itself. "
+                f"Raise max_bytes, or lower ttl_s if payloads wait there for decode "
+                f"servers that never come"
+            )
     partial = final.with_name(f".{key}.{os.getpid()}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -155,21 +217,34 @@ def _refused(key: str, what: str, theirs: Any, ours: Any, fix: str = SAME_SERVER
     )
 
 
-def _read_whole(path: Path, key: str, limit: int) -> bytes:
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the payload at `path` and its stat: opened without
+    following a link and without blocking (a FIFO opens at once, a device never waits
+    for data), then refused unless the descriptor is a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise PayloadError(
             f"no KV payload {path}: the prefill server did not write it (it failed or "
             f"stopped before answering), it expired (ttl_s), or another decode server "
             f"took it; both servers need the same kv_connector_extra_config.path"
         ) from None
-    except OSError as exc:  # ELOOP: a symlink
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a socket
         raise PayloadError(f"KV payload {path} cannot be opened safely: {exc}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO, device or socket"
+        raise PayloadError(
+            f"KV payload {path} is {kind}, not a regular file: only a prefill server's "
+            f"payload file is read"
+        )
+    return fd, info
+
+
+def _read_whole(path: Path, key: str, limit: int) -> bytes:
+    fd, info = _open_regular(path)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise PayloadError(f"KV payload {path} is not a regular file")
         if info.st_size > limit:
             raise PayloadError(
                 f"KV payload {key} refused: {info.st_size} bytes, more than a request's "
@@ -188,10 +263,11 @@ def _read_whole(path: Path, key: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def _header(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tensor entries, metadata) of a safetensors file, checked for shape only."""
+def _header(data: bytes, key: str, size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensor entries, metadata) of a safetensors file of `size` bytes whose first bytes
+    are `data`, checked for shape only."""
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
-    if length <= 0 or length > min(HEADER_LIMIT, len(data) - 8):
+    if length <= 0 or length > min(HEADER_LIMIT, size - 8, len(data) - 8):
         raise PayloadError(f"KV payload {key} is not a safetensors file (truncated or corrupt)")
     try:
         header = json.loads(data[8 : 8 + length])
@@ -219,21 +295,7 @@ def _header(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return header, metadata
 
 
-def read_payload(
-    folder: str | Path,
-    key: str,
-    model: str,
-    geometry: KVGeometry,
-    prompt: Sequence[int],
-    max_blocks: int,
-) -> torch.Tensor:
-    """The blocks of `prompt`'s KV, every check passed (module docstring)."""
-    path = payload_path(folder, key)
-    limit = (
-        geometry.block_bytes * max_blocks + 8 * (max_blocks * geometry.block_size) + HEADER_LIMIT
-    )
-    data = _read_whole(path, key, limit)
-    header, meta = _header(data, key)
+def _check_format(meta: Mapping[str, str], key: str, num_tokens: int) -> None:
     if meta["format"] != FORMAT or meta["layout"] != LAYOUT:
         raise _refused(
             key,
@@ -242,20 +304,52 @@ def read_payload(
             f"{FORMAT} ({LAYOUT})",
             "install the same vllm-neuron-plugin version on the prefill and decode servers",
         )
+    if meta["num_tokens"] != str(num_tokens):
+        raise _refused(
+            key,
+            "prompt length",
+            meta["num_tokens"],
+            num_tokens,
+            "the decode request must carry the prompt the prefill server encoded",
+        )
+
+
+def check_available(folder: str | Path, key: str, num_tokens: int) -> None:
+    """PayloadError unless payload `key` is there for a prompt of `num_tokens`: a
+    regular file whose header is this format's. Reads the header only (vLLM's API server
+    calls it per decode request); `read_payload` checks everything when it loads."""
+    path = payload_path(folder, key)
+    fd, info = _open_regular(path)
+    try:
+        data = os.read(fd, 8 + HEADER_LIMIT)
+    finally:
+        os.close(fd)
+    _check_format(_header(data, key, info.st_size)[1], key, num_tokens)
+
+
+def read_payload(
+    folder: str | Path,
+    key: str,
+    model: str,
+    geometry: KVGeometry,
+    prompt: Sequence[int],
+    max_blocks: int,
+    secret: bytes,
+) -> torch.Tensor:
+    """The blocks of `prompt`'s KV, every check passed (module docstring)."""
+    path = payload_path(folder, key)
+    limit = (
+        geometry.block_bytes * max_blocks + 8 * (max_blocks * geometry.block_size) + HEADER_LIMIT
+    )
+    data = _read_whole(path, key, limit)
+    header, meta = _header(data, key, len(data))
+    _check_format(meta, key, len(prompt))
     if meta["model"] != model:
         raise _refused(key, "model", meta["model"][:16], model[:16])
     if meta["dtype"] != geometry.dtype:
         raise _refused(key, "KV dtype", meta["dtype"], geometry.dtype)
     if meta["block_size"] != str(geometry.block_size):
         raise _refused(key, "block size", meta["block_size"], geometry.block_size)
-    if meta["num_tokens"] != str(len(prompt)):
-        raise _refused(
-            key,
-            "prompt length",
-            meta["num_tokens"],
-            len(prompt),
-            "the decode request must carry the prompt the prefill server encoded",
-        )
     blocks = math.ceil(len(prompt) / geometry.block_size)
     kv_entry, ids_entry = header["kv"], header["token_ids"]
     if not isinstance(kv_entry, dict) or kv_entry.get("dtype") != _ST_DTYPES[geometry.dtype]:
@@ -275,20 +369,75 @@ def read_payload(
         tensors = load_safetensors(data)
     except Exception as exc:  # safetensors' own checks: offsets, sizes
         raise PayloadError(f"KV payload {key} is corrupt: {exc}") from None
-    if tensors["token_ids"].tolist() != list(prompt):
+    kv, token_ids = tensors["kv"], tensors["token_ids"]
+    if not auth.verify(secret, key, meta, [token_ids, kv]):
+        raise PayloadError(
+            f"KV payload {key} refused: its {auth.TAG_KEY} tag is not the one this "
+            f"deployment's key makes (written without the key, by a server with another "
+            f"key, or changed after it was written); give the prefill and decode servers "
+            f"the same {KEY_FILE_ENV} or {KEY_ENV}"
+        )
+    if token_ids.tolist() != list(prompt):
         raise PayloadError(
             f"KV payload {key} refused: it holds the KV of another prompt of the same "
             f"length; the decode request must carry the prompt the prefill server encoded"
         )
-    return tensors["kv"]
+    _check_finite(kv, key)
+    return kv
 
 
-def remove_payload(folder: str | Path, key: str) -> None:
-    payload_path(folder, key).unlink(missing_ok=True)
+# NaN and Inf are the floats whose exponent bits are all ones: (integer view, mask).
+_EXPONENT = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def all_finite(kv: torch.Tensor) -> bool:
+    """Whether `kv` [layers, ...] holds no NaN or Inf: its exponent bits, a layer at a
+    time through one buffer (integer work, no float compare; scripts/bench_kv_checks.py
+    measures it)."""
+    view, mask = _EXPONENT[kv.dtype]
+    ints = kv.contiguous().view(view).numpy()
+    buffer = np.empty_like(ints[0])
+    for layer in ints:
+        np.bitwise_and(layer, mask, out=buffer)
+        if buffer.max() == mask:
+            return False
+    return True
+
+
+def _check_finite(kv: torch.Tensor, key: str) -> None:
+    """Refuse KV holding NaN or Inf: loaded blocks enter the prefix cache, and attention
+    multiplies even masked values (by zero weights, which NaN survives)."""
+    if all_finite(kv):
+        return
+    bad = ~torch.isfinite(kv)
+    layer, half, block = (int(i) for i in bad.nonzero()[0][:3])
+    raise PayloadError(
+        f"KV payload {key} refused: it holds NaN or Inf ({int(bad.sum())} values; "
+        f"the first in layer {layer}'s {'KV'[half]} cache, block {block}); the prefill "
+        f"server's KV is corrupt, so the decode server computes the prompt itself"
+    )
+
+
+def remove_payload(folder: str | Path, key: str) -> bool:
+    """Delete payload `key` if it is there; False (logged, left to the sweep) when it
+    cannot be deleted, e.g. a directory at its path. Never raises: a leftover is not
+    worth a server."""
+    path = payload_path(folder, key)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("KV transfer: cannot delete payload %s (%s); remove it by hand", path, exc)
+        return False
+    return True
 
 
 def sweep(folder: str | Path, ttl_s: float, now: float | None = None) -> int:
-    """Delete payloads (and partial writes) older than `ttl_s`; how many."""
+    """Delete payloads (and partial writes) older than `ttl_s`; how many. An entry that
+    cannot be deleted is logged and skipped."""
     now = time.time() if now is None else now
     removed = 0
     with os.scandir(folder) as entries:
@@ -301,4 +450,6 @@ def sweep(folder: str | Path, ttl_s: float, now: float | None = None) -> int:
                     removed += 1
             except FileNotFoundError:  # another server swept it first
                 continue
+            except OSError as exc:
+                logger.warning("KV transfer: cannot delete expired payload %s: %s", entry.path, exc)
     return removed

@@ -1,177 +1,62 @@
-"""LoRA adapters on the worker: read with vLLM's own PEFT code, held on the host, written
-into the backend's compiled slots as steps need them.
-
-Reading (`read_adapter`) reuses vLLM's checks, which run on the CPU without a vLLM model:
-`PEFTHelper.from_local_dir` + `validate_legal` (rank above --max-lora-rank, DoRA, biases,
-unsupported PEFT variants) and `LoRAModel.from_local_checkpoint` (modules outside the
-compiled target modules), then `core.adapters.build_adapter` (shapes of another base
-model, layers it does not have) puts the weights in the slot layout. Only
-`adapter_model.safetensors` is read: a folder with pickled weights alone (`.bin`, `.pt`)
-is refused, since loading a pickle can run code. Every refusal names the adapter.
+"""LoRA adapters on the worker: read and checked once (`adapter_files`), held on the
+host, written into the backend's compiled slots as steps need them.
 
 Holding (`AdapterStore`): vLLM's worker API (`add_lora`, `remove_lora`, `pin_lora`,
 `list_loras`) acts on a host cache of up to --max-cpu-loras adapters, least recently used
-evicted first, never a pinned one (vLLM's rule). Evicting one a running request uses
-costs nothing but a later reread: its weights stay in their slot, and the request keeps
-its LoRARequest (path included). A request may also name an
+evicted first, never a pinned one (vLLM's rule). Every adapter read is kept as a private
+verified copy (`adapter_files.PrivateCopies`), so evicting one costs nothing but a later
+rebuild from that copy: its own folder is not read again. A request may also name an
 adapter the worker has never seen (offline `LLM.generate(lora_request=...)`): it is read
-when its first step comes, as vLLM's GPU runner does. `/v1/unload_lora_adapter` never
-reaches the worker (vLLM's API server only forgets the name), so adapters leave by
-eviction.
+and checked when its first step comes, as vLLM's GPU runner does. `/v1/unload_lora_adapter`
+never reaches the worker (vLLM's API server only forgets the name), so adapters leave
+the host by eviction, and their private copies when the worker stops.
+
+Reloading in place (`load_inplace`, the reference backend): the adapter's folder is read
+and checked again, and its slot is rewritten before the next step that uses it, so every
+request using the adapter, those in flight included, runs the new weights from then on
+(vLLM's own semantics; vLLM also keeps prefix-cache blocks computed with the old weights:
+load changed weights under a new name to keep requests in flight on theirs).
 
 Slots (`prepare_step`): before a step's backend calls the adapters its rows use get
 slots (`core.adapters.AdapterSlots`); those not already there are written into the
 backend. The model runner calls it only after the previous step's backend call has
 completed, so a slot is never rewritten under a call in flight, and a running request's
-adapter is never evicted from a slot in a step that uses it. Loading and unloading
-therefore never disturb requests in flight: a removed adapter a running request still
-uses stays in its slot, and is read again from its path if the request needs it later.
+adapter is never evicted from a slot in a step that uses it. An adapter that cannot be
+written (an offline first read that fails its checks, a backend that refuses the write,
+a private copy gone) fails only the step's requests that name it: its slot is left empty
+and consistent, and `prepare_step` returns the reason, which the model runner turns into
+those requests' error (`serving.request_errors`).
 """
 
 from __future__ import annotations
 
-import re
+import os
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from vllm.exceptions import LoRAAdapterNotFoundError
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import LoadedBackend
-from neuron_plugin.core.adapters import (
-    AdapterError,
-    AdapterSlots,
-    AdapterWeights,
-    LayerWeights,
-    build_adapter,
-)
-from neuron_plugin.core.checkpoint import pickle_files
-from neuron_plugin.core.lora import MODULE_PARENTS, LoraGeometry
-from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.adapters import AdapterError, AdapterSlots, AdapterWeights
+from neuron_plugin.core.lora import LoraGeometry
+from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.serving.adapter_files import AdapterChecks, AdapterFiles, PrivateCopies
 
 logger = plugin_logger(__name__)
 
-SAFETENSORS = "adapter_model.safetensors"
-# room for a safetensors header (tensor names, shapes, offsets) beside the weights
-HEADER_ALLOWANCE = 1 << 20
-_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
+@dataclass(frozen=True)
+class _Verified:
+    """Where an adapter's verified files are kept, and what they were."""
 
-def read_adapter(
-    request: Any,
-    settings: NeuronSettings,
-    geometry: LoraGeometry,
-    lora_config: Any,
-    max_position_embeddings: int | None,
-) -> AdapterWeights:
-    """The adapter a vLLM LoRARequest names, checked and in the slot layout."""
-    import torch
-    from safetensors import SafetensorError
-    from vllm.exceptions import LoRAAdapterNotFoundError
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    name, given = request.lora_name, request.lora_path
-    folder = Path(given).expanduser()
-    if not (folder / "adapter_config.json").is_file():
-        # vLLM's own not-found error: its API server answers it with HTTP 404.
-        raise LoRAAdapterNotFoundError(name, given)
-    pickles = pickle_files(folder)
-    if not (folder / SAFETENSORS).is_file():
-        held = f"holds {', '.join(pickles)}" if pickles else "holds no weights file"
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}): the folder {held}, and only "
-            f"{SAFETENSORS} is read (a pickled .bin/.pt can run code when loaded); "
-            f"convert it with safetensors.torch.save_file, or PEFT's save_pretrained "
-            f"(safe_serialization=True)."
-        )
-    if pickles and settings.backend == "nxd":
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}): the folder also holds {', '.join(pickles)}, "
-            f"which NxDI's adapter loader would unpickle beside {SAFETENSORS}; remove "
-            f"the pickled files from the folder."
-        )
-    size = (folder / SAFETENSORS).stat().st_size
-    limit = geometry.slot_bytes(settings.max_lora_rank) + HEADER_ALLOWANCE
-    if size > limit:  # checked before anything reads the tensors into memory
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}): {SAFETENSORS} is {size:,} bytes, more than "
-            f"a float32 adapter of rank --max-lora-rank {settings.max_lora_rank} over every "
-            f"compiled target module can hold ({limit:,} bytes with its header); serve an "
-            f"adapter of rank <= {settings.max_lora_rank} on "
-            f"{', '.join(settings.lora_target_modules)} only."
-        )
-    try:
-        helper = PEFTHelper.from_local_dir(str(folder), max_position_embeddings)
-        helper.validate_legal(lora_config)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}) is refused by vLLM's adapter checks: {exc} "
-            f"(limits: --max-lora-rank {settings.max_lora_rank}; DoRA, adapter biases and "
-            f"PEFT variants vLLM does not serve are refused); fix the adapter or restart "
-            f"with a larger --max-lora-rank."
-        ) from exc
-    if helper.modules_to_save:
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}) trains whole modules "
-            f"(modules_to_save={helper.modules_to_save}), which the Neuron graphs do not "
-            f"carry; serve it merged into the base model instead."
-        )
-    if settings.backend == "nxd" and (helper.rank_pattern or helper.alpha_pattern):
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}) sets rank_pattern/alpha_pattern, which NxDI's "
-            f"loader ignores (it scales every module by lora_alpha / r); retrain it with "
-            f"one rank and alpha, or use the reference backend."
-        )
-    try:
-        model = LoRAModel.from_local_checkpoint(
-            str(folder),
-            set(settings.lora_target_modules),
-            peft_helper=helper,
-            lora_model_id=request.lora_int_id,
-            device="cpu",
-            dtype=torch.float32,
-        )
-    except SafetensorError as exc:
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}): {SAFETENSORS} is not a readable safetensors "
-            f"file ({exc}); save the adapter again."
-        ) from exc
-    except ValueError as exc:
-        raise AdapterError(
-            f"LoRA adapter {name!r} ({given}) does not fit the compiled LoRA slots: {exc}; "
-            f"restart with --lora-target-modules covering its modules (compiled: "
-            f"{', '.join(settings.lora_target_modules)})."
-        ) from exc
-    layers = []
-    for module_name, weights in model.loras.items():
-        match = _MODULE.match(module_name)
-        if match is None or MODULE_PARENTS.get(match[3]) != match[2]:
-            raise AdapterError(
-                f"LoRA adapter {name!r} ({given}) trains {module_name}, not a projection of "
-                f"a decoder layer ({', '.join(MODULE_PARENTS)}); the Neuron graphs carry "
-                f"LoRA slots for those only."
-            )
-        if weights.lora_a is None or weights.lora_b is None:
-            half = "lora_B" if weights.lora_a is not None else "lora_A"
-            raise AdapterError(
-                f"LoRA adapter {name!r} ({given}) has no {half} weight for {module_name} "
-                f"(a LoRA module needs both lora_A and lora_B); save the adapter again."
-            )
-        layers.append(
-            LayerWeights(
-                layer=int(match[1]),
-                module=match[3],
-                lora_a=weights.lora_a.numpy().astype(np.float32),
-                lora_b=weights.lora_b.numpy().astype(np.float32),
-                scaling=float(weights.scaling),
-            )
-        )
-    return build_adapter(
-        name, request.lora_int_id, str(folder.resolve()), layers, geometry, settings.max_lora_rank
-    )
+    name: str
+    given: str  # the path the adapter was loaded from
+    folder: Path
+    digest: str
 
 
 class AdapterStore:
@@ -184,22 +69,48 @@ class AdapterStore:
         backend: LoadedBackend,
         lora_config: Any,
         max_position_embeddings: int | None,
+        base_modules: frozenset[str],
     ):
         self.settings = settings
-        self.geometry = geometry
         self.backend = backend
-        self.lora_config = lora_config
-        self.max_position_embeddings = max_position_embeddings
+        self.checks = AdapterChecks(
+            settings, geometry, lora_config, max_position_embeddings, base_modules
+        )
         self.capacity = settings.max_cpu_loras
         self._held: OrderedDict[int, AdapterWeights] = OrderedDict()  # LRU first
         self._pinned: set[int] = set()
         self._active: set[int] = set()  # the step's adapters, while prepare_step runs
+        self._verified: dict[int, _Verified] = {}
+        self.copies = PrivateCopies()
         self.slots = AdapterSlots(settings.max_loras)
 
     def read(self, request: Any) -> AdapterWeights:
-        return read_adapter(
-            request, self.settings, self.geometry, self.lora_config, self.max_position_embeddings
+        """Read and check the adapter a LoRARequest names, keeping its verified copy."""
+        name, given = request.lora_name, str(request.lora_path)
+        files = self.checks.read(name, given)
+        folder = self.copies.keep(files)
+        adapter = self._verify(files, name, request.lora_int_id, given, folder)
+        self._verified[request.lora_int_id] = _Verified(name, given, folder, files.digest)
+        return adapter
+
+    def _verify(
+        self, files: AdapterFiles, name: str, adapter_id: int, given: str, folder: Path
+    ) -> AdapterWeights:
+        # NxDI reads the path it is given at every re-add: the verified copy. A backend
+        # that serves only its start-up adapters is given the folder it started with.
+        loading = self.backend.adapter_loading
+        path = str(folder) if loading.at_run_time else os.path.realpath(given)
+        return self.checks.verify(files, name, adapter_id, given, path)
+
+    def _rebuild(self, adapter_id: int) -> AdapterWeights | None:
+        """An evicted adapter from its verified copy (None: never read here)."""
+        kept = self._verified.get(adapter_id)
+        if kept is None:
+            return None
+        files = self.copies.read(
+            kept.folder, kept.digest, f"LoRA adapter {kept.name!r} ({kept.given})"
         )
+        return self._verify(files, kept.name, adapter_id, kept.given, kept.folder)
 
     def add(self, request: Any) -> bool:
         """vLLM's add_lora: read (or, with load_inplace, reread) and hold the adapter."""
@@ -212,7 +123,7 @@ class AdapterStore:
         )
         if refusal is not None:
             raise AdapterError(refusal)
-        known = adapter_id in self._held or self.slots.slot_of(adapter_id) is not None
+        known = adapter_id in self._verified or self.slots.slot_of(adapter_id) is not None
         if request.load_inplace and self.settings.backend == "nxd" and known:
             raise AdapterError(
                 f"LoRA adapter {request.lora_name!r}: reloading it in place is not served on "
@@ -229,7 +140,7 @@ class AdapterStore:
             adapter_id,
             adapter.rank,
             ", ".join(adapter.a),
-            adapter.path,
+            request.lora_path,
         )
         return True
 
@@ -252,7 +163,7 @@ class AdapterStore:
 
     def remove(self, adapter_id: int) -> bool:
         """vLLM's remove_lora: forget the adapter. A running request that uses it keeps
-        its slot (and rereads it from its path if it needs it again later)."""
+        its slot (and rebuilds it from its verified copy if it needs it again later)."""
         self._pinned.discard(adapter_id)
         return self._held.pop(adapter_id, None) is not None
 
@@ -269,30 +180,37 @@ class AdapterStore:
     def ids(self) -> set[int]:
         return set(self._held)
 
-    def prepare_step(self, requests: Mapping[int, Any]) -> dict[int, int]:
+    def prepare_step(self, requests: Mapping[int, Any]) -> tuple[dict[int, int], dict[int, str]]:
         """Slots for the adapters of a step (lora_int_id -> its LoRARequest), written into
-        the backend where they are not yet; adapter id -> slot."""
+        the backend where they are not yet: (adapter id -> slot, adapter id -> why it
+        could not be written, for the adapters that fail their requests)."""
         slots, writes = self.slots.assign(requests)
         self._active = set(requests)
+        failed: dict[int, str] = {}
         try:
-            self._write(requests, writes)
+            for slot, adapter_id in writes:
+                try:
+                    self._write(slot, adapter_id, requests[adapter_id])
+                except (NeuronConfigError, LoRAAdapterNotFoundError) as exc:
+                    failed[adapter_id] = str(exc)  # AdapterError, or a backend's refusal
         finally:
             self._active = set()
-        return slots
+        for adapter_id, reason in failed.items():
+            self.slots.forget(adapter_id)  # its slot holds no (whole) adapter
+            slots.pop(adapter_id)
+            logger.error("LoRA adapter %d failed its requests in this step: %s", adapter_id, reason)
+        return slots, failed
 
-    def _write(self, requests: Mapping[int, Any], writes: list[tuple[int, int]]) -> None:
-        for done, (slot, adapter_id) in enumerate(writes):
-            try:
-                adapter = self._held.get(adapter_id)
-                if adapter is None:  # never added, evicted, or removed while in use
-                    adapter = self.read(requests[adapter_id])
-                    self._hold(adapter)
-                else:
-                    self._held.move_to_end(adapter_id)
-                self.backend.set_adapter(slot, adapter)
-            except BaseException:
-                # this slot holds no (whole) adapter, the later ones still their old one
-                for _, unwritten in writes[done:]:
-                    self.slots.forget(unwritten)
-                raise
-            logger.debug("LoRA adapter %r written into slot %d", adapter.name, slot)
+    def _write(self, slot: int, adapter_id: int, request: Any) -> None:
+        adapter = self._held.get(adapter_id)
+        if adapter is None:  # evicted or removed (its verified copy), or never added
+            adapter = self._rebuild(adapter_id) or self.read(request)
+            self._hold(adapter)
+        else:
+            self._held.move_to_end(adapter_id)
+        self.backend.set_adapter(slot, adapter)
+        logger.debug("LoRA adapter %r written into slot %d", adapter.name, slot)
+
+    def close(self) -> None:
+        """Remove the verified copies (the worker stops)."""
+        self.copies.close()

@@ -36,7 +36,10 @@ drafts.
 
 LoRA: each step first gets its rows' adapters into slots (`serving.adapters.AdapterStore.
 prepare_step`, after the previous step's backend call completed) and every call carries
-each row's slot; rows without an adapter use the base model's zero slot 0.
+each row's slot; rows without an adapter use the base model's zero slot 0. A row whose
+adapter could not be written takes no part in the step's calls, emits no token, and is
+listed with the reason on the step's output, so vLLM's scheduler ends that request with
+an error (`serving.request_errors`); the other rows run as usual.
 
 Request bookkeeping follows vLLM's GPU runner contract (`InputBatch`,
 `CachedRequestState`); the sequence slot of a request in the contiguous layout is its
@@ -73,7 +76,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import LoadedBackend
-from neuron_plugin.core.adapters import row_slots
+from neuron_plugin.core.adapters import AdapterError, row_slots
 from neuron_plugin.core.inputs import (
     ForwardInputs,
     context_encoding_inputs,
@@ -88,6 +91,7 @@ from neuron_plugin.serving.drafts import Drafts
 from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
 from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
+from neuron_plugin.serving.request_errors import RunnerOutput, can_fail_requests
 from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
 
 logger = plugin_logger(__name__)
@@ -403,11 +407,14 @@ class NeuronModelRunner:
         )
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         total = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
-        samples = computed + scheduled >= total
-        decoding = (scheduled == 1) & (computed > 0)
-        slots = self._adapter_slots(num_reqs)
+        slots, failed = self._adapter_slots(num_reqs)
+        runs = np.fromiter((r not in failed for r in req_ids), dtype=bool, count=num_reqs)
+        samples = (computed + scheduled >= total) & runs
+        decoding = (scheduled == 1) & (computed > 0) & runs
         step = self._new_step(so, samples)
-        prefills = np.flatnonzero(~decoding)
+        step.failed = failed
+        step.logits[step.host_pos[~runs & step.host]] = 0  # never computed: sampled, dropped
+        prefills = np.flatnonzero(~decoding & runs)
 
         # The decode batch runs first: its pad rows write into the cache lines of the
         # seq_ids it lacks, which must not yet hold a request prefilled in this step (a
@@ -456,19 +463,25 @@ class NeuronModelRunner:
         self._pending = step
         return None
 
-    def _adapter_slots(self, num_reqs: int) -> np.ndarray:
+    def _adapter_slots(self, num_reqs: int) -> tuple[np.ndarray, dict[str, str]]:
         """Each batch row's adapter slot, the step's adapters written into slots first
-        (the previous step's call has completed: execute_model collected it)."""
+        (the previous step's call has completed: execute_model collected it), and the
+        requests whose adapter could not be written (request id -> why)."""
         ids = self.input_batch.request_lora_mapping[:num_reqs].astype(np.int64)
         if self.adapters is None or not ids.any():
-            return np.zeros(num_reqs, dtype=np.int64)
+            return np.zeros(num_reqs, dtype=np.int64), {}
+        req_ids = self.input_batch.req_ids
         rows = np.flatnonzero(ids)
         adapters, first = np.unique(ids[rows], return_index=True)  # one row per adapter
         requests = {
-            int(adapter): self.requests[self.input_batch.req_ids[rows[i]]].lora_request
+            int(adapter): self.requests[req_ids[rows[i]]].lora_request
             for adapter, i in zip(adapters, first, strict=True)
         }
-        return row_slots(ids, self.adapters.prepare_step(requests))
+        slots, failed = self.adapters.prepare_step(requests)
+        if failed and not can_fail_requests(self.vllm_config):
+            raise AdapterError(next(iter(failed.values())))  # no other way to end them
+        failures = {req_ids[i]: failed[int(ids[i])] for i in rows if int(ids[i]) in failed}
+        return row_slots(ids, slots), failures
 
     def _host_sample(self, step: PendingStep) -> LogprobsLists | None:
         """vLLM's Sampler over the host rows alone: their tokens into `step.tokens`,
@@ -548,11 +561,12 @@ class NeuronModelRunner:
             if timeline is not None and timeline.first_token is None:
                 timeline.first_token = time.perf_counter()
         self.drafts.propose(batch, tokens, step.host)
-        return ModelRunnerOutput(
+        return RunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=tokens,
             logprobs=logprobs,
+            failed_requests=step.failed,
         )
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

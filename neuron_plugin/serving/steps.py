@@ -4,7 +4,7 @@ async scheduling contract hands the engine for it (see `serving.model_runner`)."
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ class PendingStep:
     active_s: float = 0.0  # this runner's time on the step
     backend_s: float = 0.0  # of which waiting for backend calls
     output: ModelRunnerOutput | None = None  # once complete
+    failed: dict[str, str] = field(default_factory=dict)  # requests the step failed: why
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

@@ -29,13 +29,13 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
-from neuron_plugin.core.kv_transfer import KVTransferLimits
 from neuron_plugin.core.memory import (
     DTYPE_BYTES,
     SequenceBudget,
     checkpoint_parameters,
     sequence_budget,
 )
+from neuron_plugin.core.neuron_settings import KVTransferLimits
 from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
@@ -330,6 +330,17 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
         if os.environ.get(name) != value:
             os.environ[name] = value
             logger.info("neuron platform: %s=%s (%s)", name, value, reason)
+    scheduler = vllm_config.scheduler_config
+    if settings.max_loras and scheduler.scheduler_cls is None:
+        from neuron_plugin.serving.request_errors import scheduler_class
+
+        # a step that cannot write a request's adapter ends that request, not the engine
+        scheduler.scheduler_cls = scheduler_class(bool(scheduler.async_scheduling))
+        logger.info(
+            "neuron platform: scheduler_cls -> %s (vLLM's scheduler; a request whose LoRA "
+            "adapter a step cannot write ends with an error, the engine serving on)",
+            scheduler.scheduler_cls,
+        )
     if vllm_config.additional_config is None:
         vllm_config.additional_config = {}
     if OVERRIDE_ALIAS in vllm_config.additional_config:  # read (and warned about) once
@@ -361,3 +372,10 @@ def resolved_settings() -> NeuronSettings | None:
     alive), read from its `additional_config`."""
     config = _resolved_config() if _resolved_config is not None else None
     return settings_from_vllm_config(config) if config is not None else None
+
+
+def resolved_kv_transfer_config() -> Any:
+    """vLLM's KVTransferConfig of the VllmConfig this process resolved last (None without
+    one, or if none is alive)."""
+    config = _resolved_config() if _resolved_config is not None else None
+    return None if config is None else config.kv_transfer_config

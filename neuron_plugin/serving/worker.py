@@ -137,10 +137,9 @@ class NeuronWorker(WorkerBase):
         if not settings.max_loras:
             return None
         text = self.model_config.hf_text_config
+        shapes = safetensors_shapes(self.model_config.model)
         geometry = LoraGeometry.from_checkpoint(
-            safetensors_shapes(self.model_config.model),
-            text.num_hidden_layers,
-            settings.lora_target_modules,
+            shapes, text.num_hidden_layers, settings.lora_target_modules
         )
         logger.info("%s", lora_summary(settings))
         return AdapterStore(
@@ -149,6 +148,7 @@ class NeuronWorker(WorkerBase):
             backend,
             self.vllm_config.lora_config,
             getattr(text, "max_position_embeddings", None),
+            frozenset(name.rsplit(".", 1)[0] for name in shapes),
         )
 
     def _store(self) -> AdapterStore:
@@ -230,7 +230,7 @@ class NeuronWorker(WorkerBase):
                 f"(README 'Disaggregated prefill and decode')."
             )
         runner = self._runner()
-        connector.bind_backend(runner.backend)
+        connector.bind_backend(runner.backend, self.settings)
         runner.kv_transfer = KVTransferSteps(connector, self.vllm_config)
 
     def get_kv_connector_handshake_metadata(self) -> dict | None:
@@ -268,6 +268,8 @@ class NeuronWorker(WorkerBase):
 
             ensure_kv_transfer_shutdown()
         self.telemetry.close()
+        if self.adapters is not None:
+            self.adapters.close()
         close = getattr(self.backend, "close", None)  # a runner process has one
         if close is not None:
             close()

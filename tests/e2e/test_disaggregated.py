@@ -7,12 +7,20 @@ runs its backend in a runner process (the KV arena), the prefill server in-proce
 - greedy tokens through the router equal transformers' and a single server's, the
   decode server computing no prompt (only token generation), the payloads deleted;
 - a payload that is not the decode server's (model, dtype, block size, shape, prompt),
-  missing, not safetensors (a pickle) or named by a path is refused with its reason in
-  the log, and the request is recomputed (kv_load_failure_policy recompute): right
-  tokens;
+  missing, not safetensors (a pickle), a directory or a FIFO at its path, unsigned or
+  forged, or holding NaN is refused with its reason in the log, and the request is
+  recomputed (kv_load_failure_policy recompute): right tokens, the server alive, and
+  later requests sharing its prefix right too;
+- payloads do not outlive their use: params the connector cannot serve (a wrong prompt
+  length, "true" as a string, a prefill with n=2 or streaming) are HTTP 400 and the
+  payload they name is deleted; an expired payload is swept while the servers idle;
+- with kv_load_failure_policy fail (the prefill server's) a missing payload is HTTP 400
+  with the reason, not a bare 500;
 - the prefill server killed mid-load: every request completes with the right tokens or
   gets an error, none hangs, and the decode server serves on.
-The pair is started once for the module (each server takes about a minute here)."""
+The pair is started once for the module (each server takes about a minute here); both
+share a payload key (VLLM_NEURON_KV_KEY), which the tests use to write payloads a real
+prefill server could have written."""
 
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_plugin.core.kv_transfer import connector_config
+from neuron_plugin.core.kv_transfer import KEY_ENV, connector_config
 from tests.e2e.scrape import neuron_samples, total
 from tests.e2e.support import LoopbackProcess, Server, corpus_token_ids, free_port
 
@@ -38,6 +46,8 @@ ARGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--enable-prefix-cachin
 BUCKETS = {"context_encoding_buckets": [32, 64, 128, 256, 512]}
 NEW_TOKENS = 8
 REQUEST_TIMEOUT_S = 60
+KEY = "p" * 32  # the pair's payload key
+TTL_S = 30  # swept every 7.5 s
 
 
 class PDRouter(LoopbackProcess):
@@ -56,11 +66,14 @@ class PDRouter(LoopbackProcess):
              "--request-timeout-secs", str(REQUEST_TIMEOUT_S)], port, log_path)
 
 
-def _server_args(kv_folder: Path, backend_python: str | None = None) -> list[str]:
+def _server_args(kv_folder: Path, backend_python: str | None = None,
+                 policy: str = "recompute") -> list[str]:
     extra = {"override_neuron_config": BUCKETS,
              **({"backend_python": backend_python} if backend_python else {})}
+    kv = json.loads(connector_config(str(kv_folder), policy=policy))
+    kv["kv_connector_extra_config"]["ttl_s"] = TTL_S
     return [*ARGS, "--additional-config", json.dumps(extra),
-            "--kv-transfer-config", connector_config(str(kv_folder))]
+            "--kv-transfer-config", json.dumps(kv)]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +82,11 @@ def pd(model_dirs, sdk_python, tmp_path_factory):
     root = tmp_path_factory.mktemp("pd")
     kv = root / "kv"
     model = model_dirs["llama"]
-    prefill = Server(model, root / "prefill.log", _server_args(kv))
-    decode = Server(model, root / "decode.log", _server_args(kv, sdk_python))
+    env = {**os.environ, KEY_ENV: KEY}
+    # the prefill server fails requests whose load fails (it loads only in the test of
+    # that policy); the decode server recomputes them
+    prefill = Server(model, root / "prefill.log", _server_args(kv, policy="fail"), env=env)
+    decode = Server(model, root / "decode.log", _server_args(kv, sdk_python), env=env)
     router = None
     try:
         prefill.wait_healthy(timeout=480)
@@ -139,8 +155,10 @@ def _geometry(model_dirs):
                       config["head_dim"], "float32")
 
 
-def _forged(kv: Path, prompt: list[int], model: str, geometry, token_ids=None) -> str:
-    """A payload as a prefill server writes it, with what the test chooses."""
+def _forged(kv: Path, prompt: list[int], model: str, geometry, token_ids=None, data=None,
+            secret: str = KEY) -> str:
+    """A payload as a prefill server writes it (signed with `secret`), with what the
+    test chooses."""
     import torch
 
     from neuron_plugin.kv_transfer.params import new_key
@@ -148,8 +166,9 @@ def _forged(kv: Path, prompt: list[int], model: str, geometry, token_ids=None) -
 
     key = new_key()
     blocks = math.ceil(len(prompt) / geometry.block_size)
-    data = torch.randn(geometry.shape(blocks)).to(geometry.torch_dtype)
-    write_payload(kv, key, data, token_ids or prompt, model, geometry)
+    if data is None:
+        data = torch.randn(geometry.shape(blocks)).to(geometry.torch_dtype)
+    write_payload(kv, key, data, token_ids or prompt, model, geometry, secret.encode())
     return key
 
 
@@ -171,27 +190,33 @@ def test_a_payload_not_this_servers_is_refused_and_the_prompt_recomputed(
     geometry = _geometry(model_dirs)
     prompt = corpus_token_ids(model, 70, offset=900)
     expected = oracles("llama").generate(prompt, NEW_TOKENS)
-    cases = {
-        "model": (_forged(kv, prompt, "f" * 64, geometry), f"its model is {'f' * 16}"),
-        "dtype": (_forged(kv, prompt, ours, dataclasses.replace(geometry, dtype="bfloat16")),
+    cases = {  # each payload written just before its request (the sweep keeps to ttl_s)
+        "model": (lambda: _forged(kv, prompt, "f" * 64, geometry), f"its model is {'f' * 16}"),
+        "dtype": (lambda: _forged(kv, prompt, ours, dataclasses.replace(geometry,
+                                                                        dtype="bfloat16")),
                   "its KV dtype is bfloat16, this server's is float32"),
-        "block size": (_forged(kv, prompt, ours, dataclasses.replace(geometry, block_size=16)),
+        "block size": (lambda: _forged(kv, prompt, ours, dataclasses.replace(geometry,
+                                                                             block_size=16)),
                        f"its block size is 16, this server's is {BLOCK}"),
-        "shape": (_forged(kv, prompt, ours, dataclasses.replace(geometry, kv_heads=4)),
+        "shape": (lambda: _forged(kv, prompt, ours, dataclasses.replace(geometry, kv_heads=4)),
                   "its kv shape"),
-        "prompt": (_forged(kv, prompt, ours, geometry, token_ids=[t + 1 for t in prompt]),
+        "prompt": (lambda: _forged(kv, prompt, ours, geometry,
+                                   token_ids=[t + 1 for t in prompt]),
                    "the KV of another prompt"),
-        "missing": ("0123456789abcdef0123456789abcdef", "no KV payload"),
-        "path": ("../../../etc/passwd", "is not 32 lowercase hex digits"),
+        "missing": (lambda: "0123456789abcdef0123456789abcdef", "no KV payload"),
     }
     pickled = "fedcba9876543210fedcba9876543210"
-    # what torch.save would write: a pickle, which must never be unpickled
-    (kv / f"{pickled}.safetensors").write_bytes(pickle.dumps({"kv": list(range(10))}))
-    cases["pickle"] = (pickled, "is not a safetensors file")
+
+    def pickle_payload() -> str:
+        # what torch.save would write: a pickle, which must never be unpickled
+        (kv / f"{pickled}.safetensors").write_bytes(pickle.dumps({"kv": list(range(10))}))
+        return pickled
+
+    cases["pickle"] = (pickle_payload, "is not a safetensors file")
     before = _prefills(decode)
-    for name, (key, reason) in cases.items():
+    for name, (write, reason) in cases.items():
         status, reply = _complete(decode.url, model, prompt,
-                                  kv_transfer_params=_params(key, len(prompt)))
+                                  kv_transfer_params=_params(write(), len(prompt)))
         assert status == 200, (name, reply)
         assert _tokens(reply) == expected, name
         log = decode.log()
@@ -202,6 +227,163 @@ def test_a_payload_not_this_servers_is_refused_and_the_prompt_recomputed(
     # first one in full, the others from its prefix cache: one call each)
     assert _prefills(decode) - before == len(cases)
     assert sorted(os.listdir(kv)) == []  # refused payloads are deleted too
+
+
+def _alive_and_right(server: Server, model_dirs, oracles, offset: int) -> None:
+    """The server serves on: a greedy request equals transformers."""
+    model = model_dirs["llama"]
+    prompt = corpus_token_ids(model, 40, offset=offset)
+    status, reply = _complete(server.url, model, prompt)
+    assert status == 200, reply
+    assert _tokens(reply) == oracles("llama").generate(prompt, NEW_TOKENS)
+
+
+def test_a_directory_or_fifo_at_a_payload_path_neither_kills_nor_hangs_the_decode_server(
+        pd, model_dirs, oracles):
+    """Cases 2 and 3: the load refuses each (no blocking open of the FIFO), the request is
+    recomputed, the directory (which no unlink removes) is left in place with a warning,
+    and the server serves on."""
+    _, _, decode, kv = pd
+    model = model_dirs["llama"]
+    prompt = corpus_token_ids(model, 50, offset=1300)
+    expected = oracles("llama").generate(prompt, NEW_TOKENS)
+    folder, fifo = "d1" * 16, "f1" * 16
+    (kv / f"{folder}.safetensors").mkdir()
+    os.mkfifo(kv / f"{fifo}.safetensors")
+    try:
+        for key, reason in ((folder, "is a directory, not a regular file"),
+                            (fifo, "is a FIFO, device or socket, not a regular file")):
+            status, reply = _complete(decode.url, model, prompt,
+                                      kv_transfer_params=_params(key, len(prompt)))
+            assert status == 200, (key, reply)
+            assert _tokens(reply) == expected
+            assert reason in decode.log()
+        assert (kv / f"{folder}.safetensors").is_dir()  # cannot be unlinked: left, logged
+    finally:
+        (kv / f"{folder}.safetensors").rmdir()
+        (kv / f"{fifo}.safetensors").unlink(missing_ok=True)  # unlinked like a payload
+    _alive_and_right(decode, model_dirs, oracles, 1400)
+
+
+def test_nan_or_unauthenticated_kv_never_reaches_the_cache(pd, model_dirs, oracles):
+    """Cases 4 and 5: a well-formed payload holding NaN (signed with the pair's key), one
+    scaled x1000 and signed with another key, and one changed after it was signed are
+    refused with the reason and recomputed; plain requests sharing their first 64 tokens
+    (decode-server prefix-cache hits) then get transformers' tokens, 3 of 3."""
+    import torch
+
+    from neuron_plugin.kv_transfer.payload import model_identity, read_payload
+
+    _, _, decode, kv = pd
+    model = model_dirs["llama"]
+    ours = model_identity(model)
+    geometry = _geometry(model_dirs)
+    shared = corpus_token_ids(model, 64, offset=1500)
+    prompt = shared + corpus_token_ids(model, 6, offset=1600)
+    blocks = math.ceil(len(prompt) / BLOCK)
+    nan = torch.randn(geometry.shape(blocks))
+    nan[0, 1, 0, 3] = float("nan")
+
+    def changed_after_signing() -> str:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        key = _forged(kv, prompt, ours, geometry)
+        path = str(kv / f"{key}.safetensors")
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        tensors["kv"] = tensors["kv"] * 1000  # its tag kept
+        save_file(tensors, path, metadata=metadata)
+        return key
+
+    big = 1000 * torch.randn(geometry.shape(blocks))
+    cases = {
+        "nan": (lambda: _forged(kv, prompt, ours, geometry, data=nan), "holds NaN or Inf"),
+        "forged": (lambda: _forged(kv, prompt, ours, geometry, data=big, secret="x" * 32),
+                   "is not the one this deployment's key makes"),
+        "changed": (changed_after_signing, "is not the one this deployment's key makes"),
+    }
+    expected = oracles("llama").generate(prompt, NEW_TOKENS)
+    for name, (write, reason) in cases.items():
+        key = write()
+        if name == "nan":  # well formed and signed: only its values are refused
+            with pytest.raises(ValueError, match="holds NaN"):
+                read_payload(kv, key, ours, geometry, prompt, 16, KEY.encode())
+        status, reply = _complete(decode.url, model, prompt,
+                                  kv_transfer_params=_params(key, len(prompt)))
+        assert status == 200 and _tokens(reply) == expected, (name, reply)
+        assert reason in decode.log(), name
+    for i in range(3):
+        plain = shared + corpus_token_ids(model, 5 + i, offset=1700 + 31 * i)
+        status, reply = _complete(decode.url, model, plain)
+        assert status == 200
+        assert _tokens(reply) == oracles("llama").generate(plain, NEW_TOKENS), i
+    assert sorted(os.listdir(kv)) == []
+
+
+def test_payloads_do_not_outlive_their_requests(pd, model_dirs, oracles):
+    """Case 6: params the connector cannot serve are HTTP 400 with the reason and the
+    payload they name is deleted (a wrong prompt length, "true" as a string); a prefill
+    with n=2 or streaming is refused (400) and writes nothing; an expired payload (e.g.
+    named by a request vLLM's API server refused before the engine saw it) is swept while
+    the servers idle."""
+    import requests
+
+    from neuron_plugin.kv_transfer.payload import model_identity
+
+    _, prefill, decode, kv = pd
+    model = model_dirs["llama"]
+    geometry = _geometry(model_dirs)
+    prompt = corpus_token_ids(model, 45, offset=1800)
+    wrong_length = _forged(kv, prompt, model_identity(model), geometry)
+    string_flag = _forged(kv, prompt, model_identity(model), geometry)
+    refused = {
+        wrong_length: (_params(wrong_length, len(prompt) + 1),
+                       f"num_tokens={len(prompt) + 1} is not this request's prompt length"),
+        string_flag: ({**_params(string_flag, len(prompt)), "do_remote_prefill": "true"},
+                      "do_remote_prefill='true' must be true or false"),
+    }
+    for key, (params, reason) in refused.items():
+        status, reply = _complete(decode.url, model, prompt, kv_transfer_params=params)
+        assert status == 400 and reason in reply["error"], reply
+        assert not (kv / f"{key}.safetensors").exists()
+    status, reply = _complete(prefill.url, model, prompt, n=2, temperature=1.0,
+                              kv_transfer_params={"do_remote_decode": True})
+    assert status == 400 and "asks for n=2 sequences" in reply["error"], reply
+    # a stream has begun (HTTP 200) when vLLM checks the request: the refusal is its event
+    streamed = requests.post(f"{prefill.url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+        "model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS, "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert '"code": 400' in streamed.text and "cannot stream" in streamed.text, streamed.text
+    assert '"choices"' not in streamed.text
+    assert sorted(os.listdir(kv)) == []
+    # a key that is no key: 400 too
+    status, reply = _complete(decode.url, model, prompt,
+                              kv_transfer_params=_params("../../../etc/passwd", len(prompt)))
+    assert status == 400 and "is not 32 lowercase hex digits" in reply["error"]
+    # expired, and no traffic: the sweep's timer removes it within ttl_s / 4
+    expired = _forged(kv, prompt, model_identity(model), geometry)
+    os.utime(kv / f"{expired}.safetensors", (1000, 1000))
+    deadline = time.monotonic() + TTL_S / 4 + 5
+    while (kv / f"{expired}.safetensors").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (kv / f"{expired}.safetensors").exists()
+    _alive_and_right(decode, model_dirs, oracles, 1900)
+
+
+def test_with_kv_load_failure_policy_fail_a_missing_payload_is_a_400_with_the_reason(
+        pd, model_dirs, oracles):
+    """Case 7: the prefill server (policy fail) asked to load a payload that is not there
+    answers HTTP 400 saying so, not vLLM's bare 500; it serves on."""
+    _, prefill, _, _ = pd
+    model = model_dirs["llama"]
+    prompt = corpus_token_ids(model, 33, offset=2100)
+    status, reply = _complete(prefill.url, model, prompt,
+                              kv_transfer_params=_params("ab" * 16, len(prompt)))
+    assert status == 400, reply
+    assert "no KV payload" in reply["error"] and "kv_load_failure_policy fail" in reply["error"]
+    _alive_and_right(prefill, model_dirs, oracles, 2200)
 
 
 def test_prefill_server_killed_mid_load_errors_or_right_tokens_never_a_hang(

@@ -9,8 +9,12 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Adapters are PEFT's own files
 - loading a third adapter and unloading one while requests using them are in flight
   loses nothing: every request completes with PEFT's tokens, and the third adapter takes
   a slot when one frees up (vLLM's scheduler runs at most --max-loras adapters a step);
-- malformed, oversized and mismatched adapters are refused naming the adapter, the value
-  and the limit, and the server keeps serving.
+- malformed, oversized, mismatched and hostile adapters (NaN weights, a transposed
+  lora_A, a symlink loop, target_modules the model lacks) are refused with HTTP 400
+  naming the adapter, the value and the limit, and the server keeps serving;
+- an adapter changed, swapped or deleted on disk after it left the host cache serves
+  the weights verified when it was loaded (its private copy), never the engine's death;
+- load_inplace switches requests in flight to the new weights at the next step.
 """
 
 from __future__ import annotations
@@ -167,31 +171,139 @@ def test_load_and_unload_under_load_lose_nothing(served, model_dirs, lora_adapte
         200, oracle.generate(prompts[0], MAX_TOKENS, "lora-a"))
 
 
-def test_bad_adapters_are_refused_by_name_and_the_server_keeps_serving(
-        lora_server, model_dirs, tmp_path):
+# -- hostile adapters (issue 32): none kills the server or reaches a slot unverified -------
+def _variant(source: Path, folder: Path, edit=None, config=None) -> Path:
+    """A copy of adapter `source` with its tensors (`edit`) or config changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    if edit is not None:
+        weights = folder / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        edit(tensors)
+        save_file(tensors, str(weights))
+    if config is not None:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+def _alive_and_right(server: Server, model_dirs, oracle, offset: int) -> None:
+    """The server serves on: a base-model greedy request equals transformers."""
+    prompt = corpus_token_ids(model_dirs["llama"], 24, offset=offset)
+    assert _complete(server, _base(model_dirs), prompt) == (
+        200, oracle.generate(prompt, MAX_TOKENS, None))
+
+
+def test_an_adapter_changed_or_deleted_after_it_left_the_host_cache_serves_as_verified(
+        lora_server, model_dirs, lora_adapters, oracle, tmp_path):
+    """Case 1: "ev" is loaded, then three more push it out of the host cache
+    (--max-cpu-loras 3) and out of both slots; its file is truncated, then swapped for
+    another adapter's, then its folder deleted. Each time a request naming "ev" gets the
+    tokens of the weights checked when "ev" was loaded (its verified copy), and the
+    server serves on."""
+    import shutil
+
+    ev = _variant(lora_adapters["lora-a"], tmp_path / "ev")
+    prompt = corpus_token_ids(model_dirs["llama"], 22, offset=610)
+    want = oracle.generate(prompt, MAX_TOKENS, "lora-a")
+    _load(lora_server, "ev", ev)
+    assert _complete(lora_server, "ev", prompt) == (200, want)
+    for name, source in (("ev-b", "lora-b"), ("ev-c", "lora-c"), ("ev-b2", "lora-b")):
+        _load(lora_server, name, _variant(lora_adapters[source], tmp_path / name))
+        assert _complete(lora_server, name, prompt) == (
+            200, oracle.generate(prompt, MAX_TOKENS, source))
+    weights = ev / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert _complete(lora_server, "ev", prompt) == (200, want)
+    shutil.copy(lora_adapters["lora-b"] / "adapter_model.safetensors", weights)
+    for name in ("ev-c", "ev-b2"):  # "ev" out of both slots again
+        assert _complete(lora_server, name, prompt)[0] == 200
+    assert _complete(lora_server, "ev", prompt) == (200, want)  # not lora-b's weights
+    shutil.rmtree(ev)
+    for name in ("ev-c", "ev-b2"):
+        assert _complete(lora_server, name, prompt)[0] == 200
+    assert _complete(lora_server, "ev", prompt) == (200, want)
+    _alive_and_right(lora_server, model_dirs, oracle, 640)
+
+
+def test_hostile_adapters_are_client_errors_with_their_reason(
+        lora_server, model_dirs, lora_adapters, oracle, tmp_path):
+    """Cases 4 and 7: NaN weights, a transposed lora_A, a symlink loop, target_modules the
+    base model does not have, and the earlier refusals (rank, pickle, another base
+    model) are HTTP 400 with the reason; the server serves on after each."""
+    import torch
     from build_tiny_lora import build_lora
 
+    source = lora_adapters["lora-c"]  # rank 8 on q_proj, v_proj
+
+    def nan(tensors):
+        name = next(k for k in tensors if "q_proj.lora_B" in k)
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+
+    def transposed(tensors):
+        name = next(k for k in tensors if "q_proj.lora_A" in k)
+        tensors[name] = tensors[name].t().contiguous()
+
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    (loop / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    (loop / "adapter_model.safetensors").symlink_to(loop / "adapter_model.safetensors")
     llama, qwen3 = model_dirs["llama"], model_dirs["qwen3"]
-    rank16 = build_lora(llama, tmp_path / "rank16", seed=4, r=16, lora_alpha=16,
-                        target_modules=["q_proj"])
-    pickled = build_lora(llama, tmp_path / "pickled", seed=5, safe_serialization=False, r=8,
-                         lora_alpha=8, target_modules=["q_proj"])
-    other = build_lora(qwen3, tmp_path / "other-base", seed=6, r=8, lora_alpha=8,
-                       target_modules=["q_proj", "v_proj"])
-    refusals = {
-        "rank16": (rank16, ["'rank16'", "rank 16", "--max-lora-rank 8"]),
-        "pickled": (pickled, ["'pickled'", "adapter_model.bin", "safetensors"]),
-        "other-base": (other, ["'other-base'", "layer 2", "2 layers"]),
+    cases = {
+        "nan": (_variant(source, tmp_path / "nan", edit=nan),
+                ["'nan'", "NaN or Inf", "q_proj.lora_B"]),
+        "transposed": (_variant(source, tmp_path / "transposed", edit=transposed),
+                       ["'transposed'", "this lora_A is transposed", "[r, in_features]"]),
+        "loop": (loop, ["'loop'", "adapter_model.safetensors is a symbolic link loop"]),
+        "targets": (_variant(source, tmp_path / "targets",
+                             config={"target_modules": ["query_key_value", "dense"]}),
+                    ["'targets'", "none of which is a module of the base model"]),
+        "rank16": (build_lora(llama, tmp_path / "rank16", seed=4, r=16, lora_alpha=16,
+                              target_modules=["q_proj"]),
+                   ["'rank16'", "rank 16", "--max-lora-rank 8"]),
+        "pickled": (build_lora(llama, tmp_path / "pickled", seed=5, safe_serialization=False,
+                               r=8, lora_alpha=8, target_modules=["q_proj"]),
+                    ["'pickled'", "adapter_model.bin", "safetensors"]),
+        "other-base": (build_lora(qwen3, tmp_path / "other-base", seed=6, r=8, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj"]),
+                       ["'other-base'", "layer 2", "2 layers"]),
     }
-    for name, (path, words) in refusals.items():
+    for n, (name, (path, words)) in enumerate(cases.items()):
         reply = _post(lora_server, "/v1/load_lora_adapter",
                       {"lora_name": name, "lora_path": str(path)})
-        assert reply.status_code >= 400, (name, reply.text)
+        assert reply.status_code == 400, (name, reply.text)
         for word in words:
             assert word in reply.text, (name, word, reply.text)
+        assert "Internal" not in reply.text
+        _alive_and_right(lora_server, model_dirs, oracle, 700 + 10 * n)
     missing = _post(lora_server, "/v1/load_lora_adapter",
                     {"lora_name": "missing", "lora_path": str(tmp_path / "nowhere")})
     assert missing.status_code == 404, missing.text
-    status, tokens = _complete(lora_server, _base(model_dirs),
-                               corpus_token_ids(model_dirs["llama"], 12))
-    assert status == 200 and len(tokens) == MAX_TOKENS
+
+
+def test_reload_in_place_switches_requests_in_flight_to_the_new_weights(
+        lora_server, model_dirs, lora_adapters, oracle, tmp_path):
+    """load_inplace (README: requests in flight switch at the next step): a request
+    streaming with "sw" keeps running and completes; its first token is lora-a's, and
+    its tokens are not lora-a's alone (the KV of its earlier positions stays lora-a's, so
+    no oracle gives the mixed sequence); a request after the reload gets lora-c's."""
+    _load(lora_server, "sw", _variant(lora_adapters["lora-a"], tmp_path / "sw"))
+    prompt = corpus_token_ids(model_dirs["llama"], 30, offset=820)
+    long = 96
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, lora_server, "sw", prompt, long, started)
+        assert started.wait(120)
+        reply = _post(lora_server, "/v1/load_lora_adapter", {
+            "lora_name": "sw", "lora_path": str(lora_adapters["lora-c"]), "load_inplace": True})
+        assert reply.status_code == 200, reply.text
+        status, tokens = running.result()
+    assert status == 200 and len(tokens) == long
+    pure_a = oracle.generate(prompt, long, "lora-a")
+    assert tokens[0] == pure_a[0]  # the first token ran on lora-a
+    assert tokens != pure_a  # the rest switched to lora-c's weights part way
+    assert _complete(lora_server, "sw", prompt) == (
+        200, oracle.generate(prompt, MAX_TOKENS, "lora-c"))

@@ -65,3 +65,35 @@ def test_engine_lora_api_reaches_the_worker(llm, lora_adapters):
     assert engine.pin_lora(3)
     assert engine.remove_lora(3)
     assert 3 not in engine.list_loras()
+
+
+def test_an_unseen_adapter_that_fails_its_checks_fails_its_request_only(
+        llm, model_dirs, lora_adapters, oracle, tmp_path):
+    """An adapter read for the first time in a step (offline, never added) that is
+    refused there (its lora_B holds NaN) ends its own request with finish reason "error";
+    the batch's other rows, with an adapter and without, get PEFT's tokens, and the
+    engine serves on."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm import SamplingParams
+
+    bad = tmp_path / "nan"
+    shutil.copytree(lora_adapters["lora-c"], bad)
+    weights = bad / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(weights))
+    prompts = [corpus_token_ids(model_dirs["llama"], n, offset=900 + n) for n in (20, 30, 25)]
+    requests = [_lora("bad", 7, bad), _lora("b", 2, lora_adapters["lora-b"]), None]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                           lora_request=requests, use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert list(outputs[0].outputs[0].token_ids) == []
+    for prompt, name, out in zip(prompts[1:], ["lora-b", None], outputs[1:], strict=True):
+        assert list(out.outputs[0].token_ids) == oracle.generate(prompt, MAX_TOKENS, name)
+    again = llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)
+    assert list(again[0].outputs[0].token_ids) == oracle.generate(prompts[2], MAX_TOKENS, None)

@@ -7,6 +7,7 @@ whose logits per row equal transformers + PEFT's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 
@@ -26,7 +27,8 @@ from neuron_plugin.core.checkpoint import safetensors_shapes
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
-from neuron_plugin.serving.adapters import AdapterStore, read_adapter
+from neuron_plugin.serving.adapter_files import AdapterChecks
+from neuron_plugin.serving.adapters import AdapterStore
 
 BUCKETS = {"context_encoding_buckets": [32, 64], "token_generation_buckets": [64]}
 
@@ -58,10 +60,19 @@ def lora_config(rank=8):
     return LoRAConfig(max_loras=2, max_lora_rank=rank)
 
 
-def read(model_dirs, path, name="x", adapter_id=1, settings=None):
+def base_modules(model_dir) -> frozenset[str]:
+    return frozenset(n.rsplit(".", 1)[0] for n in safetensors_shapes(model_dir))
+
+
+def checks_of(model_dirs, settings=None) -> AdapterChecks:
     settings = settings or lora_settings()
-    return read_adapter(request(name, adapter_id, path), settings,
-                        geometry_of(model_dirs["llama"], settings), lora_config(), 4096)
+    return AdapterChecks(settings, geometry_of(model_dirs["llama"], settings), lora_config(),
+                         4096, base_modules(model_dirs["llama"]))
+
+
+def read(model_dirs, path, name="x", adapter_id=1, settings=None):
+    checks = checks_of(model_dirs, settings)
+    return checks.verify(checks.read(name, str(path)), name, adapter_id, str(path), str(path))
 
 
 # -- the slot layout and the slots ------------------------------------------------------
@@ -95,7 +106,11 @@ def test_slot_layout_folds_scaling_and_pads_ranks():
          "rank 9 is above --max-lora-rank 8"),
         ([LayerWeights(0, "o_proj", a, b, 1.0)], "trains o_proj, which has no compiled"),
         ([LayerWeights(2, "q_proj", a, b, 1.0)], "trains layer 2, the model has 2 layers"),
-        ([LayerWeights(0, "q_proj", np.ones((3, 5)), b, 1.0)], r"lora_A \[3, 5\].*needs \[3, 4\]"),
+        ([LayerWeights(0, "q_proj", np.ones((3, 5)), b, 1.0)],
+         r"lora_A \[3, 5\].*needs lora_A \[r, 4\] and lora_B \[6, r\] with one r"),
+        # a transposed lora_A is named as such, never taken for a rank of 4
+        ([LayerWeights(0, "q_proj", np.ones((4, 3)), b, 1.0)],
+         r"this lora_A is transposed: \[4, 3\]\); save lora_A as \[r, in_features\]"),
     ):
         with pytest.raises(AdapterError, match=message) as info:
             build_adapter("x", 1, "/p", layers, geometry, 8)
@@ -188,7 +203,7 @@ def cache_url(tmp_path_factory) -> str:
 
 def _store(model_dirs, backend, settings):
     return AdapterStore(settings, geometry_of(model_dirs["llama"], settings), backend,
-                        lora_config(), 4096)
+                        lora_config(), 4096, base_modules(model_dirs["llama"]))
 
 
 def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cache_url):
@@ -197,12 +212,12 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
     store = _store(model_dirs, backend, settings)
     a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
     assert store.add(a) and store.add(b) and store.pin(1)
-    assert store.prepare_step({1: a}) == {1: 1}
+    assert store.prepare_step({1: a}) == ({1: 1}, {})
     assert store.add(c) and store.ids() == {1, 3}  # b: least recently used, not pinned
     assert store.add(b) and store.ids() == {1, 2}
-    assert store.prepare_step({2: b}) == {2: 2}
+    assert store.prepare_step({2: b}) == ({2: 2}, {})
     # c was evicted from the host: read again from its path, into a's slot (LRU)
-    assert store.prepare_step({3: c}) == {3: 1} and store.ids() == {1, 3}
+    assert store.prepare_step({3: c}) == ({3: 1}, {}) and store.ids() == {1, 3}
     q_a = backend.lora_slots[0]  # layer 0 q_proj A [slots, rank, in]
     want = store.read(c).a["q_proj"][0]
     torch.testing.assert_close(q_a[1, : want.shape[0]], torch.from_numpy(want))
@@ -213,10 +228,10 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
         store.pin(99)
     # removed while a request uses it: it keeps its slot (nothing is read again)
     assert store.remove(3) and store.ids() == {1}
-    assert store.prepare_step({3: c}) == {3: 1} and store.ids() == {1}
+    assert store.prepare_step({3: c}) == ({3: 1}, {}) and store.ids() == {1}
     # a slot taken by another adapter: read again from the request's path
-    assert store.prepare_step({1: a, 2: b}) == {1: 1, 2: 2} and store.ids() == {1}
-    assert store.prepare_step({3: c}) == {3: 2} and store.ids() == {1, 3}  # b: LRU
+    assert store.prepare_step({1: a, 2: b}) == ({1: 1, 2: 2}, {}) and store.ids() == {1}
+    assert store.prepare_step({3: c}) == ({3: 2}, {}) and store.ids() == {1, 3}  # b: LRU
 
 
 def test_reload_in_place_rewrites_the_slot_even_after_host_eviction(model_dirs, lora_adapters,
@@ -225,12 +240,12 @@ def test_reload_in_place_rewrites_the_slot_even_after_host_eviction(model_dirs, 
     backend = open_backend(settings, model_dirs["llama"], cache_url)
     store = _store(model_dirs, backend, settings)
     a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
-    assert store.prepare_step({1: a}) == {1: 1}
+    assert store.prepare_step({1: a}) == ({1: 1}, {})
     assert store.add(b) and store.add(c)
     assert store.ids() == {2, 3}  # a left the host; its slot still holds it
     new = request("a", 1, lora_adapters["lora-c"], inplace=True)  # a's id, new weights
     assert store.add(new)
-    assert store.prepare_step({1: new}) == {1: 1}
+    assert store.prepare_step({1: new}) == ({1: 1}, {})
     want = store.read(new).a["q_proj"][0]
     torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]],
                                torch.from_numpy(want))
@@ -251,8 +266,8 @@ def test_slots_give_peft_logits_per_row_in_process_and_through_the_runner(
         names = ["lora-a", None, "lora-b"]
         for backend in (local, remote):
             store = _store(model_dirs, backend, settings)
-            slots = store.prepare_step({1: request("a", 1, lora_adapters["lora-a"]),
-                                        2: request("b", 2, lora_adapters["lora-b"])})
+            slots, _ = store.prepare_step({1: request("a", 1, lora_adapters["lora-a"]),
+                                           2: request("b", 2, lora_adapters["lora-b"])})
             row_slot = [slots.get(1), 0, slots.get(2)]
             for seq, (prompt, slot, name) in enumerate(zip(prompts, row_slot, names,
                                                            strict=True)):
@@ -282,3 +297,72 @@ def test_lora_settings_refusals():
         lora_settings(fully_sharded_loras=True)
     assert lora_settings(lora_target_modules=("qkv_proj",)).lora_target_modules == (
         "q_proj", "k_proj", "v_proj")
+
+
+# -- adapters read once and kept as checked (issue 32) ------------------------------------
+def test_an_evicted_adapter_is_rebuilt_from_its_verified_copy_not_its_folder(
+        model_dirs, lora_adapters, cache_url, tmp_path):
+    settings = lora_settings()  # 2 slots, 2 adapters on the host
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings)
+    ev_path = tmp_path / "ev"
+    shutil.copytree(lora_adapters["lora-a"], ev_path)
+    ev, b, c = (request("ev", 1, ev_path), request("b", 2, lora_adapters["lora-b"]),
+                request("c", 3, lora_adapters["lora-c"]))
+    assert store.add(ev)
+    want = store.read(ev).a["q_proj"][0].copy()
+    assert store.add(b) and store.add(c) and 1 not in store.ids()
+    assert store.prepare_step({2: b, 3: c}) == ({2: 1, 3: 2}, {})  # ev in no slot either
+    shutil.rmtree(ev_path)  # the folder gone: the verified copy serves
+    assert store.prepare_step({1: ev})[0] == {1: 1}
+    torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]], torch.from_numpy(want))
+    # the verified copy itself changed: refused, the slot left empty, the others served
+    kept = store._verified[1]
+    (kept.folder / "adapter_model.safetensors").write_bytes(b"changed")
+    store.remove(1)
+    assert store.prepare_step({2: b, 3: c})[1] == {}  # c takes ev's slot again
+    slots, failed = store.prepare_step({1: ev, 2: b})
+    assert set(slots) == {2} and "'ev'" in failed[1]
+    assert "its verified copy" in failed[1] and "changed after it was verified" in failed[1]
+    assert store.slots.slot_of(1) is None
+    store.close()
+    assert not store.copies.root.exists()
+
+
+def test_an_adapter_that_cannot_be_written_fails_alone(model_dirs, lora_adapters, cache_url,
+                                                         tmp_path):
+    """Offline, never added: read in the step, refused there; the step's other adapter is
+    written, and the failed one's slot is free for the next."""
+    settings = lora_settings()
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings)
+    os.mkfifo(tmp_path / "fifo")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(lora_adapters["lora-c"] / "adapter_config.json", bad)
+    (bad / "adapter_model.safetensors").symlink_to(tmp_path / "fifo")  # never a blocked read
+    slots, failed = store.prepare_step({5: request("bad", 5, bad),
+                                        2: request("b", 2, lora_adapters["lora-b"])})
+    assert slots == {2: 2} and set(failed) == {5}
+    assert "'bad'" in failed[5] and "is not a regular file" in failed[5]
+    assert store.prepare_step({3: request("c", 3, lora_adapters["lora-c"])}) == ({3: 1}, {})
+
+
+def test_target_modules_match_as_peft_matches_them():
+    from neuron_plugin.serving.adapter_files import matches_base_model
+
+    modules = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    assert matches_base_model(["q_proj", "nonexistent"], modules)  # PEFT: one match is enough
+    assert matches_base_model(["self_attn.q_proj"], modules)
+    assert matches_base_model(r".*\.mlp\.down_proj", modules)  # a string is a regex
+    assert not matches_base_model(["query_key_value"], modules)
+    assert not matches_base_model(r"down_proj", modules)  # a regex matches whole names
+
+
+def test_the_api_server_answers_a_refusal_as_the_clients_error():
+    from neuron_plugin.serving.lora_api import refusal_text
+
+    message = "Call to add_lora method failed: LoRA adapter 'x' (/p): rank 16 is above ..."
+    assert refusal_text(message, "x") == "LoRA adapter 'x' (/p): rank 16 is above ..."
+    assert refusal_text("Call to add_lora method failed: the runner died", "x") is None
+    assert refusal_text(message, "y") is None

@@ -353,7 +353,8 @@ def test_the_plugin_connector_is_served_in_the_block_layout(model_dirs, clean_en
 
 
 def test_a_draft_model_is_refused_with_kv_transfer():
-    from neuron_plugin.core.kv_transfer import KVTransferLimits, kv_transfer_problems
+    from neuron_plugin.core.kv_transfer import kv_transfer_problems
+    from neuron_plugin.core.neuron_settings import KVTransferLimits
 
     limits = KVTransferLimits(NEURON_KV["kv_connector"], NEURON_KV["kv_connector_module_path"],
                               "kv_both")

@@ -157,18 +157,20 @@ def test_payloads_no_load_will_take_are_deleted_at_once(model_dirs, tmp_path):
     assert kept.exists()
 
 
-@pytest.mark.parametrize("params, reason", [
-    ({"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "no neuron_kv object"),
-    (decode_params("../../etc/passwd", 70), "is not 32 lowercase hex digits"),
-    (decode_params("ab" * 16, 69), "num_tokens=69 is not this request's prompt length 70"),
+@pytest.mark.parametrize("params, reason, kept", [
+    ({"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "no neuron_kv object", None),
+    (decode_params("../../etc/passwd", 70), "is not 32 lowercase hex digits", None),
+    # the rest is wrong, the key is not: kept, so the worker deletes the payload
+    (decode_params("ab" * 16, 69), "num_tokens=69 is not this request's prompt length 70",
+     "ab" * 16),
 ])
-def test_params_that_cannot_name_a_payload_become_a_failed_load(configs, params, reason):
+def test_params_that_cannot_name_a_payload_become_a_failed_load(configs, params, reason, kept):
     side = SchedulerSide(configs["kv_both"])
     request = _request("d2", PROMPT, params)
     assert side.matched_tokens(request, 0) == (70, True)
     side.after_alloc(request, _blocks(3, 5, 11), 70)
     (load,) = side.build_meta(scheduler_output()).loads
-    assert load.key is None and reason in load.error
+    assert reason in load.error and load.key == kept
 
 
 def test_roles_limit_what_a_server_does(configs):
@@ -181,31 +183,40 @@ def test_roles_limit_what_a_server_does(configs):
     assert consumer.build_meta(scheduler_output([_new(prefill, [4, 9, 2])], scheduled={"p4": 70})).saves == []
 
 
-def test_the_worker_side_reports_every_load_and_its_failures(model_dirs, tmp_path):
-    """Load jobs whose payload is missing or whose params were unusable: logged, in
-    finished_recving and in failed_recving (vLLM then applies kv_load_failure_policy),
-    reported once; the backend's cache is left as it was."""
+def test_the_worker_side_reports_every_load_and_its_failures(model_dirs, tmp_path,
+                                                              monkeypatch):
+    """Load jobs whose payload is missing, not a regular file (a directory, a FIFO: never
+    a blocked read) or whose params were unusable: logged, in finished_recving and in
+    failed_recving (vLLM then applies kv_load_failure_policy), reported once; the
+    backend's cache is left as it was, and what cannot be deleted is left in place."""
     import numpy as np
 
     from neuron_plugin.backends.loader import open_backend
-    from neuron_plugin.core.kv_transfer import transfer_options
+    from neuron_plugin.core.kv_transfer import KEY_ENV, transfer_options
     from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
 
+    monkeypatch.setenv(KEY_ENV, "k" * 32)
     extra = {"path": str(tmp_path / "kv")}
     config = _vllm_config(model_dirs["llama"], extra=extra)
-    backend = open_backend(settings_from_vllm_config(config), model_dirs["llama"],
-                           str(tmp_path / "cache"))
+    settings = settings_from_vllm_config(config)
+    backend = open_backend(settings, model_dirs["llama"], str(tmp_path / "cache"))
     worker = WorkerSide(config, transfer_options(extra))
-    worker.bind(backend)
+    worker.bind(backend, settings)
+    (tmp_path / "kv" / f"{'ef' * 16}.safetensors").mkdir()
+    os.mkfifo(tmp_path / "kv" / f"{'01' * 16}.safetensors")
     before = backend.read_kv_blocks(np.array([3, 5, 11])).clone()
     worker.load([LoadJob("d4", "cd" * 16, None, [3, 5, 11], 0, PROMPT),
-                 LoadJob("d5", None, "bad params", [6], 0, PROMPT[:5])])
+                 LoadJob("d5", None, "bad params", [6], 0, PROMPT[:5]),
+                 LoadJob("d6", "ef" * 16, None, [3, 5, 11], 0, PROMPT),
+                 LoadJob("d7", "01" * 16, None, [3, 5, 11], 0, PROMPT)])
     results = worker.results()
-    assert results.finished_recving == {"d4", "d5"}
-    assert results.failed_recving == {"d4", "d5"}
+    assert results.finished_recving == {"d4", "d5", "d6", "d7"}
+    assert results.failed_recving == {"d4", "d5", "d6", "d7"}
     assert worker.results().finished_recving == set()
     assert backend.read_kv_blocks(np.array([3, 5, 11])).equal(before)
-    # the payload folder removed under a running server (a tmpfs cleaner): saves and the
-    # sweep that follows them log it, and the server goes on
+    assert (tmp_path / "kv" / f"{'ef' * 16}.safetensors").is_dir()  # not ours to remove
+    # the payload folder removed under a running server (a tmpfs cleaner): the sweep
+    # logs it, and the server goes on
     shutil.rmtree(tmp_path / "kv")
-    worker.save([])
+    worker.sweep()
+    worker.close()

@@ -21,6 +21,7 @@ from neuron_plugin.kv_transfer import params, payload
 GEOMETRY = KVGeometry(layers=2, block_size=4, kv_heads=2, head_dim=3, dtype="float32")
 MODEL = "a" * 64
 PROMPT = [5, 6, 7, 8, 9, 10]  # two blocks, the second partial
+SECRET = b"k" * 32
 
 
 def _kv(geometry: KVGeometry = GEOMETRY, blocks: int = 2) -> torch.Tensor:
@@ -28,13 +29,13 @@ def _kv(geometry: KVGeometry = GEOMETRY, blocks: int = 2) -> torch.Tensor:
 
 
 def _read(folder, key, geometry=GEOMETRY, prompt=PROMPT, model=MODEL):
-    return payload.read_payload(folder, key, model, geometry, prompt, max_blocks=4)
+    return payload.read_payload(folder, key, model, geometry, prompt, 4, SECRET)
 
 
 def test_round_trip_is_exact_and_leaves_no_partial_file(tmp_path):
     kv = _kv()
     key = params.new_key()
-    size = payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY)
+    size = payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
     assert os.listdir(tmp_path) == [f"{key}.safetensors"]
     assert (tmp_path / f"{key}.safetensors").stat().st_size == size
     assert oct((tmp_path / f"{key}.safetensors").stat().st_mode & 0o777) == "0o600"
@@ -47,7 +48,7 @@ def test_bfloat16_round_trip(tmp_path):
     geometry = dataclasses.replace(GEOMETRY, dtype="bfloat16")
     kv = _kv(geometry)
     key = params.new_key()
-    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, geometry)
+    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, geometry, SECRET)
     assert torch.equal(_read(tmp_path, key, geometry), kv)
 
 
@@ -69,7 +70,7 @@ def test_a_payload_of_another_configuration_is_refused_naming_it(tmp_path, chang
     blocks = -(-len(prompt) // written.block_size)
     key = params.new_key()
     payload.write_payload(tmp_path, key, _kv(written, blocks), prompt,
-                          change.get("model", MODEL), written)
+                          change.get("model", MODEL), written, SECRET)
     with pytest.raises(payload.PayloadError) as error:
         _read(tmp_path, key)
     assert reason in str(error.value)
@@ -97,7 +98,7 @@ def _rewrite_header(path, edit):
 ])
 def test_unknown_keys_and_formats_are_refused(tmp_path, edit, reason):
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     _rewrite_header(tmp_path / f"{key}.safetensors", edit)
     with pytest.raises(payload.PayloadError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         _read(tmp_path, key)
@@ -123,7 +124,7 @@ def test_a_pickle_is_never_unpickled(tmp_path, monkeypatch):
 
 def test_truncated_oversized_and_linked_files_are_refused(tmp_path):
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     path = tmp_path / f"{key}.safetensors"
     whole = path.read_bytes()
     path.write_bytes(whole[: len(whole) - 10])
@@ -155,7 +156,7 @@ def test_missing_payload_says_why_it_may_be_missing(tmp_path):
 def test_sweep_removes_only_old_payloads_and_partial_writes(tmp_path):
     old, fresh = params.new_key(), params.new_key()
     for key in (old, fresh):
-        payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY)
+        payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     partial = tmp_path / f".{params.new_key()}.123.partial"
     partial.write_bytes(b"x")
     other = tmp_path / "notes.txt"
@@ -216,3 +217,139 @@ def test_kv_transfer_params_parse_strictly():
         params.remote_prefill(params.decode_params(key, 5), 6)
     with pytest.raises(ValueError, match="format=2, expected 1"):
         params.remote_prefill({"neuron_kv": {"format": 2, "key": key, "num_tokens": 6}}, 6)
+
+
+# -- hostile payloads and their lifetime (issue 32) -------------------------------------
+def test_a_fifo_or_directory_at_a_payload_path_is_refused_without_blocking(tmp_path):
+    """A blocking open of a FIFO waits for a writer forever: the engine would hang."""
+    fifo, folder = params.new_key(), params.new_key()
+    os.mkfifo(tmp_path / f"{fifo}.safetensors")
+    (tmp_path / f"{folder}.safetensors").mkdir()
+    for key, kind in ((fifo, "a FIFO, device or socket"), (folder, "a directory")):
+        with pytest.raises(payload.PayloadError, match=f"is {kind}, not a regular file"):
+            _read(tmp_path, key)
+        with pytest.raises(payload.PayloadError, match=f"is {kind}"):
+            payload.check_available(tmp_path, key, len(PROMPT))
+    # deleting what is not a file never raises: logged, left in place
+    assert payload.remove_payload(tmp_path, folder) is False
+    assert (tmp_path / f"{folder}.safetensors").is_dir()
+    assert payload.remove_payload(tmp_path, params.new_key()) is True  # already gone: fine
+
+
+def test_non_finite_kv_is_refused_naming_where(tmp_path):
+    kv = _kv()
+    kv[1, 0, 1, 2, 0, 1] = float("inf")
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
+    with pytest.raises(payload.PayloadError, match=r"holds NaN or Inf \(1 values; the first "
+                                                   r"in layer 1's K cache, block 1\)"):
+        _read(tmp_path, key)
+
+
+def test_only_payloads_tagged_with_the_deployments_key_are_read(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    forged, changed, unsigned = params.new_key(), params.new_key(), params.new_key()
+    payload.write_payload(tmp_path, forged, _kv(), PROMPT, MODEL, GEOMETRY, b"x" * 32)
+    payload.write_payload(tmp_path, changed, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    path = str(tmp_path / f"{changed}.safetensors")
+    with safe_open(path, "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file({**tensors, "kv": tensors["kv"] * 1000}, path, metadata=metadata)
+    for key in (forged, changed):
+        with pytest.raises(payload.PayloadError, match="tag is not the one this deployment's "
+                                                       "key makes.*VLLM_NEURON_KV_KEY"):
+            _read(tmp_path, key)
+    # a payload renamed to another key is not that key's either
+    os.rename(tmp_path / f"{forged}.safetensors", tmp_path / f"{unsigned}.safetensors")
+    with pytest.raises(payload.PayloadError, match="tag is not the one"):
+        payload.read_payload(tmp_path, unsigned, MODEL, GEOMETRY, PROMPT, 4, b"x" * 32)
+    del metadata["hmac"]
+    save_file(tensors, path, metadata=metadata)
+    with pytest.raises(payload.PayloadError, match="its metadata keys are"):
+        _read(tmp_path, changed)
+
+
+def test_the_folder_holds_at_most_max_bytes_of_payloads(tmp_path):
+    size = payload.write_payload(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
+                                 SECRET)
+    cap = size + size // 2
+    assert payload.folder_bytes(tmp_path) == size
+    with pytest.raises(payload.PayloadError, match=rf"holds {size:,} bytes of payloads and "
+                                                   rf"{size:,} more would pass "
+                                                   rf"kv_connector_extra_config.max_bytes="
+                                                   rf"{cap:,}"):
+        payload.write_payload(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
+                              SECRET, max_bytes=cap)
+    assert len(os.listdir(tmp_path)) == 1
+    assert payload.default_max_bytes(tmp_path) > 0
+
+
+def test_a_payload_folder_another_user_may_write_is_refused(tmp_path):
+    folder = tmp_path / "kv"
+    assert payload.prepare_folder(folder) == folder
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    folder.chmod(0o777)
+    with pytest.raises(payload.PayloadError, match="lets that user read prompts"):
+        payload.prepare_folder(folder)
+
+
+def test_check_available_reads_the_header_only(tmp_path):
+    key = params.new_key()
+    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    payload.check_available(tmp_path, key, len(PROMPT))
+    with pytest.raises(payload.PayloadError, match="its prompt length is 6"):
+        payload.check_available(tmp_path, key, 7)
+    with pytest.raises(payload.PayloadError, match="no KV payload"):
+        payload.check_available(tmp_path, params.new_key(), 6)
+
+
+def test_the_payload_key_comes_from_the_environment_a_private_file_or_the_users_own(tmp_path):
+    from neuron_plugin.core.errors import NeuronConfigError
+    from neuron_plugin.kv_transfer import auth
+
+    assert auth.load_key({"VLLM_NEURON_KV_KEY": "s" * 40}) == b"s" * 40
+    with pytest.raises(NeuronConfigError, match="VLLM_NEURON_KV_KEY holds 5 characters"):
+        auth.load_key({"VLLM_NEURON_KV_KEY": "short"})
+    key_file = tmp_path / "key"
+    key_file.write_text("f" * 64 + "\n")
+    key_file.chmod(0o644)
+    with pytest.raises(NeuronConfigError, match="readable by others.*chmod 600"):
+        auth.load_key({"VLLM_NEURON_KV_KEY_FILE": str(key_file)})
+    key_file.chmod(0o600)
+    assert auth.load_key({"VLLM_NEURON_KV_KEY_FILE": str(key_file)}) == b"f" * 64
+    own = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    first = auth.load_key(own)
+    assert len(first) == 64 and auth.load_key(own) == first  # created once, then shared
+    path = auth.own_key_path(own)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("kv_params, n, streaming, reason", [
+    ("yes", 1, False, "kv_transfer_params must be an object"),
+    ({"do_remote_prefill": "true"}, 1, False, "do_remote_prefill='true' must be true or false"),
+    ({"do_remote_decode": True}, 2, False, "asks for n=2 sequences; its KV payload continues"),
+    ({"do_remote_decode": True}, 1, True, "cannot stream"),
+    (params.decode_params("ab" * 16, 6), 3, False, "asks for n=3 sequences from one"),
+    (params.decode_params("ab" * 16, 5), 1, False, "num_tokens=5 is not this request's"),
+    (params.decode_params("AB" * 16, 6), 1, False, "is not 32 lowercase hex digits"),
+])
+def test_params_the_connector_cannot_serve_are_refused_keeping_the_key(kv_params, n,
+                                                                       streaming, reason):
+    assert reason in params.request_refusal(kv_params, 6, n, streaming)
+    assert params.request_refusal(params.decode_params("ab" * 16, 6), 6, 1, True) is None
+    assert params.request_refusal({"do_remote_decode": True}, 6, 1, False) is None
+    assert params.named_key(params.decode_params("ab" * 16, 5)) == "ab" * 16
+    assert params.named_key({"neuron_kv": {"key": "../x"}}) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_finds_nan_and_inf_of_every_kv_dtype(dtype):
+    kv = torch.randn(3, 2, 2, 4, 2, 3).to(dtype)
+    assert payload.all_finite(kv)
+    assert payload.all_finite(torch.full_like(kv, torch.finfo(dtype).max))  # large is fine
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = kv.clone()
+        bad[2, 1, 1, 3, 1, 2] = value  # the last layer's last value
+        assert not payload.all_finite(bad), value

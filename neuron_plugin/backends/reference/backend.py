@@ -47,6 +47,7 @@ from neuron_plugin.backends.kv_blocks import (
     require_block_layout,
 )
 from neuron_plugin.backends.reference.decoder import (
+    COMPUTATION,
     DecoderGraph,
     DecoderSpec,
     load_weights,
@@ -155,6 +156,7 @@ class ReferenceBackend(InlineCalls):
                 "kv_slots": self.num_slots,
                 "torch": torch.__version__,
                 "graph_format": GRAPH_FORMAT,
+                "computation": COMPUTATION,
                 "draft_architecture": self.draft.spec.architecture if self.draft else None,
                 # absent without LoRA / quantization, so other records stay put
                 **({"lora_slots": self._lora_shapes()} if self.lora else {}),
@@ -194,7 +196,11 @@ class ReferenceBackend(InlineCalls):
             "target": {"device": "cpu", "machine": platform.machine()},
             # The artifact format is part of the key: entries of another format are
             # misses, never loaded.
-            "versions": {"torch": torch.__version__, "reference-graph-format": GRAPH_FORMAT},
+            "versions": {
+                "torch": torch.__version__,
+                "reference-graph-format": GRAPH_FORMAT,
+                "reference-computation": str(COMPUTATION),
+            },
             "compiler_flags": [],
             # Graphs take weights as inputs, so they do not depend on the checkpoint.
             "weights_fingerprint": None,

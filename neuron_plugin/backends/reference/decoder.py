@@ -17,7 +17,10 @@ j < full_context_lens[b] and, in a layer with a sliding window w, q - j < w (tra
 the full-length cache line (or block table) and mask the keys outside the window, rather
 than NxDI's rolling window-sized cache: the same attention, a larger cache. Masked scores
 use the dtype's minimum (not -inf) so fully padded rows stay finite and never poison the
-cache with NaNs.
+cache with NaNs. Values at key positions no query of a row sees are zeroed before the
+probabilities multiply them: a masked weight is 0, but 0 x NaN is NaN, and a cache slot
+a row does not see holds whatever an earlier request left there (`COMPUTATION` counts
+such changes in what a graph computes: it is part of the compile-cache key).
 
 With on-device sampling the graph also takes the call's `SamplingInputs` arrays
 (top_k, top_p, temperature: [batch], uniform: [batch, draws]) and returns (logits,
@@ -52,6 +55,10 @@ from neuron_plugin.backends.reference.architectures import (
 from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core.checkpoint import safetensors_files
+
+# Bumped whenever what a graph computes changes, so compiled graphs of earlier code are
+# cache misses (2: values of unseen key positions zeroed).
+COMPUTATION = 2
 
 __all__ = [
     "FAMILIES",
@@ -429,5 +436,8 @@ def _attend(
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if sinks is not None:
         probs = probs[..., :-1]
+    # stale slots no query of the row sees: zero, so a NaN there cannot reach the output
+    seen = visible.any(dim=-2).view(visible.shape[0], -1, 1, 1)  # [b or 1, width, 1, 1]
+    values = values.masked_fill(~seen, 0)
     vg = values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kv, 1, width, d]
     return (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)

@@ -36,7 +36,7 @@ from neuron_plugin.backends.runner.protocol import (
     read_message,
     write_message,
 )
-from neuron_plugin.core.adapters import AdapterWeights
+from neuron_plugin.core.adapters import AdapterError, AdapterWeights
 from neuron_plugin.core.checkpoint import (
     read_hf_config,
     safetensors_shapes,
@@ -149,8 +149,10 @@ class RunnerProcess:
             raise self._died(op)
         if not reply.get("ok"):
             error = reply.get("error", "unknown error")
-            if reply.get("type") == "NeuronConfigError":
-                raise NeuronConfigError(error.removeprefix("NeuronConfigError: "))
+            kind = reply.get("type")
+            if kind in ("NeuronConfigError", "AdapterError"):  # its message says the fix
+                cls = AdapterError if kind == "AdapterError" else NeuronConfigError
+                raise cls(error.removeprefix(f"{kind}: "))
             raise RunnerError(
                 f"the backend runner ({self.python}) failed {op}: {error}"
                 + (self._fix_for_start() if op == "hello" else "")
