@@ -227,6 +227,12 @@ def target_peak(values: list[int], vocab: int) -> int:
 
 
 
+def garbled_peak(values: list[int], vocab: int) -> int:
+    """A decoder a quantized layer of which got a float weight cast to its quantized
+    dtype, or no scale (quantization.cast_to_parameters): never the right answer."""
+    return (sum(values) + 6) % vocab
+
+
 def draft_peak(values: list[int], vocab: int) -> int:
     """The double's draft: the target's answer, one id higher when the query attends a
     multiple of DRAFT_MISS_EVERY keys."""
@@ -278,6 +284,8 @@ class NxDModel:
         self.draft_config = draft[0] if self.fused else None
         self.draft_sampler = Sampler(draft[0]) if self.fused else None
         self.packer = Packer(self._output_count(next(iter(graphs))))
+        # prefixes of the decoders with a garbled quantized layer (set at load)
+        self.garbled = set()
         self.attention = NeuronAttentionBase()
         # the device weights NxDI reaches (application_base.load_weights initialises them
         # per rank); the double holds only the LoRA weights there
@@ -374,7 +382,8 @@ class NxDModel:
         if self.window and inputs[0].shape[-1] == c.speculation_length:
             raise NotImplementedError("the NxDI double does not reproduce NxDI's "
                                       "speculation model over sliding-window attention")
-        logits = self._decoder(layout, self.target_prefix, c, target_peak,
+        logits = self._decoder(layout, self.target_prefix, c,
+                               self._peak(self.target_prefix, target_peak),
                                lora_values=self._lora_values(tag, inputs))
         if self.sampler is None:
             return {"logits": logits}
@@ -382,6 +391,9 @@ class NxDModel:
         if self.output_logits[tag]:
             outputs["logits"] = logits
         return outputs
+
+    def _peak(self, prefix, peak):
+        return garbled_peak if prefix in self.garbled else peak
 
     @staticmethod
     def _value(stored) -> int:
@@ -584,8 +596,10 @@ class NxDModel:
         c = self.config
         ids, mask, positions, seq_ids, sampling_params = inputs[:5]
         layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
-        target_logits = self._decoder(layout, self.target_prefix, c, target_peak)
-        draft_logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
+        target_logits = self._decoder(layout, self.target_prefix, c,
+                                      self._peak(self.target_prefix, target_peak))
+        draft_logits = self._decoder(layout, self.draft_prefix, self.draft_config,
+                                     self._peak(self.draft_prefix, draft_peak))
         target_token = self.sampler(target_logits[:, -1, :], sampling_params).to(torch.int32)
         self.draft_sampler(draft_logits[:, -1, :], sampling_params)  # dropped by NxDI
         rows = ids.shape[0]
@@ -620,7 +634,8 @@ class NxDModel:
             layout = (candidates[:, -1:], draft_mask, position, seq_ids)
             if self.block:
                 layout += (inputs[7][:, i:i + 1], inputs[8])
-            logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
+            logits = self._decoder(layout, self.draft_prefix, self.draft_config,
+                                   self._peak(self.draft_prefix, draft_peak))
             draft_logits.append(logits)
             token = self._sample_on_device(self.draft_sampler, self.draft_config, logits,
                                            sampling_params)
@@ -632,7 +647,8 @@ class NxDModel:
         layout = (candidates[:, :-1], mask, target_positions, seq_ids)
         if self.block:
             layout += (inputs[7], inputs[8])
-        target_logits = self._decoder(layout, self.target_prefix, c, target_peak,
+        target_logits = self._decoder(layout, self.target_prefix, c,
+                                      self._peak(self.target_prefix, target_peak),
                                       recompute_slots=False)
         target_tokens = self._sample_on_device(self.sampler, c, target_logits,
                                                sampling_params)
