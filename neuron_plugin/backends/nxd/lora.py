@@ -258,18 +258,19 @@ class NxDAdapters:
                 self._index[other] = self.base_index
         if previous is not None:
             _release(manager, previous)
+        cause: Exception | None = None
         try:
             loaded = manager.add_adapter(_Request(name, adapter.path))
             why = "" if loaded else "LoraModelManager.add_adapter returned False"
         except Exception as exc:  # NxDI's loader: missing files, bad tensors, ...
-            why = f"{type(exc).__name__}: {exc}"
+            cause, why = exc, f"{type(exc).__name__}: {exc}"
         if why:
             _release(manager, name)  # whatever of it NxDI kept
             raise AdapterError(
                 f"LoRA adapter {adapter.name!r} (id {adapter.adapter_id}) from "
                 f"{adapter.path}: NxD Inference could not load it ({why}); its requests "
                 f"fail, other adapters and the base model keep serving."
-            )
+            ) from cause
         self._names[slot] = name
         self._index[slot] = manager.convert_adapter_id_to_index(name)
 

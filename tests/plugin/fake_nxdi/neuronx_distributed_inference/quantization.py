@@ -19,7 +19,8 @@ quantizers (quantization/quantization_utils.py, observer.py, quantization_config
   when quantized_checkpoints_path is an existing folder (one name of tensors that share
   memory, see _without_shared), else torch.save(path).
 The double computes these itself; the numbers match neuronx-distributed's (the plugin's
-reference quantizer is checked against the real code, tests/e2e/test_nxdi_cpu_mode.py)."""
+reference quantizer is checked against the real code, tests/e2e/test_nxdi_quantize.py).
+What a device then loads from it: cast_to_parameters."""
 
 import os
 import warnings
