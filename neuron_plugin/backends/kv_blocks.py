@@ -109,6 +109,17 @@ def checked_block_ids(
     return ids
 
 
+def block_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """`ids` as runs of consecutive block ids: (first block id, blocks, position of the
+    first in `ids`) each, in the order of `ids`. A backend whose cache cannot be indexed
+    by a tensor of ids (NxD's device tensors) moves each run as one contiguous slice, so
+    a move costs in the blocks moved and the runs, never in the cache's size."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    counts = np.diff(np.concatenate((starts, [ids.size])))
+    return [(int(ids[a]), int(n), int(a)) for a, n in zip(starts, counts, strict=True)]
+
+
 def check_blocks_tensor(geometry: KVGeometry, blocks: int, kv: torch.Tensor) -> None:
     """`kv` is `blocks` blocks of `geometry`, exactly."""
     expected = geometry.shape(blocks)

@@ -32,18 +32,22 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return sorted(Path(model_dir).glob("*.safetensors"))
 
 
-def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
-    """Tensor name -> shape over every *.safetensors file, read from the headers only
+def safetensors_header(model_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> its header entry (`dtype` as safetensors spells it, e.g. "I8",
+    "BF16"; `shape`) over every *.safetensors file, read from the headers only
     (8-byte little-endian header length, then a JSON header)."""
-    shapes: dict[str, list[int]] = {}
+    entries: dict[str, dict[str, Any]] = {}
     for path in safetensors_files(model_dir):
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        shapes.update(
-            {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-        )
-    return shapes
+        entries.update({name: entry for name, entry in header.items() if name != "__metadata__"})
+    return entries
+
+
+def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """Tensor name -> shape over every *.safetensors file (`safetensors_header`)."""
+    return {name: list(entry["shape"]) for name, entry in safetensors_header(model_dir).items()}
 
 
 # Files whose loading unpickles (torch.load), which can run code: never read.

@@ -220,10 +220,12 @@ class NeuronSettings:
         the length a logits-free step would), at the full batch (NxDI batch-buckets only
         its own token-generation submodel; backends/nxd/graphs.py). NxDI's tensor capture
         (`tensor_capture_config`) forces output_logits on and puts the captured tensors
-        after the logits, so with it every graph keeps its logits (none are split). With
-        speculation NxDI's speculation or fused speculation model replaces its
-        token-generation model, and returns logits where the configuration has them."""
-        if self.backend != "nxd" or not self.on_device_sampling or self.speculation_method:
+        after the logits, so with it every graph keeps its logits (none are split).
+        n-gram speculation splits NxDI's speculation model, which replaces its
+        token-generation model, the same way (its logits are [batch, speculation_length,
+        vocab] a call); fused speculation compiles no logits at all
+        (backends/nxd/neuron_config.py)."""
+        if self.backend != "nxd" or not self.on_device_sampling or self.is_fused_speculation:
             return []
         if self.passthrough.get("tensor_capture_config"):
             return []

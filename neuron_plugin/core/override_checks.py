@@ -55,7 +55,12 @@ UNSUPPORTED_KEYS = {
         "being truncated; remove allow_input_truncation"
     ),
     "async_mode": (
-        "the plugin reads each step's logits before scheduling the next; remove async_mode"
+        "NxDI dispatches it from ModelWrapper._forward (_process_async_inputs -> "
+        "nxd_model.forward_async, NxDI 0.9 model_wrapper.py lines 705-707, 1145-1234), "
+        "which the plugin replaces to run each graph by its tag (backends/nxd/graphs.py "
+        "TaggedGraphs), and answers with NxDI's AsyncTensorWrapper, which the plugin "
+        "does not read; steps overlap through vLLM's async scheduling instead (on by "
+        "default with on-device sampling), so remove async_mode"
     ),
     "speculation_length": _SPECULATION,
     "enable_fused_speculation": _SPECULATION,

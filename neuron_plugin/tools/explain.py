@@ -180,7 +180,8 @@ def logits_traffic(settings: NeuronSettings, hf_config: dict) -> dict[str, int |
     if not vocab:
         return {"vocab_size": None, "prefill": None, "decode": None, "decode_with_host_rows": None}
     row = 4 * int(vocab)
-    full = row * settings.max_num_seqs
+    # n-gram speculation's graphs return every position's logits (speculation_length)
+    full = row * settings.max_num_seqs * max(1, settings.speculation_length)
     if not settings.on_device_sampling:
         return {"vocab_size": vocab, "prefill": row, "decode": full, "decode_with_host_rows": full}
     split = bool(settings.token_generation_logits_shapes())

@@ -804,6 +804,53 @@ def test_kv_blocks_are_layer_major_with_ranks_heads_in_order(release, tiny, tmp_
     assert torch.equal(backend.read_kv_blocks(np.array([9, 3])), kv[:, :, [1, 0]])
 
 
+def test_nxd_state_tensors_refuse_what_the_neuron_runtime_refuses(release, tiny, tmp_path):
+    """The double's state tensors stand in for NxD's device tensors (_device.py): views
+    and contiguous host copies work, gathers, scatters, copies between two device
+    tensors and host copies of non-contiguous views do not."""
+    backend = loaded(settings(PREFIX), tiny, tmp_path / "graphs")
+    state = backend.model.context_encoding_model.model.nxd_model.state
+    k0, k1 = state[0]["kv_mgr.past_key_values.0"], state[1]["kv_mgr.past_key_values.0"]
+    blocks = k0.view(k0.shape[0], 32, 1, 64)
+    assert blocks.narrow(0, 3, 2).cpu().shape == (2, 32, 1, 64)
+    blocks.narrow(0, 3, 2).copy_(torch.ones(2, 32, 1, 64))
+    with pytest.raises(RuntimeError, match="index_select"):
+        blocks.index_select(0, torch.tensor([3, 4]))
+    with pytest.raises(RuntimeError, match="index_copy_"):
+        blocks.index_copy_(0, torch.tensor([3]), torch.zeros(1, 32, 1, 64))
+    with pytest.raises(RuntimeError, match="indexing by a tensor"):
+        blocks[torch.tensor([3, 4])]
+    with pytest.raises(RuntimeError, match="different parent tensors"):
+        k0.copy_(k1)
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        blocks[:, :16].cpu()
+    with pytest.raises(RuntimeError, match="contiguous tensors on both sides"):
+        blocks.narrow(0, 3, 1).copy_(torch.ones(64, 1, 32, 1).transpose(0, 3))
+
+
+@pytest.mark.parametrize("blocks", [64, 256])
+def test_kv_block_moves_cost_the_blocks_moved_not_the_cache(release, tiny, tmp_path, blocks):
+    """A read or a write moves each run of consecutive blocks of each state tensor in one
+    contiguous host<->device copy: the bytes and copies depend on the blocks and runs,
+    whatever the cache's size."""
+    from neuronx_distributed_inference._device import TRANSFERS
+
+    s = settings({**PREFIX, "num_gpu_blocks_override": blocks})
+    backend = loaded(s, tiny, tmp_path / "graphs")
+    geometry = backend.kv_geometry()
+    ids = np.array([3, 4, 5, 9])  # two runs
+    TRANSFERS.clear()
+    kv = backend.read_kv_blocks(ids)
+    tensors = 2 * geometry.layers * 2  # (K, V) x layers x TP ranks
+    assert [d for d, _ in TRANSFERS] == ["to_host"] * 2 * tensors
+    assert sum(n for _, n in TRANSFERS) == 4 * geometry.block_bytes
+    TRANSFERS.clear()
+    backend.write_kv_blocks(np.array([20, 7, 8, 9]), kv)
+    assert [d for d, _ in TRANSFERS] == ["to_device"] * 2 * tensors
+    assert sum(n for _, n in TRANSFERS) == 4 * geometry.block_bytes
+    assert torch.equal(backend.read_kv_blocks(np.array([20, 7, 8, 9])), kv)
+
+
 @pytest.mark.parametrize("block_ids, message", [
     ([0], r"outside 1\.\.32 \(block 0 is vLLM's null block\)"),
     ([33], "outside 1..32"),

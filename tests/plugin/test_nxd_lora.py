@@ -91,7 +91,7 @@ def test_rows_get_their_adapters_and_keep_them_from_prefill(monkeypatch, tiny, l
         backend.set_adapter(1, adapter("a", paths["a"], 1))
         backend.set_adapter(2, adapter("b", paths["b"], 2))
         manager = backend.model.lora_model_manager
-        assert set(manager.cpu_cache.positions) == {0, 1, 2}  # base, a, b
+        assert set(manager.cpu_adapter_cache.map) == {0, 1, 2}  # base, a, b
         prompts = {0: [3, 4, 5], 1: [7, 8], 2: [9, 10, 11, 12]}
         slots = {0: 1, 1: 0, 2: 2}  # seq 0: a, seq 1: the base model, seq 2: b
         shift = {0: value(paths["a"]), 1: 0, 2: value(paths["b"])}
@@ -102,7 +102,7 @@ def test_rows_get_their_adapters_and_keep_them_from_prefill(monkeypatch, tiny, l
         # the plugin's slot 1 now takes "c": NxDI forgets "a" on the CPU, the running
         # request of seq 0 keeps a's weights (weight_active), seq 3 prefills with c
         backend.set_adapter(1, adapter("c", paths["c"], 3))
-        assert manager.lora_adapter_id_mapping["a"] not in manager.cpu_cache.positions
+        assert manager.lora_adapter_id_mapping["a@1"] not in manager.cpu_adapter_cache.map
         c_token = prefill(backend, s, [20, 21], 3, 1)
         assert c_token == (expected([20, 21]) + value(paths["c"])) % 977
         inputs = token_generation_inputs(s, np.array([1, 2, 3, 4]), np.array([3, 2, 4, 2]),
@@ -178,3 +178,59 @@ def test_cache_key_covers_slot_shapes_not_adapters(nxdi, tiny, lora_adapters):
     assert key(one) == key(other)
     assert key(one) != key(one, max_lora_rank=16)
     assert key(one) != key(one, max_loras=3)
+
+
+def test_a_reused_name_serves_its_new_weights(monkeypatch, tiny, lora_adapters, tmp_path):
+    """vLLM gives a name loaded again (after /v1/unload_lora_adapter) from another folder
+    a new lora_int_id; NxDI keys its caches by name and would keep the old weights on
+    the CPU and the device (lora_model.py add_new_cpu_adapter, insert_device_adapter).
+    The old adapter and the new one, in two slots at once, each serve their own."""
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = lora_settings()
+        backend = loaded(s, tiny, tmp_path / "graphs")
+        first, second = lora_adapters["lora-a"], lora_adapters["lora-c"]
+        assert value(first) != value(second)
+        backend.set_adapter(1, adapter("shared", first, 1))
+        assert prefill(backend, s, [3, 4], 0, 1) == (expected([3, 4]) + value(first)) % 977
+        backend.set_adapter(2, adapter("shared", second, 2))  # unloaded, loaded anew
+        assert prefill(backend, s, [3, 4], 1, 2) == (expected([3, 4]) + value(second)) % 977
+        assert prefill(backend, s, [3, 4], 2, 1) == (expected([3, 4]) + value(first)) % 977
+        backend.set_adapter(1, adapter("other", lora_adapters["lora-b"], 3))  # evicts id 1
+        assert prefill(backend, s, [3, 4], 3, 2) == (expected([3, 4]) + value(second)) % 977
+    finally:
+        purge()
+
+
+def test_an_adapter_nxdi_cannot_load_empties_its_slot_only(monkeypatch, tiny, lora_adapters,
+                                                          tmp_path):
+    """An adapter whose folder is gone: AdapterError naming it and NxDI's reason; its
+    slot is empty (the base model) and NxDI holds no part of it; the next adapter into
+    that slot loads (NxDI's remove_adapter is never called for one it does not hold, a
+    KeyError there), and the other slot serves on."""
+    from neuron_plugin.core.adapters import AdapterError
+
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = lora_settings()
+        backend = loaded(s, tiny, tmp_path / "graphs")
+        a, b = lora_adapters["lora-a"], lora_adapters["lora-b"]
+        gone = tmp_path / "gone"
+        shutil.copytree(lora_adapters["lora-c"], gone)
+        backend.set_adapter(1, adapter("a", a, 1))
+        backend.set_adapter(2, adapter("c", gone, 3))
+        shutil.rmtree(gone)
+        backend.set_adapter(2, adapter("b", b, 2))  # c leaves NxDI
+        with pytest.raises(AdapterError, match=r"'c' \(id 3\).*FileNotFoundError"):
+            backend.set_adapter(2, adapter("c", gone, 3))  # NxDI re-reads its files
+        manager = backend.model.lora_model_manager
+        assert set(manager.cpu_adapter_cache.map) == {0, manager.lora_adapter_id_mapping["a@1"]}
+        assert prefill(backend, s, [3, 4], 0, 2) == expected([3, 4])  # the base model
+        assert prefill(backend, s, [3, 4], 1, 1) == (expected([3, 4]) + value(a)) % 977
+        with pytest.raises(AdapterError, match="'c'"):
+            backend.set_adapter(2, adapter("c", gone, 3))
+        backend.set_adapter(2, adapter("b", b, 2))
+        assert prefill(backend, s, [3, 4], 2, 2) == (expected([3, 4]) + value(b)) % 977
+        assert prefill(backend, s, [3, 4], 3, 1) == (expected([3, 4]) + value(a)) % 977
+    finally:
+        purge()

@@ -31,7 +31,8 @@ from neuron_plugin.backends.nxd.neuron_config import (
     neuron_config_kwargs,
     unknown_kwargs,
 )
-from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.backends.base import graph_specs, run_graph_once
+from neuron_plugin.backends.nxd.graphs import SPECULATION_LOGITS_TAG
 from neuron_plugin.core.inputs import (
     context_encoding_inputs,
     padding_inputs,
@@ -207,7 +208,9 @@ def test_greedy_output_equals_plain_decoding(release, target, draft, tmp_path, m
     # speculation paid off: rows with budgets took more than one token a step
     assert len(history[0]) > len(PROMPTS[0]) + 1 + 14
     tags = {tag for tag, _ in backend.model.traced_model.ran}
-    generation = "fused_speculation_model" if method == "draft_model" else "speculation_model"
+    # every n-gram step has the host row, so its logits variant runs (graphs)
+    generation = ("fused_speculation_model" if method == "draft_model"
+                  else SPECULATION_LOGITS_TAG)
     assert tags == {"context_encoding_model", generation}
 
 
@@ -297,12 +300,52 @@ def test_ngram_call_arguments(release, target, tmp_path):
                                              [255] * 4]
     assert args["attention_mask"].shape == (4, 130)
     assert args["attention_mask"].sum(axis=1).tolist() == [130, 0, 3, 0]
-    out = backend.run(inputs, sampling(2, np.array([False, True])))
+    out = backend.run(inputs, sampling(2))
     call = backend.model.traced_model.inputs[-1]
     assert backend.model.traced_model.ran[-1] == ("speculation_model", 256)
     assert [tuple(t.shape) for t in call[:5]] == [(4, 4), (4, 256), (4, 4), (4,), (4, 3)]
+    assert out.logits.shape == (0, VOCAB)
+    # a host row: the logits variant, whose tag NxDI adds no lookahead for, so the
+    # mask carries it (130 + 4 < 256 still picks 256)
+    logits_args, _ = model_arguments(s, inputs, logits=True)
+    assert logits_args["attention_mask"].shape == (4, 134)
+    assert (logits_args["attention_mask"][:, 130:] == 0).all()
+    out = backend.run(inputs, sampling(2, np.array([False, True])))
+    assert backend.model.traced_model.ran[-1] == (SPECULATION_LOGITS_TAG, 256)
     assert out.tokens[1, 1:].tolist() == [NO_TOKEN] * 3  # the host row takes no drafts
     assert out.logits.shape == (1, VOCAB)
+
+
+def test_ngram_steps_sampled_on_the_device_move_no_logits(release, target, tmp_path):
+    """With output_logits NxDI's speculation model returns [batch, speculation_length,
+    vocab] float32 logits every call (about 80 MB a step at batch 32, 4 drafts and a
+    128k vocabulary). A step whose rows all sample on the device runs it compiled
+    without logits; a step with a host row runs its logits variant; both give the same
+    tokens."""
+    s = settings("ngram")
+    outputs = {}
+    for host in (False, True):
+        backend = loaded(s, target, tmp_path / str(host))
+        history = {seq: list(prompt) for seq, prompt in PROMPTS.items()}
+        prefill(backend, s, history)
+        seqs = sorted(history)
+        inputs = token_generation_inputs(
+            s, np.array([history[q][-1] for q in seqs]),
+            np.array([len(history[q]) - 1 for q in seqs]), np.array(seqs), None,
+            np.array([[5, 6, 7]] * 4), np.array([3] * 4))
+        out = backend.run(inputs, sampling(4, np.array([False, False, False, host])))
+        traced = backend.model.traced_model
+        if host:
+            assert traced.ran[-1][0] == SPECULATION_LOGITS_TAG
+            assert traced.returned[-1]["logits"] == 4 * K * 4 * (VOCAB + VOCAB % 2)
+            assert out.logits.shape == (1, VOCAB)
+        else:
+            assert traced.ran[-1][0] == "speculation_model"
+            assert set(traced.returned[-1]) == {"tokens"}
+            assert out.logits.shape == (0, VOCAB)
+        outputs[host] = out.tokens
+    assert (outputs[False][:3] == outputs[True][:3]).all()
+    assert s.token_generation_logits_shapes() == [(4, n) for n in s.token_generation_buckets]
 
 
 @pytest.mark.parametrize("limits", [{}, PREFIX], ids=["contiguous", "block"])
@@ -380,16 +423,17 @@ def test_fused_bucket_leaves_room_for_the_lookahead(release, target, draft, tmp_
 def test_padding_only_calls_run_each_graph(release, target, draft, tmp_path, method, limits):
     s = settings(method, draft, limits)
     backend = loaded(s, target, tmp_path / "g")
-    generation = "fused_speculation_model" if method == "draft_model" else "speculation_model"
     for graph in graph_specs(s):
         inputs = padding_inputs(s, graph.phase, graph.shape)
         if graph.phase == "token_generation":  # a stand-in at the bucket's last position
-            p = padding_arguments(s, inputs)["position_ids"][0, 0]
+            p = padding_arguments(s, inputs, graph.logits)["position_ids"][0, 0]
             assert p + 1 + K == min(graph.shape[1], s.max_model_len - 1 + K)
-        assert backend.forward(inputs).shape == (0, VOCAB)
+        run_graph_once(backend, graph)
         tag, bucket = backend.model.traced_model.ran[-1]
+        generation = {"draft_model": "fused_speculation_model",
+                      "ngram": SPECULATION_LOGITS_TAG if graph.logits else "speculation_model"}
         assert tag == ("context_encoding_model" if graph.phase == "context_encoding"
-                       else generation)
+                       else generation[method])
         assert np.atleast_1d(bucket)[-1] == graph.shape[-1]
 
 

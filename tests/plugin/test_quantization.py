@@ -226,3 +226,71 @@ def test_quantize_never_writes_over_the_model_or_other_files(model_dirs, tmp_pat
     assert check_output_folder(quantized(previous).quantization, str(model)) == previous
     new = tmp_path / "new"
     assert check_output_folder(quantized(new).quantization, str(model)) == new
+
+
+@pytest.mark.parametrize("keys", [{}, {"modules_to_not_convert": ["lm_head"]},
+                                  {"quantization_type": "per_tensor_symmetric"}],
+                         ids=["per-channel", "float-head", "per-tensor"])
+def test_nxd_tied_head_is_served_as_the_checkpoint_holds_it(keys, model_dirs, monkeypatch,
+                                                            tmp_path):
+    """The tiny Qwen3 ties lm_head to the embedding. NxDI's loader would replace the
+    checkpoint's quantized head by the float embedding (application_base.get_state_dict)
+    and neuronx-distributed cast it to int8 (ModelBuilder.cast_weights), which the double
+    reproduces (its graphs then answer garbage): the device gets the int8 head the
+    checkpoint holds. Kept float (modules_to_not_convert), the head is the embedding,
+    which NxDI's writer stores once and its loader copies."""
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = quantized(tmp_path / "q", "qwen3", backend="nxd", **keys)
+        backend = NxDBackend(s, model_dirs["qwen3"])
+        backend.quantize()
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        head = backend.model.loaded_weights[0]["lm_head.weight"]
+        written = _written(tmp_path / "q")
+        float_head = bool(keys.get("modules_to_not_convert"))
+        assert ("lm_head.weight" in written) != float_head
+        assert torch.equal(head, written["embed_tokens.weight" if float_head
+                                          else "lm_head.weight"])
+        assert head.dtype == (torch.float32 if float_head else torch.int8)
+        assert not backend.model.traced_model.nxd_model.garbled
+        prompt = np.array([3, 4, 5])
+        vocab = json.loads((model_dirs["qwen3"] / "config.json").read_text())["vocab_size"]
+        logits = backend.forward(context_encoding_inputs(s, prompt, 0, 0, None))
+        assert logits.argmax(-1).tolist() == [(int(prompt.sum()) + len(prompt) - 1) % vocab]
+        if float_head:
+            return
+        # a checkpoint without the quantized head: refused, naming the tie
+        save_file({k: v.contiguous() for k, v in written.items() if not k.startswith("lm_head")},
+                  str(tmp_path / "q" / "model.safetensors"))
+        with pytest.raises(NeuronConfigError, match="no lm_head.weight.*ties lm_head to "
+                                                    "embed_tokens.*neuron-plugin quantize"):
+            NxDBackend(s, model_dirs["qwen3"]).load(tmp_path / "graphs")
+    finally:
+        purge()
+
+
+def test_nxd_fused_draft_with_quantized_weights_is_refused(model_dirs, monkeypatch, tmp_path):
+    """NxDI converts a fused draft's layers like the model's and loads the draft's float
+    weights into them without scales (the double reproduces it: a garbage draft, every
+    draft rejected, no speed-up): refused before anything compiles."""
+    from tests.plugin.test_nxd_speculation import settings as spec_settings
+
+    override = {"quantized": True, "quantized_checkpoints_path": str(tmp_path / "q"),
+                "quantization_type": "per_channel_symmetric"}
+    s = spec_settings("draft_model", model_dirs["qwen3"], override=override)
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        with pytest.raises(NeuronConfigError, match=r"quantized: true.*fused draft.*own float "
+                                                     r"folder.*ngram"):
+            NxDBackend(s, model_dirs["llama"])
+        # what NxDI would do, past the refusal: the draft's layers are garbage
+        monkeypatch.setattr("neuron_plugin.backends.nxd.backend.refuse_quantized_draft",
+                            lambda settings: None)
+        backend = NxDBackend(s, model_dirs["llama"])
+        backend.quantize()
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        assert backend.model.traced_model.nxd_model.garbled == {"draft_model."}
+    finally:
+        purge()

@@ -20,7 +20,10 @@ Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router
   width in its 1-D path, >= width in the 0.8+ batch-bucketing path) the plugin's first
   fit. A call of a token-generation logits graph (`graphs`) takes NxDI's 1-D path at
   the full batch: NxDI batch-buckets only the submodel tagged token_generation_model
-  (model_wrapper.get_target_bucket, `self.tag == TOKEN_GENERATION_MODEL_TAG`).
+  (model_wrapper.get_target_bucket, `self.tag == TOKEN_GENERATION_MODEL_TAG`), and adds
+  the speculation lookahead only for the tags speculation_model and
+  fused_speculation_model, so n-gram speculation's logits variant gets a mask
+  speculation_length columns wider (zeros, as NxDI pads it).
 - Speculative decoding (core.speculation), as NxDI's generation models take it
   (model_base.py NeuronBaseForCausalLM._get_model_outputs, ef2731e lines 3549-3735):
   n-gram rows go to the speculation model with input ids and positions [rows,
@@ -64,15 +67,16 @@ def model_arguments(
     return _decode_arguments(settings, inputs, logits)
 
 
-def _decode_graph(
-    settings: NeuronSettings, inputs: ForwardInputs, logits: bool
-) -> tuple[int, bool]:
-    """(rows, whether NxDI picks the length in its 2-D batch-bucketing path) of the
-    token-generation graph a decode runs: a logits graph takes the full batch in the
-    1-D path (a decode built for a smaller batch bucket is padded up to it)."""
+def _decode_graph(settings: NeuronSettings, inputs: ForwardInputs, logits: bool) -> tuple[int, int]:
+    """(rows, columns the attention mask gets beyond the longest row's positions) of
+    the token-generation graph a decode runs, so that NxDI's length choice is the
+    plugin's first fit: one in NxDI's 2-D batch-bucketing path (bucket >= width, not >);
+    a logits graph takes the full batch in the 1-D path (a decode built for a smaller
+    batch bucket is padded up to it), and n-gram speculation's logits variant, whose tag
+    NxDI adds no lookahead for (graphs), speculation_length zero columns."""
     if logits and settings.token_generation_logits_shapes():
-        return settings.token_generation_logits_shapes()[0][0], False
-    return inputs.bucket[0], batch_bucketing(settings)
+        return settings.token_generation_logits_shapes()[0][0], settings.speculation_length
+    return inputs.bucket[0], int(batch_bucketing(settings))
 
 
 def context_positions(length: int, width: int, window: int | None) -> np.ndarray:
@@ -121,7 +125,7 @@ def _context_arguments(settings: NeuronSettings, inputs: ForwardInputs) -> dict[
 def _decode_arguments(
     settings: NeuronSettings, inputs: ForwardInputs, logits: bool
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    (rows, two_d), real = _decode_graph(settings, inputs, logits), inputs.num_real
+    (rows, extra), real = _decode_graph(settings, inputs, logits), inputs.num_real
     seq = inputs.seq_ids[:real]
     missing = np.setdiff1d(np.arange(rows), seq)
     if missing.size != rows - real:
@@ -167,7 +171,7 @@ def _decode_arguments(
     args["full_context_lens"][pad] = last + 1
     args["computed_context_lens"][pad] = last
     positions = np.where(pad, 0, args["position_ids"][:, 0])
-    width = int(positions.max()) + int(two_d)
+    width = int(positions.max()) + extra
     args["attention_mask"] = (np.arange(width)[None, :] < positions[:, None]).astype(np.int64)
     return args, np.argsort(order)[:real]
 

@@ -24,7 +24,9 @@ the model with the contract's arguments (`arguments`).
   existing folder so NxDI writes safetensors (application_base.py 756-770; a path that
   is not a folder would get a `torch.save` pickle); loading reads it from
   `quantized_checkpoints_path` (checkpoint_loader_fn), refused unless it is such a
-  folder. Compiling never writes it.
+  folder. Compiling never writes it. A tied lm_head is loaded as the checkpoint holds
+  it, not from the embedding, and a fused draft with quantized weights is refused
+  (`quantized`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ from neuron_plugin.backends.nxd.outputs import (
     call_budget,
     emitted_tokens,
     first_position_logits,
+)
+from neuron_plugin.backends.nxd.quantized import (
+    check_quantized_head,
+    refuse_quantized_draft,
+    untie_quantized_head,
 )
 from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
@@ -136,7 +143,9 @@ class NxDBackend(InlineCalls):
             self.draft_config = read_hf_config(settings.draft_model)
             self.draft_cls = self._draft_class(self.draft_config)
         check_speculation_models(settings, self.hf_config, self.draft_config)
+        refuse_quantized_draft(settings)
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
+        self.tied_head = False  # NxDI's tie of a quantized lm_head undone (_new_model)
         self.adapters: NxDAdapters | None = None
         if settings.max_loras:
             self.adapters = NxDAdapters(settings, self.nxdi.lora, self.nxdi.version or "(unknown)")
@@ -227,6 +236,7 @@ class NxDBackend(InlineCalls):
         config = self.model_cls.get_config_cls()(
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
+        self.tied_head = untie_quantized_head(config, self.settings)
         if self.settings.is_fused_speculation:
             # Attached after construction, as vllm-neuron does (a model's own config class
             # may not take the keyword).
@@ -287,11 +297,15 @@ class NxDBackend(InlineCalls):
 
     def _quantized_folder(self) -> Path | None:
         """The quantized checkpoint's folder (None unquantized), checked before NxDI
-        reads it: safetensors in a folder, nothing it would unpickle."""
+        reads it (after _new_model): safetensors in a folder, nothing it would unpickle,
+        and a tied model's quantized lm_head (nxd.quantized)."""
         quantization = self.settings.quantization
         if quantization is None:
             return None
-        return check_checkpoint_folder(quantization, str(self.model_dir))
+        folder = check_checkpoint_folder(quantization, str(self.model_dir))
+        if self.tied_head:
+            check_quantized_head(quantization, folder, str(self.model_dir))
+        return folder
 
     def quantize(self) -> dict[str, Any]:
         """NxDI's quantized checkpoint of the model, written by NxDI's own
@@ -312,7 +326,7 @@ class NxDBackend(InlineCalls):
         folder.mkdir(parents=True, exist_ok=True)
         model = self._new_model()
         self.model_cls.save_quantized_state_dict(str(self.model_dir), model.config)
-        check_checkpoint_folder(quantization, str(self.model_dir))
+        self._quantized_folder()
         return {
             "path": str(folder),
             "quantization": quantization.describe(),
@@ -321,8 +335,8 @@ class NxDBackend(InlineCalls):
 
     def load(self, folder: Path) -> None:
         check_artifact_record(Path(folder), self._record())
-        self._quantized_folder()
         model = self._new_model()
+        self._quantized_folder()
         if self.on_cpu:
             cpu_mode.refuse_quantized(self.settings)
             cpu_mode.load(model)

@@ -15,6 +15,13 @@ config, model_wrapper.DecoderModelInstance), so the application gets:
   the KV cache state with every other submodel: NxD's ModelBuilder compiles every
   submodel against one weight set and one state (neuronx-distributed
   trace/model_builder.py build_nxd_model, build_state_initializer).
+- With n-gram speculation NxDI's `speculation_model` (model_base.py enable_speculation,
+  ef2731e lines 3155-3179) replaces the token-generation submodel and returns
+  [batch, speculation_length, vocab] logits a call: it is split the same way, its logits
+  variant `speculation_logits_model` (SPECULATION_LOGITS_TAG). NxDI adds the lookahead
+  to a call's need only for the tag `speculation_model` (model_wrapper.py
+  get_target_bucket), so the variant's calls carry it in the mask's width
+  (nxd/arguments.py).
 
 Two things in NxD and NxDI would pick the wrong graph, so the plugin decides both:
 - NxD's router finds a graph by the shapes of its inputs alone (trace/spmd.py
@@ -42,16 +49,21 @@ from neuron_plugin.core.inputs import CONTEXT_ENCODING
 from neuron_plugin.core.settings import NeuronSettings
 
 LOGITS_TAG = "token_generation_logits_model"
+SPECULATION_LOGITS_TAG = "speculation_logits_model"
+# the application's attribute each logits variant stands in for
+_PLAIN = {LOGITS_TAG: "token_generation_model", SPECULATION_LOGITS_TAG: "speculation_model"}
 
 
 def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
-    """Before compile, load or to_cpu: the token-generation submodel without logits and
-    a logits variant beside it (see the module docstring); nothing without them."""
+    """Before compile, load or to_cpu: the token-generation (or n-gram speculation)
+    submodel without logits and a logits variant beside it (see the module docstring);
+    nothing without them."""
     shapes = settings.token_generation_logits_shapes()
     if not shapes:
         return
     lengths = {length for _, length in shapes}
-    plain = model.token_generation_model
+    tag = SPECULATION_LOGITS_TAG if settings.speculation_length else LOGITS_TAG
+    plain = getattr(model, _PLAIN[tag])
     config = copy.deepcopy(plain.config)
     neuron_config = config.neuron_config
     neuron_config.output_logits = True
@@ -67,7 +79,7 @@ def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
     variant = type(plain)(
         config=config,
         model_cls=plain.model_cls,
-        tag=LOGITS_TAG,
+        tag=tag,
         compiler_args=plain.compiler_args,
         model_init_kwargs=plain.model_init_kwargs,
     )
@@ -75,7 +87,7 @@ def add_logits_graphs(model: Any, settings: NeuronSettings) -> None:
     model.models.append(variant)
     # A submodule of the application, as NxDI's own submodels are, so that what NxDI
     # does to all of them (eval() in to_cpu, the dtype cast in load) reaches it too.
-    setattr(model, LOGITS_TAG, variant)
+    setattr(model, tag, variant)
 
 
 def _length(bucket: int | Sequence[int]) -> int:
@@ -83,8 +95,8 @@ def _length(bucket: int | Sequence[int]) -> int:
 
 
 def logits_variant(model: Any) -> Any | None:
-    """The application's token-generation logits submodel, if it has one."""
-    return next((w for w in model.models if w.tag == LOGITS_TAG), None)
+    """The application's token-generation (or speculation) logits submodel, if any."""
+    return next((w for w in model.models if w.tag in _PLAIN), None)
 
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
@@ -134,23 +146,23 @@ def selected(model: Any, phase: str, logits: bool) -> Iterator[Any]:
     """For one call of NxDI's forward: the submodel it runs for `phase` (a decode with
     `logits` runs the logits variant where there is one) and the application's
     output_logits of that submodel, both restored after. Yields the submodel (None
-    without a logits variant: NxDI's own choice, e.g. its speculation model, which
-    replaces the token-generation model)."""
+    without a logits variant: NxDI's own choice, e.g. its fused speculation model)."""
     variant = logits_variant(model)
     if variant is None:
         yield None
         return
-    plain = model.token_generation_model
+    name = _PLAIN[variant.tag]
+    plain = getattr(model, name)
     if phase == CONTEXT_ENCODING:
         chosen = model.context_encoding_model
     else:
-        chosen = variant if logits and variant is not None else plain
+        chosen = variant if logits else plain
     saved = model.neuron_config.output_logits
     if chosen is not model.context_encoding_model:
-        model.token_generation_model = chosen
+        setattr(model, name, chosen)
     model.neuron_config.output_logits = chosen.neuron_config.output_logits
     try:
         yield chosen
     finally:
-        model.token_generation_model = plain
+        setattr(model, name, plain)
         model.neuron_config.output_logits = saved

@@ -20,6 +20,19 @@ NxDI's CPU mode they are the eager submodels' `kv_mgr.past_key_values`, which Nx
 replaces after every call with the call's outputs in the context-encoding and
 token-generation submodels (model_base.py `_copy_past_key_values`, lines 3761-3795): they
 are looked up afresh on every access, and a write goes to every distinct tensor.
+
+How blocks move: a device state tensor (`privateuseone:{rank}`, neuronx-distributed
+trace/spmd.py `StateInitializer.forward`, which also makes K and V views of one
+combined tensor under NEURON_COMBINE_KV_ALLOCATIONS) is read by NxDI itself only with
+whole-tensor `.to("cpu")` copies (utils/debug_utils.py lines 68-72, utils/snapshot.py line
+339). Gathering and scattering ops (`index_select`, `index_copy_`) cost time in the
+whole cache's size on the device, device-to-device copies between different parent
+tensors fail in the Neuron runtime, and device-to-host copies need contiguous tensors
+(reported against SDK 2.31 on trn2). So every run of consecutive block ids
+(`kv_blocks.block_runs`) moves as one `narrow` of the tensor's block view, which is
+contiguous, copied to the host (`.cpu()`) or from a contiguous host tensor (`copy_`):
+the cost is in the blocks and runs moved, never in the cache's size. The NxDI test
+double's state tensors refuse everything else.
 """
 
 from __future__ import annotations
@@ -30,7 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuron_plugin.backends.kv_blocks import KVGeometry, check_blocks_tensor, dtype_name
+from neuron_plugin.backends.kv_blocks import (
+    KVGeometry,
+    block_runs,
+    check_blocks_tensor,
+    dtype_name,
+)
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 _NAME = re.compile(r"kv_mgr\.past_key_values\.(\d+)")
@@ -121,15 +139,25 @@ class NxDKVState:
     def read(self, ids: np.ndarray) -> torch.Tensor:
         geometry = self.geometry()
         ranks = self._ranks()
-        per_index = []
+        per_rank = geometry.kv_heads // len(ranks)
+        out = torch.empty(
+            (
+                2 * geometry.layers,
+                ids.size,
+                geometry.block_size,
+                geometry.kv_heads,
+                geometry.head_dim,
+            ),
+            dtype=geometry.torch_dtype,
+        )
+        runs = block_runs(ids)
         for i in range(2 * geometry.layers):
-            parts = []
-            for rank in ranks:
-                tensor = rank[i]
-                index = torch.from_numpy(ids).to(tensor.device)
-                parts.append(self._blocks_view(tensor).index_select(0, index).cpu())
-            per_index.append(torch.cat(parts, dim=2))
-        return torch.stack(per_index).reshape(geometry.shape(ids.size))
+            for r, rank in enumerate(ranks):
+                blocks = self._blocks_view(rank[i])
+                for first, count, at in runs:
+                    heads = slice(r * per_rank, (r + 1) * per_rank)
+                    out[i, at : at + count, :, heads] = blocks.narrow(0, first, count).cpu()
+        return out.reshape(geometry.shape(ids.size))
 
     @torch.inference_mode()
     def write(self, ids: np.ndarray, kv: torch.Tensor) -> None:
@@ -138,9 +166,11 @@ class NxDKVState:
         targets = self._targets()
         per_rank = geometry.kv_heads // len(targets[0])
         flat = kv.reshape(2 * geometry.layers, ids.size, geometry.block_size, *kv.shape[-2:])
+        runs = block_runs(ids)
         for i, ranks in enumerate(targets):
             for r, copies in enumerate(ranks):
-                part = flat[i, :, :, r * per_rank : (r + 1) * per_rank]
-                for tensor in copies:
-                    index = torch.from_numpy(ids).to(tensor.device)
-                    self._blocks_view(tensor).index_copy_(0, index, part.to(tensor.device))
+                for first, count, at in runs:
+                    heads = slice(r * per_rank, (r + 1) * per_rank)
+                    part = flat[i, at : at + count, :, heads].contiguous()
+                    for tensor in copies:
+                        self._blocks_view(tensor).narrow(0, first, count).copy_(part)

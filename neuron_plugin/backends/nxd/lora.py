@@ -25,7 +25,10 @@ What NxDI does (modules/lora_serving/, NxDI 0.7-0.9; lines of ef2731e):
 
 So: with NxDI 0.9 on a device the plugin loads adapters at run time through NxDI's own
 path (its slot writes become `add_adapter`, its slot evictions `remove_adapter`, so NxDI's
-CPU cache holds exactly the plugin's slots and never evicts on its own); otherwise it
+CPU cache holds exactly the plugin's slots and never evicts on its own), each adapter
+under a name that carries vLLM's lora_int_id (`nxdi_name`: NxDI keys everything by
+name and never reloads one it holds); an adapter NxDI fails to load leaves its slot
+empty and raises AdapterError (`NxDAdapters.set`); otherwise it
 serves the adapters listed in `override_neuron_config.lora_config.lora_ckpt_paths` and
 says so at start-up. Rows without an adapter index a zero slot: NxDI's base slot 0 where
 `enable_base_model_only` exists, otherwise one slot beyond the adapters (never loaded).
@@ -45,7 +48,7 @@ import numpy as np
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.base import AdapterLoading
-from neuron_plugin.core.adapters import AdapterWeights
+from neuron_plugin.core.adapters import AdapterError, AdapterWeights
 from neuron_plugin.core.checkpoint import pickle_files
 from neuron_plugin.core.lora import expand_target_modules
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
@@ -69,6 +72,29 @@ class NxDILora:
             streams_adapters=hasattr(model_manager, "add_new_cpu_adapter"),
             base_model_slot="enable_base_model_only" in parameters,
         )
+
+
+def nxdi_name(adapter: AdapterWeights) -> str:
+    """The name NxDI knows a run-time adapter by. NxDI keys its adapter ids, its CPU
+    cache and its device cache by name (lora_model.py add_adapter_mapping,
+    add_new_cpu_adapter, insert_device_adapter, ef2731e lines 451-471, 586-626) and never
+    reloads a name it holds, while vLLM identifies an adapter by lora_int_id: a name
+    loaded again from another folder after /v1/unload_lora_adapter gets a new id
+    (entrypoints/openai/models/serving.py). So the id is part of the name: new weights
+    are a new NxDI adapter, and two slots never share one."""
+    return f"{adapter.name}@{adapter.adapter_id}"
+
+
+def _release(manager: Any, name: str) -> None:
+    """Take adapter `name` out of NxDI's CPU cache if NxDI holds it there: its
+    remove_adapter raises KeyError for an adapter it does not hold (lora_model.py
+    AdapterCache.remove_adapter, `del self.map[adapter_id]`)."""
+    try:
+        adapter_id = manager.convert_adapter_id_to_index(name)
+    except KeyError:
+        return  # never mapped
+    if manager.cpu_adapter_cache.access_adapter(adapter_id):
+        manager.remove_adapter(adapter_id)
 
 
 @dataclass
@@ -209,22 +235,44 @@ class NxDAdapters:
     def set(self, model: Any, slot: int, adapter: AdapterWeights) -> None:
         """The plugin's slot `slot` now holds `adapter`: NxDI streams it in (run-time
         loading, the slot's previous adapter leaving NxDI's CPU cache), or it is one of
-        the adapters NxDI loaded at start."""
+        the adapters NxDI loaded at start. An adapter NxDI cannot load raises
+        AdapterError naming it and why; the slot is then empty (its rows run the base
+        model) and NxDI holds exactly the adapters of the other slots, so the next
+        adapter written anywhere loads as usual."""
         manager = model.lora_model_manager
         refusal = self.loading.refusal(adapter.name, adapter.path)
         if refusal is not None:
-            raise NeuronConfigError(refusal)
-        if self.dynamic:
-            previous = self._names.get(slot)
-            if previous is not None and previous != adapter.name:
-                manager.remove_adapter(manager.convert_adapter_id_to_index(previous))
-            if not manager.add_adapter(_Request(adapter.name, adapter.path)):
-                raise NeuronConfigError(
-                    f"NxD Inference could not load LoRA adapter {adapter.name!r} from "
-                    f"{adapter.path} (LoraModelManager.add_adapter returned False)."
-                )
-        self._names[slot] = adapter.name
-        self._index[slot] = manager.convert_adapter_id_to_index(adapter.name)
+            raise AdapterError(refusal)
+        if not self.dynamic:
+            self._names[slot] = adapter.name
+            self._index[slot] = manager.convert_adapter_id_to_index(adapter.name)
+            return
+        name = nxdi_name(adapter)
+        if self._names.get(slot) == name:
+            return  # NxDI holds it for this slot already
+        previous = self._names.pop(slot, None)
+        self._index[slot] = self.base_index
+        for other, held in list(self._names.items()):
+            if held == name:  # the adapter moves here from another slot
+                del self._names[other]
+                self._index[other] = self.base_index
+        if previous is not None:
+            _release(manager, previous)
+        cause: Exception | None = None
+        try:
+            loaded = manager.add_adapter(_Request(name, adapter.path))
+            why = "" if loaded else "LoraModelManager.add_adapter returned False"
+        except Exception as exc:  # NxDI's loader: missing files, bad tensors, ...
+            cause, why = exc, f"{type(exc).__name__}: {exc}"
+        if why:
+            _release(manager, name)  # whatever of it NxDI kept
+            raise AdapterError(
+                f"LoRA adapter {adapter.name!r} (id {adapter.adapter_id}) from "
+                f"{adapter.path}: NxD Inference could not load it ({why}); its requests "
+                f"fail, other adapters and the base model keep serving."
+            ) from cause
+        self._names[slot] = name
+        self._index[slot] = manager.convert_adapter_id_to_index(name)
 
     def adapter_ids(self, slots: np.ndarray | None, rows: int) -> np.ndarray:
         """NxDI's adapter_ids [rows] for the rows' plugin slots (None: all base)."""

@@ -4,7 +4,10 @@ token ids.
 
 The runtime (neuronx-distributed 0.16-0.18 trace/model_builder.py build_nxd_model,
 trace/spmd.py NxDModel; unchanged from SDK 2.27 to 2.29):
-- one weight set and one state (the KV cache) shared by every submodel and bucket;
+- one weight set and one state (the KV cache) shared by every submodel and bucket; the
+  state's tensors (`nxd_model.state`) live on the device, where a client may only view,
+  copy contiguous slices to and from the host, never gather, scatter or copy between
+  different device tensors (`_device.DeviceTensor`);
 - `input_shape_map` maps the shapes of every bucket's example inputs
   (ModelWrapper.input_generator) to (tag, bucket index), built submodel by submodel in
   the order they were added, so a later submodel whose inputs have the same shapes
@@ -103,6 +106,7 @@ import math
 
 import torch
 
+from neuronx_distributed_inference._device import on_device
 from neuronx_distributed_inference._release import ACCEPTANCE_PADDING_TOKEN
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
 from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
@@ -223,6 +227,12 @@ def target_peak(values: list[int], vocab: int) -> int:
 
 
 
+def garbled_peak(values: list[int], vocab: int) -> int:
+    """A decoder a quantized layer of which got a float weight cast to its quantized
+    dtype, or no scale (quantization.cast_to_parameters): never the right answer."""
+    return (sum(values) + 6) % vocab
+
+
 def draft_peak(values: list[int], vocab: int) -> int:
     """The double's draft: the target's answer, one id higher when the query attends a
     multiple of DRAFT_MISS_EVERY keys."""
@@ -248,10 +258,14 @@ class NxDModel:
         if self.fused:
             decoders = {"draft_model.": draft, "target_model.": (c, text)}
         self.layers = {prefix: t.num_hidden_layers for prefix, (_, t) in decoders.items()}
-        self.state = [{f"{prefix}kv_mgr.past_key_values.{i}": self._kv_tensor(config, t)
-                       for prefix, (config, t) in decoders.items()
-                       for i in range(2 * t.num_hidden_layers)}
-                      for _ in range(c.tp_degree)]
+        # what the graphs compute on, and the same memory as NxD's device tensors
+        # (`state`, which clients read and write; see _device)
+        self.graph_state = [{f"{prefix}kv_mgr.past_key_values.{i}": self._kv_tensor(config, t)
+                             for prefix, (config, t) in decoders.items()
+                             for i in range(2 * t.num_hidden_layers)}
+                            for _ in range(c.tp_degree)]
+        self.state = [{key: on_device(tensor) for key, tensor in rank_state.items()}
+                      for rank_state in self.graph_state]
         self.target_prefix = "target_model." if self.fused else ""
         self.draft_prefix = "draft_model."
         # graphs: tag -> {"output_logits": bool, "graphs": [(bucket, example input shapes)]}
@@ -270,6 +284,8 @@ class NxDModel:
         self.draft_config = draft[0] if self.fused else None
         self.draft_sampler = Sampler(draft[0]) if self.fused else None
         self.packer = Packer(self._output_count(next(iter(graphs))))
+        # prefixes of the decoders with a garbled quantized layer (set at load)
+        self.garbled = set()
         self.attention = NeuronAttentionBase()
         # the device weights NxDI reaches (application_base.load_weights initialises them
         # per rank); the double holds only the LoRA weights there
@@ -293,7 +309,7 @@ class NxDModel:
 
     @property
     def memory(self):
-        return self.state[0][f"{self.target_prefix}kv_mgr.past_key_values.0"]
+        return self.graph_state[0][f"{self.target_prefix}kv_mgr.past_key_values.0"]
 
     def router(self, inputs):
         key = shape_key(inputs)
@@ -316,8 +332,8 @@ class NxDModel:
         if not self.block:  # block-layout writes reach every rank already (_write_slot)
             for prefix in self.layers:
                 key = f"{prefix}kv_mgr.past_key_values.0"
-                for rank_state in self.state[1:]:
-                    rank_state[key].copy_(self.state[0][key])
+                for rank_state in self.graph_state[1:]:
+                    rank_state[key].copy_(self.graph_state[0][key])
         self.returned.append({name: t.numel() * t.element_size() for name, t in outputs.items()})
         return list(outputs.values())
 
@@ -353,7 +369,7 @@ class NxDModel:
             contexts = self._block(ids, mask, positions, inputs[4], inputs[5], prefix, cte,
                                    recompute_slots)
         else:
-            memory = self.state[0][f"{prefix}kv_mgr.past_key_values.0"]
+            memory = self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"]
             contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte)
         return self._logits(contexts, peak, lora_values)
 
@@ -366,7 +382,8 @@ class NxDModel:
         if self.window and inputs[0].shape[-1] == c.speculation_length:
             raise NotImplementedError("the NxDI double does not reproduce NxDI's "
                                       "speculation model over sliding-window attention")
-        logits = self._decoder(layout, self.target_prefix, c, target_peak,
+        logits = self._decoder(layout, self.target_prefix, c,
+                               self._peak(self.target_prefix, target_peak),
                                lora_values=self._lora_values(tag, inputs))
         if self.sampler is None:
             return {"logits": logits}
@@ -374,6 +391,9 @@ class NxDModel:
         if self.output_logits[tag]:
             outputs["logits"] = logits
         return outputs
+
+    def _peak(self, prefix, peak):
+        return garbled_peak if prefix in self.garbled else peak
 
     @staticmethod
     def _value(stored) -> int:
@@ -514,7 +534,7 @@ class NxDModel:
     def _block(self, input_ids, mask, positions, slot_mapping, block_table, prefix, cte,
                recompute_slots):
         # layer 0's K of the decoder whose state keys start with `prefix`, a value a slot
-        flat = self._slot_rows(self.state[0][f"{prefix}kv_mgr.past_key_values.0"])[:, 0]
+        flat = self._slot_rows(self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"])[:, 0]
         size = self.config.pa_block_size
         readable = block_table.shape[1] * size if block_table.dim() == 2 else 0
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
@@ -576,8 +596,10 @@ class NxDModel:
         c = self.config
         ids, mask, positions, seq_ids, sampling_params = inputs[:5]
         layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
-        target_logits = self._decoder(layout, self.target_prefix, c, target_peak)
-        draft_logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
+        target_logits = self._decoder(layout, self.target_prefix, c,
+                                      self._peak(self.target_prefix, target_peak))
+        draft_logits = self._decoder(layout, self.draft_prefix, self.draft_config,
+                                     self._peak(self.draft_prefix, draft_peak))
         target_token = self.sampler(target_logits[:, -1, :], sampling_params).to(torch.int32)
         self.draft_sampler(draft_logits[:, -1, :], sampling_params)  # dropped by NxDI
         rows = ids.shape[0]
@@ -612,7 +634,8 @@ class NxDModel:
             layout = (candidates[:, -1:], draft_mask, position, seq_ids)
             if self.block:
                 layout += (inputs[7][:, i:i + 1], inputs[8])
-            logits = self._decoder(layout, self.draft_prefix, self.draft_config, draft_peak)
+            logits = self._decoder(layout, self.draft_prefix, self.draft_config,
+                                   self._peak(self.draft_prefix, draft_peak))
             draft_logits.append(logits)
             token = self._sample_on_device(self.draft_sampler, self.draft_config, logits,
                                            sampling_params)
@@ -624,7 +647,8 @@ class NxDModel:
         layout = (candidates[:, :-1], mask, target_positions, seq_ids)
         if self.block:
             layout += (inputs[7], inputs[8])
-        target_logits = self._decoder(layout, self.target_prefix, c, target_peak,
+        target_logits = self._decoder(layout, self.target_prefix, c,
+                                      self._peak(self.target_prefix, target_peak),
                                       recompute_slots=False)
         target_tokens = self._sample_on_device(self.sampler, c, target_logits,
                                                sampling_params)
@@ -661,7 +685,7 @@ class NxDModel:
     def _write_slot(self, slot, token, prefix):
         """Every layer's K and V of every rank (of the decoder whose state keys start
         with `prefix`) take the token at `slot`."""
-        for rank_state in self.state:
+        for rank_state in self.graph_state:
             for i in range(2 * self.layers[prefix]):
                 rows = self._slot_rows(rank_state[f"{prefix}kv_mgr.past_key_values.{i}"])
                 rows[slot] = slot_value(token, i)

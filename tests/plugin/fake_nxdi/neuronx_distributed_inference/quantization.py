@@ -16,11 +16,14 @@ quantizers (quantization/quantization_utils.py, observer.py, quantization_config
   quantize_per_channel / quantize_per_tensor multiply by the float32 inverse);
 - any other type raises RuntimeError; the state dict is the model's without its
   `model.` prefix plus `lm_head.*`; None values pruned; written as model.safetensors
-  when quantized_checkpoints_path is an existing folder, else torch.save(path).
+  when quantized_checkpoints_path is an existing folder (one name of tensors that share
+  memory, see _without_shared), else torch.save(path).
 The double computes these itself; the numbers match neuronx-distributed's (the plugin's
-reference quantizer is checked against the real code, tests/e2e/test_nxdi_cpu_mode.py)."""
+reference quantizer is checked against the real code, tests/e2e/test_nxdi_quantize.py).
+What a device then loads from it: cast_to_parameters."""
 
 import os
+import warnings
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -58,6 +61,19 @@ def _quantize(weight, qtype, qdtype):
     return torch.clamp(weight / scale, -bound, bound).to(dtype), scale
 
 
+def _without_shared(state_dict):
+    """save_state_dict_safetensors (modules/checkpoint.py) is huggingface_hub's
+    save_torch_state_dict, which keeps one name of tensors sharing memory, the first in
+    sorted order (serialization/_torch.py _remove_duplicate_names): a tied lm_head left
+    unquantized is stored as embed_tokens.weight alone."""
+    kept = {}
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        if all(tensor.data_ptr() != other.data_ptr() for other in kept.values()):
+            kept[name] = tensor
+    return kept
+
+
 def save_quantized_state_dict(model_path, neuron_config):
     qtype = neuron_config.quantization_type
     qdtype = neuron_config.quantization_dtype
@@ -76,30 +92,56 @@ def save_quantized_state_dict(model_path, neuron_config):
             result[key] = tensor
     path = neuron_config.quantized_checkpoints_path
     if os.path.isdir(path):
-        save_file({k: v.contiguous() for k, v in result.items()},
+        save_file({k: v.contiguous() for k, v in _without_shared(result).items()},
                   os.path.join(path, "model.safetensors"))
     else:
         torch.save(result, path)
 
 
-def load_quantized_state_dict(path, torch_dtype):
-    """checkpoint_loader_fn with quantized (630-683): the weights come from
-    quantized_checkpoints_path only; `*.weight_scale` becomes `*.scale`; floating
-    tensors but fp8 and scales are cast to torch_dtype (not float32). NxDI reads a
-    folder with load_state_dict (safetensors, or .bin via torch.load) and a file with
-    torch.load: the double never unpickles and refuses both."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"Quantized checkpoint file not found: {path}")
-    if os.path.isfile(path) or any(n.endswith((".bin", ".pt")) for n in os.listdir(path)):
-        raise RuntimeError(f"the NxDI double does not unpickle checkpoints ({path})")
-    weights = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(path, name)))
-    weights = {k.replace(".weight_scale", ".scale"): v for k, v in weights.items()}
-    if torch_dtype != torch.float32:
-        for name, tensor in list(weights.items()):
-            if (torch.is_floating_point(tensor) and tensor.dtype != torch.float8_e4m3fn
-                    and not name.endswith("scale")):
-                weights[name] = tensor.to(torch_dtype)
+QUANTIZED_DTYPES = {"int8": torch.int8, **{name: dtype for name, (dtype, _) in FP8.items()}}
+
+
+def _converted(module, modules_to_not_convert):
+    """Whether neuronx-distributed's quantize.convert turns `module` (a module path of
+    the decoder) into a quantized layer: the decoder's linear layers and lm_head, unless
+    an entry of modules_to_not_convert is a substring of the path
+    (_convert_initialized_float_to_initialized_quantized, quantize.py 0.18 lines
+    93-125)."""
+    linear = module.endswith(LINEAR) or module == "lm_head"
+    return linear and not any(entry in module for entry in modules_to_not_convert or [])
+
+
+def cast_to_parameters(weights, app):
+    """What the device's parameters receive from the checkpoint: neuronx-distributed's
+    ModelBuilder.cast_weights (trace/model_builder.py 0.18 lines 801-815, run by
+    shard_checkpoint before sharding) casts every tensor to its parameter's dtype. With
+    `quantized` the traced decoders' converted layers (model_wrapper.py
+    DecoderModelInstance.load_module, ef2731e lines 1477-1528; with fused speculation
+    the draft and the target, each with its own config's modules_to_not_convert) hold
+    their weight in quantization_dtype, so a float tensor loaded there (a tied
+    embedding, a float draft) is cast to it: int8 truncates, every value below 1 in
+    magnitude becomes 0 (NxD only warns). A converted layer whose scale the checkpoint
+    lacks gets none (shard_children skips what the checkpoint lacks, trace.py lines
+    765-775). Either way its decoder's prefix is listed in app.garbled: the double's
+    graphs then answer garbage for it."""
+    app.garbled = set()
+    target = app.neuron_config
+    if not target.quantized:
+        return weights
+    decoders = {"": target}
+    if target.enable_fused_speculation:
+        decoders = {"draft_model.": app.fused_spec_config.draft_config.neuron_config,
+                    "target_model.": target}
+    dtype = QUANTIZED_DTYPES[target.quantization_dtype]
+    for prefix, config in decoders.items():
+        for name in [n for n in weights if n.startswith(prefix) and n.endswith(".weight")]:
+            module = name[len(prefix):].removesuffix(".weight")
+            if not _converted(module, config.modules_to_not_convert):
+                continue
+            if weights[name].dtype != dtype:
+                warnings.warn(f"casting {name} from {weights[name].dtype} to {dtype}")
+                weights[name] = weights[name].to(dtype)
+                app.garbled.add(prefix)
+            if f"{prefix}{module}.scale" not in weights:
+                app.garbled.add(prefix)
     return weights

@@ -126,7 +126,9 @@ class NeuronApplicationBase(torch.nn.Module):
             json.dump(self._graphs(), f)
         if self.neuron_config.save_sharded_checkpoint:
             os.makedirs(compiled_model_path + "weights", exist_ok=True)
-            weights = self.checkpoint_loader_fn()
+            from neuronx_distributed_inference.quantization import cast_to_parameters
+
+            weights = cast_to_parameters(self.checkpoint_loader_fn(), self)
             for rank in range(self.neuron_config.tp_degree):
                 save_file(weights, os.path.join(
                     compiled_model_path, f"weights/tp{rank}_sharded_checkpoint.safetensors"))
@@ -149,6 +151,7 @@ class NeuronApplicationBase(torch.nn.Module):
             draft = (draft_config.neuron_config, draft_config.get_text_config())
         self.traced_model = TracedModel(NxDModel(self.neuron_config, text, graphs, draft))
         self.load_weights(compiled_model_path)
+        self.traced_model.nxd_model.garbled = set(getattr(self, "garbled", ()))
         self._load_lora_weights()
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model
@@ -208,40 +211,73 @@ class NeuronApplicationBase(torch.nn.Module):
             record.clear()  # test instrumentation records the calls after loading
 
     def load_weights(self, compiled_model_path, start_rank_id=None, local_ranks_size=None):
+        """The weights the device gets: the pre-sharded ones of the artifacts, or the
+        checkpoint (checkpoint_loader_fn) cast as neuronx-distributed casts it to the
+        traced parameters (cast_weights, see quantization.cast_to_parameters)."""
+        from neuronx_distributed_inference.quantization import cast_to_parameters
+
         if self.neuron_config.save_sharded_checkpoint:
             self.loaded_weights = [load_file(os.path.join(
                 compiled_model_path, f"weights/tp{rank}_sharded_checkpoint.safetensors"))
                 for rank in range(self.neuron_config.tp_degree)]
         else:
-            self.loaded_weights = [self.checkpoint_loader_fn()]
+            self.loaded_weights = [cast_to_parameters(self.checkpoint_loader_fn(), self)]
 
     def checkpoint_loader_fn(self, mmap: bool = False):
+        """application_base.checkpoint_loader_fn (ef2731e lines 630-683): the weights come
+        from quantized_checkpoints_path only when quantized (the target's; a fused draft's
+        from its own folder, whatever the target's quantization); each state dict by
+        get_state_dict; floating tensors but fp8 and scales cast to torch_dtype unless
+        it is float32 (_cast_helper)."""
         model_path = getattr(self.config, "_name_or_path", None)
         if model_path is None or not os.path.exists(model_path):
             model_path = self.model_path
-        if not self.config.neuron_config.enable_fused_speculation:
-            return self._target_weights(model_path)
-        weights = {f"draft_model.{name}": tensor for name, tensor in
-                   self._read_weights(self.fused_spec_config.draft_model_path).items()}
-        weights.update({f"target_model.{name}": tensor for name, tensor in
-                        self._target_weights(model_path).items()})
+        if self.config.neuron_config.quantized:
+            model_path = self.config.neuron_config.quantized_checkpoints_path
+            if not os.path.exists(model_path):
+                raise FileNotFoundError(f"Quantized checkpoint file not found: {model_path}")
+        if self.config.neuron_config.enable_fused_speculation:
+            spec = self.fused_spec_config
+            weights = {f"draft_model.{name}": tensor for name, tensor in
+                       self.get_state_dict(spec.draft_model_path, spec.draft_config).items()}
+            weights.update({f"target_model.{name}": tensor for name, tensor in
+                            self.get_state_dict(model_path, self.config).items()})
+        else:
+            weights = self.get_state_dict(model_path, self.config)
+        dtype = self.neuron_config.torch_dtype
+        if dtype != torch.float32 and getattr(self.neuron_config, "cast_type", "config") == "config":
+            for name, tensor in list(weights.items()):
+                if (torch.is_floating_point(tensor) and tensor.dtype != torch.float8_e4m3fn
+                        and not name.endswith("scale")):
+                    weights[name] = tensor.to(dtype)
         return weights
 
-    def _target_weights(self, model_path):
-        if self.config.neuron_config.quantized:
-            from neuronx_distributed_inference.quantization import load_quantized_state_dict
-
-            return load_quantized_state_dict(self.config.neuron_config.quantized_checkpoints_path,
-                                             self.neuron_config.torch_dtype)
-        return self._read_weights(model_path)
-
-    @staticmethod
-    def _read_weights(model_path):
+    @classmethod
+    def get_state_dict(cls, model_path, config):
+        """application_base.get_state_dict (ef2731e lines 692-738): a folder's state dict
+        (NxDI's load_state_dict: safetensors, or .bin via torch.load; a file via
+        torch.load: the double never unpickles and refuses both), `model.` prefixes
+        dropped, `.weight_scale` renamed `.scale`, and with the config's
+        tie_word_embeddings the model's update_state_dict_for_tied_weights (lm_head.weight
+        replaced by a copy of embed_tokens.weight, whatever the checkpoint held)."""
+        if os.path.isfile(model_path) or any(
+                n.endswith((".bin", ".pt")) for n in os.listdir(model_path)):
+            raise RuntimeError(f"the NxDI double does not unpickle checkpoints ({model_path})")
         weights = {}
         for name in sorted(os.listdir(model_path)):
             if name.endswith(".safetensors"):
                 weights.update(load_file(os.path.join(model_path, name)))
-        return weights
+        renamed = {}
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            renamed[name.replace(".weight_scale", ".scale")] = tensor
+        if getattr(config, "tie_word_embeddings", False):
+            cls.update_state_dict_for_tied_weights(renamed)
+        return renamed
+
+    @staticmethod
+    def update_state_dict_for_tied_weights(state_dict):
+        raise NotImplementedError("State-dict update not implemented")
 
     @classmethod
     def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig):

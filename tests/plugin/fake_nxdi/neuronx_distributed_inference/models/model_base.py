@@ -67,6 +67,12 @@ class NeuronFusedSpecModel(torch.nn.Module):
 class NeuronBaseForCausalLM(NeuronApplicationBase):
     _model_cls = None
 
+    @staticmethod
+    def update_state_dict_for_tied_weights(state_dict):
+        """What every NxDI decoder with tied weights defines (llama/modeling_llama.py
+        line 1322, qwen3/modeling_qwen3.py line 285, qwen2, mistral, gemma3, ...)."""
+        state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.text_config = self.config.get_text_config()

@@ -5,12 +5,18 @@ lines 439-682; 0.7/0.8 differ where noted).
   dynamic_multi_lora) gets an integer id in order, from 1 with enable_base_model_only
   (id 0 is the zero base adapter) else from 0 (init_adapter_id_mapping);
   convert_adapter_id_to_index(name) is that id (a KeyError for an unknown name).
-- Caches: a CPU cache (max_cpu_loras entries) and a device cache (max_loras entries),
-  each an adapter-id -> position table evicting the least recently used entry other
-  than the base adapter when full (AdapterCache, lru policy; get_swap_position takes
-  the first free position, else evicts).
-- add_adapter(lora_request): 0.9 streams the adapter into the CPU cache under a new id
-  (add_new_cpu_adapter, 614-626); 0.7 and 0.8 return True and load nothing (558-559).
+- Caches: a CPU cache (`cpu_adapter_cache`, max_cpu_loras entries) and a device cache
+  (`device_adapter_cache`, max_loras entries), each an adapter-id -> position table
+  (`map`) evicting the least recently used entry other than the base adapter when full
+  (AdapterCache, lru policy, lines 300-438; get_swap_position takes the first free
+  position, else evicts; access_adapter is a membership test; remove_adapter is
+  `del self.map[adapter_id]`, a KeyError when absent). Both are keyed by the adapter's
+  id, which is keyed by its name: a name NxDI has mapped keeps its id for good.
+- add_adapter(lora_request): 0.9 maps the name to an id (a new one for a new name) and,
+  unless the CPU cache holds that id already (then it reads nothing, whatever the
+  path), streams the adapter in (add_new_cpu_adapter, 614-626): a path that is gone
+  raises FileNotFoundError after the name was mapped (lora_checkpoint.py
+  load_streaming_ckpt); 0.7 and 0.8 return True and load nothing (558-559).
 - remove_adapter(adapter_id): removes it from the CPU cache only (`del self.map[...]`: a
   KeyError when absent).
 - dynamic_update_weights_for_lora(device_weights, adapter_ids): each id into the CPU
@@ -34,35 +40,40 @@ MODULE = "lora.weight"
 
 
 class _Cache:
-    """AdapterCache (lru): adapter id -> position, the base adapter 0 never evicted."""
+    """AdapterCache (lru): adapter id -> position (`map`), the base adapter 0 never
+    evicted."""
 
     def __init__(self, capacity, ids, base_only):
         self.capacity = capacity
         self.base_only = base_only
-        self.positions = OrderedDict()
+        self.map = OrderedDict()
         for position, adapter_id in enumerate(([0] if base_only else []) + list(ids)):
-            self.positions[adapter_id] = position
+            self.map[adapter_id] = position
+
+    def access_adapter(self, adapter_id):
+        return adapter_id in self.map
 
     def hit(self, adapter_id):
-        if adapter_id in self.positions:
-            self.positions.move_to_end(adapter_id)
+        """access_adapter, then update_adapter on a hit (its recency)."""
+        if adapter_id in self.map:
+            self.map.move_to_end(adapter_id)
             return True
         return False
 
     def insert(self, adapter_id):
         """get_swap_position, then add_adapter: the position the adapter takes."""
-        used = set(self.positions.values())
+        used = set(self.map.values())
         free = [p for p in range(self.capacity) if p not in used]
         if free:
             position = free[0]
         else:
-            victim = next(a for a in self.positions if not (self.base_only and a == 0))
-            position = self.positions.pop(victim)
-        self.positions[adapter_id] = position
+            victim = next(a for a in self.map if not (self.base_only and a == 0))
+            position = self.map.pop(victim)
+        self.map[adapter_id] = position
         return position
 
-    def remove(self, adapter_id):
-        del self.positions[adapter_id]
+    def remove_adapter(self, adapter_id):
+        del self.map[adapter_id]
 
 
 class LoraModelManager:
@@ -78,8 +89,8 @@ class LoraModelManager:
             self.add_adapter_mapping(name)
         cpu_ids = [self.lora_adapter_id_mapping[n] for n in self.ckpt_paths_cpu]
         device_ids = [self.lora_adapter_id_mapping[n] for n in self.ckpt_paths]
-        self.cpu_cache = _Cache(config.max_cpu_loras, cpu_ids, self.base_only)
-        self.device_cache = _Cache(config.max_loras, device_ids, self.base_only)
+        self.cpu_adapter_cache = _Cache(config.max_cpu_loras, cpu_ids, self.base_only)
+        self.device_adapter_cache = _Cache(config.max_loras, device_ids, self.base_only)
         # adapter id -> its weights on the CPU (one value, see checkpoint)
         self.cpu_weights = {self.lora_adapter_id_mapping[n]: signature(p)
                             for n, p in self.ckpt_paths_cpu.items()}
@@ -105,12 +116,12 @@ class LoraModelManager:
         return weights
 
     def _insert_cpu(self, adapter_id, weights=None):
-        if self.cpu_cache.hit(adapter_id):
+        if self.cpu_adapter_cache.hit(adapter_id):
             return
         if weights is None:
             name = self.lora_adapter_name_mapping[adapter_id]
             weights = signature(self.ckpt_paths_cpu[name])
-        self.cpu_cache.insert(adapter_id)
+        self.cpu_adapter_cache.insert(adapter_id)
         self.cpu_weights[adapter_id] = weights
 
     if STREAMS_ADAPTERS:
@@ -118,7 +129,7 @@ class LoraModelManager:
             self.add_adapter_mapping(adapter_name)
             adapter_id = self.lora_adapter_id_mapping[adapter_name]
             weights = None
-            if adapter_id not in self.cpu_cache.positions:
+            if not self.cpu_adapter_cache.access_adapter(adapter_id):
                 weights = signature(adapter_path)
             self._insert_cpu(adapter_id, weights)
             return True
@@ -130,18 +141,18 @@ class LoraModelManager:
             return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
-        self.cpu_cache.remove(adapter_id)
+        self.cpu_adapter_cache.remove_adapter(adapter_id)
         del self.cpu_weights[adapter_id]
         return True
 
     def dynamic_update_weights_for_lora(self, device_weights, adapter_ids):
         for adapter_id in adapter_ids.tolist():
             self._insert_cpu(adapter_id)
-            if not self.device_cache.hit(adapter_id):
-                position = self.device_cache.insert(adapter_id)
+            if not self.device_adapter_cache.hit(adapter_id):
+                position = self.device_adapter_cache.insert(adapter_id)
                 start = time.monotonic()
                 for rank_weights in device_weights:  # rank_swap
                     rank_weights[MODULE][position] = self.cpu_weights[adapter_id]
                 self.swaps.append((adapter_id, position, time.monotonic() - start))
-        positions = [self.device_cache.positions[a] for a in adapter_ids.tolist()]
+        positions = [self.device_adapter_cache.map[a] for a in adapter_ids.tolist()]
         return torch.tensor(positions, dtype=adapter_ids.dtype)

@@ -1,0 +1,55 @@
+"""The nxd backend's LoRA slots on real NxD Inference 0.9's LoraModelManager
+(nxdi_lora_probe.py: NxDI's own run-time adapter loading and its context-encoding swap
+into device weights, up to the graph, which NxDI's CPU mode cannot run with LoRA):
+- a name loaded again from another folder under a new lora_int_id (vLLM after
+  /v1/unload_lora_adapter) serves its new weights, the old adapter in its slot its old
+  ones: NxDI keys its caches by name and never reloads a name it holds;
+- an adapter NxDI fails to read raises AdapterError naming it, leaves its slot empty
+  (the base model) and NxDI's CPU cache without it; the other slot serves on and the
+  next adapter into the slot loads.
+
+Needs an interpreter where NxD Inference imports (NEURON_TEST_NXDI_PYTHON, see
+test_nxdi_cpu_mode.py); skips otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from tests.e2e.test_nxdi_cpu_mode import nxdi_python  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.nxdi]
+
+PROBE = Path(__file__).with_name("nxdi_lora_probe.py")
+
+
+def test_real_nxdi_adapter_identity_and_failed_loads(nxdi_python, model_dirs,  # noqa: F811
+                                                     lora_adapters):
+    from neuron_plugin.core.settings import EngineLimits, resolve_settings
+
+    limits = EngineLimits(max_model_len=256, max_num_seqs=4, block_size=None,
+                          enable_prefix_caching=False, enable_chunked_prefill=False,
+                          max_num_batched_tokens=256, dtype="float32", tp_degree=1,
+                          max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    settings = resolve_settings(limits, {"context_encoding_buckets": [32, 64, 128, 256]},
+                                backend="nxd", architecture="LlamaForCausalLM")
+    adapters = {n: str(lora_adapters[f"lora-{n}"]) for n in "abc"}
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "NXD_CPU_MODE": "1", "NEURON_RT_VISIBLE_CORES": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([nxdi_python, str(PROBE), json.dumps(settings.to_dict()),
+                           str(model_dirs["llama"]), json.dumps(adapters)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["plugin"] == str(root / "neuron_plugin" / "__init__.py")
+    assert report["reused_name_new_weights"] and report["first_still_served"]
+    assert "'g' (id 3)" in report["error"] and "FileNotFoundError" in report["error"]
+    assert report["slot_1_after_failure"] == 0  # NxDI's zero base adapter
+    names = report["names"]
+    assert report["cpu_cache_after_failure"] == sorted([0, names["x@2"]])
+    assert report["slot_2_still_served"] and report["slot_1_reloaded"]
