@@ -9,6 +9,7 @@ miss whose reason names the field.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,20 +186,28 @@ def load_backend(
 
 
 def open_backend(
-    settings: NeuronSettings, model_dir: str | Path, cache_url: str | None = None
+    settings: NeuronSettings,
+    model_dir: str | Path,
+    cache_url: str | None = None,
+    looked_up: Callable[[CacheResult], None] | None = None,
 ) -> LoadedBackend:
     """The loaded backend: in this process, or in a runner process started under
-    `settings.backend_python` (the Neuron SDK's interpreter)."""
+    `settings.backend_python` (the Neuron SDK's interpreter). `looked_up` hears how the
+    compile cache answered (the worker counts hits and misses)."""
+    backend: LoadedBackend
     if not settings.backend_python:
-        return load_backend(settings, model_dir, cache_url)[0]
-    from neuron_plugin.backends.runner.client import RunnerBackend
+        backend, result = load_backend(settings, model_dir, cache_url)
+    else:
+        from neuron_plugin.backends.runner.client import RunnerBackend
 
-    backend = RunnerBackend(settings, model_dir)
-    try:
-        backend.load(cache_url)
-    except BaseException:
-        backend.close()
-        raise
+        runner = backend = RunnerBackend(settings, model_dir)
+        try:
+            result = runner.load(cache_url)
+        except BaseException:
+            runner.close()
+            raise
+    if looked_up is not None:
+        looked_up(result)
     return backend
 
 

@@ -269,7 +269,7 @@ class WorkerSide:
         self.geometry: KVGeometry | None = None
         self._recving: set[str] = set()
         self._failed: set[str] = set()
-        # Totals since start (bytes of payload files), for logs and benchmarks.
+        # Totals since start (bytes of payload files), for telemetry and benchmarks.
         self.saved_bytes = 0
         self.loaded_bytes = 0
         self._stop = threading.Event()
@@ -427,6 +427,11 @@ class NeuronKVConnector(KVConnectorBase_V1):
         """The plugin's worker hands over its backend (the KV cache's owner) and the
         settings it resolved."""
         self._worker_side().bind(io, settings)
+
+    def transferred_bytes(self) -> dict[str, dict[str, float]]:
+        """KV bytes moved since start, as the telemetry's `kv_transfer_bytes` total."""
+        worker = self._worker_side()
+        return {"kv_transfer_bytes": {"saved": worker.saved_bytes, "loaded": worker.loaded_bytes}}
 
     def shutdown(self) -> None:
         if self._worker is not None:

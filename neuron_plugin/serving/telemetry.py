@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -98,6 +98,23 @@ STEP_HOST_FAMILY = (
     "Host time of an engine step outside backend forwards (state updates, inputs, "
     "sampling, output)",
 )
+# Engine totals, counted once per event rather than per call: snapshot field ->
+# (Prometheus name, help, the label that splits it).
+TOTAL_FAMILIES = {
+    "compile_cache_lookups": (
+        "neuron:compile_cache_lookups",
+        "Compile-cache lookups at engine start: hit (compiled graphs loaded) or miss "
+        "(compiled, then published)",
+        "result",
+    ),
+    "kv_transfer_bytes": (
+        "neuron:kv_transfer_bytes",
+        "KV-cache bytes moved through payloads (prefill/decode disaggregation): saved by "
+        "a prefill, loaded by a decode",
+        "direction",
+    ),
+}
+TOTALS = tuple(TOTAL_FAMILIES)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -167,6 +184,9 @@ class StepTelemetry:
         self.labels = {"model_name": model_name, "engine": str(engine)}
         self.buckets: dict[tuple[str, tuple[int, ...]], BucketStats] = defaultdict(BucketStats)
         self.step_host = Histogram()
+        # name -> label value -> total, and what reports totals kept elsewhere
+        self.totals: dict[str, dict[str, float]] = {name: {} for name in TOTALS}
+        self._sources: list[Callable[[], Mapping[str, Mapping[str, float]]]] = []
         self._lock = threading.Lock()
         # Several API servers: calls and steps not yet recorded into prometheus_client.
         self._native = _native_metrics() if multiprocess_mode() else None
@@ -226,10 +246,32 @@ class StepTelemetry:
     def on_request_finished(self, request: FinishedRequest) -> None:
         pass
 
+    def count(self, name: str, label: str, amount: float = 1) -> None:
+        """Add to an engine total (TOTAL_FAMILIES)."""
+        with self._lock:
+            self.totals[name][label] = self.totals[name].get(label, 0) + amount
+            self._dirty = True
+
+    def watch(self, source: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+        """Totals another object keeps (name -> label value -> total since start, e.g.
+        the KV connector's bytes), read at each publish."""
+        with self._lock:
+            self._sources.append(source)
+            self._dirty = True
+
+    def _read_sources(self) -> None:
+        for source in self._sources:
+            for name, values in source().items():
+                if dict(values) != self.totals[name]:
+                    self.totals[name] = dict(values)
+                    self._dirty = True
+
     def _publish_loop(self) -> None:
         """Off the step path: publish when something changed, summarise now and then."""
         last_summary = time.monotonic()
         while not self._stop.wait(PUBLISH_INTERVAL_S):
+            with self._lock:
+                self._read_sources()
             if self._dirty:
                 self.publish()
             if time.monotonic() - last_summary >= SUMMARY_INTERVAL_S:
@@ -264,6 +306,7 @@ class StepTelemetry:
                 "labels": dict(self.labels),
                 "buckets": rows,
                 "step_host": {"counts": list(self.step_host.counts), "sum": self.step_host.total},
+                "totals": {name: dict(values) for name, values in self.totals.items()},
             }
 
     def publish(self) -> None:
@@ -274,8 +317,9 @@ class StepTelemetry:
             with self._lock:
                 calls, steps = self._pending_calls, self._pending_steps
                 self._pending_calls, self._pending_steps = [], []
+                totals = {name: dict(values) for name, values in self.totals.items()}
                 self._dirty = False
-            self._native.record(self.labels, calls, steps)
+            self._native.record(self.labels, calls, steps, totals)
             return
         self._dirty = False
         if self._publish_path is None:
@@ -333,8 +377,19 @@ class _NativeMetrics:
         self.step = PromHistogram(
             *STEP_HOST_FAMILY, ENGINE_LABELS, buckets=SECONDS_BOUNDS, registry=None
         )
+        self.totals = {
+            key: Counter(name, doc, (*ENGINE_LABELS, label), registry=None)
+            for key, (name, doc, label) in TOTAL_FAMILIES.items()
+        }
+        self._recorded: dict[tuple[str, str], float] = {}
 
-    def record(self, labels: dict[str, str], calls: list[Call], steps: list[float]) -> None:
+    def record(
+        self,
+        labels: dict[str, str],
+        calls: list[Call],
+        steps: list[float],
+        totals: Mapping[str, Mapping[str, float]],
+    ) -> None:
         for call in calls:
             series = {**labels, "phase": call.phase, "bucket": bucket_label(call.bucket)}
             for counter, count in zip(self.counters, call.counts, strict=True):
@@ -344,6 +399,13 @@ class _NativeMetrics:
         step = self.step.labels(**labels)
         for host_s in steps:
             step.observe(host_s)
+        for key, values in totals.items():
+            label = TOTAL_FAMILIES[key][2]
+            for value, total in values.items():
+                grown = total - self._recorded.get((key, value), 0)
+                if grown > 0:
+                    self.totals[key].labels(**labels, **{label: value}).inc(grown)
+                    self._recorded[(key, value)] = total
 
 
 @functools.cache
@@ -383,11 +445,21 @@ class NeuronMetricsCollector:
             for key, (name, doc) in HISTOGRAM_FAMILIES.items()
         }
         step = HistogramMetricFamily(*STEP_HOST_FAMILY, labels=ENGINE_LABELS)
+        totals = {
+            key: CounterMetricFamily(name, doc, labels=[*ENGINE_LABELS, label])
+            for key, (name, doc, label) in TOTAL_FAMILIES.items()
+        }
         steps: dict[tuple[str, ...], Histogram] = defaultdict(Histogram)
+        summed: dict[str, dict[tuple[str, ...], float]] = {
+            key: defaultdict(float) for key in TOTALS
+        }
         merged: dict[tuple[str, ...], dict[str, Any]] = {}
         for snap in self._snapshots():
             engine = tuple(snap["labels"][name] for name in ENGINE_LABELS)
             steps[engine].merge(snap["step_host"])
+            for key, values in snap.get("totals", {}).items():
+                for value, total in values.items():
+                    summed[key][(*engine, value)] += total
             for row in snap["buckets"]:
                 key = (*engine, row["phase"], bucket_label(row["bucket"]))
                 into = merged.setdefault(
@@ -405,9 +477,13 @@ class NeuronMetricsCollector:
                 histogram.add_metric(list(key), _cumulative(values[name]), values[name].total)
         for engine, hist in sorted(steps.items()):
             step.add_metric(list(engine), _cumulative(hist), hist.total)
+        for key, series in summed.items():
+            for labels, total in sorted(series.items()):
+                totals[key].add_metric(list(labels), total)
         yield from families.values()
         yield from histograms.values()
         yield step
+        yield from totals.values()
 
 
 def _alive(pid: int) -> bool:

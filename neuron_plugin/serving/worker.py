@@ -106,7 +106,13 @@ class NeuronWorker(WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         started = time.perf_counter()
-        self.backend = open_backend(self.settings, self.model_config.model)
+        self.backend = open_backend(
+            self.settings,
+            self.model_config.model,
+            looked_up=lambda result: self.telemetry.count(
+                "compile_cache_lookups", "hit" if result.hit else "miss"
+            ),
+        )
         async_scheduling = bool(self.vllm_config.scheduler_config.async_scheduling)
         self.adapters = self._adapter_store(self.backend)
         self.model_runner = NeuronModelRunner(
@@ -231,6 +237,7 @@ class NeuronWorker(WorkerBase):
             )
         runner = self._runner()
         connector.bind_backend(runner.backend, self.settings)
+        self.telemetry.watch(connector.transferred_bytes)
         runner.kv_transfer = KVTransferSteps(connector, self.vllm_config)
 
     def get_kv_connector_handshake_metadata(self) -> dict | None:

@@ -136,6 +136,12 @@ def test_greedy_tokens_through_the_router_equal_transformers_and_one_server(
     # a prompt's last token itself, which for a one-token prompt is the whole prompt; one
     # token is a token-generation call in NxDI's prefix-caching layout too).
     assert _prefills(decode) - decode_prefills == 0
+    # the KV moved is counted where it moved: saved by the prefill, loaded by the decode
+    saved = total(neuron_samples(prefill.url), "neuron:kv_transfer_bytes_total",
+                  direction="saved")
+    loaded = total(neuron_samples(decode.url), "neuron:kv_transfer_bytes_total",
+                   direction="loaded")
+    assert saved > 0 and loaded > 0
     assert sorted(os.listdir(kv)) == []  # every payload deleted once imported
     assert "KV transfer for request" not in decode.log()  # no load failed
     # every prefill answer named a payload (the router warns when one does not)
