@@ -3,8 +3,10 @@
 # this plugin (editable) with the given extras, and the `vllm` distribution alias.
 # Usage: scripts/setup-env.sh [EXTRAS]   (default: cpu; the tests use cpu,test)
 # A rerun with nothing changed is a stamp check (well under a second): the stamp holds a
-# digest of everything the install depends on (this script, pyproject.toml, packaging/,
-# the extras), so pip runs again only when one of them changes.
+# digest of everything the install depends on (this script, pyproject.toml, packaging/)
+# and the extras installed, so pip runs again only when a file changes or an extra is
+# missing (the demo's `cpu` is satisfied by the tests' `cpu,test`); a re-install keeps
+# the extras installed before.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-cpu}"
@@ -12,11 +14,14 @@ venv="${VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 source "$root/scripts/stamp.sh"
 mapfile -t packaging < <(find "$root/packaging" -type f | sort)
-digest="$(inputs_digest "$extras" -- "${BASH_SOURCE[0]}" "$root/pyproject.toml" "${packaging[@]}")"
-if is_current "$venv" "$digest"; then
+digest="$(inputs_digest -- "${BASH_SOURCE[0]}" "$root/pyproject.toml" "${packaging[@]}")"
+installed="$(cat "$venv/.setup-extras" 2>/dev/null || true)"
+missing="$(comm -23 <(tr , '\n' <<< "$extras" | sort -u) <(tr , '\n' <<< "$installed" | sort -u))"
+if is_current "$venv" "$digest" && [ -z "$missing" ]; then
   echo "environment $venv is up to date"
   exit 0
 fi
+extras="$(tr , '\n' <<< "$extras,$installed" | grep -v '^$' | sort -u | paste -sd, -)"
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
@@ -33,4 +38,5 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # stamp keeps them out: pip runs again only when the inputs above change.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'ready in', '$venv')"
+echo "$extras" > "$venv/.setup-extras"
 mark_current "$venv" "$digest"

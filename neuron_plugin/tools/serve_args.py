@@ -15,6 +15,20 @@ from typing import Any
 from neuron_plugin import BACKEND_ENV, choose_backend, neuron_devices
 
 
+def serve_parser(own_options: Callable[[argparse.ArgumentParser], None], prog: str) -> Any:
+    """vLLM's own parser of `vllm serve`'s engine flags, with the command's options."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog=prog, description="Resolve a configuration as `vllm serve MODEL [flags]` would."
+    )
+    parser.add_argument("model_tag", nargs="?", help="the model, as for `vllm serve`")
+    own_options(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
 def engine_args_from_serve_args(
     argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
 ) -> tuple[argparse.Namespace, Any]:
@@ -30,18 +44,12 @@ def engine_args_from_serve_args(
         known.backend or choose_backend(os.environ, argv, neuron_devices()) or "nxd"
     )
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(
-        prog=prog, description="Resolve a configuration as `vllm serve MODEL [flags]` would."
-    )
-    parser.add_argument("model_tag", nargs="?", help="the model, as for `vllm serve`")
-    own_options(parser)
-    AsyncEngineArgs.add_cli_args(parser)
+    parser = serve_parser(own_options, prog)
     options = parser.parse_args(list(argv))
     if options.model_tag:
         options.model = options.model_tag
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
     return options, AsyncEngineArgs.from_cli_args(options)
 
 
