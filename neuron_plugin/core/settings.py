@@ -42,6 +42,7 @@ from neuron_plugin.core.neuron_settings import (
     EngineUpdate,
     NeuronSettings,
 )
+from neuron_plugin.core.nxdi_cpu_mode import refuse_what_the_cpu_mode_cannot_run
 from neuron_plugin.core.override_checks import (
     UNSUPPORTED_KEYS,
     agree,
@@ -290,7 +291,7 @@ def resolve_settings(
     if on_device and override.get("on_device_sampling_config"):
         # The nxd backend completes it (backends/nxd.py); never passed when off.
         passthrough["on_device_sampling_config"] = override["on_device_sampling_config"]
-    return NeuronSettings(
+    settings = NeuronSettings(
         backend=backend,
         architecture=architecture,
         dtype=limits.dtype,
@@ -329,6 +330,9 @@ def resolve_settings(
         max_cpu_loras=lora.max_cpu_loras,
         lora_options=dict(lora.nxd_options or {}),
     )
+    if backend == "nxd":
+        refuse_what_the_cpu_mode_cannot_run(settings)
+    return settings
 
 
 def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:

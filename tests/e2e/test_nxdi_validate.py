@@ -1,8 +1,8 @@
 """`neuron-plugin validate` on real NxD Inference in NxDI's CPU mode (the backend and the
 oracle both in NEURON_TEST_NXDI_PYTHON's environment): the tiny Llama in the block layout
 with a prefix-cache hit and the tiny Qwen3 in the contiguous layout pass every case they
-turn on; a feature the CPU mode cannot run is refused before the engine starts, naming
-why. Skipped without such an interpreter (CI has none: NxDI is not on the package index)."""
+turn on, and list what the CPU mode would refuse (LoRA) as refused; asked for such a
+feature, validate stops before the engine starts, naming why. Skipped without such an interpreter (CI has none: NxDI is not on the package index)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def test_validate_passes_on_real_nxdi(nxdi_python, model_dirs, tmp_path, arch, a
                  "mixed-step", "device-sampling"):
         assert statuses[case] == "pass", (case, report["cases"])
     assert {k: statuses[k] for k in expected} == expected
+    # not turned on, and what the CPU mode would refuse if it were: listed as refused
+    lora = next(c for c in report["cases"] if c["name"] == "lora")
+    assert lora["status"] == "refused" and "NxDI's CPU mode) cannot run --enable-lora" \
+        in lora["detail"]
     assert report["backend"] == "nxd"
     assert report["versions"]["neuronx-distributed-inference"].startswith("0.")
 

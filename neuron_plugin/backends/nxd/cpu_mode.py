@@ -26,51 +26,15 @@ from typing import Any
 import torch
 
 from neuron_plugin.backends.nxd import graphs
+from neuron_plugin.core.nxdi_cpu_mode import refuse_what_the_cpu_mode_cannot_run
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 
 def requested(settings: NeuronSettings) -> bool:
-    """Whether the settings ask for NxDI's CPU mode; refuses, naming the fix, what that
-    mode cannot run (NxDI 0.9 application_base.to_cpu). Batch bucketing runs: a decode
-    batch below the compiled one takes NxDI's CPU padding path, which unpacks
-    `logits, *kv_caches = outputs` (model_wrapper.py forward) and so fails on a graph
-    that returns logits beside tokens; the batch-bucketed graphs return tokens alone
-    and the logits graphs run at the full batch (`graphs`)."""
-    if not settings.passthrough.get("on_cpu"):
-        return False
-    problems = []
-    if settings.tp_degree > 1:
-        problems.append(
-            f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
-            f"process per rank under torchrun, the backend runs one; use 1"
-        )
-    if settings.max_loras:
-        problems.append(
-            "--enable-lora: the CPU mode copies every graph output after the logits into "
-            "the KV cache (model_base.py _copy_past_key_values), and LoRA adds its "
-            "weight_active tensors to those outputs (NeuronBaseModel.forward, "
-            "`outputs += lora_weights`): measured with NxDI 0.9, the first call fails "
-            "with IndexError; serve LoRA on the reference backend or on a device"
-        )
-    if settings.dtype == "float16":
-        problems.append(
-            "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
-            "accuracy check against transformers wants) or bfloat16"
-        )
-    if settings.speculation_method:
-        problems.append(
-            f"--speculative-config method {settings.speculation_method!r}: to_cpu() "
-            f"refuses any speculation_length ('Speculation is not yet supported for CPU "
-            f"inference.', application_base.py to_cpu, ef2731e lines 571-572); remove "
-            f"--speculative-config for the CPU mode, or remove on_cpu to speculate on "
-            f"NeuronCores"
-        )
-    if problems:
-        raise NeuronConfigError(
-            "override_neuron_config.on_cpu=true (NxDI's CPU mode) "
-            "cannot run " + "; ".join(problems) + "."
-        )
-    return True
+    """Whether the settings ask for NxDI's CPU mode (what that mode cannot run was
+    refused when the settings were resolved: core.nxdi_cpu_mode)."""
+    refuse_what_the_cpu_mode_cannot_run(settings)
+    return bool(settings.passthrough.get("on_cpu"))
 
 
 def refuse_quantized(settings: NeuronSettings) -> None:

@@ -1,0 +1,54 @@
+"""What NxDI's own CPU mode (`override_neuron_config` `"on_cpu": true`, the nxd backend's
+accuracy-check mode) cannot run, refused when the settings are resolved: before vLLM
+starts an engine, so `vllm serve` and `neuron-plugin validate` name the setting and the
+fix at once (the backend's `cpu_mode.requested` checks again where settings arrive
+resolved). Batch bucketing runs there: a decode batch below the compiled one takes
+NxDI's CPU padding path, which unpacks `logits, *kv_caches = outputs` (model_wrapper.py
+forward) and so fails on a graph that returns logits beside tokens; the batch-bucketed
+graphs return tokens alone and the logits graphs run at the full batch (nxd `graphs`).
+Serving a quantized checkpoint is refused at load instead (`cpu_mode.refuse_quantized`):
+`neuron-plugin quantize` writes one in this mode."""
+
+from __future__ import annotations
+
+from neuron_plugin.core.errors import NeuronConfigError
+from neuron_plugin.core.neuron_settings import NeuronSettings
+
+
+def refuse_what_the_cpu_mode_cannot_run(settings: NeuronSettings) -> None:
+    """Raise, naming each problem and its fix, when `on_cpu` asks NxDI's CPU mode for
+    what it cannot run (NxDI 0.9 application_base.to_cpu)."""
+    if not settings.passthrough.get("on_cpu"):
+        return
+    problems = []
+    if settings.tp_degree > 1:
+        problems.append(
+            f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
+            f"process per rank under torchrun, the backend runs one; use 1"
+        )
+    if settings.max_loras:
+        problems.append(
+            "--enable-lora: the CPU mode copies every graph output after the logits into "
+            "the KV cache (model_base.py _copy_past_key_values), and LoRA adds its "
+            "weight_active tensors to those outputs (NeuronBaseModel.forward, "
+            "`outputs += lora_weights`): measured with NxDI 0.9, the first call fails "
+            "with IndexError; serve LoRA on the reference backend or on a device"
+        )
+    if settings.dtype == "float16":
+        problems.append(
+            "--dtype float16: NxDI's CPU mode refuses it; use float32 (what an "
+            "accuracy check against transformers wants) or bfloat16"
+        )
+    if settings.speculation_method:
+        problems.append(
+            f"--speculative-config method {settings.speculation_method!r}: to_cpu() "
+            f"refuses any speculation_length ('Speculation is not yet supported for CPU "
+            f"inference.', application_base.py to_cpu, ef2731e lines 571-572); remove "
+            f"--speculative-config for the CPU mode, or remove on_cpu to speculate on "
+            f"NeuronCores"
+        )
+    if problems:
+        raise NeuronConfigError(
+            "override_neuron_config.on_cpu=true (NxDI's CPU mode) "
+            "cannot run " + "; ".join(problems) + "."
+        )
