@@ -161,11 +161,19 @@ PLUGIN_KEYS = {
 }
 
 
+def value_description(kind: str, nullable: bool) -> str:
+    """What a value of this kind must be, as refusals and the reference say it."""
+    says = _KINDS[kind][1]
+    return f"{says} or null" if nullable else says
+
+
 def _field(kind: str, nullable: bool, description: str | None = None) -> tuple[Any, Any]:
-    annotation, says = _KINDS[kind]
+    annotation = _KINDS[kind][0]
     if nullable:
-        annotation, says = annotation | None, f"{says} or null"
-    return annotation, Field(default=None, description=description or says)
+        annotation = annotation | None
+    return annotation, Field(
+        default=None, description=description or value_description(kind, nullable)
+    )
 
 
 def _sub_config(name: str, kinds: Mapping[str, str]) -> type[BaseModel]:
@@ -209,6 +217,11 @@ _SUB_CONFIG_SAYS = {
     '{"global_topk": 256}, or null (off)',
     "chunked_prefill_config": "an object of NxDI ChunkedPrefillConfig fields",
 }
+
+
+def sub_config_fields() -> dict[str, list[str]]:
+    """NxDI's nested configs the schema checks, and their fields."""
+    return {key: list(model.model_fields) for key, model in _SUB_CONFIGS.items()}
 
 
 def _parse_keys() -> dict[str, tuple[str, bool]]:

@@ -1,0 +1,39 @@
+"""MkDocs hooks (mkdocs.yml `hooks:`): pages generated from the code at build time, so
+the site cannot drift from it. A page holds a marker; the hook replaces it:
+
+- `<!-- reference: override_neuron_config -->`: every accepted key, its value, the NxDI
+  releases that read it and what the plugin does with it (core.override_reference);
+- `<!-- reference: validate report schema -->`: the JSON schema of `neuron-plugin
+  validate`'s report (validation.report).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _override_reference() -> str:
+    from neuron_plugin.core.override_reference import markdown_table
+
+    return markdown_table()
+
+
+def _validate_schema() -> str:
+    from neuron_plugin.validation.report import ValidationReport
+
+    schema = json.dumps(ValidationReport.model_json_schema(), indent=2)
+    return f"```json\n{schema}\n```"
+
+
+MARKERS = {
+    "<!-- reference: override_neuron_config -->": _override_reference,
+    "<!-- reference: validate report schema -->": _validate_schema,
+}
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    for marker, render in MARKERS.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, render())
+    return markdown
