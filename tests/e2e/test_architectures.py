@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.support import GreedyOracle, Server, corpus_token_ids, make_llm, shutdown_llm
+from tests.e2e.support import (
+    GreedyOracle,
+    Server,
+    corpus_token_ids,
+    float32_model,
+    make_llm,
+    shutdown_llm,
+)
 
 ARCHS = ["mistral", "qwen2", "mixtral", "qwen3_moe", "gemma3", "gpt_oss"]
 PROMPT_LENGTHS = [20, 33, 47, 60, 70, 90]
@@ -55,9 +62,9 @@ def expected(tiny_model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", *ARCHS])
 def test_decoder_logits_match_transformers(arch, tiny_model):
-    """Prefill 40 tokens, then 8 greedy decode steps on one cache line."""
+    """Prefill 40 tokens (8 past the longest window), then 8 greedy decode steps on one
+    cache line."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from neuron_plugin.backends.reference.decoder import (
         DecoderGraph,
@@ -72,8 +79,10 @@ def test_decoder_logits_match_transformers(arch, tiny_model):
     spec = DecoderSpec.from_hf_config(config)
     graph = DecoderGraph(spec, rope_tables(config, spec))
     weights = load_weights(model_dir, spec, torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    width, n = 64, 40
+    hf = float32_model(model_dir)
+    # 40 tokens, or more where a window is longer (gpt-oss: 128), so every window slides
+    n = max([40] + [w + 8 for w in spec.windows if w])
+    width = n + 24
     cache = torch.zeros(spec.num_layers, width, spec.num_kv_heads, spec.head_dim)
     k_cache, v_cache = cache, cache.clone()
     slots = torch.arange(width).unsqueeze(0)

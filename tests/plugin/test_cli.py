@@ -164,6 +164,31 @@ def test_build_report_warns_about_slow_combinations():
     assert "has no NxD Inference model" in report["warnings"][0]
 
 
+def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch):
+    """Per feature what real NxDI was measured to do for the architecture, and what the
+    backend would refuse before compiling (with VLLM_NEURON_DISABLE_PATCHES honoured)."""
+    import json
+
+    config = json.loads((tiny_model("gemma3") / "config.json").read_text())
+    settings = resolve_settings(limits(enable_prefix_caching=True, block_size=32), {},
+                                backend="nxd", architecture="Gemma3ForCausalLM")
+    report = explain.build_report(settings, "m", config, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert report["nxdi_support"]["block"] == "equal to transformers on real NxDI"
+    assert report["nxdi_support"]["lora"].startswith("untested: ")
+    assert not any("Gemma3ForCausalLM on NxDI" in w for w in report["warnings"])
+    assert "on real NxDI     contiguous equal, block equal" in explain.render(report)
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-norms")
+    report = explain.build_report(settings, "m", config, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("Gemma3ForCausalLM on NxDI 0.9.0 (ef2731e) without the plugin's patches "
+               "gemma3-norms" in w for w in report["warnings"])
+    reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
+                                 architecture="Gemma3ForCausalLM")
+    assert explain.build_report(reference, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
+                                "x", (24, "host"))["nxdi_support"] is None
+
+
 @pytest.fixture
 def backend_env(monkeypatch):
     """explain-config sets VLLM_NEURON_BACKEND and VLLM_LOGGING_STREAM for its process;

@@ -51,7 +51,7 @@ from neuron_plugin.backends.base import (
     write_artifact_record,
 )
 from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
-from neuron_plugin.backends.nxd import cpu_mode, graphs
+from neuron_plugin.backends.nxd import compat, cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters
@@ -136,6 +136,9 @@ class NxDBackend(InlineCalls):
             self.draft_config = read_hf_config(settings.draft_model)
             self.draft_cls = self._draft_class(self.draft_config)
         check_speculation_models(settings, self.hf_config, self.draft_config)
+        found = compat.problems(settings, self.hf_config, self.nxdi.version, self.nxdi.patch_status)
+        if found:
+            raise NeuronConfigError(" ".join(found))
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
         self.adapters: NxDAdapters | None = None
         if settings.max_loras:
@@ -227,6 +230,8 @@ class NxDBackend(InlineCalls):
         config = self.model_cls.get_config_cls()(
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
+        for key, value in compat.config_adjustments(self.settings, self.hf_config).items():
+            setattr(config, key, value)
         if self.settings.is_fused_speculation:
             # Attached after construction, as vllm-neuron does (a model's own config class
             # may not take the keyword).
@@ -325,7 +330,7 @@ class NxDBackend(InlineCalls):
         model = self._new_model()
         if self.on_cpu:
             cpu_mode.refuse_quantized(self.settings)
-            cpu_mode.load(model)
+            cpu_mode.load(model, self.nxdi.layer_boundary_marker)
         else:
             # The loader warms every graph up (run_graph_once) unless skip_warmup is set.
             model.load(str(folder), skip_warmup=True)

@@ -51,6 +51,7 @@ from neuron_plugin.backends.reference.architectures import (
 )
 from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
+from neuron_plugin.core import mxfp4
 from neuron_plugin.core.checkpoint import safetensors_files
 
 __all__ = [
@@ -150,6 +151,7 @@ def load_weights(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 found[name] = f.get_tensor(name)
+    mxfp4.dequantize_pairs(found)  # gpt-oss's experts as openai ships them
     wanted = weight_sources(spec)
     missing = [n for _, sources in wanted for n in sources if n not in found]
     if missing:
