@@ -22,8 +22,11 @@ parameters transformers initialises to constants (norms, biases, sinks) randomis
 are saved with save_pretrained (the Hub's tensor names, e.g. per-expert MoE weights) and
 a config.json that transformers 4.57 and 5.x read alike (tests/e2e/test_architectures.py).
 gpt-oss is written as openai ships it: its experts in MXFP4 (`*_blocks` / `*_scales`,
-`quantization_config` quant_method mxfp4; neuron_plugin.core.mxfp4), `initial_context_length`, and
-a 128-token window (NxDI sizes the window cache in multiples of 128).
+`quantization_config` quant_method mxfp4; neuron_plugin.core.mxfp4),
+`initial_context_length`, and a 128-token window (NxDI sizes the window cache in
+multiples of 128); gpt_oss_float is one with float experts and a 16-token window. The
+variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
+need (see ARCHITECTURES).
 
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
@@ -206,6 +209,7 @@ ARCHITECTURES: dict[str, dict] = {
         # openai's config keys: the YaRN base length under its own name (NxDI reads
         # it), and the experts' quantization (written by mxfp4_experts).
         "initial_context_length": _GPT_OSS_YARN["original_max_position_embeddings"],
+        "mxfp4": True,  # not a config key: write the experts in MXFP4
     },
     # Variants for the checks against real NxDI (tests/e2e/test_nxdi_architectures.py):
     # Qwen3-MoE without dense layers (NxDI's has none); Mistral with Mistral-7B-v0.1's
@@ -285,6 +289,14 @@ GPT_OSS_QUANTIZATION = {
         "model.embed_tokens",
         "lm_head",
     ],
+}
+# gpt-oss with float experts (as transformers saves a dequantized one) and a 16-token
+# window: vLLM serves MXFP4 checkpoints in bfloat16 only (GptOssMxfp4Config), whose
+# rounding flips greedy tokens of a tiny random model, so the tests that compare tokens
+# served through vLLM with transformers' float32 ones serve this one.
+ARCHITECTURES["gpt_oss_float"] = {
+    **{k: v for k, v in ARCHITECTURES["gpt_oss"].items() if k != "mxfp4"},
+    "sliding_window": 16,
 }
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
@@ -383,6 +395,7 @@ def build(
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
     perturb = fields.pop("perturb", False)
+    quantize = fields.pop("mxfp4", False)
     rows = model_vocab or fields.pop("vocab_size", None)  # the arch's own, if it has one
     # Keys transformers 5 renames or folds when it saves (rope_theta into rope_parameters,
     # num_experts into num_local_experts) are written into config.json as given too, so
@@ -425,7 +438,7 @@ def build(
         model.save_pretrained(staging)
         saved = json.loads((staging / "config.json").read_text())
         saved.update({k: v for k, v in given.items() if k not in saved})
-        if arch == "gpt_oss":
+        if quantize:
             mxfp4_experts(staging)
             saved["quantization_config"] = dict(GPT_OSS_QUANTIZATION)
         if arch == "dbrx":  # as transformers 4.57 reads it (5.x reads it too)

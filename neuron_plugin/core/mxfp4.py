@@ -11,7 +11,7 @@ bfloat16, so the float weights are the checkpoint's whatever the serving dtype.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 import torch
 
@@ -54,6 +54,17 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes.to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exponents + SCALE_BIAS).to(torch.uint8)
+
+
+def dequantized_shapes(shapes: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """Tensor shapes (from safetensors headers) with every MXFP4 pair replaced by its
+    float weight's [experts, in, out]."""
+    out = {n: s for n, s in shapes.items() if not n.endswith((BLOCKS, SCALES))}
+    for name, (experts, rows, groups, _) in (
+        (n.removesuffix(BLOCKS), s) for n, s in shapes.items() if n.endswith(BLOCKS)
+    ):
+        out[name] = [experts, groups * GROUP, rows]
+    return out
 
 
 def dequantize_pairs(tensors: MutableMapping[str, torch.Tensor]) -> list[str]:

@@ -141,8 +141,9 @@ VLLM_FLAGS = (
         "true and quantized_checkpoints_path (NxDI's weight quantization; `neuron-plugin "
         "quantize` writes that checkpoint)",
         # gpt-oss as openai ships it: MXFP4 experts, which both backends read (NxDI
-        # dequantizes them at load; core.mxfp4 for the reference backend).
-        served_for={"GptOssForCausalLM": ("mxfp4",)},
+        # dequantizes them at load; core.mxfp4 for the reference backend). vLLM names the
+        # checkpoint's quant_method mxfp4 gpt_oss_mxfp4 (GptOssMxfp4Config).
+        served_for={"GptOssForCausalLM": ("mxfp4", "gpt_oss_mxfp4")},
     ),
     VllmFlag(
         "--enable-prompt-embeds",

@@ -34,6 +34,11 @@ class Patch:
     defect: str
     probe: Callable[[NxDIModules], str | None]
     apply: Callable[[NxDIModules], bool]
+    # The architectures whose graphs it changes (empty: every one's), for the cache key.
+    architectures: frozenset[str] = frozenset()
+
+    def changes(self, architecture: str) -> bool:
+        return not self.architectures or architecture in self.architectures
 
 
 def unpatched(function: Callable) -> Callable:

@@ -395,19 +395,24 @@ def apply_norms(modules: NxDIModules) -> bool:
     return changed or converted
 
 
+GEMMA3 = frozenset({"Gemma3ForCausalLM"})
 PATCHES = (
     Patch(
         NAME_CONFIG,
         "Gemma3's config hard-coded (vocabulary, RoPE, layer pattern)",
         probe_config,
         apply_config,
+        GEMMA3,
     ),
-    Patch(NAME_ROPE, "Gemma3's global layers reuse the local RoPE", probe_rope, apply_rope),
+    Patch(NAME_ROPE, "Gemma3's global layers reuse the local RoPE", probe_rope, apply_rope, GEMMA3),
     Patch(
         NAME_WINDOW,
         "Gemma3's local layers attend every position",
         probe_window,
         apply_window,
+        GEMMA3,
     ),
-    Patch(NAME_NORMS, "Gemma3's norm weights rounded to bfloat16", probe_norms, apply_norms),
+    Patch(
+        NAME_NORMS, "Gemma3's norm weights rounded to bfloat16", probe_norms, apply_norms, GEMMA3
+    ),
 )

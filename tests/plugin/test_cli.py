@@ -200,6 +200,20 @@ def backend_env(monkeypatch):
                        os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.__stdout__"))
 
 
+def test_openai_gpt_oss_checkpoint_is_accepted_with_its_quantization_config(tiny_model,
+                                                                            backend_env):
+    """gpt-oss as openai ships it: vLLM reads its quantization_config (quant_method mxfp4)
+    as gpt_oss_mxfp4, in bfloat16 (vLLM's rule for the format), and the plugin serves it
+    on both backends (MXFP4 experts read by NxDI and core/mxfp4.py alike)."""
+    for backend in ("reference", "nxd"):
+        report, _ = explain.explain([str(tiny_model("gpt_oss")), "--max-model-len", "256",
+                                     "--max-num-seqs", "2", "--dtype", "bfloat16",
+                                     "--backend", backend])
+        assert report["architecture"] == "GptOssForCausalLM"
+        assert not any("--quantization" in w for w in report["warnings"])
+    assert report["nxdi_support"]["quantization"].startswith("equal to transformers")
+
+
 def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     report, as_json = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
                                        "--max-num-seqs", "4", "--dtype", "bfloat16",

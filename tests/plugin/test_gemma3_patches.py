@@ -247,3 +247,24 @@ def test_patched_functions_unwrap_to_nxdis(nxdi):
                              layer_types=["full_attention", "sliding_attention"])
     assert [c.sliding_window for c in nxdi.gemma3.get_updated_configs(copy.copy(config))] == [
         None, 4]
+
+
+def test_gemma3_patches_key_gemma3s_compiled_graphs_only(nxdi, tiny_model, monkeypatch):
+    """The patches change what NxDI traces for Gemma3, so they are in its compile-cache
+    key; another architecture's graphs (and key) do not depend on them."""
+    from neuron_plugin.backends.nxd.backend import NxDBackend
+    from neuron_plugin.core.settings import EngineLimits, resolve_settings
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    limits = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
+                          enable_prefix_caching=False, enable_chunked_prefill=False,
+                          max_num_batched_tokens=256, dtype="float32", tp_degree=1)
+
+    def key_patches(arch: str, name: str) -> set[str]:
+        settings = resolve_settings(limits, {}, backend="nxd", architecture=name)
+        fields = NxDBackend(settings, tiny_model(arch)).cache_manifest_fields()
+        return set(fields["versions"]["nxdi_patches"].split(","))
+
+    assert GEMMA3 <= key_patches("gemma3", "Gemma3ForCausalLM")
+    llama = key_patches("llama", "LlamaForCausalLM")
+    assert "prefix-prefill-mask" in llama and not GEMMA3 & llama

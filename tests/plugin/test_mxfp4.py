@@ -61,10 +61,14 @@ def test_reference_backend_reads_the_tiny_gpt_oss_as_transformers_does(tiny_mode
     spec = DecoderSpec.from_hf_config(read_hf_config(model_dir))
     weights = dict(zip([n for n, _ in weight_sources(spec)],
                        load_weights(model_dir, spec, torch.float32), strict=True))
+    shapes = mxfp4.dequantized_shapes(safetensors_shapes(model_dir))
+    assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == [4, 128, 256]
+    assert "model.layers.1.mlp.experts.gate_up_proj_scales" not in shapes
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     experts = hf.model.layers[1].mlp.experts
     assert torch.equal(weights["model.layers.1.mlp.experts.gate_up_proj"],
                        experts.gate_up_proj.float())
+    assert list(experts.gate_up_proj.shape) == shapes["model.layers.1.mlp.experts.gate_up_proj"]
     assert torch.equal(weights["model.layers.1.mlp.experts.down_proj"],
                        experts.down_proj.float())
 

@@ -92,6 +92,8 @@ def test_a_window_no_sequence_reaches_is_dropped(tiny_model):
 
 @pytest.mark.parametrize("arch, changes, layers", [
     ("mixtral", {"sliding_window": 16}, "[0, 1]"),
+    # the reverse: NxDI's Llama reads a sliding_window key transformers' ignores
+    ("llama", {"sliding_window": 16}, "[0, 1]"),
     # a Hub config without layer_types (transformers derives them from max_window_layers)
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
                "layer_types": None}, "[1]"),
@@ -177,5 +179,34 @@ def test_backend_refuses_before_compiling(tiny_model, monkeypatch, tmp_path):
         gemma = resolve_settings(LIMITS, {}, backend="nxd", architecture="Gemma3ForCausalLM")
         with pytest.raises(NeuronConfigError, match="without the plugin's patches gemma3-window"):
             NxDBackend(gemma, tiny_model("gemma3"))
+    finally:
+        purge()
+
+
+def test_without_the_refusal_nxdi_fails_at_the_first_prefill(tiny_model, monkeypatch,
+                                                             tmp_path):
+    """What the Mistral refusal prevents: NxDI's windowed prefill in the block layout
+    fails (the double reproduces BlockKVCacheManager's failure, measured on NxDI 0.9)."""
+    import numpy as np
+
+    from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+    from neuron_plugin.backends.nxd.backend import NxDBackend
+    from neuron_plugin.core.inputs import context_encoding_inputs
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "neuronx-cc"))
+    monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
+    monkeypatch.setattr(compat, "problems", lambda *args: [])
+    load_release("0.9-ef2731e", monkeypatch)
+    try:
+        limits = dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)
+        settings = resolve_settings(limits, {}, backend="nxd",
+                                    architecture="MistralForCausalLM")
+        backend = NxDBackend(settings, tiny_model("mistral"))
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        inputs = context_encoding_inputs(settings, np.arange(1, 41), 0, 0, [1, 2])
+        with pytest.raises(RuntimeError, match="block_kv_cache_manager.py update_cache"):
+            backend.forward(inputs)
     finally:
         purge()

@@ -208,7 +208,7 @@ class NxDBackend(InlineCalls):
             "target": _target(self.on_cpu),
             "versions": {
                 **{d: package_version(d) for d in DISTRIBUTIONS},
-                "nxdi_patches": ",".join(self.nxdi.patches),
+                "nxdi_patches": ",".join(self.nxdi.patches_for(self.settings.architecture)),
             },
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
             "weights_fingerprint": fingerprint,

@@ -13,7 +13,7 @@ from neuron_plugin.backends.nxd.lora import NxDILora
 from neuron_plugin.backends.nxd.models import NxDIModelClass
 from neuron_plugin.core.instances import package_version
 from neuron_plugin.core.settings import NeuronConfigError
-from neuron_plugin.patches import NxDIModules, apply_patches
+from neuron_plugin.patches import PATCHES, NxDIModules, apply_patches
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class NxDI:
     patch_status: Mapping[str, str]
     # models/layer_boundary_marker.py: NxD's module markers (the CPU mode's identity).
     layer_boundary_marker: ModuleType
+
+    def patches_for(self, architecture: str) -> tuple[str, ...]:
+        """The patches in effect that change `architecture`'s graphs (the cache key's)."""
+        changing = {p.name for p in PATCHES if p.changes(architecture)}
+        return tuple(name for name in self.patches if name in changing)
 
 
 def import_nxdi() -> NxDI:

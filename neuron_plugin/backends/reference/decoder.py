@@ -120,7 +120,8 @@ def weight_names(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> 
 
 def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[int]]:
     """The graph's weight shapes from the checkpoint's tensor shapes (safetensors
-    headers), in `weight_names` order."""
+    headers; MXFP4 experts as their float weights), in `weight_names` order."""
+    shapes = mxfp4.dequantized_shapes(shapes)
     wanted = weight_sources(spec)
     missing = [n for _, sources in wanted for n in sources if n not in shapes]
     if missing:

@@ -23,6 +23,11 @@ import copy
 import torch
 from torch import nn
 
+from neuronx_distributed_inference._release import RELEASE
+
+if not RELEASE.startswith("0.9"):  # models/gemma3 is in NxDI from 0.9
+    raise ImportError(f"NxDI {RELEASE} has no models/gemma3")
+
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
 from neuronx_distributed_inference.models.model_base import (
     NeuronBaseForCausalLM,
