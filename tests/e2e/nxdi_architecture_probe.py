@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +48,10 @@ def greedy(rows: int) -> SamplingInputs:
 class Driver:
     """Requests on one loaded backend, each row in its own sequence slot / blocks."""
 
-    def __init__(self, settings: NeuronSettings, model_dir: str):
+    def __init__(self, settings: NeuronSettings, model_dir: str, folder: Path):
         self.settings = settings
         self.backend = NxDBackend(settings, model_dir)
-        folder = Path(tempfile.mkdtemp())
+        folder.mkdir()
         self.backend.compile(folder)
         self.backend.load(folder)
         self.per_seq = settings.max_blocks_per_seq
@@ -127,7 +126,7 @@ def run_layout(
     name: str, settings: NeuronSettings, plan: dict[str, Any], out: Path
 ) -> dict[str, Any]:
     try:
-        driver = Driver(settings, plan["model"])
+        driver = Driver(settings, plan["model"], out / f"{name}-graphs")
     except NeuronConfigError as exc:
         return {"refused": str(exc)}
     prompts, steps = plan["prompts"], plan["steps"]

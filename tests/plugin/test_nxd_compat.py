@@ -49,6 +49,9 @@ def test_every_mapped_architecture_states_every_feature():
         assert all(v.split(":")[0] in (compat.EQUAL, compat.REFUSED, compat.UNTESTED)
                    for v in table.values()), name
     assert compat.support("GptOssForCausalLM")["block"].startswith("refused: ")
+    for windowed in ("MistralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
+        assert compat.support(windowed)["speculation"].startswith("refused: sliding-window")
+    assert compat.support("LlamaForCausalLM")["speculation"].startswith("untested: ")
     assert compat.support("DbrxForCausalLM")["contiguous"] == compat.EQUAL
     assert compat.support("SomeContribForCausalLM")["contiguous"].startswith("untested")
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.patches import gemma3
 
 EQUAL = "equal to transformers on real NxDI"
 REFUSED = "refused"
@@ -46,7 +47,7 @@ FEATURES = (
     "quantization",
 )
 RELEASE = "NxDI 0.9.0 (ef2731e)"  # the release the statuses were measured on
-GEMMA3_PATCHES = ("gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms")
+GEMMA3_PATCHES = tuple(patch.name for patch in gemma3.PATCHES)
 # Architectures whose NxDI model and attention read config.sliding_window for every
 # layer (modeling_llama.py NeuronLlamaAttention / NeuronLlamaModel.setup_attr_for_model,
 # modeling_mistral.py NeuronMistralAttention / setup_attr_for_model).
@@ -64,10 +65,11 @@ class Support:
         return f"{self.state}: {self.note}" if self.note else self.state
 
 
-_SPECULATION = Support(
-    UNTESTED,
-    "NxDI's CPU mode runs no speculation (application_base.py to_cpu); refused for "
-    "sliding-window models",
+_SPECULATION = Support(UNTESTED, "NxDI's CPU mode runs no speculation (application_base.py to_cpu)")
+_WINDOWED_SPECULATION = Support(
+    REFUSED,
+    "sliding-window attention: NxDI verifies drafts for it only with a token-generation "
+    "kernel its speculation model lacks",
 )
 _LORA = Support(UNTESTED, "NxDI's CPU mode cannot run LoRA (model_base.py _copy_past_key_values)")
 _QUANTIZED = Support(
@@ -108,13 +110,20 @@ SUPPORT: dict[str, dict[str, Support]] = {
             "layer-boundary marker is the identity on the CPU",
         ),
     },
-    "MistralForCausalLM": {**_COMMON, "block": _WINDOW_BLOCK, "prefix_hit": _WINDOW_BLOCK},
+    "MistralForCausalLM": {
+        **_COMMON,
+        "block": _WINDOW_BLOCK,
+        "prefix_hit": _WINDOW_BLOCK,
+        "speculation": _WINDOWED_SPECULATION,
+    },
     "Gemma3ForCausalLM": {
         **_COMMON,
         "contiguous": Support(EQUAL, "with the plugin's patches " + ", ".join(GEMMA3_PATCHES)),
+        "speculation": _WINDOWED_SPECULATION,
     },
     "GptOssForCausalLM": {
         **_COMMON,
+        "speculation": _WINDOWED_SPECULATION,
         "block": _GPT_OSS_BLOCK,
         "prefix_hit": _GPT_OSS_BLOCK,
         "quantization": Support(
