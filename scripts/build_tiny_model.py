@@ -17,10 +17,16 @@ one-layer draft trained the same way (`build_speculation_models`), so that
 drafts get accepted as they do on real text (random weights accept almost none).
 
 The other architectures the nxd backend maps (mistral, qwen2, mixtral, qwen3_moe, gemma3,
-gpt_oss; not dbrx) are tiny too: 16-token sliding windows, 4 experts top-2, and the
+gpt_oss, dbrx) are tiny too: 16-token sliding windows, 4 experts top-2, and the
 parameters transformers initialises to constants (norms, biases, sinks) randomised. They
 are saved with save_pretrained (the Hub's tensor names, e.g. per-expert MoE weights) and
 a config.json that transformers 4.57 and 5.x read alike (tests/e2e/test_architectures.py).
+gpt-oss is written as openai ships it: its experts in MXFP4 (`*_blocks` / `*_scales`,
+`quantization_config` quant_method mxfp4; neuron_plugin.core.mxfp4),
+`initial_context_length`, and a 128-token window (NxDI sizes the window cache in
+multiples of 128); gpt_oss_float is one with float experts and a 16-token window. The
+variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
+need (see ARCHITECTURES).
 
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
@@ -42,6 +48,9 @@ from neuron_plugin.core.checkpoint import replacing_folder
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_corpus.txt"
 RECIPE_VERSION = 2  # 2: the tokenizer config carries CHAT_TEMPLATE
+# Per-architecture recipe changes (absent: none, so other folders stay valid): gpt-oss 1,
+# as openai ships it (MXFP4 experts, initial_context_length, a 128-token window).
+REVISIONS = {"gpt_oss": 1}
 QWEN3_VOCAB = 151_936  # Qwen3's embedding rows
 
 # One turn per message: the role on its own line, the text, then the end-of-text token,
@@ -187,7 +196,9 @@ ARCHITECTURES: dict[str, dict] = {
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 16,
+        # openai's window, a multiple of 128 as NxDI's window cache needs
+        # (gpt_oss_kv_cache_manager.py _init_kv_shape sizes it to the next 128)
+        "sliding_window": 128,
         "attention_bias": True,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
@@ -195,7 +206,97 @@ ARCHITECTURES: dict[str, dict] = {
         "rope_theta": 150000.0,
         "rope_scaling": dict(_GPT_OSS_YARN),
         "rope_parameters": {**_GPT_OSS_YARN, "rope_theta": 150000.0},
+        # openai's config keys: the YaRN base length under its own name (NxDI reads
+        # it), and the experts' quantization (written by mxfp4_experts).
+        "initial_context_length": _GPT_OSS_YARN["original_max_position_embeddings"],
+        "mxfp4": True,  # not a config key: write the experts in MXFP4
     },
+    # Variants for the checks against real NxDI (tests/e2e/test_nxdi_architectures.py):
+    # Qwen3-MoE without dense layers (NxDI's has none); Mistral with Mistral-7B-v0.1's
+    # window, wider than any test sequence; Gemma3 in the
+    # shape NxDI 0.9 hard-codes (its vocabulary, every sixth layer global, a linear RoPE
+    # factor of 8 on global layers; modeling_gemma3.py Gemma3InferenceConfig).
+    "qwen3_moe_hub": {  # every layer MoE, as the Hub's Qwen3-MoE checkpoints
+        **_SMALL,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [],
+        "decoder_sparse_step": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    "mistral_wide": {
+        **_SMALL,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "gemma3_nxdi": {
+        **_SMALL,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 262_208,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 24,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "dbrx": {
+        "architectures": ["DbrxForCausalLM"],
+        "model_type": "dbrx",
+        "d_model": 128,
+        "n_heads": 4,
+        "n_layers": 2,
+        "max_seq_len": 4096,
+        # transformers 4.57 reads attn_config.rope_theta, 5.x rope_parameters
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "ffn_config": {
+            "ffn_hidden_size": 128,
+            "moe_num_experts": 4,
+            "moe_top_k": 2,
+            "moe_normalize_expert_weights": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "perturb": True,
+    },
+}
+GPT_OSS_QUANTIZATION = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+# gpt-oss with float experts (as transformers saves a dequantized one) and a 16-token
+# window: vLLM serves MXFP4 checkpoints in bfloat16 only (GptOssMxfp4Config), whose
+# rounding flips greedy tokens of a tiny random model, so the tests that compare tokens
+# served through vLLM with transformers' float32 ones serve this one.
+ARCHITECTURES["gpt_oss_float"] = {
+    **{k: v for k, v in ARCHITECTURES["gpt_oss"].items() if k != "mxfp4"},
+    "sliding_window": 16,
 }
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
@@ -245,6 +346,8 @@ def recipe(
         for k, v in (("layers", layers), ("model_vocab", model_vocab), ("train_steps", train_steps))
         if v
     }  # absent by default, so existing folders stay valid
+    if arch in REVISIONS:
+        shape["revision"] = REVISIONS[arch]
     return {
         "recipe_version": RECIPE_VERSION,
         "arch": arch,
@@ -292,6 +395,8 @@ def build(
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
     perturb = fields.pop("perturb", False)
+    quantize = fields.pop("mxfp4", False)
+    rows = model_vocab or fields.pop("vocab_size", None)  # the arch's own, if it has one
     # Keys transformers 5 renames or folds when it saves (rope_theta into rope_parameters,
     # num_experts into num_local_experts) are written into config.json as given too, so
     # transformers 4.57 (the Neuron SDK's) reads the same model.
@@ -309,7 +414,7 @@ def build(
     config = AutoConfig.for_model(
         model_type,
         **fields,
-        vocab_size=model_vocab or len(tokenizer),
+        vocab_size=rows or len(tokenizer),
         max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -333,11 +438,32 @@ def build(
         model.save_pretrained(staging)
         saved = json.loads((staging / "config.json").read_text())
         saved.update({k: v for k, v in given.items() if k not in saved})
+        if quantize:
+            mxfp4_experts(staging)
+            saved["quantization_config"] = dict(GPT_OSS_QUANTIZATION)
+        if arch == "dbrx":  # as transformers 4.57 reads it (5.x reads it too)
+            saved["attn_config"].setdefault("rope_theta", given["attn_config"]["rope_theta"])
+            saved["ffn_config"].pop("hidden_size", None)  # 4.57 refuses the key
         (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
         # In tokenizer_config.json, where most Hugging Face checkpoints keep it.
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
     return out
+
+
+def mxfp4_experts(folder: Path) -> None:
+    """Replace the float expert weights in `folder`'s model.safetensors by openai's MXFP4
+    `*_blocks` / `*_scales` (biases stay float), as gpt-oss checkpoints ship."""
+    from safetensors.torch import load_file, save_file
+
+    from neuron_plugin.core import mxfp4
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name))
+        tensors[name + mxfp4.BLOCKS], tensors[name + mxfp4.SCALES] = blocks, scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def train_on_corpus(model, tokenizer, steps: int, seed: int) -> None:

@@ -102,6 +102,7 @@ def refuse_what_cannot_work(
     override: Mapping[str, Any],
     environ: Mapping[str, str],
     nxdi_version: str | None,
+    architecture: str = "",
 ) -> None:
     """vLLM flags Neuron cannot honour, vllm-neuron variables set in a way that cannot
     work, and override_neuron_config keys NxDI does not know or values of the wrong type:
@@ -110,7 +111,7 @@ def refuse_what_cannot_work(
     from neuron_plugin.core.override_schema import override_problems
 
     problems = (
-        flag_problems(limits.vllm_flags)
+        flag_problems(limits.vllm_flags, architecture)
         + environment_problems(environ, enable_chunked_prefill=limits.enable_chunked_prefill)
         + override_problems(override, nxdi_version)
     )

@@ -194,7 +194,7 @@ def resolve_settings(
     max_num_seqs, max_num_seqs_reason = resolve_max_num_seqs(limits, override, backend, budget)
     limits = dataclasses.replace(limits, max_num_seqs=max_num_seqs)
     refuse_what_cannot_work(
-        limits, override, environ or {}, nxdi_version if backend == "nxd" else None
+        limits, override, environ or {}, nxdi_version if backend == "nxd" else None, architecture
     )
     agree(override, "tp_degree", "tensor_parallel_size", limits.tp_degree)
     agree(override, "batch_size", "max_num_seqs", limits.max_num_seqs)

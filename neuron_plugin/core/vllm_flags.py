@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 WORKER_CLS = "neuron_plugin.serving.worker.NeuronWorker"
@@ -29,10 +29,13 @@ class VllmFlag:
     served: tuple[Any, ...]
     reason: str
     fix: str
+    # Values served for one architecture only (Hugging Face architecture -> values).
+    served_for: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
-    def refusal(self, value: Any) -> str | None:
-        """The error message for `value`, or None when Neuron serves it."""
-        if value in self.served:
+    def refusal(self, value: Any, architecture: str = "") -> str | None:
+        """The error message for `value` (served to `architecture`), or None when Neuron
+        serves it."""
+        if value in self.served or value in self.served_for.get(architecture, ()):
             return None
         argument = self.flag.removeprefix("--").replace("-", "_")
         if isinstance(value, enum.Enum):
@@ -137,6 +140,10 @@ VLLM_FLAGS = (
         "serve the unquantized checkpoint with override_neuron_config keys quantized: "
         "true and quantized_checkpoints_path (NxDI's weight quantization; `neuron-plugin "
         "quantize` writes that checkpoint)",
+        # gpt-oss as openai ships it: MXFP4 experts, which both backends read (NxDI
+        # dequantizes them at load; core.mxfp4 for the reference backend). vLLM names the
+        # checkpoint's quant_method mxfp4 gpt_oss_mxfp4 (GptOssMxfp4Config).
+        served_for={"GptOssForCausalLM": ("mxfp4", "gpt_oss_mxfp4")},
     ),
     VllmFlag(
         "--enable-prompt-embeds",
@@ -191,11 +198,12 @@ VLLM_FLAGS = (
 )
 
 
-def flag_problems(values: Mapping[str, Any]) -> list[str]:
-    """One message per flag in `values` (flag -> vLLM's value) that Neuron cannot serve."""
+def flag_problems(values: Mapping[str, Any], architecture: str = "") -> list[str]:
+    """One message per flag in `values` (flag -> vLLM's value) that Neuron cannot serve
+    to `architecture`."""
     return [
         message
         for flag in VLLM_FLAGS
         if flag.flag in values
-        if (message := flag.refusal(values[flag.flag])) is not None
+        if (message := flag.refusal(values[flag.flag], architecture)) is not None
     ]

@@ -19,6 +19,7 @@ from neuron_plugin import plugin_logger
 from neuron_plugin.patches import (
     adapter_inputs,
     bucket_fit,
+    gemma3,
     prefix_lens,
     prefix_prefill_mask,
     sampler_top_p,
@@ -34,6 +35,7 @@ PATCHES: tuple[Patch, ...] = (
     bucket_fit.PATCH,
     prefix_prefill_mask.PATCH,
     sampler_top_p.PATCH,
+    *gemma3.PATCHES,
 )
 
 __all__ = [

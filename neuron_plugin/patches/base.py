@@ -21,6 +21,8 @@ class NxDIModules:
     hf_adapter: ModuleType  # neuronx_distributed_inference.utils.hf_adapter
     attention_base: ModuleType  # neuronx_distributed_inference.modules.attention.attention_base
     sampling: ModuleType  # neuronx_distributed_inference.modules.generation.sampling
+    # neuronx_distributed_inference.models.gemma3.modeling_gemma3 (None before NxDI 0.9)
+    gemma3: ModuleType | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class Patch:
     defect: str
     probe: Callable[[NxDIModules], str | None]
     apply: Callable[[NxDIModules], bool]
+    # The architectures whose graphs it changes (empty: every one's), for the cache key.
+    architectures: frozenset[str] = frozenset()
+
+    def changes(self, architecture: str) -> bool:
+        return not self.architectures or architecture in self.architectures
 
 
 def unpatched(function: Callable) -> Callable:
@@ -51,10 +58,11 @@ def is_patched(function: Callable, name: str) -> bool:
 
 
 def replace_method(
-    cls: type, attribute: str, name: str, make: Callable[[Callable], Callable]
+    cls: type | ModuleType, attribute: str, name: str, make: Callable[[Callable], Callable]
 ) -> bool:
     """Set `cls.attribute = make(current)`, marked with `name`; False (and no change)
-    when a wrapper with that name is already in place."""
+    when a wrapper with that name is already in place. `cls` may be a module (a
+    module-level function its code looks up at call time)."""
     current = getattr(cls, attribute)
     if is_patched(current, name):
         return False

@@ -38,7 +38,9 @@ def masked_prefix_prefill(
     active_mask: Any,
 ) -> Any:
     """softmax over [prior scores where the prefix mask is 1; causal active scores],
-    then the weighted values: NxDI's non-kernel prefix prefill with the missing mask."""
+    then the weighted values: NxDI's non-kernel prefix prefill with the missing mask.
+    The mask is NxDI's [batch, prefix], or one per query [batch, 1, q, prefix] (a Gemma3
+    local layer's window, patch gemma3-window)."""
     import torch
 
     groups = attention.num_key_value_groups
@@ -47,7 +49,9 @@ def masked_prefix_prefill(
     if not attention.k_cache_transposed:
         k_prior = k_prior.transpose(2, 3)
     prior = (torch.matmul(Q, k_prior) / attention.softmax_scale).to(torch.float32)
-    visible = attention_mask.to(torch.bool)[:, None, None, :]
+    visible = attention_mask.to(torch.bool)
+    if visible.dim() == 2:  # [batch, prefix]; a query-wise [batch, 1, q, prefix] as given
+        visible = visible[:, None, None, :]
     prior = torch.where(visible, prior, torch.finfo(prior.dtype).min)
     active = torch.matmul(Q, module.repeat_kv(K, groups).transpose(2, 3))
     active = (active / attention.softmax_scale).to(torch.float32)

@@ -246,11 +246,18 @@ def build_report(
         model_class, problems = nxdi_model(settings), []
     except NeuronConfigError as exc:
         model_class, problems = None, [str(exc)]
+    support = None
+    if settings.backend == "nxd":
+        from neuron_plugin.backends.nxd import compat
+
+        support, refused = compat.explain(settings, hf_config, os.environ)
+        problems += refused
     return {
         "model": model,
         "architecture": settings.architecture,
         "backend": settings.backend,
         "nxdi_model": model_class,
+        "nxdi_support": support,
         "kv_layout": {
             "layout": settings.kv_layout,
             "reason": settings.kv_layout_reason,
@@ -416,6 +423,13 @@ def _engines_line(dp: dict[str, Any]) -> str:
     )
 
 
+def _support_lines(support: dict[str, str] | None) -> list[str]:
+    if not support:
+        return []
+    states = ", ".join(f"{feature} {state.split()[0]}" for feature, state in support.items())
+    return [f"on real NxDI     {states} (README 'Running on inf2')"]
+
+
 def render(report: dict[str, Any]) -> str:
     """The report for people."""
     kv, buckets, graphs, mem = (
@@ -428,6 +442,7 @@ def render(report: dict[str, Any]) -> str:
         f"model            {report['model']} ({report['architecture']})",
         f"backend          {report['backend']}"
         + (f" -> {report['nxdi_model']}" if report["nxdi_model"] else ""),
+        *_support_lines(report["nxdi_support"]),
         f"KV layout        {kv['layout']} ({kv['reason']})",
         f"blocks           {_blocks_line(kv, report['settings'])}",
         f"capacity         {kv['capacity']}",

@@ -24,6 +24,26 @@ def compile_cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def nxdi_python() -> str:
+    """An interpreter where NxD Inference and this plugin import (NEURON_TEST_NXDI_PYTHON:
+    a Neuron SDK venv, or one built by hand as ../shared/nxdi-cpu/README.md describes);
+    the `-m nxdi` tests skip without one."""
+    import subprocess
+
+    python = os.environ.get("NEURON_TEST_NXDI_PYTHON")
+    if not python:
+        pytest.skip("NEURON_TEST_NXDI_PYTHON is not set: no interpreter with NxD Inference")
+    probe = subprocess.run(
+        [python, "-c", "import neuronx_distributed_inference.models.model_base, "
+                       "neuron_plugin.backends.nxd.backend"],
+        capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"NxD Inference or the plugin does not import under {python}: {last}")
+    return python
+
+
+@pytest.fixture(scope="session")
 def oracles(model_dirs):
     from tests.e2e.support import GreedyOracle
 

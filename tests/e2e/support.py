@@ -13,24 +13,38 @@ class GreedyOracle:
 
     def __init__(self, model_dir: Path):
         import torch
-        from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.eval()
+        self.model = float32_model(model_dir)
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        return self.trace(prompt, max_new_tokens)[0]
+
+    def trace(self, prompt: list[int], max_new_tokens: int):
+        """(greedy tokens, the logits each was chosen from [max_new_tokens, vocab])."""
         torch = self.torch
         with torch.no_grad():
             ids = torch.tensor([prompt])
             out = self.model(ids, use_cache=True)
-            tokens = []
+            tokens, logits = [], []
             for _ in range(max_new_tokens):
+                logits.append(out.logits[0, -1])
                 nxt = int(out.logits[0, -1].argmax())
                 tokens.append(nxt)
                 out = self.model(torch.tensor([[nxt]]), past_key_values=out.past_key_values,
                                  use_cache=True)
-        return tokens
+        return tokens, torch.stack(logits)
+
+
+def float32_model(model_dir: Path):
+    """transformers' model of `model_dir` with every weight in float32: an MXFP4
+    checkpoint's experts (gpt-oss) come dequantized to bfloat16, which transformers then
+    multiplies in bfloat16; .float() keeps their exact values (FP4 times a power of two)
+    and computes them in float32 like the rest."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).float().eval()
 
 
 def corpus_token_ids(model_dir: Path, count: int, offset: int = 0) -> list[int]:

@@ -26,25 +26,9 @@ from tests.e2e.support import Server, corpus_token_ids
 
 pytestmark = [pytest.mark.server, pytest.mark.nxdi]
 
-NXDI_PYTHON_ENV = "NEURON_TEST_NXDI_PYTHON"
 NEW_TOKENS = 12
 OVERRIDE = ('"on_cpu": true, "context_encoding_buckets": [32, 64, 128, 256], '
             '"token_generation_buckets": [64, 128, 256]')
-
-
-@pytest.fixture(scope="module")
-def nxdi_python() -> str:
-    python = os.environ.get(NXDI_PYTHON_ENV)
-    if not python:
-        pytest.skip(f"{NXDI_PYTHON_ENV} is not set: no interpreter with NxD Inference")
-    probe = subprocess.run(
-        [python, "-c", "import neuronx_distributed_inference.models.model_base, "
-                       "neuron_plugin.backends.nxd.backend"],
-        capture_output=True, text=True, timeout=300)
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        pytest.skip(f"NxD Inference or the plugin does not import under {python}: {last}")
-    return python
 
 
 @pytest.fixture(scope="module", params=["contiguous", "block"])

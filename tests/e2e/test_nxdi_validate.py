@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_nxdi_cpu_mode import nxdi_python  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.server, pytest.mark.nxdi]
 

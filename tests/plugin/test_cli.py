@@ -164,6 +164,31 @@ def test_build_report_warns_about_slow_combinations():
     assert "has no NxD Inference model" in report["warnings"][0]
 
 
+def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch):
+    """Per feature what real NxDI was measured to do for the architecture, and what the
+    backend would refuse before compiling (with VLLM_NEURON_DISABLE_PATCHES honoured)."""
+    import json
+
+    config = json.loads((tiny_model("gemma3") / "config.json").read_text())
+    settings = resolve_settings(limits(enable_prefix_caching=True, block_size=32), {},
+                                backend="nxd", architecture="Gemma3ForCausalLM")
+    report = explain.build_report(settings, "m", config, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert report["nxdi_support"]["block"] == "equal to transformers on real NxDI"
+    assert report["nxdi_support"]["lora"].startswith("untested: ")
+    assert not any("Gemma3ForCausalLM on NxDI" in w for w in report["warnings"])
+    assert "on real NxDI     contiguous equal, block equal" in explain.render(report)
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-norms")
+    report = explain.build_report(settings, "m", config, None,
+                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("Gemma3ForCausalLM on NxDI 0.9.0 (ef2731e) without the plugin's patches "
+               "gemma3-norms" in w for w in report["warnings"])
+    reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
+                                 architecture="Gemma3ForCausalLM")
+    assert explain.build_report(reference, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
+                                "x", (24, "host"))["nxdi_support"] is None
+
+
 @pytest.fixture
 def backend_env(monkeypatch):
     """explain-config sets VLLM_NEURON_BACKEND and VLLM_LOGGING_STREAM for its process;
@@ -173,6 +198,20 @@ def backend_env(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_BACKEND", os.environ.get("VLLM_NEURON_BACKEND", "reference"))
     monkeypatch.setenv("VLLM_LOGGING_STREAM",
                        os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.__stdout__"))
+
+
+def test_openai_gpt_oss_checkpoint_is_accepted_with_its_quantization_config(tiny_model,
+                                                                            backend_env):
+    """gpt-oss as openai ships it: vLLM reads its quantization_config (quant_method mxfp4)
+    as gpt_oss_mxfp4, in bfloat16 (vLLM's rule for the format), and the plugin serves it
+    on both backends (MXFP4 experts read by NxDI and core/mxfp4.py alike)."""
+    for backend in ("reference", "nxd"):
+        report, _ = explain.explain([str(tiny_model("gpt_oss")), "--max-model-len", "256",
+                                     "--max-num-seqs", "2", "--dtype", "bfloat16",
+                                     "--backend", backend])
+        assert report["architecture"] == "GptOssForCausalLM"
+        assert not any("--quantization" in w for w in report["warnings"])
+    assert report["nxdi_support"]["quantization"].startswith("equal to transformers")
 
 
 def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):

@@ -144,19 +144,17 @@ def test_builtin_architectures_resolve_through_model_types(release):
     assert cls is MODEL_TYPES["qwen3"]["causal-lm"]
 
 
-def test_untested_architecture_is_served_behind_a_warning(release, caplog):
-    """DBRX is mapped but no end-to-end test serves it (the reference backend lacks it)."""
+def test_mapped_architectures_resolve_without_warnings(release, caplog):
+    """DBRX, once served behind an 'untested' warning, is equal to transformers on real
+    NxDI (tests/e2e/test_nxdi_architectures.py); what each architecture serves is
+    backends/nxd/compat.py's table (test_nxd_compat.py)."""
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 
     stand_in = {"dbrx": {"causal-lm": MODEL_TYPES["llama"]["causal-lm"]}}
     with caplog.at_level("WARNING", logger="vllm.neuron_plugin"):
         resolve_model_class("DbrxForCausalLM", stand_in, [])
-    assert "DbrxForCausalLM is served through NxDI but untested end to end" in caplog.text
-    assert describe_architecture("DbrxForCausalLM", []).endswith("(untested end to end)")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="vllm.neuron_plugin"):
-        resolve_model_class("Qwen3ForCausalLM", MODEL_TYPES, [])
-    assert "untested" not in caplog.text
+    assert caplog.text == ""
+    assert describe_architecture("DbrxForCausalLM", []) == "NxDI MODEL_TYPES['dbrx']['causal-lm']"
 
 
 def test_builtin_architecture_missing_from_installed_nxdi(release):

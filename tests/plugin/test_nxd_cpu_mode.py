@@ -73,7 +73,7 @@ def test_each_call_runs_with_its_buckets_attributes(release, tiny, limits, overr
     s = settings(limits, {**CPU, **override})
     backend = NxDBackend(s, tiny)
     model = backend._new_model()
-    cpu_mode.load(model)
+    cpu_mode.load(model, backend.nxdi.layer_boundary_marker)
     modules = {id(w.model) for w in model.models}
     assert len(modules) == (1 if shared else len(model.models))
     for wrapper in model.models:
@@ -90,10 +90,26 @@ def test_each_call_runs_with_its_buckets_attributes(release, tiny, limits, overr
             assert (call["mask_dtype"] == torch.bool) == prefix_prefill, (wrapper.tag, bucket)
 
 
+def test_layer_boundary_markers_are_the_identity_in_the_cpu_mode(release):
+    """NxD's layer-boundary markers (a Neuron custom call; Qwen3-MoE's decoder layer always
+    calls them) return their inputs in the CPU mode: measured, with them Qwen3-MoE gives
+    transformers' tokens on real NxDI (tests/e2e/test_nxdi_architectures.py)."""
+    from neuronx_distributed_inference.models import layer_boundary_marker as markers
+
+    hidden, positions = torch.ones(1, 2, 4), torch.arange(2)
+    with pytest.raises(NotImplementedError, match="custom call"):
+        markers.ModuleMarkerStartWrapper()(hidden)
+    cpu_mode.identity_markers(markers)
+    assert markers.ModuleMarkerStartWrapper()(hidden) is hidden
+    out = markers.ModuleMarkerEndWrapper()(hidden, positions)
+    assert out[0] is hidden and out[1] is positions
+
+
 def test_a_call_of_no_compiled_shape_is_a_clear_error(release, tiny):
     s = settings({"tp_degree": 1}, CPU)
-    model = NxDBackend(s, tiny)._new_model()
-    cpu_mode.load(model)
+    backend = NxDBackend(s, tiny)
+    model = backend._new_model()
+    cpu_mode.load(model, backend.nxdi.layer_boundary_marker)
     wrapper = model.token_generation_model
     example = list(wrapper.input_generator()[0])
     example[0] = torch.ones((3, 1), dtype=torch.int32)
@@ -120,8 +136,9 @@ def test_each_call_returns_logits_only_from_its_logits_graph(release, tiny, limi
     of the token-generation model it stands in for (NxDI copies each call's cache into
     that one and the context encoder only)."""
     s = settings(limits, CPU)
-    model = NxDBackend(s, tiny)._new_model()
-    cpu_mode.load(model)
+    backend = NxDBackend(s, tiny)
+    model = backend._new_model()
+    cpu_mode.load(model, backend.nxdi.layer_boundary_marker)
     plain, variant = model.token_generation_model, graphs.logits_variant(model)
     assert (variant.model is plain.model) == shared
     assert variant.model.kv_mgr.past_key_values is plain.model.kv_mgr.past_key_values

@@ -1,7 +1,7 @@
 """The NxDI patch registry against the NxDI double's releases (0.7, 0.8 and 0.9 as
 published, and the ef2731e sync that fixed the adapter's tensor_capture_hook): each probe
 tells defective from fixed code, each fix makes the real call path work, and applying is
-idempotent and switchable. No NxDI release fixes the other four defects; their probes'
+idempotent and switchable. No NxDI release fixes the other defects; their probes'
 negative side is shown on a hypothetical fix written here."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+from tests.plugin.test_gemma3_patches import hypothetically_fixed as gemma3_fixed
 from neuron_plugin.patches import (
     DISABLE_ENV,
     PATCHES,
@@ -30,11 +31,13 @@ NAMES = [p.name for p in PATCHES]
 # release -> names of the patches whose defect it has (read in each release's source)
 EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask",
                  "sampler-top-p"}
+# Gemma3 (models/gemma3, from 0.9) has four defects (test_gemma3_patches.py).
+GEMMA3 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
 DEFECTS = {
     "0.7": {"adapter-forward-kwargs", *EVERY_RELEASE},
     "0.8": {"adapter-forward-kwargs", *EVERY_RELEASE},
-    "0.9": {"adapter-forward-kwargs", *EVERY_RELEASE},
-    "0.9-ef2731e": EVERY_RELEASE,
+    "0.9": {"adapter-forward-kwargs", *EVERY_RELEASE, *GEMMA3},
+    "0.9-ef2731e": EVERY_RELEASE | GEMMA3,
 }
 PUBLISHED = ["0.7", "0.8", "0.9"]
 
@@ -77,7 +80,8 @@ def greedy_continuation(prompt: list[int], steps: int) -> list[int]:
 def hypothetically_fixed(modules, monkeypatch) -> None:
     """An NxDI whose adapter passes prefix-caching context lengths, whose context
     encoding takes a bucket equal to the context, whose prefix prefill masks the prior
-    scores and whose nucleus keeps the crossing token: no release has any of these."""
+    scores, whose nucleus keeps the crossing token and whose Gemma3 has none of its four
+    defects: no release has any of these."""
     adapter = modules.hf_adapter.HuggingFaceGenerationAdapter
     published_prepare = adapter.prepare_inputs_for_generation
 
@@ -118,6 +122,8 @@ def hypothetically_fixed(modules, monkeypatch) -> None:
     monkeypatch.setattr(modules.attention_base.NeuronAttentionBase, "perform_prefix_prefill",
                         perform_prefix_prefill)
     monkeypatch.setattr(modules.sampling.Sampler, "_multinomial_sample", _multinomial_sample)
+    if modules.gemma3 is not None:
+        gemma3_fixed(modules.gemma3, monkeypatch)
 
 
 # A sequence of 128 tokens: NxDI's prefix-caching cache tiles each block by 128 / blocks
@@ -179,7 +185,7 @@ def test_disable_switch(nxdi):
     outcomes = apply_patches(nxdi, environ={DISABLE_ENV: "adapter-forward-kwargs, "
                                                          "adapter-prefix-lens"})
     assert [o.status for o in outcomes] == ["disabled", "disabled", "applied", "applied",
-                                            "applied"]
+                                            "applied"] + ["not needed"] * len(GEMMA3)
     assert adapter.prepare_inputs_for_generation is before
     assert disabled_patches({DISABLE_ENV: "all"}) == frozenset(NAMES)
     with pytest.raises(ValueError, match="unknown patch.*cte-exact-bucket"):

@@ -53,7 +53,7 @@ from neuron_plugin.backends.base import (
     write_artifact_record,
 )
 from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
-from neuron_plugin.backends.nxd import cpu_mode, graphs
+from neuron_plugin.backends.nxd import compat, cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters
@@ -144,6 +144,9 @@ class NxDBackend(InlineCalls):
             self.draft_cls = self._draft_class(self.draft_config)
         check_speculation_models(settings, self.hf_config, self.draft_config)
         refuse_quantized_draft(settings)
+        found = compat.problems(settings, self.hf_config, self.nxdi.version, self.nxdi.patch_status)
+        if found:
+            raise NeuronConfigError(" ".join(found))
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
         self.tied_head = False  # NxDI's tie of a quantized lm_head undone (_new_model)
         self.adapters: NxDAdapters | None = None
@@ -214,7 +217,7 @@ class NxDBackend(InlineCalls):
             "target": _target(self.on_cpu),
             "versions": {
                 **{d: package_version(d) for d in DISTRIBUTIONS},
-                "nxdi_patches": ",".join(self.nxdi.patches),
+                "nxdi_patches": ",".join(self.nxdi.patches_for(self.settings.architecture)),
             },
             "compiler_flags": os.environ.get("NEURON_CC_FLAGS", "").split(),
             "weights_fingerprint": fingerprint,
@@ -237,6 +240,8 @@ class NxDBackend(InlineCalls):
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
         self.tied_head = untie_quantized_head(config, self.settings)
+        for key, value in compat.config_adjustments(self.settings, self.hf_config).items():
+            setattr(config, key, value)
         if self.settings.is_fused_speculation:
             # Attached after construction, as vllm-neuron does (a model's own config class
             # may not take the keyword).
@@ -339,7 +344,7 @@ class NxDBackend(InlineCalls):
         self._quantized_folder()
         if self.on_cpu:
             cpu_mode.refuse_quantized(self.settings)
-            cpu_mode.load(model)
+            cpu_mode.load(model, self.nxdi.layer_boundary_marker)
         else:
             # The loader warms every graph up (run_graph_once) unless skip_warmup is set.
             model.load(str(folder), skip_warmup=True)

@@ -21,6 +21,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -135,8 +136,26 @@ def _install_bucket_hook(module: torch.nn.Module, wrappers: Sequence[Any]) -> No
     module.register_forward_pre_hook(set_bucket)
 
 
-def load(model: Any) -> None:
-    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes. The
+def identity_markers(markers: ModuleType) -> None:
+    """NxD's layer-boundary markers as the identity. Some decoder layers always wrap
+    themselves in them (Qwen3-MoE: modeling_qwen3_moe.py NeuronQwen3MoeDecoderLayer
+    .forward, ef2731e lines 410 and 437), and each is a Neuron custom call
+    (models/layer_boundary_marker.py: xla_hlo_call with AwsNeuronModuleMarker*Forward), a
+    hint to neuronx-cc's modular flow that returns its inputs and that only the device can
+    run. On a device the markers stay NxDI's; in the CPU mode they return their inputs."""
+    for name in ("ModuleMarkerStartWrapper", "ModuleMarkerEndWrapper"):
+        wrapper = getattr(markers, name, None)
+        if wrapper is not None:
+            wrapper.forward = _inputs
+
+
+def _inputs(self: torch.nn.Module, *args: Any) -> Any:
+    return args[0] if len(args) == 1 else args
+
+
+def load(model: Any, markers: ModuleType) -> None:
+    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes, with
+    NxD's layer-boundary markers as the identity (`identity_markers`). The
     token-generation logits submodel (`graphs`) reads the KV cache of the submodel it
     stands in for: NxDI copies each call's cache into token_generation_model and
     context_encoding_model only (model_base.py `_copy_past_key_values`).
@@ -149,6 +168,7 @@ def load(model: Any) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    identity_markers(markers)
     model.to_cpu()
     variant = graphs.logits_variant(model)
     plain = model.token_generation_model

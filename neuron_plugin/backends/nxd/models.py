@@ -32,7 +32,8 @@ class NxDIModelClass(Protocol):
 
 ENTRY_POINT_GROUP = "neuron_plugin.nxdi_models"
 TASK = "causal-lm"
-# Hugging Face architecture -> key of NxDI's utils.constants.MODEL_TYPES (text models).
+# Hugging Face architecture -> key of NxDI's utils.constants.MODEL_TYPES (text models);
+# what each serves, per feature, is in `compat`.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -44,25 +45,6 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
 }
-# Mapped architectures no end-to-end test of this plugin serves (the reference backend
-# does not implement them, so greedy parity with transformers is unchecked): served
-# behind a warning that says so.
-UNTESTED = {
-    "DbrxForCausalLM": "the reference backend does not implement DBRX (fused Wqkv with "
-    "clip_qkv, LayerNorm, p-norm routing)",
-}
-
-
-def untested_warning(architecture: str) -> str | None:
-    """The warning for a mapped architecture no end-to-end test covers (None: tested)."""
-    why = UNTESTED.get(architecture)
-    if why is None:
-        return None
-    return (
-        f"{architecture} is served through NxDI but untested end to end by this plugin "
-        f"({why}); check greedy parity on your checkpoint before serving, e.g. with "
-        f"NxDI's CPU mode (README 'NxDI's CPU mode')."
-    )
 
 
 def model_entry_points() -> list[importlib.metadata.EntryPoint]:
@@ -77,8 +59,7 @@ def describe_architecture(
         if ep.name == architecture:
             return f"{ep.value} (entry point {ENTRY_POINT_GROUP}:{ep.name})"
     if architecture in ARCHITECTURES:
-        described = f"NxDI MODEL_TYPES[{ARCHITECTURES[architecture]!r}][{TASK!r}]"
-        return described + (" (untested end to end)" if architecture in UNTESTED else "")
+        return f"NxDI MODEL_TYPES[{ARCHITECTURES[architecture]!r}][{TASK!r}]"
     raise NeuronConfigError(_unsupported(architecture))
 
 
@@ -120,7 +101,4 @@ def resolve_model_class(
             f"{key!r} model in MODEL_TYPES, needed for {architecture}; install a Neuron "
             f"SDK whose NxDI lists it (see README 'Running on inf2')."
         )
-    warning = untested_warning(architecture)
-    if warning:
-        logger.warning(warning)
     return model_types[key][TASK]

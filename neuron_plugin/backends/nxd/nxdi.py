@@ -7,12 +7,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 from neuron_plugin.backends.nxd.lora import NxDILora
 from neuron_plugin.backends.nxd.models import NxDIModelClass
 from neuron_plugin.core.instances import package_version
 from neuron_plugin.core.settings import NeuronConfigError
-from neuron_plugin.patches import NxDIModules, apply_patches
+from neuron_plugin.patches import PATCHES, NxDIModules, apply_patches
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,25 @@ class NxDI:
     patches: tuple[str, ...]
     # What its LoRA serving (modules/lora_serving) can do.
     lora: NxDILora
+    # Each patch's outcome (patches.PatchOutcome.status) by name.
+    patch_status: Mapping[str, str]
+    # models/layer_boundary_marker.py: NxD's module markers (the CPU mode's identity).
+    layer_boundary_marker: ModuleType
+
+    def patches_for(self, architecture: str) -> tuple[str, ...]:
+        """The patches in effect that change `architecture`'s graphs (the cache key's)."""
+        changing = {p.name for p in PATCHES if p.changes(architecture)}
+        return tuple(name for name in self.patches if name in changing)
 
 
 def import_nxdi() -> NxDI:
     """Import NxD Inference and apply the patches its installed version needs."""
     try:
-        from neuronx_distributed_inference.models import model_base, model_wrapper
+        from neuronx_distributed_inference.models import (
+            layer_boundary_marker,
+            model_base,
+            model_wrapper,
+        )
         from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
         from neuronx_distributed_inference.modules.attention import attention_base
         from neuronx_distributed_inference.modules.generation import sampling
@@ -56,7 +70,9 @@ def import_nxdi() -> NxDI:
             f"doctor`), or set VLLM_NEURON_BACKEND=reference."
         ) from exc
     outcomes = apply_patches(
-        NxDIModules(model_base, model_wrapper, hf_adapter, attention_base, sampling)
+        NxDIModules(
+            model_base, model_wrapper, hf_adapter, attention_base, sampling, _gemma3_module()
+        )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
     return NxDI(
@@ -67,4 +83,16 @@ def import_nxdi() -> NxDI:
         package_version("neuronx-distributed-inference"),
         patched,
         NxDILora.probe(LoraServingConfig, LoraModelManager),
+        {o.name: o.status for o in outcomes},
+        layer_boundary_marker,
     )
+
+
+def _gemma3_module() -> ModuleType | None:
+    """NxDI's Gemma3 modelling (models/gemma3/modeling_gemma3.py), None in a release
+    without it (before 0.9)."""
+    try:
+        from neuronx_distributed_inference.models.gemma3 import modeling_gemma3
+    except ImportError:
+        return None
+    return modeling_gemma3

@@ -64,11 +64,12 @@ class Architecture:
     reads_layer_types: bool = True  # Mistral and Mixtral ignore config layer_types
     # The window applies only with config use_sliding_window true (Qwen families).
     window_flag: bool = False
+    windowed: bool = True  # Llama ignores a sliding_window key (transformers has none)
     default_rope_theta: float = 10000.0
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture("llama"),
+    "LlamaForCausalLM": Architecture("llama", windowed=False),
     "MistralForCausalLM": Architecture("mistral", attention_bias="none", reads_layer_types=False),
     "MixtralForCausalLM": Architecture(
         "mixtral", attention_bias="none", mlp="mixtral", reads_layer_types=False
@@ -210,7 +211,9 @@ def layer_types(arch: Architecture, config: dict, layers: int) -> tuple[str, ...
 def layer_windows(arch: Architecture, config: dict, layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers decides it."""
     value = config.get("sliding_window")
-    if value is None or (arch.window_flag and not config.get("use_sliding_window", False)):
+    if value is None or not arch.windowed:
+        return (None,) * layers
+    if arch.window_flag and not config.get("use_sliding_window", False):
         return (None,) * layers
     return tuple(int(value) if t == SLIDING else None for t in layer_types(arch, config, layers))
 

@@ -54,6 +54,7 @@ from neuron_plugin.backends.reference.architectures import (
 )
 from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
+from neuron_plugin.core import mxfp4
 from neuron_plugin.core.checkpoint import safetensors_files
 
 # Bumped whenever what a graph computes changes, so compiled graphs of earlier code are
@@ -126,7 +127,8 @@ def weight_names(spec: DecoderSpec, quantized: frozenset[str] = frozenset()) -> 
 
 def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[int]]:
     """The graph's weight shapes from the checkpoint's tensor shapes (safetensors
-    headers), in `weight_names` order."""
+    headers; MXFP4 experts as their float weights), in `weight_names` order."""
+    shapes = mxfp4.dequantized_shapes(shapes)
     wanted = weight_sources(spec)
     missing = [n for _, sources in wanted for n in sources if n not in shapes]
     if missing:
@@ -157,6 +159,7 @@ def load_weights(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 found[name] = f.get_tensor(name)
+    mxfp4.dequantize_pairs(found)  # gpt-oss's experts as openai ships them
     wanted = weight_sources(spec)
     missing = [n for _, sources in wanted for n in sources if n not in found]
     if missing:

@@ -28,4 +28,7 @@ def load_release(release: str, monkeypatch) -> NxDIModules:
     from neuronx_distributed_inference.modules.generation import sampling
     from neuronx_distributed_inference.utils import hf_adapter
 
-    return NxDIModules(model_base, model_wrapper, hf_adapter, attention_base, sampling)
+    gemma3 = None
+    if release.startswith("0.9"):  # models/gemma3 is in NxDI from 0.9
+        from neuronx_distributed_inference.models.gemma3 import modeling_gemma3 as gemma3
+    return NxDIModules(model_base, model_wrapper, hf_adapter, attention_base, sampling, gemma3)

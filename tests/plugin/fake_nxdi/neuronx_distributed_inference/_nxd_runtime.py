@@ -35,7 +35,9 @@ modules/kvcache/kv_cache_manager.py, 0.7-0.9 alike):
   reads the W - 1 newest keys and writes at position % (W - 1), wherever the position. Row r is cache line r, except in a
   batch-bucketing graph smaller than the KV cache (0.8+), where it is line seq_ids[r]
   (update_kv_by_layer_id / get_kv_by_layer_id);
-- block layout: the state tensors have NxDI's prefix-caching shapes and dtype
+- block layout: a sliding-window prefill fails (Mistral, Llama with a window; windowed
+  attention keeps window - 1 keys its BlockKVCacheManager cannot write); the state
+  tensors have NxDI's prefix-caching shapes and dtype
   (`block_kv_shape`); a graph writes a token into every layer's K and V (each its own
   value, `slot_value`) and reads layer 0's K. The prefix (context encoding) or cached
   context (token generation) is
@@ -533,6 +535,13 @@ class NxDModel:
 
     def _block(self, input_ids, mask, positions, slot_mapping, block_table, prefix, cte,
                recompute_slots):
+        if self.window and cte:
+            # attention_base.py windowed_attention_forward keeps the last window - 1 keys
+            # of a prefill (get_last_kv_window), which BlockKVCacheManager.update_cache
+            # cannot reshape to the bucket-long slot mapping (measured with NxDI 0.9)
+            raise RuntimeError(
+                f"shape '[{input_ids.shape[1]}, ...]' is invalid for the {self.window - 1} "
+                f"keys a sliding-window prefill keeps (block_kv_cache_manager.py update_cache)")
         # layer 0's K of the decoder whose state keys start with `prefix`, a value a slot
         flat = self._slot_rows(self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"])[:, 0]
         size = self.config.pa_block_size

@@ -1,0 +1,152 @@
+"""Every architecture the nxd backend maps, on real NxD Inference in its CPU mode, through
+the plugin's NxDBackend (nxdi_architecture_probe.py), against transformers' greedy tokens
+and logits on the same tiny checkpoint (scripts/build_tiny_model.py): contiguous and
+block layout at batch 1 and 2, a prefix-cache hit over 128 cached tokens (the (128, 128)
+prefill graph) beside a control whose cached blocks hold another prompt (it must differ:
+the cache is read), and batch 2 with NxDI's on-device sampler. Prompts are longer than
+every sliding window. What NxDI cannot compute as transformers does is refused before
+anything compiles, naming the fix (backends/nxd/compat.py); those cases assert the
+refusal. The variants: Mistral with a window wider than max_model_len (served as full
+attention, both layouts), Gemma3 in the shape NxDI hard-codes (vocabulary 262,208,
+every sixth layer global, linear RoPE factor 8) beside the tiny one of another
+vocabulary.
+
+NxD Inference is not on the package index: these tests need NEURON_TEST_NXDI_PYTHON (see
+tests/e2e/conftest.py) and skip otherwise. One probe process per architecture runs all
+its cases (about a minute each on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tests.e2e.support import GreedyOracle, corpus_token_ids
+
+pytestmark = [pytest.mark.nxdi]
+
+ARCHS = ["llama", "mistral", "mistral_wide", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+         "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi"]
+STEPS = 8  # decode steps after the prefill's token
+MAX_MODEL_LEN = 256
+PREFIX = 128  # cached tokens of the prefix-cache hit
+OVERRIDE = {"on_cpu": True, "context_encoding_buckets": [32, 64, 128, 256],
+            "token_generation_buckets": [64, 128, 256]}
+# Logits of NxDI's float32 CPU mode against transformers' (measured up to ~1e-5).
+TOLERANCE = 1e-4
+# What the backend refuses, by (architecture, layout): pieces of the message.
+REFUSED = {
+    ("mistral", "block"): ["sliding_window=16 below max_model_len=256 in the block KV layout"],
+    ("gpt_oss", "block"): ["GptOssForCausalLM on NxDI 0.9", "in the block KV layout"],
+    # the builder's Qwen3-MoE has a dense layer (mlp_only_layers), NxDI's model none
+    ("qwen3_moe", "contiguous"): ["layers [1] have a dense MLP"],
+    ("qwen3_moe", "block"): ["layers [1] have a dense MLP"],
+}
+PROBE = Path(__file__).with_name("nxdi_architecture_probe.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _settings(arch_name: str, block: bool) -> dict:
+    from neuron_plugin.core.settings import EngineLimits, resolve_settings
+
+    limits = EngineLimits(max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+                          block_size=32 if block else None, enable_prefix_caching=block,
+                          enable_chunked_prefill=False, max_num_batched_tokens=MAX_MODEL_LEN,
+                          dtype="float32", tp_degree=1)
+    return resolve_settings(limits, OVERRIDE, backend="nxd",
+                            architecture=arch_name).to_dict()
+
+
+def _prompts(model_dir: Path, config: dict) -> dict[str, list[int]]:
+    """a and b cross the longest window (gpt-oss: 128) and decode past it; c and d share
+    nothing and are long enough for a (128, 128) prefix-cache prefill."""
+    window = max([16] + [w for w in [config.get("sliding_window")] if w and w < MAX_MODEL_LEN])
+    return {"a": corpus_token_ids(model_dir, window + 24, offset=11),
+            "b": corpus_token_ids(model_dir, window + 7, offset=300),
+            "c": corpus_token_ids(model_dir, PREFIX + 102, offset=600),
+            "d": corpus_token_ids(model_dir, PREFIX + 102, offset=1200)}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def probed(request, nxdi_python, tiny_model, tmp_path_factory):
+    """(arch, prompts, the probe's report, its logits folder, the oracle) per arch."""
+    arch = request.param
+    model_dir = tiny_model(arch)
+    config = json.loads((model_dir / "config.json").read_text())
+    name = config["architectures"][0]
+    prompts = _prompts(model_dir, config)
+    out = tmp_path_factory.mktemp(f"nxdi-{arch}")
+    plan = {"model": str(model_dir), "steps": STEPS, "prefix": PREFIX, "prompts": prompts,
+            "layouts": {"contiguous": _settings(name, False), "block": _settings(name, True)}}
+    (out / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "NXD_CPU_MODE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([nxdi_python, str(PROBE), str(out / "plan.json"), str(out)],
+                          capture_output=True, text=True, timeout=1800, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return arch, prompts, report, out, GreedyOracle(model_dir)
+
+
+def _expect_equal(probed, layout: str, case: str, rows: list[str]) -> None:
+    """The case's rows give transformers' greedy tokens, logits within TOLERANCE."""
+    arch, prompts, report, out, oracle = probed
+    result = report[layout][case]
+    logits_file = out / f"{layout}-{case}.npy"
+    logits = np.load(logits_file, allow_pickle=False) if logits_file.exists() else None
+    for row, key in enumerate(rows):
+        tokens, expected = oracle.trace(prompts[key], STEPS + 1)
+        assert result["tokens"][row] == tokens, f"{arch} {layout} {case} row {row}"
+        if logits is not None:
+            ours = torch.from_numpy(logits[row])
+            gap = float((ours - expected).abs().max())
+            assert gap < TOLERANCE, f"{arch} {layout} {case} row {row}: logits off by {gap}"
+
+
+def _refused(probed, layout: str) -> bool:
+    """Whether the backend refused `layout` (as REFUSED expects: with those words)."""
+    arch, _, report, _, _ = probed
+    wanted = REFUSED.get((arch, layout))
+    if wanted is None:
+        assert "refused" not in report[layout], report[layout].get("refused")
+        return False
+    for words in wanted:
+        assert words in report[layout]["refused"]
+    return True
+
+
+def test_contiguous_layout_equals_transformers_or_is_refused(probed):
+    if _refused(probed, "contiguous"):
+        return
+    _expect_equal(probed, "contiguous", "batch1", ["a"])
+    _expect_equal(probed, "contiguous", "batch2", ["a", "b"])
+
+
+def test_block_layout_equals_transformers_or_is_refused(probed):
+    if _refused(probed, "block"):
+        return
+    _expect_equal(probed, "block", "batch1", ["a"])
+    _expect_equal(probed, "block", "batch2", ["a", "b"])
+
+
+def test_prefix_cache_hit_reads_the_cached_prefix(probed):
+    """A prefill over 128 cached tokens gives transformers' tokens; with another prompt's
+    KV in those blocks its logits are far from them (the hit reads the cache: a local
+    layer's window may not reach the cached part, the global layers do)."""
+    if _refused(probed, "block"):
+        return
+    arch, prompts, _, out, oracle = probed
+    _expect_equal(probed, "block", "prefix_hit", ["c"])
+    control = torch.from_numpy(np.load(out / "block-prefix_control.npy", allow_pickle=False)[0])
+    gap = float((control[0] - oracle.trace(prompts["c"], 1)[1][0]).abs().max())
+    assert gap > 100 * TOLERANCE, f"{arch}: another prompt's cached KV moved logits by {gap}"
+
+
+def test_on_device_sampling_equals_transformers(probed):
+    for layout in ("contiguous", "block"):
+        if not _refused(probed, layout):
+            _expect_equal(probed, layout, "device_sampling", ["a", "b"])

@@ -1,0 +1,228 @@
+"""models/gemma3/modeling_gemma3.py of NxDI 0.9 (ef2731e), the parts the plugin's gemma3
+patches meet, with NxDI's defects:
+- NeuronGemma3RMSNorm (lines 45-59): the weight declared bfloat16, the norm in float32;
+- get_updated_configs (lines 69-92): every sixth layer global ((i + 1) % 6), whatever
+  the checkpoint's layer_types;
+- Gemma3InferenceConfig.__init__ (lines 102-140): after loading the checkpoint's config,
+  fixed vocab_size, RoPE bases and factor, max_position_embeddings, pad_token_id,
+  rms_norm_eps, hidden_act;
+- NeuronGemma3Attention (lines 153-189): the global or local RoPE by the layer config's
+  sliding_window, the window given to NeuronAttentionBase (which then keeps no
+  transposed K cache, attention_base.py line 238), softmax scale sqrt(query_pre_attn_scalar);
+- NeuronGemma3DecoderLayer (lines 192-273): the local mask only where the model passes
+  one, the embedding scaled in layer 0, four norms, and the attention's cos/sin
+  returned (handed to the next layer by model_base.py get_model_output);
+- NeuronGemma3TextModel.setup_attr_for_model (lines 278-285): no sliding_window;
+- NeuronGemma3ForCausalLM.convert_hf_to_neuron_state_dict (lines 358-416): q_norm /
+  k_norm renamed, 1 added to every norm weight in the checkpoint's dtype.
+The attention's and the MLP's math run on the device (the double's runtime), not here:
+calling them raises."""
+
+import copy
+
+import torch
+from torch import nn
+
+from neuronx_distributed_inference._release import RELEASE
+
+if not RELEASE.startswith("0.9"):  # models/gemma3 is in NxDI from 0.9
+    raise ImportError(f"NxDI {RELEASE} has no models/gemma3")
+
+from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
+from neuronx_distributed_inference.models.model_base import (
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+)
+from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
+
+
+class NeuronGemma3RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=torch.bfloat16))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * self.weight.float()
+        return output.type_as(x)
+
+
+def get_rmsnorm_cls(offset: bool = False):
+    return NeuronGemma3RMSNorm
+
+
+def get_updated_configs(config):
+    updated_configs = []
+    for i in range(config.num_hidden_layers):
+        updated_config = copy.deepcopy(config)
+        swa_layer = (i + 1) % 6 != 0
+        if not swa_layer:
+            updated_config.sliding_window = None
+        updated_configs.append(updated_config)
+    return updated_configs
+
+
+class Gemma3NeuronConfig(NeuronConfig):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attn_cls = NeuronGemma3Attention
+
+
+class Gemma3InferenceConfig(InferenceConfig):
+    def __init__(self, neuron_config, fused_spec_config=None, load_config=None):
+        self.attributes = ["head_dim", "hidden_size", "intermediate_size",
+                           "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                           "query_pre_attn_scalar", "sliding_window"]
+        self.neuron_config = neuron_config
+        self.fused_spec_config = fused_spec_config
+        if load_config is not None:
+            load_config(self)
+        else:
+            self.load_config()
+        text_config = getattr(self, "text_config", None)
+        if text_config is not None:
+            for attribute in self.attributes:
+                setattr(self, attribute, getattr(text_config, attribute))
+        self.max_position_embeddings = 131072
+        self.local_rope_theta = 10000.0
+        self.rope_scaling = 8.0
+        self.global_rope_theta = 1000000.0
+        self.vocab_size = 262208
+        self.pad_token_id = 0
+        self.rms_norm_eps = 1e-06
+        self.hidden_act = "gelu_pytorch_tanh"
+        self.add_derived_config()
+        self.validate_config()
+
+    def add_derived_config(self):
+        self.num_cores_per_group = 1
+
+    def get_required_attributes(self):
+        return self.attributes
+
+    @classmethod
+    def get_neuron_config_cls(cls):
+        return Gemma3NeuronConfig
+
+
+class RotaryEmbedding:
+    """modules/attention/utils.py RotaryEmbedding's constructor: a linear factor divides
+    the inverse frequencies."""
+
+    def __init__(self, dim, max_position_embeddings=2048, base=10000, factor=None):
+        self.dim, self.base, self.factor = dim, base, factor
+
+
+class NeuronGemma3Attention(NeuronAttentionBase):
+    def __init__(self, config):
+        head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        local_rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                           base=config.local_rope_theta)
+        global_rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                            base=config.global_rope_theta,
+                                            factor=config.rope_scaling)
+        sliding_window = config.sliding_window
+        super().__init__(
+            num_key_value_groups=config.num_attention_heads // config.num_key_value_heads,
+            softmax_scale=config.query_pre_attn_scalar ** 0.5,
+            k_cache_transposed=bool(getattr(config.neuron_config, "k_cache_transposed", False))
+            and sliding_window is None)
+        self.rotary_emb = global_rotary_emb if sliding_window is None else local_rotary_emb
+        self.sliding_window = sliding_window
+        self.attn_kernel_enabled = getattr(config.neuron_config, "attn_kernel_enabled", None)
+        self.q_layernorm = get_rmsnorm_cls()(hidden_size=head_dim, eps=config.rms_norm_eps)
+        self.k_layernorm = get_rmsnorm_cls()(hidden_size=head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("the double's attention math runs in its device runtime")
+
+
+class _DeviceMLP(nn.Module):
+    """NeuronLlamaMLP(config): its math runs on the device (the double's runtime)."""
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("the double's MLP math runs in its device runtime")
+
+
+class NeuronGemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.is_sliding_window_attention = config.sliding_window is not None
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.query_pre_attn_scalar = config.query_pre_attn_scalar
+        self.self_attn = NeuronGemma3Attention(config)
+        self.mlp = _DeviceMLP()
+        self.input_layernorm = get_rmsnorm_cls()(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = get_rmsnorm_cls()(config.hidden_size,
+                                                          eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = get_rmsnorm_cls()(config.hidden_size,
+                                                           eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = get_rmsnorm_cls()(config.hidden_size,
+                                                            eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, local_mask=None, position_ids=None,
+                past_key_value=None, adapter_ids=None, **kwargs):
+        mask = local_mask
+        if not self.is_sliding_window_attention or local_mask is None:
+            mask = attention_mask
+        if self.layer_idx == 0:
+            hidden_states = hidden_states * (self.hidden_size ** 0.5)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, present_key_value, cos_cache, sin_cache = self.self_attn(
+            hidden_states=hidden_states, attention_mask=mask, position_ids=position_ids,
+            past_key_value=past_key_value, adapter_ids=adapter_ids, **kwargs)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.pre_feedforward_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)[0]
+        hidden_states = self.post_feedforward_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        return (hidden_states, present_key_value, cos_cache, sin_cache, None)
+
+
+class NeuronGemma3TextModel(NeuronBaseModel):
+    def setup_attr_for_model(self, config):
+        self.on_device_sampling = config.neuron_config.on_device_sampling_config is not None
+        self.tp_degree = config.neuron_config.tp_degree
+        self.hidden_size = config.hidden_size
+        self.num_attention_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.max_batch_size = config.neuron_config.max_batch_size
+        self.buckets = config.neuron_config.buckets
+
+    def init_model(self, config):
+        self.layers = nn.ModuleList([NeuronGemma3DecoderLayer(conf, idx)
+                                     for idx, conf in enumerate(get_updated_configs(config))])
+        self.norm = get_rmsnorm_cls()(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class NeuronGemma3ForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronGemma3TextModel
+
+    @staticmethod
+    def convert_hf_to_neuron_state_dict(state_dict, config):
+        if "model.norm.weight" in state_dict.keys():
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        state_dict["norm.weight"] += 1.0
+        for i in range(config.num_hidden_layers):
+            prefix = f"layers.{i}."
+            state_dict[prefix + "self_attn.q_layernorm.weight"] = (
+                state_dict.pop(prefix + "self_attn.q_norm.weight").detach().clone())
+            state_dict[prefix + "self_attn.k_layernorm.weight"] = (
+                state_dict.pop(prefix + "self_attn.k_norm.weight").detach().clone())
+            for norm in ("self_attn.k_layernorm", "self_attn.q_layernorm", "input_layernorm",
+                         "post_attention_layernorm", "post_feedforward_layernorm",
+                         "pre_feedforward_layernorm"):
+                state_dict[f"{prefix}{norm}.weight"] += 1.0
+        return state_dict
+
+    @classmethod
+    def get_config_cls(cls):
+        return Gemma3InferenceConfig

@@ -1,0 +1,215 @@
+"""What the nxd backend serves per architecture and feature (backends/nxd/compat.py): the
+configurations NxDI 0.9's modelling code computes differently from transformers are
+refused before anything compiles, each message naming architecture, NxDI release,
+feature and fix; the rest pass untouched. The tiny checkpoints are the ones the real-NxDI
+tests serve (tests/e2e/test_nxdi_architectures.py), so what passes here is what was
+measured equal there."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from neuron_plugin.backends.nxd import compat
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+
+LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
+                      enable_prefix_caching=False, enable_chunked_prefill=False,
+                      max_num_batched_tokens=256, dtype="float32", tp_degree=1)
+MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+          "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
+          "Gemma3ForCausalLM"]
+APPLIED = dict.fromkeys([*compat.GEMMA3_PATCHES, "prefix-prefill-mask"], "applied")
+
+
+def problems(config: dict, block: bool = False, max_model_len: int = 256,
+             patches: dict | None = None) -> list[str]:
+    limits = dataclasses.replace(LIMITS, max_model_len=max_model_len,
+                                 max_num_batched_tokens=max_model_len,
+                                 enable_prefix_caching=block, block_size=32 if block else None)
+    settings = resolve_settings(limits, {}, backend="nxd",
+                                architecture=config["architectures"][0])
+    return compat.problems(settings, config, "0.9.0", APPLIED if patches is None else patches)
+
+
+def config_of(tiny_model, arch: str, **changes) -> dict:
+    config = json.loads((tiny_model(arch) / "config.json").read_text())
+    return {**config, **changes}
+
+
+def test_every_mapped_architecture_states_every_feature():
+    from neuron_plugin.backends.nxd.models import ARCHITECTURES
+
+    assert set(compat.SUPPORT) == set(ARCHITECTURES) == set(MAPPED)
+    for name in MAPPED:
+        table = compat.support(name)
+        assert list(table) == list(compat.FEATURES)
+        assert all(v.split(":")[0] in (compat.EQUAL, compat.REFUSED, compat.UNTESTED)
+                   for v in table.values()), name
+    assert compat.support("GptOssForCausalLM")["block"].startswith("refused: ")
+    for windowed in ("MistralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
+        assert compat.support(windowed)["speculation"].startswith("refused: sliding-window")
+    assert compat.support("LlamaForCausalLM")["speculation"].startswith("untested: ")
+    assert compat.support("DbrxForCausalLM")["contiguous"] == compat.EQUAL
+    assert compat.support("SomeContribForCausalLM")["contiguous"].startswith("untested")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
+                                  "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
+                                  "mistral_wide"])
+def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
+    assert problems(config_of(tiny_model, arch)) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe_hub",
+                                  "dbrx", "gemma3", "gemma3_nxdi", "mistral_wide"])
+def test_tiny_checkpoints_pass_in_the_block_layout(arch, tiny_model):
+    assert problems(config_of(tiny_model, arch), block=True) == []
+
+
+# -- sliding windows ----------------------------------------------------------------------
+def test_mistral_window_in_the_block_layout_is_refused(tiny_model):
+    found = problems(config_of(tiny_model, "mistral"), block=True)
+    assert len(found) == 1
+    assert "MistralForCausalLM with sliding_window=16 below max_model_len=256 in the block " \
+           "KV layout" in found[0]
+    assert "NxDI 0.9.0" in found[0] and "get_last_kv_window" in found[0]
+    assert "serve without --enable-prefix-caching and chunked prefill" in found[0]
+
+
+def test_a_window_no_sequence_reaches_is_dropped(tiny_model):
+    """Mistral-7B-v0.1's 4096-token window at max_model_len 256: full attention is what
+    transformers computes, and NxDI's block layout then works (measured equal)."""
+    config = config_of(tiny_model, "mistral_wide")
+    for block in (False, True):
+        limits = dataclasses.replace(LIMITS, enable_prefix_caching=block,
+                                     block_size=32 if block else None)
+        settings = resolve_settings(limits, {}, backend="nxd",
+                                    architecture="MistralForCausalLM")
+        assert compat.config_adjustments(settings, config) == {"sliding_window": None}
+    narrow = resolve_settings(LIMITS, {}, backend="nxd", architecture="MistralForCausalLM")
+    assert compat.config_adjustments(narrow, config_of(tiny_model, "mistral")) == {}
+
+
+@pytest.mark.parametrize("arch, changes, layers", [
+    ("mixtral", {"sliding_window": 16}, "[0, 1]"),
+    # the reverse: NxDI's Llama reads a sliding_window key transformers' ignores
+    ("llama", {"sliding_window": 16}, "[0, 1]"),
+    # a Hub config without layer_types (transformers derives them from max_window_layers)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
+               "layer_types": None}, "[1]"),
+    ("qwen3_moe_hub", {"use_sliding_window": True, "sliding_window": 16}, "[0, 1]"),
+])
+def test_windows_nxdi_does_not_apply_are_refused_once_reachable(arch, changes, layers,
+                                                                tiny_model):
+    config = config_of(tiny_model, arch, **changes)
+    found = problems(config)
+    assert len(found) == 1 and f"layers {layers} have sliding windows" in found[0]
+    assert "--max-model-len 16 or less" in found[0]
+    assert problems(config, max_model_len=16) == []
+
+
+def test_qwen3_moe_dense_layers_are_refused(tiny_model):
+    """The builder's Qwen3-MoE has a dense layer (mlp_only_layers [1]); NxDI's has none."""
+    found = problems(config_of(tiny_model, "qwen3_moe"))
+    assert len(found) == 1 and "layers [1] have a dense MLP in transformers" in found[0]
+    sparse = problems(config_of(tiny_model, "qwen3_moe_hub", decoder_sparse_step=2))
+    assert len(sparse) == 1 and "layers [0] have a dense MLP" in sparse[0]
+
+
+# -- gpt-oss ------------------------------------------------------------------------------
+def test_gpt_oss_as_openai_ships_it_passes_contiguous_and_refuses_block(tiny_model):
+    config = config_of(tiny_model, "gpt_oss")
+    assert problems(config) == []
+    found = problems(config, block=True)
+    assert len(found) == 1 and "GptOssForCausalLM on NxDI 0.9.0 in the block KV layout" in \
+        found[0] and "GptOssKVCacheManager" in found[0]
+
+
+@pytest.mark.parametrize("changes, wanted", [
+    ({"quantization_config": None}, "experts are not MXFP4"),
+    ({"initial_context_length": None}, "initial_context_length=None"),
+    ({"initial_context_length": 4096}, "initial_context_length=4096"),
+    ({"sliding_window": 16}, "sliding_window=16; NxDI sizes the window's KV cache"),
+    ({"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06, which NxDI hard-codes as 1e-05"),
+    ({"swiglu_limit": 5.0}, "swiglu_limit=5.0"),
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, "rope type 'default'"),
+])
+def test_gpt_oss_checkpoints_nxdi_reads_otherwise_are_refused(changes, wanted, tiny_model):
+    found = problems(config_of(tiny_model, "gpt_oss", **changes))
+    assert any(wanted in p for p in found), found
+
+
+# -- Gemma3 -------------------------------------------------------------------------------
+def test_gemma3_without_its_patches_is_refused(tiny_model):
+    config = config_of(tiny_model, "gemma3")
+    found = problems(config, patches={**APPLIED, "gemma3-rope": "disabled"})
+    assert len(found) == 1
+    assert "Gemma3ForCausalLM on NxDI 0.9.0 without the plugin's patches gemma3-rope" in found[0]
+    assert "VLLM_NEURON_DISABLE_PATCHES" in found[0]
+    # a fixed NxDI needs none
+    assert problems(config, patches=dict.fromkeys(compat.GEMMA3_PATCHES, "not needed")) == []
+    prefix = problems(config, block=True, patches={**APPLIED, "prefix-prefill-mask": "disabled"})
+    assert len(prefix) == 1 and "without the prefix-prefill-mask patch" in prefix[0]
+
+
+@pytest.mark.parametrize("changes, wanted", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "scales RoPE linearly only"),
+])
+def test_gemma3_keys_nxdi_does_not_implement_are_refused(changes, wanted, tiny_model):
+    found = problems(config_of(tiny_model, "gemma3", **changes))
+    assert len(found) == 1 and wanted in found[0]
+
+
+# -- through the backend, before anything compiles ------------------------------------------
+def test_backend_refuses_before_compiling(tiny_model, monkeypatch, tmp_path):
+    from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+    from neuron_plugin.backends.nxd.backend import NxDBackend
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    load_release("0.9-ef2731e", monkeypatch)
+    try:
+        limits = dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)
+        settings = resolve_settings(limits, {}, backend="nxd",
+                                    architecture="MistralForCausalLM")
+        with pytest.raises(NeuronConfigError, match="sliding_window=16 below max_model_len"):
+            NxDBackend(settings, tiny_model("mistral"))
+        monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-window")
+        gemma = resolve_settings(LIMITS, {}, backend="nxd", architecture="Gemma3ForCausalLM")
+        with pytest.raises(NeuronConfigError, match="without the plugin's patches gemma3-window"):
+            NxDBackend(gemma, tiny_model("gemma3"))
+    finally:
+        purge()
+
+
+def test_without_the_refusal_nxdi_fails_at_the_first_prefill(tiny_model, monkeypatch,
+                                                             tmp_path):
+    """What the Mistral refusal prevents: NxDI's windowed prefill in the block layout
+    fails (the double reproduces BlockKVCacheManager's failure, measured on NxDI 0.9)."""
+    import numpy as np
+
+    from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+    from neuron_plugin.backends.nxd.backend import NxDBackend
+    from neuron_plugin.core.inputs import context_encoding_inputs
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "neuronx-cc"))
+    monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
+    monkeypatch.setattr(compat, "problems", lambda *args: [])
+    load_release("0.9-ef2731e", monkeypatch)
+    try:
+        limits = dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)
+        settings = resolve_settings(limits, {}, backend="nxd",
+                                    architecture="MistralForCausalLM")
+        backend = NxDBackend(settings, tiny_model("mistral"))
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        inputs = context_encoding_inputs(settings, np.arange(1, 41), 0, 0, [1, 2])
+        with pytest.raises(RuntimeError, match="block_kv_cache_manager.py update_cache"):
+            backend.forward(inputs)
+    finally:
+        purge()
