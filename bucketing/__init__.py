@@ -3,5 +3,5 @@ real traffic, bucket-set files and the ``neuron-buckets`` CLI.
 
 Imports neither vLLM, torch, NxDI nor ``neuron_plugin`` (numpy and pyyaml only;
 matplotlib lazily for plots), so it works as a library and a CLI anywhere. See
-bucketing/README.md.
+docs/reference/neuron-buckets.md.
 """

@@ -160,7 +160,7 @@ DEFAULT_COST = LinearQuadraticCost()
 
 
 def load_cost_table(path: str | Path) -> TableCost:
-    """A TableCost from the YAML/JSON format in bucketing/README.md."""
+    """A TableCost from the YAML/JSON format in docs/reference/neuron-buckets.md."""
     return _parse_table(path, load_document(path))
 
 
@@ -236,5 +236,5 @@ def dump_cost_table(
     document = {"unit": "ms", "phase": phase, "source": source, "buckets": entries}
     _parse_table(path, document)
     return dump_document(
-        path, document, comment="bucket -> ms cost table (see bucketing/README.md)"
+        path, document, comment="bucket -> ms cost table (see docs/reference/neuron-buckets.md)"
     )

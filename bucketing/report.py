@@ -59,7 +59,7 @@ class Report:
         return self.padded_tokens / self.served if self.served else 0.0
 
     def to_dict(self) -> dict:
-        """The stable JSON form (documented in bucketing/README.md)."""
+        """The stable JSON form (documented in docs/reference/neuron-buckets.md)."""
         return {
             "grid": [list(b) if isinstance(b, tuple) else b for b in self.grid],
             "rule": self.rule,

@@ -1,6 +1,6 @@
 """Reading request traces and histograms into a ``Workload``.
 
-Accepted inputs (see bucketing/README.md):
+Accepted inputs (see docs/reference/neuron-buckets.md):
 
 - JSON Lines, one request per line: ``prompt_tokens`` (required), optional
   ``output_tokens``, ``batch``, ``prefix_hit_tokens``; any other field (``bucket``,

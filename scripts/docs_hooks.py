@@ -4,13 +4,18 @@ the site cannot drift from it. A page holds a marker; the hook replaces it:
 - `<!-- reference: override_neuron_config -->`: every accepted key, its value, the NxDI
   releases that read it and what the plugin does with it (core.override_reference);
 - `<!-- reference: validate report schema -->`: the JSON schema of `neuron-plugin
-  validate`'s report (validation.report).
+  validate`'s report (validation.report);
+- `<!-- include: README.md -->`: the README, the site's front page, its links made
+  relative to the site (one text for both).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _override_reference() -> str:
@@ -26,9 +31,15 @@ def _validate_schema() -> str:
     return f"```json\n{schema}\n```"
 
 
+def _readme() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.replace("](docs/", "](").replace("](CONTRIBUTING.md)", "](contributing/testing.md)")
+
+
 MARKERS = {
     "<!-- reference: override_neuron_config -->": _override_reference,
     "<!-- reference: validate report schema -->": _validate_schema,
+    "<!-- include: README.md -->": _readme,
 }
 
 

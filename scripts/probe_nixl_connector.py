@@ -1,6 +1,6 @@
 """Can vLLM's NixlConnector run on the Neuron platform? Builds its scheduler side and its
 worker side the way vLLM's engine and worker do, with this plugin's platform active, and
-prints how far each gets (README "Disaggregated prefill and decode").
+prints how far each gets (docs/configuration/disaggregation.md).
 
 Needs the `nixl` package beside vLLM: `pip install --no-deps nixl==1.5.1
 nixl-cu13==1.5.1` (a plain `pip install nixl` replaces the CPU torch with a CUDA one).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: set up vLLM's test environment (the CPU build), run ruff (lint and
-# format) and mypy, then pytest. Meanwhile two more environments install in the
+# format), mypy and the documentation site's strict build, then pytest. Meanwhile two more environments install in the
 # background, each with its own stamp (a rerun with nothing changed skips pip):
 #   .venv-sdk  the backend runner's (the Neuron SDK's pins: torch 2.9, transformers 4.57,
 #              no vLLM; scripts/setup-backend-env.sh),
@@ -39,4 +39,6 @@ export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
 "$venv/bin/ruff" check
 "$venv/bin/ruff" format --check
 "$venv/bin/mypy"
+# The documentation site: a broken link or anchor fails the build (mkdocs.yml, strict).
+NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$logs/site"
 "$venv/bin/python" -m pytest "$@"

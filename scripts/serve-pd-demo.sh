@@ -3,7 +3,7 @@
 # and a decode server (`vllm serve` on the Neuron platform, the tiny demo checkpoint,
 # the plugin's NeuronKVConnector moving each prompt's KV blocks through a shared folder)
 # behind vLLM's router in its prefill/decode mode. Send requests to the router; Ctrl-C
-# stops all three. See README "Disaggregated prefill and decode".
+# stops all three. See docs/configuration/disaggregation.md.
 #
 #   scripts/serve-pd-demo.sh        # router :8000, prefill :8100, decode :8200
 #

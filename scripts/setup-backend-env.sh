@@ -2,7 +2,7 @@
 # Create (or update) a second environment with the Neuron SDK's pins and no vLLM, where
 # the backend runner runs: torch 2.9 (what torch-neuronx is built for) and transformers
 # 4.57 (what NxDI 0.7-0.9 pin), plus this plugin's backend side (`[backend]` extra).
-# On an inf2/trn host, use the SDK's own venv instead (README "Running on inf2").
+# On an inf2/trn host, use the SDK's own venv instead (docs/serving/inf2.md).
 # Usage: scripts/setup-backend-env.sh   (VENV_SDK=path to choose the folder)
 # A rerun with nothing changed is a stamp check, as in setup-env.sh.
 set -euo pipefail

@@ -12,7 +12,7 @@
 #   VENV_HOST (default .venv-host), VENV_SDK (default .venv-sdk), PYTHON, VLLM_VERSION:
 #   as in those scripts;
 #   NEURON_SDK_PACKAGES: the SDK release's packages (default: Neuron 2.28, the last
-#   release with NxD Inference models for inf2/trn1, see README "Running on inf2").
+#   release with NxD Inference models for inf2/trn1, see docs/serving/versions.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV_HOST:-$root/.venv-host}"

@@ -5,7 +5,7 @@ and ``run(args) -> exit code``; options.py holds the flags several verbs share a
 arguments.py / output.py turn them into grids, needs and printed reports.
 
 Every verb has ``--help``; ``--json`` output is stable (schema names end in /v1) and
-documented in bucketing/README.md. Exit codes: 0 ok, 1 the need fits no bucket (fit),
+documented in docs/reference/neuron-buckets.md. Exit codes: 0 ok, 1 the need fits no bucket (fit),
 2 bad input (the message names the flag, file or key and the fix).
 """
 

@@ -320,7 +320,8 @@ def _unknown_key(key: str, value: Any, release: str | None, version: str | None)
     hint = (
         f"did you mean {suggestion}?"
         if suggestion
-        else "remove it (the keys are NxDI NeuronConfig's, see README 'Configuration')."
+        else "remove it (the keys are NxDI NeuronConfig's: every accepted key is listed in "
+        "docs/configuration/override-neuron-config.md)."
     )
     releases = f"NxDI {release}" if release else f"NxDI {NXDI_RELEASES[0]}-{NXDI_RELEASES[-1]}"
     return f"{where} is not a key of {releases}'s NeuronConfig nor of this plugin; {hint}"

@@ -13,7 +13,7 @@ one above `global_topk` is device-sampled by default with its top-k clamped to
 `global_topk`, as vllm-neuron 0.x does (`get_nxd_sampling_params` in
 vllm_neuron/worker/neuronx_distributed_model_runner.py sends `max_topk` for any top_k
 that is not in (0, max_topk)): it then samples from its `global_topk` most likely
-tokens, a distribution the README's "Sampling" section measures against the exact one.
+tokens, a distribution docs/configuration/sampling.md measures against the exact one.
 `additional_config.exact_sampling: true` keeps such requests exact, on the host.
 
 `SamplingInputs` is what one backend call carries per real row, in NxDI's encoding
@@ -109,7 +109,7 @@ def sampling_summary(on_device: bool, global_topk: int, exact: bool) -> str:
     return (
         f"on-device sampling: a request without top_k (or with top_k > "
         f"global_topk={global_topk}) samples from its {global_topk} most likely tokens, as "
-        f"in vllm-neuron (the README's Sampling section gives the distance from exact "
+        f"in vllm-neuron (docs/configuration/sampling.md gives the distance from exact "
         f"sampling); --additional-config '{{\"{EXACT_SAMPLING_KEY}\": true}}' samples "
         f"them exactly on the host"
     )

@@ -233,7 +233,7 @@ class NeuronWorker(WorkerBase):
             raise NeuronConfigError(
                 f"--kv-transfer-config built {type(connector).__name__}, which cannot reach "
                 f"a KV cache held by the Neuron backend; use NeuronKVConnector "
-                f"(README 'Disaggregated prefill and decode')."
+                f"(docs/configuration/disaggregation.md)."
             )
         runner = self._runner()
         connector.bind_backend(runner.backend, self.settings)

@@ -4,7 +4,7 @@ Neuron, and how to fix it.
 Checks: Neuron devices and visible cores, the installed vLLM (release and build, and
 whether a test run proves that pair: `core.vllm_builds`), NxD Inference /
 torch-neuronx / neuronx-cc against the supported matrix (`SUPPORTED`, mirrored in
-neuron_plugin/tools/CLI.md), the version pins those packages declare (NxDI pins transformers
+docs/reference/neuron-plugin.md), the version pins those packages declare (NxDI pins transformers
 and torch-neuronx pins torch), the platform entry point, compile-cache reachability and
 disk space. With a backend runner (`VLLM_NEURON_BACKEND_PYTHON` or `--backend-python`) it
 also starts the runner in that interpreter and shakes hands (the backend must import
@@ -147,7 +147,7 @@ def check_instance(instance: str | None) -> Check:
 
 def check_vllm(vllm: VllmBuild | None) -> Check:
     """The installed vLLM: its version and build, and whether a test run proves it."""
-    fix = f"pip install 'vllm{SUPPORTED_RELEASES}' (README 'Running on inf2', step 3)"
+    fix = f"pip install 'vllm{SUPPORTED_RELEASES}' (docs/serving/inf2.md, step 3)"
     if vllm is None:
         return Check("vllm", "fail", "vLLM is not installed", fix)
     if not vllm.supported():
@@ -184,7 +184,7 @@ def check_versions(
                     name,
                     "fail" if has_devices else "info",
                     f"not installed ({item.why})",
-                    "see README 'Running on inf2'" if has_devices else "",
+                    "see docs/serving/inf2.md" if has_devices else "",
                 )
             )
             continue
@@ -271,7 +271,7 @@ def check_nxdi_import(python: str, devices: Sequence[str], environ: Mapping[str,
             "fail" if devices else "info",
             f"NxD Inference does not import under {python}: {last}",
             "install the Neuron SDK's NxDI in the backend runner's environment "
-            "(README 'Running on inf2')",
+            "(docs/serving/inf2.md)",
         )
     version = done.stdout.strip().splitlines()[-1]
     if devices:
@@ -458,7 +458,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help='print {"ok": bool, "checks": [...]} (see neuron_plugin/tools/CLI.md)',
+        help='print {"ok": bool, "checks": [...]} (see docs/reference/neuron-plugin.md)',
     )
     parser.add_argument(
         "--backend-python",

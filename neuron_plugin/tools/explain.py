@@ -7,7 +7,7 @@ layout and why, block counts, every bucket grid, the number of graphs, which Neu
 each data-parallel engine takes, device memory per NeuronCore for weights and KV cache
 against the instance's HBM, and warnings for
 combinations the field measurements show to be slow. `--json` prints the same report as
-one JSON object (schema in neuron_plugin/tools/CLI.md).
+one JSON object (schema in docs/reference/neuron-plugin.md).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _own_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--json",
         action="store_true",
-        help="print the report as one JSON object (see neuron_plugin/tools/CLI.md)",
+        help="print the report as one JSON object (see docs/reference/neuron-plugin.md)",
     )
     group.add_argument(
         "--backend",
@@ -427,7 +427,7 @@ def _support_lines(support: dict[str, str] | None) -> list[str]:
     if not support:
         return []
     states = ", ".join(f"{feature} {state.split()[0]}" for feature, state in support.items())
-    return [f"on real NxDI     {states} (README 'Running on inf2')"]
+    return [f"on real NxDI     {states} (docs/serving/inf2.md)"]
 
 
 def render(report: dict[str, Any]) -> str:

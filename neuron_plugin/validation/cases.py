@@ -24,7 +24,7 @@ from neuron_plugin.validation.statistics import homogeneity
 # Quantized weights are held to their own bound instead (QUANTIZED_LOGPROB_NATS).
 TOLERANCE_NATS = {"float32": 0.01, "float16": 0.1, "bfloat16": 0.3}
 # The stated bound for quantized weights (the reference backend's own, measured with
-# int8 per channel: README "Quantized checkpoints"): teacher-forced along the served
+# int8 per channel: docs/configuration/quantization.md): teacher-forced along the served
 # tokens, the float model's argmax agrees at >= 90% of the positions and each served
 # token's log-probability is within 0.3 nats of the float model's.
 QUANTIZED_AGREEMENT = 0.9

@@ -39,7 +39,7 @@ def ten_thousand(tmp_path_factory):
 
 
 def test_tune_json_on_ten_thousand_lengths_beats_nxdi(ten_thousand, tmp_path):
-    """Timing lives in the README's documented command, not here (shared machines)."""
+    """Timing lives in the documented command (docs/configuration/buckets.md), not here (shared machines)."""
     out = tmp_path / "tuned.yaml"
     result = run("tune", ten_thousand, "--max", 4096, "--max-buckets", 6, "--json", "-o", out)
     assert result.returncode == 0, result.stderr
@@ -169,7 +169,7 @@ def test_tune_with_a_measured_cost_table(capsys, tmp_path):
 
 def test_tune_both_phases_writes_one_bucket_set(tmp_path):
     """--phase both equals tuning each phase on its own, merged into one file (what the
-    README's tuning loop hands to bucket_set)."""
+    tuning loop (docs/operations/telemetry.md) hands to bucket_set)."""
     head = tmp_path / "azure_first2k.csv"
     head.write_text("".join(AZURE.read_text().splitlines(keepends=True)[:2001]))
     single = {phase: json.loads(run("tune", head, "--phase", phase, "--max", 4096, "-k", 4,

@@ -1,7 +1,7 @@
 """The build a Neuron host serves from: the `vllm` wheel of the newest supported release,
 installed from the package index as a host installs it (scripts/setup-host-env.sh, run
 by scripts/run-tests.sh with pip's machine-local settings off), the backend in the
-Neuron SDK's environment as a runner process: README "Running on inf2" step by step.
+Neuron SDK's environment as a runner process: docs/serving/inf2.md step by step.
 
 Each configuration is served twice at once, from the test build (vLLM's CPU build, this
 interpreter's) and from the deployment build (NEURON_TEST_HOST_PYTHON), and the same

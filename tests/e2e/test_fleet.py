@@ -25,7 +25,7 @@ pytestmark = pytest.mark.server
 ARGS = ["--max-model-len", "256", "--max-num-seqs", "4", "--additional-config",
         '{"override_neuron_config": {"context_encoding_buckets": [32, 64, 128, 256]}}']
 REQUEST_TIMEOUT_S = 60
-POLICY = "round_robin"  # see README "From one host to a fleet" for the choice
+POLICY = "round_robin"  # see docs/operations/fleets.md for the choice
 
 
 class Router(LoopbackProcess):

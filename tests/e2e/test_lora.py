@@ -286,7 +286,7 @@ def test_hostile_adapters_are_client_errors_with_their_reason(
 
 def test_reload_in_place_switches_requests_in_flight_to_the_new_weights(
         lora_server, model_dirs, lora_adapters, oracle, tmp_path):
-    """load_inplace (README: requests in flight switch at the next step): a request
+    """load_inplace (docs/configuration/lora.md: requests in flight switch at the next step): a request
     streaming with "sw" keeps running and completes; its first token is lora-a's, and
     its tokens are not lora-a's alone (the KV of its earlier positions stays lora-a's, so
     no oracle gives the mixed sequence); a request after the reload gets lora-c's."""

@@ -3,8 +3,8 @@ quantize` writes NxDI's checkpoint layout, a vLLM engine serves it, and
 
 - its greedy tokens are exactly those of the dequantized model (transformers with each
   int8 weight times its scale): the layout is served as NxDI's quantized layers compute it;
-- against the float model it stays within the stated bound (README "Quantized
-  checkpoints"): teacher-forced along the served tokens, the float model's argmax agrees
+- against the float model it stays within the stated bound
+  (docs/configuration/quantization.md): teacher-forced along the served tokens, the float model's argmax agrees
   at >= AGREEMENT of the positions, and the log-probability of each served token differs
   from the float model's by at most MAX_LOGPROB_ERROR nats.
 

@@ -1,6 +1,6 @@
 """A drop-in for vllm-neuron users: every vllm-neuron environment variable and
 `override_neuron_config` key works with the same meaning here or is refused with its
-replacement named (README "Coming from vllm-neuron"). Through vLLM's own EngineArgs ->
+replacement named (docs/migration.md). Through vLLM's own EngineArgs ->
 VllmConfig path and, for the compile cache, the real `neuron-plugin precompile`."""
 
 from __future__ import annotations
@@ -173,11 +173,10 @@ def test_on_device_sampling_variable_is_read_by_on_device_sampling():
     assert DISABLED_ENV == "NEURON_ON_DEVICE_SAMPLING_DISABLED"
 
 
-def test_readme_table_lists_every_vllm_neuron_variable():
+def test_migration_page_lists_every_vllm_neuron_variable():
     from neuron_plugin.core.sampling import DISABLED_ENV
 
-    section = (ROOT / "README.md").read_text().split("## Coming from vllm-neuron")[1]
-    section = section.split("\n## ")[0]
+    section = (ROOT / "docs" / "migration.md").read_text()
     own = {CACHE_URL_ENV, LOCAL_DIR_ENV}
     names = (set(vllm_neuron_env.NAMES) - own) | {DISABLED_ENV, "NEURON_RT_VISIBLE_CORES"}
     assert not [n for n in sorted(names) if f"`{n}" not in section]
@@ -231,7 +230,7 @@ def test_vllm_neuron_keys_keep_their_meaning(model_dirs, environ, key, value, kw
 
 def test_enable_lora_refused_by_vllm_neuron_is_served(model_dirs, environ):
     """vllm-neuron 0.x raises NotImplementedError for --enable-lora; here it compiles
-    adapter slots (README "Multi-LoRA")."""
+    adapter slots (docs/configuration/lora.md)."""
     settings = settings_of(engine_config(model_dirs, enable_lora=True, max_loras=2,
                                          max_lora_rank=16))
     assert (settings.max_loras, settings.lora_slots, settings.max_lora_rank) == (2, 3, 16)

@@ -99,6 +99,6 @@ def resolve_model_class(
         raise NeuronConfigError(
             f"the installed NxD Inference {nxdi_version or '(unknown version)'} has no "
             f"{key!r} model in MODEL_TYPES, needed for {architecture}; install a Neuron "
-            f"SDK whose NxDI lists it (see README 'Running on inf2')."
+            f"SDK whose NxDI lists it (see docs/serving/inf2.md)."
         )
     return model_types[key][TASK]

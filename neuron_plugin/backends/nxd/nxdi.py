@@ -66,7 +66,7 @@ def import_nxdi() -> NxDI:
             f"current vLLM cannot share an environment with: point "
             f"VLLM_NEURON_BACKEND_PYTHON at the Neuron SDK's interpreter (e.g. "
             f"/opt/aws_neuronx_venv_pytorch_2_9/bin/python) so the backend runs there as a "
-            f"runner process (README 'Running on inf2'; check with `neuron-plugin "
+            f"runner process (docs/serving/inf2.md; check with `neuron-plugin "
             f"doctor`), or set VLLM_NEURON_BACKEND=reference."
         ) from exc
     outcomes = apply_patches(

@@ -18,7 +18,7 @@ exactly the modules the settings quantize, in those dtypes and shapes, or it is 
 naming the tensor and the command that rewrites it.
 
 The accuracy this gives against the float model is stated and tested in
-tests/e2e/test_quantization.py (README "Quantized checkpoints").
+tests/e2e/test_quantization.py (docs/configuration/quantization.md).
 """
 
 from __future__ import annotations
