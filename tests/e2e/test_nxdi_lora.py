@@ -19,14 +19,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.e2e.test_nxdi_cpu_mode import nxdi_python  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.nxdi]
 
 PROBE = Path(__file__).with_name("nxdi_lora_probe.py")
 
 
-def test_real_nxdi_adapter_identity_and_failed_loads(nxdi_python, model_dirs,  # noqa: F811
+def test_real_nxdi_adapter_identity_and_failed_loads(nxdi_python, model_dirs,
                                                      lora_adapters):
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
 

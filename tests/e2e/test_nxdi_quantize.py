@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.e2e.test_nxdi_cpu_mode import nxdi_python  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.nxdi]
 
@@ -30,7 +29,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch,keys", CASES, ids=["per-channel", "per-tensor", "tied-head"])
-def test_nxdis_quantizer_writes_what_the_reference_writes(nxdi_python, model_dirs,  # noqa: F811
+def test_nxdis_quantizer_writes_what_the_reference_writes(nxdi_python, model_dirs,
                                                           tmp_path, monkeypatch, arch, keys):
     import torch
     from safetensors.torch import load_file
@@ -66,7 +65,7 @@ PROBE = Path(__file__).with_name("nxdi_quantized_head_probe.py")
                                   {"quantization_type": "per_channel_symmetric",
                                    "modules_to_not_convert": ["lm_head"]}],
                          ids=["per-channel", "per-tensor", "float-head"])
-def test_nxdis_loader_takes_a_tied_models_quantized_head(nxdi_python, model_dirs,  # noqa: F811
+def test_nxdis_loader_takes_a_tied_models_quantized_head(nxdi_python, model_dirs,
                                                          tmp_path, monkeypatch, keys):
     """NxDI's get_state_dict replaces lm_head.weight by the float embedding when the
     config ties them, and neuronx-distributed's cast_weights casts that to the int8

@@ -5,7 +5,8 @@ process, the oracle (transformers) in that environment too.
 - Every case of the feature matrix passes, across two configurations that between them
   turn every feature on (the block layout with a prefix hit, chunked prefill, a LoRA
   adapter the kit builds and KV blocks moved between two backends; n-gram speculation
-  with an int8 checkpoint), and the report says what it checked.
+  with an int8 checkpoint), the report says what it checked, and a feature this
+  configuration could not serve (speculation beside LoRA) is listed as refused.
 - A backend that is wrong in one feature (its on-device sampler ignores top-k, injected
   into the backend's process) fails that case by name, exit status 1, while the others
   pass: the kit tells a broken host from a good one.
@@ -74,8 +75,10 @@ def test_every_case_passes_on_the_reference_backend(model_dirs, sdk_python, tmp_
         "bucket-boundaries": "pass", "first-steps-logprobs": "pass",
         "continuous-batching": "pass", "mixed-step": "pass", "device-sampling": "pass",
         "prefix-cache-hit": "pass", "chunked-prefill": "pass", "lora": "pass",
-        "kv-transfer": "pass", "speculation": "not-configured", "quantized": "not-configured"}
+        "kv-transfer": "pass", "speculation": "refused", "quantized": "not-configured"}
     cases = {case["name"]: case for case in report["cases"]}
+    # not turned on, and this configuration could not have it: its LoRA excludes it
+    assert "but this backend refuses it" in cases["speculation"]["detail"]
     assert cases["prefix-cache-hit"]["evidence"]["prefix_hit_tokens"] >= \
         cases["prefix-cache-hit"]["evidence"]["shared_tokens"]
     assert cases["kv-transfer"]["evidence"]["blocks_moved"] >= 2
