@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from build_tiny_model import building
+
 from neuron_plugin.core.checkpoint import replacing_folder
 
 RECIPE_VERSION = 1
@@ -61,10 +63,20 @@ def build_lora(
         **({} if safe_serialization else {"safe_serialization": False}),
         **lora,
     }
-    stamp = out / "tiny_lora_recipe.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
-        return out
+    with building(out, "tiny_lora_recipe.json", wanted) as stale:
+        if stale:
+            _write(base, out, wanted, seed, safe_serialization, lora)
+    return out
 
+
+def _write(
+    base: Path,
+    out: Path,
+    wanted: dict[str, Any],
+    seed: int,
+    safe_serialization: bool,
+    lora: dict[str, Any],
+) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -82,7 +94,6 @@ def build_lora(
     with replacing_folder(out) as staging:
         peft_model.save_pretrained(str(staging), safe_serialization=safe_serialization)
         (staging / "tiny_lora_recipe.json").write_text(json.dumps(wanted, indent=2))
-    return out
 
 
 def build_test_adapters(base: Path, models: Path) -> dict[str, Path]:

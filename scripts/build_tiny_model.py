@@ -42,7 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
 
 from neuron_plugin.core.checkpoint import replacing_folder
 
@@ -377,10 +382,36 @@ def build(
     if arch not in ARCHITECTURES:
         raise ValueError(f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
-    stamp = out / "tiny_model_recipe.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
-        return out
+    with building(out, "tiny_model_recipe.json", wanted) as stale:
+        if stale:
+            _write(
+                arch, out, wanted, seed, vocab_size, max_positions, layers, model_vocab, train_steps
+            )
+    return out
 
+
+@contextmanager
+def building(out: Path, stamp_name: str, wanted: dict[str, Any]) -> Iterator[bool]:
+    """Yields whether `out` must be (re)written: False when its stamp `stamp_name` says
+    it holds what `wanted` describes. Builders of one folder take turns (parallel test
+    workers share models/): the second finds the first's stamp."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        stamp = out / stamp_name
+        yield not (stamp.exists() and json.loads(stamp.read_text()) == wanted)
+
+
+def _write(
+    arch: str,
+    out: Path,
+    wanted: dict[str, Any],
+    seed: int,
+    vocab_size: int,
+    max_positions: int,
+    layers: int | None,
+    model_vocab: int | None,
+    train_steps: int,
+) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -448,7 +479,6 @@ def build(
         # In tokenizer_config.json, where most Hugging Face checkpoints keep it.
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
-    return out
 
 
 def mxfp4_experts(folder: Path) -> None:

@@ -41,4 +41,7 @@ export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
 "$venv/bin/mypy"
 # The documentation site: a broken link or anchor fails the build (mkdocs.yml, strict).
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$logs/site"
-"$venv/bin/python" -m pytest "$@"
+# Two workers (NEURON_TEST_WORKERS), each file's tests on one (tests/conftest.py): most
+# of an e2e file's time is an engine starting or a server answering, so two files side
+# by side take little more than the longer of them on two cores.
+"$venv/bin/python" -m pytest -n "${NEURON_TEST_WORKERS:-2}" --dist loadgroup "$@"

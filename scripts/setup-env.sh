@@ -13,7 +13,9 @@ extras="${1:-cpu}"
 venv="${VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 source "$root/scripts/stamp.sh"
-mapfile -t packaging < <(find "$root/packaging" -type f | sort)
+# (pip's build of the alias leaves *.egg-info and build/ there: not inputs.)
+mapfile -t packaging < <(find "$root/packaging" \( -name '*.egg-info' -o -name build \) -prune \
+  -o -type f -print | sort)
 digest="$(inputs_digest -- "${BASH_SOURCE[0]}" "$root/pyproject.toml" "${packaging[@]}")"
 installed="$(cat "$venv/.setup-extras" 2>/dev/null || true)"
 missing="$(comm -23 <(tr , '\n' <<< "$extras" | sort -u) <(tr , '\n' <<< "$installed" | sort -u))"

@@ -17,9 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The deployment build's tests last: scripts/run-tests.sh installs their
-    environment in the background while the others run."""
+    """scripts/run-tests.sh runs two pytest-xdist workers (--dist loadgroup): a file's
+    tests stay on one worker, so they share its module-scoped engines; files that share
+    the session's server (tests/e2e/conftest.py) are one group, by their own marker.
+    The deployment build's tests last: their environment installs in the background
+    while the others run."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.get_closest_marker("deployment") is not None)
 
 

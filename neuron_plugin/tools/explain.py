@@ -37,7 +37,7 @@ from neuron_plugin.core.memory import (
     estimate,
 )
 from neuron_plugin.core.settings import MAX_NUM_SEQS_CHOSEN, NeuronConfigError, NeuronSettings
-from neuron_plugin.tools.serve_args import engine_config_from_serve_args
+from neuron_plugin.tools.serve_args import add_serve_command, engine_config_from_serve_args
 
 DEFAULT_INSTANCE = "inf2.xlarge"
 BUCKETING_OFF_EVIDENCE = (
@@ -52,14 +52,14 @@ CHUNKED_EVIDENCE = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    add_serve_command(
+        subparsers,
         "explain-config",
-        add_help=False,
-        help="show the resolved Neuron settings, buckets, graphs and memory for a model "
+        run,
+        _own_options,
+        "show the resolved Neuron settings, buckets, graphs and memory for a model "
         "and `vllm serve` flags, without compiling",
-        description="Takes the same flags as `vllm serve` (see --help).",
     )
-    parser.set_defaults(run=run, argv=[])
 
 
 def _own_options(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from compile_cache.settings import SIGNING_KEY_ENV
 from neuron_plugin import BACKEND_ENV, BACKENDS
-from neuron_plugin.tools.serve_args import engine_config_from_serve_args
+from neuron_plugin.tools.serve_args import add_serve_command, engine_config_from_serve_args
 
 if TYPE_CHECKING:  # backends import torch: keep `neuron-plugin --help` and doctor fast
     from neuron_plugin.backends.base import Progress
@@ -91,10 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "time every compiled bucket and write cost tables for `neuron-buckets tune`",
         ),
     ):
-        parser = subparsers.add_parser(
-            name, add_help=False, help=text, description="Takes the same flags as `vllm serve`."
-        )
-        parser.set_defaults(run=runner, argv=[], own_options=options, prog=f"neuron-plugin {name}")
+        add_serve_command(subparsers, name, runner, options, text)
 
 
 def _resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, Any]:

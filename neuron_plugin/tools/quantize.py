@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from neuron_plugin import BACKEND_ENV, BACKENDS
-from neuron_plugin.tools.serve_args import engine_config_from_serve_args
+from neuron_plugin.tools.serve_args import add_serve_command, engine_config_from_serve_args
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -29,14 +29,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    add_serve_command(
+        subparsers,
         "quantize",
-        add_help=False,
-        help="write the quantized checkpoint of a `vllm serve` configuration "
+        run,
+        _options,
+        "write the quantized checkpoint of a `vllm serve` configuration "
         "(override_neuron_config quantized keys)",
-        description="Takes the same flags as `vllm serve`.",
     )
-    parser.set_defaults(run=run, argv=[], own_options=_options, prog="neuron-plugin quantize")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """`vllm serve`'s flags for the plugin's own commands: the same parser, the same config.
 
-explain-config, precompile and measure-buckets take `MODEL [vllm serve flags]` plus a few
-options of their own, and must resolve exactly the configuration `vllm serve` would, so
-they build it with vLLM's own argument parser and EngineArgs.
+explain-config, precompile, measure-buckets, quantize and validate take
+`MODEL [vllm serve flags]` plus a few options of their own, and must resolve exactly the
+configuration `vllm serve` would, so they build it with vLLM's own argument parser and
+EngineArgs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,26 @@ from typing import Any
 
 from neuron_plugin import BACKEND_ENV, choose_backend, neuron_devices
 
+OwnOptions = Callable[[argparse.ArgumentParser], None]
 
-def serve_parser(own_options: Callable[[argparse.ArgumentParser], None], prog: str) -> Any:
+
+def add_serve_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    own_options: OwnOptions,
+    help_text: str,
+) -> None:
+    """Register `neuron-plugin NAME MODEL [vllm serve flags]`: the command's arguments
+    stay unparsed (`argv`) until `engine_args_from_serve_args` reads them with vLLM's
+    own parser, which also answers --help."""
+    parser = subparsers.add_parser(
+        name, add_help=False, help=help_text, description="Takes the same flags as `vllm serve`."
+    )
+    parser.set_defaults(run=run, argv=[], own_options=own_options, prog=f"neuron-plugin {name}")
+
+
+def serve_parser(own_options: OwnOptions, prog: str) -> Any:
     """vLLM's own parser of `vllm serve`'s engine flags, with the command's options."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -30,7 +49,7 @@ def serve_parser(own_options: Callable[[argparse.ArgumentParser], None], prog: s
 
 
 def engine_args_from_serve_args(
-    argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
+    argv: Sequence[str], own_options: OwnOptions, *, prog: str
 ) -> tuple[argparse.Namespace, Any]:
     """(parsed options, vLLM's AsyncEngineArgs). `own_options` adds the command's
     options, which must include `--backend` (default None): it is read first, because
@@ -54,7 +73,7 @@ def engine_args_from_serve_args(
 
 
 def engine_config_from_serve_args(
-    argv: Sequence[str], own_options: Callable[[argparse.ArgumentParser], None], *, prog: str
+    argv: Sequence[str], own_options: OwnOptions, *, prog: str
 ) -> tuple[argparse.Namespace, Any]:
     """(parsed options, VllmConfig): `engine_args_from_serve_args`'s configuration."""
     options, engine_args = engine_args_from_serve_args(argv, own_options, prog=prog)

@@ -37,7 +37,7 @@ from neuron_plugin.core.instances import (
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import host_sampling_refusal
 from neuron_plugin.core.vllm_builds import installed_vllm
-from neuron_plugin.tools.serve_args import engine_args_from_serve_args
+from neuron_plugin.tools.serve_args import add_serve_command, engine_args_from_serve_args
 from neuron_plugin.tools.validate_backend import speed_report
 from neuron_plugin.validation.cases import (
     CASE_NAMES,
@@ -111,14 +111,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    add_serve_command(
+        subparsers,
         "validate",
-        add_help=False,
-        help="check a `vllm serve` configuration on this host against a CPU oracle, "
+        run,
+        _options,
+        "check a `vllm serve` configuration on this host against a CPU oracle, "
         "feature by feature, and time its graphs",
-        description="Takes the same flags as `vllm serve`.",
     )
-    parser.set_defaults(run=run, argv=[], own_options=_options, prog="neuron-plugin validate")
 
 
 def run(args: argparse.Namespace) -> int:

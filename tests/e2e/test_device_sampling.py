@@ -16,7 +16,7 @@ import concurrent.futures
 import pytest
 from tests.e2e.support import corpus_token_ids, make_llm, shutdown_llm
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("session-server")]  # the session's server (conftest.py)
 
 NEW_TOKENS = 10
 PENALTY = 1.5
