@@ -19,6 +19,7 @@ from neuron_plugin import plugin_logger
 from neuron_plugin.patches import (
     adapter_inputs,
     bucket_fit,
+    cpu_captured_offset,
     gemma3,
     prefix_lens,
     prefix_prefill_mask,
@@ -35,6 +36,7 @@ PATCHES: tuple[Patch, ...] = (
     bucket_fit.PATCH,
     prefix_prefill_mask.PATCH,
     sampler_top_p.PATCH,
+    cpu_captured_offset.PATCH,
     *gemma3.PATCHES,
 )
 

@@ -36,9 +36,11 @@ class Patch:
     apply: Callable[[NxDIModules], bool]
     # The architectures whose graphs it changes (empty: every one's), for the cache key.
     architectures: frozenset[str] = frozenset()
+    # False: it changes code only NxDI's CPU mode runs, so no compiled graph.
+    traced: bool = True
 
     def changes(self, architecture: str) -> bool:
-        return not self.architectures or architecture in self.architectures
+        return self.traced and (not self.architectures or architecture in self.architectures)
 
 
 def unpatched(function: Callable) -> Callable:

@@ -13,11 +13,13 @@ trn1 (LNC 1) that branch is traced for every prefill bucket below 4096 (below 51
 `attn_kernel_enabled`). Measured with NxDI 0.9's CPU mode on a tiny Llama: logits off by
 8.8 at a 128-token bucket; masked, within 1e-5 of transformers. The fix runs that branch
 with the prior scores masked by the attention mask, and leaves the kernel branches
-(which pass the mask's row sums as `prior_used_len`) to NxDI.
+(which pass the mask's row sums as `prior_used_len`) to NxDI. It scales the scores as
+the installed release does (`softmax_scale`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -25,6 +27,16 @@ from typing import Any
 from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpatched
 
 NAME = "prefix-prefill-mask"
+
+
+def softmax_scale(attention: Any) -> float:
+    """What the release divides attention scores by: the attention's `softmax_scale`
+    from NxDI 0.9 (attention_base.py NeuronAttentionBase.__init__, ef2731e line 253,
+    sqrt(head_dim) unless the model passes its own, as Gemma3 does); NxDI 0.6-0.8 have no
+    such attribute and divide by `math.sqrt(self.head_dim)` (0.8 cd3abf3
+    perform_prefix_prefill, lines 1062 and 1066)."""
+    scale = getattr(attention, "softmax_scale", None)
+    return math.sqrt(attention.head_dim) if scale is None else float(scale)
 
 
 def masked_prefix_prefill(
@@ -44,17 +56,18 @@ def masked_prefix_prefill(
     import torch
 
     groups = attention.num_key_value_groups
+    scale = softmax_scale(attention)
     k_prior = module.repeat_kv(past_key_value[0], groups)
     v_prior = module.repeat_kv(past_key_value[1], groups)
     if not attention.k_cache_transposed:
         k_prior = k_prior.transpose(2, 3)
-    prior = (torch.matmul(Q, k_prior) / attention.softmax_scale).to(torch.float32)
+    prior = (torch.matmul(Q, k_prior) / scale).to(torch.float32)
     visible = attention_mask.to(torch.bool)
     if visible.dim() == 2:  # [batch, prefix]; a query-wise [batch, 1, q, prefix] as given
         visible = visible[:, None, None, :]
     prior = torch.where(visible, prior, torch.finfo(prior.dtype).min)
     active = torch.matmul(Q, module.repeat_kv(K, groups).transpose(2, 3))
-    active = (active / attention.softmax_scale).to(torch.float32)
+    active = (active / scale).to(torch.float32)
     active = torch.where(active_mask, active, torch.finfo(active.dtype).min)
     weights_prior, weights_active = module.manual_softmax(prior, active, True)
     return torch.matmul(weights_prior.to(Q.dtype), v_prior) + torch.matmul(

@@ -33,6 +33,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from neuron_plugin import BACKEND_ENV, BACKEND_PYTHON_ENV, BACKENDS, neuron_devices
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     VISIBLE_CORES_ENV,
@@ -49,8 +50,6 @@ GIB = 1 << 30
 DISK_WARN_BYTES = 20 * GIB
 DISK_FAIL_BYTES = 1 * GIB
 NXDI = "neuronx-distributed-inference"
-# NxDI 0.9 (Neuron SDK 2.29) supports its models on Trn2 and newer only.
-NXDI_LAST_FOR_V2_CORES = "0.9"
 
 
 @dataclass(frozen=True)
@@ -199,22 +198,39 @@ def check_versions(
                 )
             )
             continue
-        if (
-            item.distribution == NXDI
-            and chip_target in ("inf2", "trn1")
-            and Version(base) >= Version(NXDI_LAST_FOR_V2_CORES)
-        ):
-            checks.append(
-                Check(
-                    name,
-                    "fail",
-                    f"{found} supports Trn2 and newer only (Neuron SDK 2.29 release notes)",
-                    "install Neuron SDK 2.28 (NxDI 0.8) on inf2/trn1",
-                )
-            )
+        if item.distribution == NXDI:
+            checks.append(check_nxdi_release(found, chip_target))
             continue
         checks.append(Check(name, "ok", found))
     return checks
+
+
+def check_nxdi_release(found: str, chip_target: str | None) -> Check:
+    """The installed NxDI against the instance family's release and the releases the
+    plugin was checked on (core/nxdi_releases.py)."""
+    name = f"{NXDI} version"
+    wanted = nxdi_releases.for_family(chip_target)
+    family = f"{chip_target} runs {wanted.describe()}" if chip_target else ""
+    if not nxdi_releases.supports(found, chip_target):
+        return Check(
+            name,
+            "fail",
+            f"{found} does not support {chip_target}: NxDI 0.9 (Neuron SDK 2.29) and later "
+            f"support Trn2 and newer only (SDK 2.29 release notes)",
+            f"install {wanted.describe()} on {chip_target}",
+        )
+    checked = nxdi_releases.checked(found)
+    if checked is None:
+        names = ", ".join(r.describe() for r in nxdi_releases.CHECKED)
+        return Check(
+            name,
+            "warn",
+            f"{found}: not a release the plugin was checked on with real NxDI ({names})",
+            f"install {wanted.describe()}, or run `neuron-plugin validate` on this host",
+        )
+    return Check(
+        name, "ok", "; ".join(filter(None, [f"{found}: {checked.describe()}, checked", family]))
+    )
 
 
 def unmet_requirements(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin import BACKEND_ENV, BACKENDS
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     InstanceType,
@@ -246,18 +247,21 @@ def build_report(
         model_class, problems = nxdi_model(settings), []
     except NeuronConfigError as exc:
         model_class, problems = None, [str(exc)]
-    support = None
+    support, release = None, None
     if settings.backend == "nxd":
         from neuron_plugin.backends.nxd import compat
 
-        support, refused = compat.explain(settings, hf_config, os.environ)
+        family = nxdi_releases.for_family(instance.chip.target)
+        support, refused = compat.explain(settings, hf_config, os.environ, family)
         problems += refused
+        release = f"{family.describe()}, the release {instance.name} runs"
     return {
         "model": model,
         "architecture": settings.architecture,
         "backend": settings.backend,
         "nxdi_model": model_class,
         "nxdi_support": support,
+        "nxdi_release": release,
         "kv_layout": {
             "layout": settings.kv_layout,
             "reason": settings.kv_layout_reason,
@@ -423,11 +427,14 @@ def _engines_line(dp: dict[str, Any]) -> str:
     )
 
 
-def _support_lines(support: dict[str, str] | None) -> list[str]:
+def _support_lines(support: dict[str, str] | None, release: str | None) -> list[str]:
     if not support:
         return []
     states = ", ".join(f"{feature} {state.split()[0]}" for feature, state in support.items())
-    return [f"on real NxDI     {states} (docs/serving/inf2.md)"]
+    return [
+        f"NxDI release     {release}",
+        f"on real NxDI     {states} (docs/serving/architectures.md)",
+    ]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -442,7 +449,7 @@ def render(report: dict[str, Any]) -> str:
         f"model            {report['model']} ({report['architecture']})",
         f"backend          {report['backend']}"
         + (f" -> {report['nxdi_model']}" if report["nxdi_model"] else ""),
-        *_support_lines(report["nxdi_support"]),
+        *_support_lines(report["nxdi_support"], report["nxdi_release"]),
         f"KV layout        {kv['layout']} ({kv['reason']})",
         f"blocks           {_blocks_line(kv, report['settings'])}",
         f"capacity         {kv['capacity']}",

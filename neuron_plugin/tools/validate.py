@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from neuron_plugin import BACKEND_ENV, BACKENDS, plugin_logger
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.instances import (
+    INSTANCE_TYPES,
     detect_instance_type,
     host_visible_core_ids,
     package_version,
@@ -183,15 +185,22 @@ def run(args: argparse.Namespace) -> int:
     finally:
         oracle.close()
     results += extra
+    instance, versions = detect_instance_type(), _versions(settings)
     report = ValidationReport(
         ok=not any(r.status == "fail" for r in results),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         model=str(model),
         command=list(args.argv),
         backend=settings.backend,
-        instance_type=detect_instance_type(),
+        instance_type=instance,
         visible_cores=host_visible_core_ids()[0],
-        versions=_versions(settings),
+        versions=versions,
+        nxdi=nxdi_releases.assessment(
+            versions.get("neuronx-distributed-inference"),
+            INSTANCE_TYPES[instance].chip.target if instance else None,
+        )
+        if settings.backend == "nxd"
+        else None,
         settings=settings.to_dict(),
         compile_cache_key=key,
         oracle={

@@ -71,12 +71,30 @@ class ValidationReport(_Strict):
         "the nxd backend NxDI, NxD, torch-neuronx and neuronx-cc of the backend's "
         "environment"
     )
+    nxdi: dict[str, Any] | None = Field(
+        default=None,
+        description="with the nxd backend: the installed NxDI (`installed`), the release the "
+        "plugin was checked on that it belongs to (`checked_release`, null: none), the "
+        "host's chip target (`instance_family`), the release that family runs "
+        "(`family_runs`) and whether the installed one supports it (`supports_family`)",
+    )
     settings: dict[str, Any] = Field(description="the resolved Neuron settings")
     compile_cache_key: str | None
     oracle: dict[str, Any] = Field(description="the oracle's interpreter, dtype, versions")
     cases: list[CaseResult]
     speed: Speed | None = None
     seconds: float
+
+    def _nxdi_lines(self) -> list[str]:
+        if self.nxdi is None:
+            return []
+        checked = self.nxdi["checked_release"] or "not a release the plugin was checked on"
+        family = self.nxdi["instance_family"] or "this host"
+        support = "" if self.nxdi["supports_family"] else " (does not support it)"
+        return [
+            f"- NxDI: {self.nxdi['installed']}{support}, {checked}; {family} runs "
+            f"{self.nxdi['family_runs']}"
+        ]
 
     def markdown(self) -> str:
         """The report as Markdown, failing cases first."""
@@ -90,6 +108,7 @@ class ValidationReport(_Strict):
             f"- backend: {self.backend}; instance: {instance}; cores: {self.visible_cores}",
             f"- compile-cache key: `{self.compile_cache_key}`",
             "- versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items() if v),
+            *self._nxdi_lines(),
             f"- oracle: {', '.join(f'{k} {v}' for k, v in self.oracle.items())}",
             f"- {self.created}, {self.seconds:.0f} s",
             "",

@@ -5,6 +5,7 @@ An engine takes ~25 s to start on these machines, so tests share one per configu
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -23,16 +24,58 @@ def compile_cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def nxdi_python() -> str:
-    """An interpreter where NxD Inference and this plugin import (NEURON_TEST_NXDI_PYTHON:
-    a Neuron SDK venv, or one built by hand as ../shared/nxdi-cpu/README.md describes);
-    the `-m nxdi` tests skip without one."""
+NXDI_PYTHONS = "NEURON_TEST_NXDI_PYTHONS"
+
+
+@functools.cache
+def nxdi_interpreters() -> dict[str, tuple[str, str] | None]:
+    """Test id -> (interpreter, NxDI version) where NxD Inference imports, one per
+    release to check (NEURON_TEST_NXDI_PYTHONS, os.pathsep-separated, e.g. the NxDI 0.8
+    and 0.9 environments ../shared/nxdi-cpu/README.md builds; NEURON_TEST_NXDI_PYTHON
+    names one). The id names the release ("nxdi-0.8"), so every `-m nxdi` case runs once
+    per release; without any: {"no-nxdi": None} (the tests skip)."""
     import subprocess
 
-    python = os.environ.get("NEURON_TEST_NXDI_PYTHON")
+    listed = os.environ.get(NXDI_PYTHONS) or os.environ.get("NEURON_TEST_NXDI_PYTHON") or ""
+    found: dict[str, tuple[str, str] | None] = {}
+    for python in filter(None, listed.split(os.pathsep)):
+        probe = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; "
+                           "print(m.version('neuronx-distributed-inference'))"],
+            capture_output=True, text=True, timeout=120)
+        version = probe.stdout.strip() if probe.returncode == 0 else "unknown"
+        test_id = "nxdi-" + ".".join(version.split("+")[0].split(".")[:2])
+        while test_id in found:
+            test_id += "+"
+        found[test_id] = (python, version)
+    return found or {"no-nxdi": None}
+
+
+def nxdi_release(python: str) -> tuple[int, int]:
+    """The (major, minor) NxD Inference release of an interpreter of nxdi_interpreters."""
+    version = next(v[1] for v in nxdi_interpreters().values() if v and v[0] == python)
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each test that needs NxD Inference runs once per release listed (see
+    nxdi_interpreters)."""
+    if "nxdi_python" in metafunc.fixturenames:
+        interpreters = nxdi_interpreters()
+        metafunc.parametrize("nxdi_python", [v and v[0] for v in interpreters.values()],
+                             indirect=True, ids=list(interpreters), scope="session")
+
+
+@pytest.fixture(scope="session")
+def nxdi_python(request) -> str:
+    """An interpreter where NxD Inference and this plugin import (one per release, see
+    nxdi_interpreters); the `-m nxdi` tests skip without one."""
+    import subprocess
+
+    python = request.param
     if not python:
-        pytest.skip("NEURON_TEST_NXDI_PYTHON is not set: no interpreter with NxD Inference")
+        pytest.skip(f"{NXDI_PYTHONS} is not set: no interpreter with NxD Inference")
     probe = subprocess.run(
         [python, "-c", "import neuronx_distributed_inference.models.model_base, "
                        "neuron_plugin.backends.nxd.backend"],

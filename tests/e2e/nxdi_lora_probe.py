@@ -11,6 +11,12 @@ the adapters of a step into device weights of the traced module's LoRA shapes. U
 test_nxdi_lora.py (which resolves the settings: this side has no vLLM); prints one JSON
 object.
 
+NxDI 0.8 (the release inf2/trn1 run) loads no adapter at run time (its add_adapter loads
+nothing; init_dynamic_multi_lora takes only the CPU weights): the backend serves the
+adapters listed in lora_ckpt_paths, which NxDI writes into the traced module's LoRA
+weights at load (lora_checkpoint.py update_weights_for_lora), and refuses any other by
+name (`start_adapters_only`).
+
     python nxdi_lora_probe.py SETTINGS_JSON MODEL_DIR ADAPTERS_JSON
 """
 
@@ -30,6 +36,33 @@ from neuron_plugin.core.settings import NeuronSettings
 from tests.e2e.nxdi_parallel import model_parallel_of_one
 
 
+def start_adapters_only(backend: NxDBackend, module: torch.nn.Module, checkpoint,
+                        adapters: dict[str, str]) -> dict:
+    """The start adapter "a" in a slot reads NxDI's weights of "a" (what NxDI loaded at
+    start into the module's LoRA weights); rows without an adapter read a zero slot; an
+    adapter not given at start is refused naming why."""
+    assert backend.adapters is not None
+    # as NxDI's loader calls it: on the base model's state dict, without LoRA tensors
+    base = {k: v for k, v in module.state_dict().items() if ".lora_" not in k}
+    weights = checkpoint.update_weights_for_lora(module, base)
+    name = next(n for n in weights if checkpoint.is_lora_module(n.removesuffix(".weight"))
+                and "lora_B" in n and not n.endswith("_active"))
+    backend.set_adapter(1, AdapterWeights("a", 1, adapters["a"], 8))
+    index = int(backend.adapters.adapter_ids(np.array([1]), 1)[0])
+    zero = int(backend.adapters.adapter_ids(None, 1)[0])
+    report: dict = {"plugin": sys.modules["neuron_plugin"].__file__,
+                    "loading": backend.adapters.loading.to_dict(),
+                    "start_adapter_loaded": bool(weights[name][index].abs().sum() > 0),
+                    "base_slot_zero": bool(weights[name][zero].abs().sum() == 0),
+                    "index": index, "base": zero}
+    try:
+        backend.set_adapter(2, AdapterWeights("z", 5, adapters["c"], 8))
+        report["error"] = None
+    except AdapterError as exc:
+        report["error"] = str(exc)
+    return report
+
+
 def main(settings_json: str, model_dir: str, adapters: dict[str, str]) -> dict:
     settings = NeuronSettings.from_dict(json.loads(settings_json))
     backend = NxDBackend(settings, model_dir)
@@ -39,6 +72,10 @@ def main(settings_json: str, model_dir: str, adapters: dict[str, str]) -> dict:
     instance.load_module()
     module = instance.module
     checkpoint = module.lora_weight_manager.lora_checkpoint
+    assert backend.adapters is not None
+    if not backend.adapters.dynamic:
+        backend.model = application  # what load() sets on a device
+        return start_adapters_only(backend, module, checkpoint, adapters)
     checkpoint.update_weights_for_lora_cpu(module)
     manager = application.lora_model_manager
     manager.init_dynamic_multi_lora(checkpoint.shard_cpu_checkpoints(0, 1, 1, module), module)

@@ -8,8 +8,12 @@ into device weights, up to the graph, which NxDI's CPU mode cannot run with LoRA
   (the base model) and NxDI's CPU cache without it; the other slot serves on and the
   next adapter into the slot loads.
 
-Needs an interpreter where NxD Inference imports (NEURON_TEST_NXDI_PYTHON, see
-test_nxdi_cpu_mode.py); skips otherwise."""
+On NxDI 0.8 (inf2/trn1), which loads no adapter at run time: the adapters given at start
+(lora_ckpt_paths) serve from the weights NxDI loaded, rows without one read a zero slot,
+and any other adapter is refused naming why.
+
+Needs an interpreter where NxD Inference imports (NEURON_TEST_NXDI_PYTHONS, see
+tests/e2e/conftest.py); skips otherwise."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.e2e.conftest import nxdi_release
 
 pytestmark = [pytest.mark.nxdi]
 
@@ -33,9 +38,13 @@ def test_real_nxdi_adapter_identity_and_failed_loads(nxdi_python, model_dirs,
                           enable_prefix_caching=False, enable_chunked_prefill=False,
                           max_num_batched_tokens=256, dtype="float32", tp_degree=1,
                           max_loras=2, max_lora_rank=8, max_cpu_loras=3)
-    settings = resolve_settings(limits, {"context_encoding_buckets": [32, 64, 128, 256]},
-                                backend="nxd", architecture="LlamaForCausalLM")
     adapters = {n: str(lora_adapters[f"lora-{n}"]) for n in "abc"}
+    start_only = nxdi_release(nxdi_python) < (0, 9)
+    override: dict = {"context_encoding_buckets": [32, 64, 128, 256]}
+    if start_only:
+        override["lora_config"] = {"lora_ckpt_paths": {"a": adapters["a"]}}
+    settings = resolve_settings(limits, override, backend="nxd",
+                                architecture="LlamaForCausalLM")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "NXD_CPU_MODE": "1", "NEURON_RT_VISIBLE_CORES": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
@@ -46,6 +55,14 @@ def test_real_nxdi_adapter_identity_and_failed_loads(nxdi_python, model_dirs,
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["plugin"] == str(root / "neuron_plugin" / "__init__.py")
+    if start_only:
+        assert report["loading"]["at_run_time"] is False
+        assert "cannot load adapters at run time" in report["loading"]["why"]
+        assert report["start_adapter_loaded"] and report["base_slot_zero"]
+        assert report["index"] != report["base"]
+        assert "LoRA adapter 'z'" in report["error"]
+        assert "serves only those given at start (a=" in report["error"]
+        return
     assert report["reused_name_new_weights"] and report["first_still_served"]
     assert "'g' (id 3)" in report["error"] and "FileNotFoundError" in report["error"]
     assert report["slot_1_after_failure"] == 0  # NxDI's zero base adapter

@@ -165,24 +165,35 @@ def test_build_report_warns_about_slow_combinations():
 
 
 def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch):
-    """Per feature what real NxDI was measured to do for the architecture, and what the
-    backend would refuse before compiling (with VLLM_NEURON_DISABLE_PATCHES honoured)."""
+    """Per feature what real NxDI was measured to do for the architecture with the release
+    the instance family runs, and what the backend would refuse before compiling (with
+    VLLM_NEURON_DISABLE_PATCHES honoured)."""
     import json
 
     config = json.loads((tiny_model("gemma3") / "config.json").read_text())
     settings = resolve_settings(limits(enable_prefix_caching=True, block_size=32), {},
                                 backend="nxd", architecture="Gemma3ForCausalLM")
     report = explain.build_report(settings, "m", config, None,
-                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+                                  INSTANCE_TYPES["trn2.48xlarge"], "x", (24, "host"))
+    assert report["nxdi_release"] == ("NxDI 0.9 (Neuron SDK 2.29, ef2731e), the release "
+                                      "trn2.48xlarge runs")
     assert report["nxdi_support"]["block"] == "equal to transformers on real NxDI"
     assert report["nxdi_support"]["lora"].startswith("untested: ")
     assert not any("Gemma3ForCausalLM on NxDI" in w for w in report["warnings"])
     assert "on real NxDI     contiguous equal, block equal" in explain.render(report)
     monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-norms")
     report = explain.build_report(settings, "m", config, None,
-                                  INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
-    assert any("Gemma3ForCausalLM on NxDI 0.9.0 (ef2731e) without the plugin's patches "
-               "gemma3-norms" in w for w in report["warnings"])
+                                  INSTANCE_TYPES["trn2.48xlarge"], "x", (24, "host"))
+    assert any("Gemma3ForCausalLM on NxDI 0.9 (Neuron SDK 2.29, ef2731e) without the "
+               "plugin's patches gemma3-norms" in w for w in report["warnings"])
+    # inf2 runs NxDI 0.8, which lists no Gemma3
+    inf2 = explain.build_report(settings, "m", config, None,
+                                INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert inf2["nxdi_release"].startswith("NxDI 0.8 (Neuron SDK 2.28, cd3abf3)")
+    assert inf2["nxdi_support"]["contiguous"].startswith("refused: not in NxDI 0.8's")
+    assert inf2["warnings"][0].startswith("Gemma3ForCausalLM on NxDI 0.8 (Neuron SDK 2.28, "
+                                          "cd3abf3): not in NxDI 0.8's MODEL_TYPES")
+    assert "NxDI release     NxDI 0.8" in explain.render(inf2)
     reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
                                  architecture="Gemma3ForCausalLM")
     assert explain.build_report(reference, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
@@ -356,11 +367,35 @@ def test_doctor_reports_whether_nxdi_imports_and_where_it_runs(tmp_path, sdk_pyt
      {"neuronx-distributed-inference": "ok"}),
     ({"neuronx-distributed-inference": "0.6.10598"}, True, "trn1",
      {"neuronx-distributed-inference": "fail"}),
+    # releases the plugin's real-NxDI suite never ran on
+    ({"neuronx-distributed-inference": "0.10.18399"}, True, "trn2",
+     {"neuronx-distributed-inference": "warn"}),
+    ({"neuronx-distributed-inference": "0.10.18399"}, True, "trn1",
+     {"neuronx-distributed-inference": "fail"}),
 ])
 def test_version_matrix(versions, devices, target, expected):
     checks = {c.name.removesuffix(" version"): c.status
               for c in doctor.check_versions(versions, devices, target)}
     assert {k: checks[k] for k in expected} == expected
+
+
+def test_doctor_names_the_release_of_the_instance_family():
+    """inf2 and trn1 run NxDI 0.8 (SDK 2.28): 0.9 is refused there naming that release;
+    an installed checked release says which one it is."""
+    def nxdi(version, target):
+        check = doctor.check_nxdi_release(version, target)
+        return check.status, check.detail, check.fix
+
+    status, detail, fix = nxdi("0.9.17334", "inf2")
+    assert status == "fail" and "does not support inf2: NxDI 0.9" in detail
+    assert fix == "install NxDI 0.8 (Neuron SDK 2.28, cd3abf3) on inf2"
+    status, detail, _ = nxdi("0.8.16251", "trn1")
+    assert status == "ok"
+    assert detail == ("0.8.16251: NxDI 0.8 (Neuron SDK 2.28, cd3abf3), checked; trn1 runs "
+                      "NxDI 0.8 (Neuron SDK 2.28, cd3abf3)")
+    status, detail, fix = nxdi("0.10.18399", "trn2")
+    assert status == "warn" and "not a release the plugin was checked on" in detail
+    assert fix.startswith("install NxDI 0.9 (Neuron SDK 2.29, ef2731e)")
 
 
 @pytest.mark.parametrize("installed,status,detail", [

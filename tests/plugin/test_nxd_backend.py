@@ -160,8 +160,11 @@ def test_mapped_architectures_resolve_without_warnings(release, caplog):
 def test_builtin_architecture_missing_from_installed_nxdi(release):
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 
-    with pytest.raises(NeuronConfigError, match="NxD Inference 0.7.0 has no 'mistral'"):
+    with pytest.raises(NeuronConfigError, match="NxD Inference 0.7.0 has no 'mistral'") as info:
         resolve_model_class("MistralForCausalLM", MODEL_TYPES, [], "0.7.0")
+    assert "lists it from 0.9.0 (ef2731e" in str(info.value)
+    assert "not on inf2/trn1" in str(info.value)
+    assert "VLLM_NEURON_BACKEND=reference" in str(info.value)
 
 
 def test_unsupported_architecture_names_the_entry_point_group(release):

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from neuron_plugin.backends.nxd import compat
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 
 LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
@@ -39,21 +40,35 @@ def config_of(tiny_model, arch: str, **changes) -> dict:
     return {**config, **changes}
 
 
-def test_every_mapped_architecture_states_every_feature():
+@pytest.mark.parametrize("release", nxdi_releases.CHECKED, ids=lambda r: r.release)
+def test_every_mapped_architecture_states_every_feature_per_checked_release(release):
     from neuron_plugin.backends.nxd.models import ARCHITECTURES
 
-    assert set(compat.SUPPORT) == set(ARCHITECTURES) == set(MAPPED)
+    assert set(compat.SUPPORT) == {r.release for r in nxdi_releases.CHECKED}
+    assert set(compat.SUPPORT[release.release]) == set(ARCHITECTURES) == set(MAPPED)
     for name in MAPPED:
-        table = compat.support(name)
+        table = compat.support(name, release)
         assert list(table) == list(compat.FEATURES)
         assert all(v.split(":")[0] in (compat.EQUAL, compat.REFUSED, compat.UNTESTED)
                    for v in table.values()), name
-    assert compat.support("GptOssForCausalLM")["block"].startswith("refused: ")
+    assert compat.support("GptOssForCausalLM", release)["block"].startswith("refused: ")
+    assert compat.support("LlamaForCausalLM", release)["speculation"].startswith("untested: ")
+    assert compat.support("DbrxForCausalLM", release)["prefix_hit"] == compat.EQUAL
+    assert compat.support("SomeContribForCausalLM", release)["contiguous"].startswith("untested")
+
+
+def test_what_differs_between_checked_releases():
+    """NxDI 0.8 (inf2/trn1) lists no Mistral or Gemma3 and loads no adapter at run time;
+    windowed architectures refuse speculation on 0.9."""
+    old, new = nxdi_releases.NXDI_0_8, nxdi_releases.NXDI_0_9
+    for name in ("MistralForCausalLM", "Gemma3ForCausalLM"):
+        assert all(v.startswith("refused: not in NxDI 0.8's MODEL_TYPES")
+                   for v in compat.support(name, old).values())
+        assert compat.support(name, new)["contiguous"].startswith(compat.EQUAL)
+    assert "loads no adapter at run time" in compat.support("LlamaForCausalLM", old)["lora"]
+    assert "run time" not in compat.support("LlamaForCausalLM", new)["lora"]
     for windowed in ("MistralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
-        assert compat.support(windowed)["speculation"].startswith("refused: sliding-window")
-    assert compat.support("LlamaForCausalLM")["speculation"].startswith("untested: ")
-    assert compat.support("DbrxForCausalLM")["contiguous"] == compat.EQUAL
-    assert compat.support("SomeContribForCausalLM")["contiguous"].startswith("untested")
+        assert compat.support(windowed, new)["speculation"].startswith("refused: sliding-window")
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",

@@ -19,6 +19,7 @@ from neuron_plugin.patches import (
     adapter_inputs,
     apply_patches,
     bucket_fit,
+    cpu_captured_offset,
     disabled_patches,
     prefix_lens,
     prefix_prefill_mask,
@@ -33,9 +34,10 @@ EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask
                  "sampler-top-p"}
 # Gemma3 (models/gemma3, from 0.9) has four defects (test_gemma3_patches.py).
 GEMMA3 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
+# 0.7 and 0.8: NxDI's CPU mode asks text models for a method only image models define.
 DEFECTS = {
-    "0.7": {"adapter-forward-kwargs", *EVERY_RELEASE},
-    "0.8": {"adapter-forward-kwargs", *EVERY_RELEASE},
+    "0.7": {"adapter-forward-kwargs", "cpu-captured-offset", *EVERY_RELEASE},
+    "0.8": {"adapter-forward-kwargs", "cpu-captured-offset", *EVERY_RELEASE},
     "0.9": {"adapter-forward-kwargs", *EVERY_RELEASE, *GEMMA3},
     "0.9-ef2731e": EVERY_RELEASE | GEMMA3,
 }
@@ -185,7 +187,7 @@ def test_disable_switch(nxdi):
     outcomes = apply_patches(nxdi, environ={DISABLE_ENV: "adapter-forward-kwargs, "
                                                          "adapter-prefix-lens"})
     assert [o.status for o in outcomes] == ["disabled", "disabled", "applied", "applied",
-                                            "applied"] + ["not needed"] * len(GEMMA3)
+                                            "applied", "applied"] + ["not needed"] * len(GEMMA3)
     assert adapter.prepare_inputs_for_generation is before
     assert disabled_patches({DISABLE_ENV: "all"}) == frozenset(NAMES)
     with pytest.raises(ValueError, match="unknown patch.*cte-exact-bucket"):
@@ -363,6 +365,23 @@ def test_prefix_prefill_attends_the_cached_prefix_once_after_patch(nxdi):
     assert strategy == nxdi.attention_base.FlashAttentionStrategy.NONE
 
 
+@pytest.mark.parametrize("nxdi", PUBLISHED, indirect=True)
+def test_prefix_prefill_patch_scales_scores_as_the_release_does(nxdi):
+    """With every cached position visible NxDI's branch is right, so the patch must
+    compute exactly what it computes: scores over sqrt(head_dim) in every release (0.7 and
+    0.8 have no `softmax_scale`; 0.9 keeps it on the attention), grouped KV heads."""
+    torch.manual_seed(0)
+    attention = nxdi.attention_base.NeuronAttentionBase(num_key_value_groups=2, head_dim=8)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
+    prior = (torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+    args = (q, k, v, 3, 2, torch.ones(2, 5, dtype=torch.int64), prior,
+            torch.ones(3, 3, dtype=torch.bool).tril()[None, None])
+    published, _ = attention.perform_prefix_prefill(*args)
+    assert prefix_prefill_mask.PATCH.apply(nxdi)
+    patched, _ = attention.perform_prefix_prefill(*args)
+    assert torch.allclose(patched, published, atol=1e-6)
+
+
 @pytest.mark.parametrize("nxdi", ["0.9"], indirect=True)
 def test_prefix_prefill_kernel_branch_is_left_to_nxdi(nxdi, monkeypatch):
     calls = []
@@ -402,3 +421,43 @@ def test_device_nucleus_equals_vllms_after_patch(nxdi, top_p):
     assert int((before > 0).sum()) == int((expected > 0).sum()) - 1
     assert sampler_top_p.PATCH.apply(nxdi)
     assert torch.allclose(_nucleus(nxdi, logits, top_p), expected, atol=1e-6)
+
+
+# -- (f) cpu-captured-offset -------------------------------------------------------------
+def _cpu_application(nxdi, output_logits: bool):
+    """NxDI's causal LM as its CPU mode leaves it, as far as its KV copy reads it: a
+    config and both wrappers' eager models with their KV cache managers."""
+    from neuronx_distributed_inference.models.application_base import KVCacheManager
+
+    application = object.__new__(nxdi.model_base.NeuronBaseForCausalLM)
+    application.neuron_config = type("NeuronConfig", (), dict(
+        output_logits=output_logits, on_device_sampling_config=object() if output_logits
+        else None, tensor_capture_config=None))()
+    for tag in ("context_encoding_model", "token_generation_model"):
+        wrapper = type("Wrapper", (), {})()
+        wrapper.model = type("Eager", (), {"kv_mgr": KVCacheManager(num_layers=1)})()
+        object.__setattr__(application, tag, wrapper)
+    return application
+
+
+@pytest.mark.parametrize("nxdi", PUBLISHED, indirect=True)
+@pytest.mark.parametrize("output_logits", [False, True])
+def test_cpu_mode_kv_copy_runs_in_every_release_after_patch(nxdi, request, output_logits):
+    """A CPU forward's outputs are tokens (and logits), then K and V of each layer: the
+    copy must put exactly the cache into both submodels' KV managers."""
+    application = _cpu_application(nxdi, output_logits)
+    head = [torch.zeros(1)] * (2 if output_logits else 1)
+    cache = [torch.full((1, 2), 3.0), torch.full((1, 2), 4.0)]
+    if request.node.callspec.params["nxdi"] != "0.9":
+        with pytest.raises(AttributeError, match="_get_captured_tensors_offset"):
+            application._copy_past_key_values(head + cache)
+        assert cpu_captured_offset.PATCH.apply(nxdi)
+    application._copy_past_key_values(head + cache)
+    for tag in ("context_encoding_model", "token_generation_model"):
+        kept = getattr(application, tag).model.kv_mgr.past_key_values
+        assert [t.tolist() for t in kept] == [[[3.0, 3.0]], [[4.0, 4.0]]]
+
+
+def test_cpu_mode_patch_changes_no_compiled_graph():
+    assert not cpu_captured_offset.PATCH.changes("LlamaForCausalLM")
+    assert prefix_prefill_mask.PATCH.changes("LlamaForCausalLM")

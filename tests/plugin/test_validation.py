@@ -224,6 +224,29 @@ def test_the_report_round_trips_and_puts_failures_first():
         ValidationReport.model_validate({**json.loads(report.model_dump_json()), "extra": 1})
 
 
+@pytest.mark.parametrize("installed,line", [
+    ("0.8.16251", "- NxDI: 0.8.16251, NxDI 0.8 (Neuron SDK 2.28, cd3abf3); inf2 runs NxDI 0.8 "
+                  "(Neuron SDK 2.28, cd3abf3)"),
+    ("0.9.17334", "- NxDI: 0.9.17334 (does not support it), NxDI 0.9 (Neuron SDK 2.29, "
+                  "ef2731e); inf2 runs NxDI 0.8 (Neuron SDK 2.28, cd3abf3)"),
+    ("0.7.14366", "- NxDI: 0.7.14366, not a release the plugin was checked on; inf2 runs "
+                  "NxDI 0.8 (Neuron SDK 2.28, cd3abf3)"),
+])
+def test_report_names_the_nxdi_release_against_the_instance_family(installed, line):
+    """A report from an inf2 host says which NxDI ran, whether the plugin was checked on
+    that release, and the release inf2 runs (core/nxdi_releases.py)."""
+    from neuron_plugin.core import nxdi_releases
+
+    report = ValidationReport(
+        ok=True, created="2026-11-27T00:00:00+00:00", model="m", command=["m"],
+        backend="nxd", instance_type="inf2.xlarge", visible_cores=[0, 1],
+        versions={"neuronx-distributed-inference": installed}, settings={},
+        compile_cache_key="k", oracle={}, cases=[], seconds=1.0,
+        nxdi=nxdi_releases.assessment(installed, "inf2"))
+    assert line in report.markdown().splitlines()
+    assert ValidationReport.model_validate_json(report.model_dump_json()) == report
+
+
 @pytest.fixture(scope="module")
 def oracle(model_dirs, sdk_python, tmp_path_factory):
     from neuron_plugin.validation.oracle_client import OracleProcess

@@ -1,10 +1,12 @@
 """What the nxd backend serves per architecture and feature, and the configurations it
 refuses before anything compiles.
 
-The evidence is real NxD Inference 0.9.0 (ef2731e) in its CPU mode, driven through this
-backend against transformers' greedy tokens and logits on a tiny checkpoint of each
-architecture (`tests/e2e/test_nxdi_architectures.py`, `pytest -m nxdi`): contiguous and
-block layout at batch 1 and 2, a 128-token prefix-cache hit, on-device sampling. The
+The evidence is real NxD Inference in its CPU mode, each release of
+`core.nxdi_releases.CHECKED` (0.8.0 cd3abf3, the release inf2/trn1 run, and 0.9.0
+ef2731e), driven through this backend against transformers' greedy tokens and logits on
+a tiny checkpoint of each architecture (`tests/e2e/test_nxdi_architectures.py`, `pytest
+-m nxdi`, once per release): contiguous and block layout at batch 1 and 2, a 128-token
+prefix-cache hit, on-device sampling. `SUPPORT` is per release. The
 reference backend follows transformers, so an architecture it serves is no evidence
 for nxd. Every feature of an architecture is one of: equal to transformers on real NxDI,
 refused (why, what to use instead), or untested (why).
@@ -30,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.patches import gemma3
@@ -46,7 +49,6 @@ FEATURES = (
     "lora",
     "quantization",
 )
-RELEASE = "NxDI 0.9.0 (ef2731e)"  # the release the statuses were measured on
 GEMMA3_PATCHES = tuple(patch.name for patch in gemma3.PATCHES)
 # Architectures whose NxDI model and attention read config.sliding_window for every
 # layer (modeling_llama.py NeuronLlamaAttention / NeuronLlamaModel.setup_attr_for_model,
@@ -96,7 +98,7 @@ _GPT_OSS_BLOCK = Support(
     "(GptOssKVCacheManager) and fails on a prefix-cache hit; serve it in the contiguous "
     "layout",
 )
-SUPPORT: dict[str, dict[str, Support]] = {
+_SUPPORT_0_9: dict[str, dict[str, Support]] = {
     "LlamaForCausalLM": _COMMON,
     "Qwen2ForCausalLM": _COMMON,
     "Qwen3ForCausalLM": _COMMON,
@@ -133,24 +135,60 @@ SUPPORT: dict[str, dict[str, Support]] = {
 }
 
 
-def support(architecture: str) -> dict[str, str]:
-    """Feature -> its status on the nxd backend, for the report of `architecture`
-    (an architecture outside the table, e.g. a contrib model's: untested)."""
+# NxDI 0.8 lists neither (utils/constants.py MODEL_TYPES; models.LISTED_FROM), and its
+# LoraModelManager.add_adapter loads nothing (lora.py NxDILora.streams_adapters).
+_NOT_LISTED_0_8 = Support(
+    REFUSED, "not in NxDI 0.8's MODEL_TYPES (listed from 0.9, which supports Trn2 and newer only)"
+)
+_LORA_0_8 = Support(
+    UNTESTED,
+    "NxDI's CPU mode cannot run LoRA; NxDI 0.8 loads no adapter at run time (start "
+    "adapters, lora_ckpt_paths, only)",
+)
+_SUPPORT_0_8 = {
+    name: dict.fromkeys(FEATURES, _NOT_LISTED_0_8)
+    if name in ("MistralForCausalLM", "Gemma3ForCausalLM")
+    else {**table, "lora": _LORA_0_8}
+    for name, table in _SUPPORT_0_9.items()
+}
+# release -> architecture -> feature -> status, each measured on that release.
+SUPPORT: dict[str, dict[str, dict[str, Support]]] = {
+    nxdi_releases.NXDI_0_8.release: _SUPPORT_0_8,
+    nxdi_releases.NXDI_0_9.release: _SUPPORT_0_9,
+}
+
+
+def support(architecture: str, release: nxdi_releases.NxDIRelease) -> dict[str, str]:
+    """Feature -> its status on the nxd backend with `release`, for the report of
+    `architecture` (an architecture outside the table, e.g. a contrib model's:
+    untested)."""
     unmapped = Support(UNTESTED, "not an architecture this plugin maps")
-    table = SUPPORT.get(architecture, dict.fromkeys(FEATURES, unmapped))
+    table = SUPPORT[release.release].get(architecture, dict.fromkeys(FEATURES, unmapped))
     return {feature: table[feature].describe() for feature in FEATURES}
 
 
 def explain(
-    settings: NeuronSettings, hf_config: Mapping[str, Any], environ: Mapping[str, str]
+    settings: NeuronSettings,
+    hf_config: Mapping[str, Any],
+    environ: Mapping[str, str],
+    release: nxdi_releases.NxDIRelease,
 ) -> tuple[dict[str, str], list[str]]:
-    """(the architecture's support table, this configuration's problems) for
-    `neuron-plugin explain-config`, without NxDI: the patches count as applied unless
-    VLLM_NEURON_DISABLE_PATCHES switches them off."""
+    """(the architecture's support table, this configuration's problems) with `release`
+    (the instance family's), for `neuron-plugin explain-config`, without NxDI: the
+    patches count as applied unless VLLM_NEURON_DISABLE_PATCHES switches them off."""
     from neuron_plugin.patches import disabled_patches
 
     status = dict.fromkeys(disabled_patches(environ), "disabled")
-    return support(settings.architecture), problems(settings, hf_config, None, status)
+    found = problems(settings, hf_config, release.describe().removeprefix("NxDI "), status)
+    table = SUPPORT[release.release].get(settings.architecture, {})
+    if table.get("contiguous") is _NOT_LISTED_0_8:
+        found.insert(
+            0,
+            f"{settings.architecture} on {release.describe()}: {_NOT_LISTED_0_8.note}; serve "
+            f"it on trn2 with {nxdi_releases.NXDI_0_9.describe()}, or on the reference "
+            f"backend (VLLM_NEURON_BACKEND=reference).",
+        )
+    return support(settings.architecture, release), found
 
 
 def _layers(text: Mapping[str, Any]) -> int:
@@ -212,10 +250,9 @@ def problems(
 ) -> list[str]:
     """Every reason this configuration would not give transformers' tokens on NxDI
     (see the module docstring); `patch_status` maps patch names to their outcome
-    ("applied", "already applied", "not needed", "disabled"); without `nxdi_version`
-    the messages name the release measured."""
+    ("applied", "already applied", "not needed", "disabled")."""
     text = text_config(dict(hf_config))
-    release = f"NxDI {nxdi_version}" if nxdi_version else RELEASE
+    release = f"NxDI {nxdi_version or '(unknown version)'}"
     found = _window_problems(settings, text, release) + _windowed_block_problems(
         settings, text, release
     )

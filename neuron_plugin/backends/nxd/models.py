@@ -45,6 +45,9 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
 }
+# MODEL_TYPES keys that are not in every release, -> the first release listing them
+# (utils/constants.py): 0.8 (cd3abf3) ships models/gemma3 but registers neither.
+LISTED_FROM = {"mistral": "0.9.0 (ef2731e, the SDK 2.29 v2 sync)", "gemma3": "0.9"}
 
 
 def model_entry_points() -> list[importlib.metadata.EntryPoint]:
@@ -96,9 +99,17 @@ def resolve_model_class(
         raise NeuronConfigError(_unsupported(architecture))
     key = ARCHITECTURES[architecture]
     if key not in model_types or TASK not in model_types[key]:
+        since = (
+            f" (NxDI lists it from {LISTED_FROM[key]}, a release for Trn2 and newer "
+            f"only: not on inf2/trn1)"
+            if key in LISTED_FROM
+            else ""
+        )
         raise NeuronConfigError(
             f"the installed NxD Inference {nxdi_version or '(unknown version)'} has no "
-            f"{key!r} model in MODEL_TYPES, needed for {architecture}; install a Neuron "
-            f"SDK whose NxDI lists it (see docs/serving/inf2.md)."
+            f"{key!r} model in MODEL_TYPES{since}, needed for {architecture}; serve it "
+            f"on a host whose Neuron SDK lists it (docs/serving/architectures.md), register "
+            f"an NxDI contrib class under the {ENTRY_POINT_GROUP!r} entry point, or serve "
+            f"on the CPU with VLLM_NEURON_BACKEND=reference."
         )
     return model_types[key][TASK]

@@ -29,5 +29,9 @@ VERSION = "0.9.0" if RELEASE.startswith("0.9") else f"{RELEASE}.0"
 HAS_BATCH_BUCKETING = RELEASE != "0.7"
 # hf_adapter.prepare_inputs_for_generation / NeuronBaseForCausalLM.forward of ef2731e.
 HOOK_FIXED = RELEASE == "0.9-ef2731e"
+# NeuronBaseForCausalLM._get_captured_tensors_offset, which _copy_past_key_values (the
+# CPU mode's KV copy) calls in every release: defined on text models from 0.9 (ef2731e
+# model_base.py 3816-3819), in 0.7 and 0.8 only on NeuronBaseForImageToText.
+DEFINES_CAPTURED_OFFSET = RELEASE.startswith("0.9")
 # NeuronFusedSpecModel.acceptance_padding_token (see the module docstring).
 ACCEPTANCE_PADDING_TOKEN = 0 if RELEASE == "0.7" else -1

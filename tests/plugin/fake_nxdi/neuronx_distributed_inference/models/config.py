@@ -161,6 +161,9 @@ class NeuronConfig:
         if self.is_chunked_prefill:
             assert self.is_block_kv_layout, "is_block_kv_layout has to be true for chunked prefill because it depends on block KV"
         self.tensor_replacement_config = kwargs.pop("tensor_replacement_config", None)
+        # config.py 334-336 (0.8 and ef2731e): a dict becomes a TensorCaptureConfig, which
+        # the double does not reproduce (the plugin never sets one)
+        self.tensor_capture_config = kwargs.pop("tensor_capture_config", None)
         # ef2731e config.py 356-358: a dict becomes a LoraServingConfig
         self.lora_config = kwargs.pop("lora_config", None)
         if type(self.lora_config) is dict:

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from neuronx_distributed_inference._release import (
     ACCEPTANCE_PADDING_TOKEN,
+    DEFINES_CAPTURED_OFFSET,
     HAS_BATCH_BUCKETING,
     HOOK_FIXED,
 )
@@ -235,6 +236,28 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                                           sampling_params, None, adapter_ids)
         return self.token_generation_model(input_ids, attention_mask, position_ids, seq_ids,
                                            sampling_params, None, adapter_ids)
+
+    def _copy_past_key_values(self, outputs):
+        """The CPU mode's KV copy without fused speculation (cd3abf3 model_base.py
+        3806-3840, ef2731e 3761-3795, v0.7.14366 3990-4024): the cache tensors follow the
+        tokens (and logits) and the captured tensors; every release asks
+        _get_captured_tensors_offset() how many of those there are."""
+        if self.neuron_config.output_logits and self.neuron_config.on_device_sampling_config:
+            new_past_key_values = outputs[2 + self._get_captured_tensors_offset():]
+        else:
+            new_past_key_values = outputs[1 + self._get_captured_tensors_offset():]
+        for i, new_past_key_value in enumerate(new_past_key_values):
+            self.token_generation_model.model.kv_mgr.past_key_values[i].data = (
+                new_past_key_value)
+            self.context_encoding_model.model.kv_mgr.past_key_values[i].data = (
+                new_past_key_value)
+
+    if DEFINES_CAPTURED_OFFSET:
+        def _get_captured_tensors_offset(self):
+            """ef2731e model_base.py 3816-3819."""
+            if self.neuron_config.tensor_capture_config:
+                return self.neuron_config.tensor_capture_config.get_offset()
+            return 0
 
     def _construct_output_with_tokens_and_logits(self, next_tokens, logits):
         output = CausalLMOutputWithPast(logits=logits, hidden_states=[], attentions=None)

@@ -128,7 +128,7 @@ class NeuronGemma3Attention(NeuronAttentionBase):
         sliding_window = config.sliding_window
         super().__init__(
             num_key_value_groups=config.num_attention_heads // config.num_key_value_heads,
-            softmax_scale=config.query_pre_attn_scalar ** 0.5,
+            head_dim=head_dim, softmax_scale=config.query_pre_attn_scalar ** 0.5,
             k_cache_transposed=bool(getattr(config.neuron_config, "k_cache_transposed", False))
             and sliding_window is None)
         self.rotary_emb = global_rotary_emb if sliding_window is None else local_rotary_emb

@@ -9,13 +9,21 @@ scores are (causal `active_mask`). So every position of the prefix bucket read t
 the block table is attended: the prefix tail that `_pad_prefix_caching_inputs` moved into
 the active part (twice), positions past the cached prefix, and never-written slots. The
 kernel strategies pass the mask's row sums as `prior_used_len` and are not reproduced.
+
+The scores are divided by the attention's `softmax_scale` from 0.9 (set in __init__:
+sqrt(head_dim) unless a model passes its own, ef2731e line 253); 0.7 and 0.8 have no such
+attribute and divide by `math.sqrt(self.head_dim)` (0.8 cd3abf3 lines 1062, 1066).
 """
 
+import math
 from enum import Enum
 
 import torch
 
+from neuronx_distributed_inference._release import RELEASE
 from neuronx_distributed_inference.modules.attention.utils import manual_softmax, repeat_kv
+
+HAS_SOFTMAX_SCALE = RELEASE.startswith("0.9")
 
 
 class FlashAttentionStrategy(Enum):
@@ -25,14 +33,23 @@ class FlashAttentionStrategy(Enum):
 
 
 class NeuronAttentionBase(torch.nn.Module):
-    """The attributes perform_prefix_prefill reads: head grouping, softmax scale, whether
-    the K cache is stored transposed, and the kernel choice."""
+    """The attributes perform_prefix_prefill reads: head grouping, head size, the softmax
+    scale (0.9), whether the K cache is stored transposed, and the kernel choice."""
 
-    def __init__(self, num_key_value_groups=1, softmax_scale=1.0, k_cache_transposed=False):
-        super().__init__()
-        self.num_key_value_groups = num_key_value_groups
-        self.softmax_scale = softmax_scale
-        self.k_cache_transposed = k_cache_transposed
+    if HAS_SOFTMAX_SCALE:
+        def __init__(self, num_key_value_groups=1, head_dim=2, softmax_scale=None,
+                     k_cache_transposed=False):
+            super().__init__()
+            self.num_key_value_groups = num_key_value_groups
+            self.head_dim = head_dim
+            self.softmax_scale = math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+            self.k_cache_transposed = k_cache_transposed
+    else:
+        def __init__(self, num_key_value_groups=1, head_dim=2, k_cache_transposed=False):
+            super().__init__()
+            self.num_key_value_groups = num_key_value_groups
+            self.head_dim = head_dim
+            self.k_cache_transposed = k_cache_transposed
 
     def get_flash_attention_strategy(self, q_len, has_attention_mask=True):
         return FlashAttentionStrategy.NONE
@@ -49,8 +66,9 @@ class NeuronAttentionBase(torch.nn.Module):
         V_prior = repeat_kv(V_prior, self.num_key_value_groups)
         if not self.k_cache_transposed:
             K_prior = K_prior.transpose(2, 3)
-        prior_scores = (torch.matmul(Q, K_prior) / self.softmax_scale).to(torch.float32)
-        active_scores = torch.matmul(Q, K_active.transpose(2, 3)) / self.softmax_scale
+        scale = self.softmax_scale if HAS_SOFTMAX_SCALE else math.sqrt(self.head_dim)
+        prior_scores = (torch.matmul(Q, K_prior) / scale).to(torch.float32)
+        active_scores = torch.matmul(Q, K_active.transpose(2, 3)) / scale
         active_scores = torch.where(active_mask, active_scores,
                                     torch.finfo(active_scores.dtype).min).to(torch.float32)
         softmax_prior, softmax_active = manual_softmax(prior_scores, active_scores, True)
