@@ -71,7 +71,12 @@ def import_nxdi() -> NxDI:
         ) from exc
     outcomes = apply_patches(
         NxDIModules(
-            model_base, model_wrapper, hf_adapter, attention_base, sampling, _gemma3_module()
+            model_base,
+            model_wrapper,
+            hf_adapter,
+            attention_base,
+            sampling,
+            _gemma3_module(MODEL_TYPES),
         )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
@@ -88,9 +93,12 @@ def import_nxdi() -> NxDI:
     )
 
 
-def _gemma3_module() -> ModuleType | None:
-    """NxDI's Gemma3 modelling (models/gemma3/modeling_gemma3.py), None in a release
-    without it (before 0.9)."""
+def _gemma3_module(model_types: Mapping[str, object]) -> ModuleType | None:
+    """NxDI's Gemma3 modelling (models/gemma3/modeling_gemma3.py) where the release serves
+    it, None otherwise: 0.7 has none, and 0.8 ships the module without listing it in
+    MODEL_TYPES (so no Gemma3 is served and its patches would change nothing)."""
+    if "gemma3" not in model_types:
+        return None
     try:
         from neuronx_distributed_inference.models.gemma3 import modeling_gemma3
     except ImportError:

@@ -25,8 +25,12 @@ from torch import nn
 
 from neuronx_distributed_inference._release import RELEASE
 
-if not RELEASE.startswith("0.9"):  # models/gemma3 is in NxDI from 0.9
-    raise ImportError(f"NxDI {RELEASE} has no models/gemma3")
+# MODEL_TYPES lists gemma3 from 0.9. 0.8 (cd3abf3) ships an earlier models/gemma3 that
+# it does not list; the plugin patches and serves Gemma3 only where MODEL_TYPES lists it
+# (backends/nxd/nxdi.py _gemma3_module), so that module is not reproduced: importing it
+# here fails before 0.9, as in 0.7.
+if not RELEASE.startswith("0.9"):
+    raise ImportError(f"the NxDI double reproduces no models/gemma3 of NxDI {RELEASE}")
 
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
 from neuronx_distributed_inference.models.model_base import (

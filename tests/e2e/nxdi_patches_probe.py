@@ -1,0 +1,48 @@
+"""Run under an interpreter with NxD Inference: the plugin's NxDI patches on that real
+release. Prints one JSON object: each patch's outcome as the backend applies them
+(import_nxdi), and the effect of the patches whose fixed code runs on the CPU outside a
+model (the forward-time ones run through the backend in the other -m nxdi tests):
+- cte-exact-bucket: NxDI's ModelWrapper.get_target_bucket on a context as long as its
+  first bucket (bucket_fit's stand-in wrapper, buckets [2, 4]);
+- sampler-top-p: the probabilities NxDI's on-device Sampler._multinomial_sample draws
+  from, per top_p, for one row of logits (the test compares them with vLLM's own
+  apply_top_k_top_p, which this environment has not).
+
+    python nxdi_patches_probe.py LOGITS_JSON TOP_PS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from neuron_plugin.backends.nxd.nxdi import import_nxdi
+from neuron_plugin.patches import bucket_fit, sampler_top_p
+
+
+def main(logits: list[float], top_ps: list[float]) -> dict:
+    nxdi = import_nxdi()
+    from neuronx_distributed_inference.models import model_wrapper
+    from neuronx_distributed_inference.modules.generation import sampling
+
+    tokens = torch.ones((1, bucket_fit.PROBE_BUCKETS[0]), dtype=torch.int32)
+    wrapper = bucket_fit._stand_in_wrapper(model_wrapper)
+    chosen = model_wrapper.ModelWrapper.get_target_bucket(wrapper, tokens, tokens, tokens)
+    row = torch.tensor(logits)
+    nuclei = []
+    for top_p in top_ps:
+        sampler = sampler_top_p._stand_in(sampling.Sampler)
+        object.__setattr__(sampler, "global_topk", len(logits))
+        params = torch.tensor([[float(len(logits)), top_p, 1.0]])
+        indices, probs = sampler._multinomial_sample(row[None, :], params, True, 1, None)
+        nucleus = torch.zeros_like(row)
+        nucleus[indices[0]] = probs[0]
+        nuclei.append(nucleus.tolist())
+    return {"version": nxdi.version, "status": dict(nxdi.patch_status),
+            "cte_bucket": int(chosen), "nuclei": nuclei}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))
