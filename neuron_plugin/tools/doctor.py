@@ -63,8 +63,8 @@ SUPPORTED = (
     Supported(
         NXDI,
         ">=0.7,<0.11",
-        "the NxD seam follows NxDI 0.7-0.10 (Neuron SDK 2.27-2.31); inf2/trn1 "
-        "need < 0.9 (SDK 2.27/2.28)",
+        "the NxD seam follows NxDI 0.7-0.10 (Neuron SDK 2.27-2.31), checked on real NxDI "
+        "0.8 and 0.9; inf2/trn1 need < 0.9 (SDK 2.28: NxDI 0.8)",
     ),
     Supported("torch-neuronx", ">=2.8", "runs NxDI's traced graphs"),
     Supported("neuronx-cc", ">=2", "compiles NxDI's graphs"),
