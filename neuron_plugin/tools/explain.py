@@ -29,6 +29,7 @@ from neuron_plugin.core.instances import (
     host_visible_cores,
     lnc,
 )
+from neuron_plugin.core.kv_heads import model_head_sharding
 from neuron_plugin.core.memory import (
     GIB,
     USABLE_FRACTION,
@@ -289,6 +290,7 @@ def build_report(
             "instance_source": instance_source,
             "tp_degree": settings.tp_degree,
             "instance_cores": cores,
+            "kv_heads": kv_heads_report(hf_config, settings.tp_degree),
             **memory.to_dict(),
         },
         "speculation": speculation_report(settings),
@@ -302,6 +304,20 @@ def build_report(
         "warnings": problems + warnings_for(settings, memory, instance),
         "notes": notes_for(settings, *host) + logits_notes(settings, hf_config),
         "settings": settings.to_dict(),
+    }
+
+
+def kv_heads_report(hf_config: dict, tp_degree: int) -> dict[str, Any]:
+    """The model's heads as NxDI shards them over the TP ranks (core.kv_heads)."""
+    sharding = model_head_sharding(hf_config, tp_degree)
+    return {
+        "attention_heads": sharding.attention_heads,
+        "kv_heads": sharding.kv_heads,
+        "strategy": sharding.strategy,
+        "padded_attention_heads": sharding.padded_attention_heads,
+        "padded_kv_heads": sharding.padded_kv_heads,
+        "kv_heads_per_core": sharding.kv_heads_per_core,
+        "summary": sharding.describe(),
     }
 
 
@@ -462,6 +478,8 @@ def render(report: dict[str, Any]) -> str:
         f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
         f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
         f"{mem['instance_cores']} cores",
+        f"KV heads/core    {mem['kv_heads']['summary']}; "
+        f"{_size(mem['kv_bytes_per_token_per_core'])} of KV per token per NeuronCore",
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
     if mem.get("unquantized_weights_per_core_bytes"):
