@@ -94,9 +94,7 @@ def head_sharding(tp_degree: int, attention_heads: int, kv_heads: int) -> HeadSh
         padded_kv = padded_attention
     elif kv_heads < tp_degree or kv_heads % tp_degree:
         padded_kv = tp_degree if strategy == REPLICATE else padded_attention
-    return HeadSharding(
-        tp_degree, attention_heads, kv_heads, strategy, padded_attention, padded_kv
-    )
+    return HeadSharding(tp_degree, attention_heads, kv_heads, strategy, padded_attention, padded_kv)
 
 
 def model_head_sharding(hf_config: Mapping[str, Any], tp_degree: int) -> HeadSharding:

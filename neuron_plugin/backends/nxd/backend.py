@@ -149,6 +149,7 @@ class NxDBackend(InlineCalls):
             raise NeuronConfigError(" ".join(found))
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
         self.tied_head = False  # NxDI's tie of a quantized lm_head undone (_new_model)
+        self._kv: NxDKVState | None = None  # KV blocks of the loaded model (_kv_state)
         self.adapters: NxDAdapters | None = None
         if settings.max_loras:
             self.adapters = NxDAdapters(settings, self.nxdi.lora, self.nxdi.version or "(unknown)")
@@ -372,7 +373,9 @@ class NxDBackend(InlineCalls):
         require_block_layout(self.settings)
         if self.model is None:
             raise RuntimeError("KV blocks of an NxD backend that is not loaded")
-        return NxDKVState(self.model, self.settings, self.on_cpu)
+        if self._kv is None or self._kv.model is not self.model:
+            self._kv = NxDKVState(self.model, self.settings, self.on_cpu, self.hf_config)
+        return self._kv
 
     def kv_geometry(self) -> KVGeometry:
         return self._kv_state().geometry()
