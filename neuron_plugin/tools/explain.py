@@ -204,11 +204,15 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
     size = f" ({_size(full)} of float32 logits)" if full else ""
     others = settings.graph_count() - len(shapes)
     lengths = [n for _, n in shapes]
-    where = (
-        "at the same context length"
-        if tuple(lengths) == settings.token_generation_buckets
-        else f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
-    )
+    if tuple(lengths) == settings.token_generation_buckets:
+        where = "at the same context length"
+    elif len(lengths) == 1:
+        where = (
+            f"at the largest context length, {lengths[0]}, whatever its rows' lengths "
+            f"(token_generation_logits_buckets adds twins at shorter lengths)"
+        )
+    else:
+        where = f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
     count = f"{len(shapes)} logits graph{'s add' if len(shapes) > 1 else ' adds'}"
     return [
         f"a decode step whose rows are all sampled on the device runs a token-generation "

@@ -298,13 +298,14 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
                                                "tokens); vLLM's \"KV cache size\" line "
                                                "also counts its null block (1,280 tokens)"}
     assert report["buckets"]["context_encoding"] == [128, 256]
-    # on-device sampling: a logits twin of each token-generation graph (nxd)
+    # on-device sampling: a logits twin of the largest token-generation graph (nxd)
     assert report["graphs"] == {"context_encoding": 2, "token_generation": 2,
-                                "token_generation_logits": 2, "total": 6}
-    assert report["buckets"]["token_generation_logits_shapes"] == [[4, 128], [4, 256]]
+                                "token_generation_logits": 1, "total": 5}
+    assert report["buckets"]["token_generation_logits_shapes"] == [[4, 256]]
     assert report["logits"] == {"vocab_size": 977, "prefill": 4 * 977, "decode": None,
                                 "decode_with_host_rows": 4 * 4 * 977}
-    assert any("returns tokens alone" in n and "2 logits graphs add 50% to the 4 other graphs" in n
+    assert any("returns tokens alone" in n and "at the largest context length, 256" in n
+               and "1 logits graph adds 25% to the 4 other graphs" in n
                for n in report["notes"])
     assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])
     assert report["memory"]["kv_cache_per_core_bytes"] == 2 * 2 * 2 * 64 * 2 * 4 * 256
@@ -312,7 +313,7 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert any("cannot run the nxd backend" in n for n in report["notes"])
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
-    assert "6 (2 context encoding, 2 token generation, 2 token generation with logits)" in text
+    assert "5 (2 context encoding, 2 token generation, 1 token generation with logits)" in text
 
 
 def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,
