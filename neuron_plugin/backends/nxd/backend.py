@@ -14,7 +14,9 @@ the model with the contract's arguments (`arguments`).
   stand-in request that writes no KV block (see `arguments.padding_arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
-  includes a weights fingerprint only in that case.
+  includes a weights fingerprint only in that case, of the model's weights, a fused
+  draft's and the LoRA adapters NxDI loads at start (sharded with them; run-time adapter
+  loading is refused with it, core.lora).
 - Speculative decoding (core.speculation): the NeuronConfig keys and the fused draft
   model's config (`neuron_config`), the speculative calls' arguments (`arguments`) and
   their answers (`outputs`). A fused draft's config is in the cache key, and its weights'
@@ -56,7 +58,7 @@ from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, requ
 from neuron_plugin.backends.nxd import compat, cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
-from neuron_plugin.backends.nxd.lora import NxDAdapters
+from neuron_plugin.backends.nxd.lora import NxDAdapters, start_adapters_fingerprint
 from neuron_plugin.backends.nxd.models import (
     NxDIModelClass,
     model_entry_points,
@@ -210,6 +212,9 @@ class NxDBackend(InlineCalls):
             if self.settings.draft_model:  # the draft's weights are embedded too
                 draft = weights_fingerprint(self.settings.draft_model)
                 fingerprint = hashlib.sha256(f"{fingerprint}+{draft}".encode()).hexdigest()
+            if self.adapters is not None and self.adapters.start:  # and the start adapters
+                adapters = start_adapters_fingerprint(self.adapters.start)
+                fingerprint = hashlib.sha256(f"{fingerprint}+lora:{adapters}".encode()).hexdigest()
         return {
             # make_manifest drops the keys that never change a graph (names, versions,
             # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS. A fused draft
