@@ -2,7 +2,8 @@
 or by NxDI's own CPU mode (`override_neuron_config` `"on_cpu": true`, see `cpu_mode`).
 
 It turns the resolved `NeuronSettings` into NxDI's NeuronConfig/InferenceConfig
-(`neuron_config`), compiles into and loads from a folder of the compile cache, and calls
+(`neuron_config`), compiles into and loads from a folder of the compile cache (each
+compile in a work folder of its own, `work_dir`), and calls
 the model with the contract's arguments (`arguments`).
 - `run()` is the serving call: a token per row from NxDI's on-device sampler, fed the
   rows' `SamplingInputs`, and logits for the rows that need the host; the sampler is
@@ -81,6 +82,7 @@ from neuron_plugin.backends.nxd.quantized import (
     refuse_quantized_draft,
     untie_quantized_head,
 )
+from neuron_plugin.backends.nxd.work_dir import compile_work_dir
 from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from neuron_plugin.core.inputs import ForwardInputs
@@ -297,10 +299,12 @@ class NxDBackend(InlineCalls):
         from compile_cache.stores import open_store
 
         logger.info("neuronx-cc graph cache: %s", configure_compiler_cache(open_store()))
-        model = self._new_model()
-        if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
-            self._quantized_folder()
-        model.compile(str(folder))
+        # NxDI reads the work folder when it builds the model, NxD when it compiles
+        with compile_work_dir():
+            model = self._new_model()
+            if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
+                self._quantized_folder()
+            model.compile(str(folder))
         write_artifact_record(Path(folder), self._record())
         if progress:
             for graph in graph_specs(self.settings):

@@ -14,6 +14,8 @@ EagerModel)."""
 
 import json
 import os
+import shutil
+import time
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +32,18 @@ def normalize_path(path):
 
 def is_compiled(model_path):
     return os.path.isfile(model_path + COMPILED_MODEL_FILE_NAME)
+
+
+def _trace_barrier():
+    """See NeuronApplicationBase._trace (test instrumentation)."""
+    given = os.environ.get("FAKE_NXDI_TRACE_BARRIER")
+    if not given:
+        return
+    folder, count = given.rsplit(":", 1)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class KVCacheManager(torch.nn.Module):
@@ -122,8 +136,10 @@ class NeuronApplicationBase(torch.nn.Module):
         self.config.save(compiled_model_path)
         if dry_run:
             return
+        # get_builder (ef2731e line 150): the ModelBuilder's compiler_workdir
+        graphs = self._trace(os.environ.get("BASE_COMPILE_WORK_DIR", "/tmp/nxd_model/"))
         with open(compiled_model_path + COMPILED_MODEL_FILE_NAME, "w") as f:
-            json.dump(self._graphs(), f)
+            json.dump(graphs, f)
         if self.neuron_config.save_sharded_checkpoint:
             self._shard_weights(compiled_model_path)
         self.is_compiled = True
@@ -197,6 +213,38 @@ class NeuronApplicationBase(torch.nn.Module):
         if lora.dynamic_multi_lora:
             self.lora_model_manager.init_dynamic_multi_lora(
                 None, None if presharded else self.context_encoding_model)
+
+    def _trace(self, workdir):
+        """ModelBuilder.trace's use of its work folder (neuronx-distributed 0.18
+        trace/model_builder.py): it deletes the folder (lines 544-545), writes each
+        submodel's buckets under `{workdir}/{tag}/_tp0_bk{i}` (the HLO and the NEFF the
+        compiler returns, lines 717-760; here the graph's description), then
+        build_nxd_model reads the NEFFs back from there into the traced model (lines
+        1053-1060), and NxDI saves its configs beside them
+        (_save_configs_to_compiler_workdir, application_base.py 267-290). What is read
+        back is whatever the folder then holds. Test instrumentation, not NxD:
+        FAKE_NXDI_TRACE_BARRIER="FOLDER:N" makes the trace wait, between writing and
+        reading back, until N traces have written (a file each in FOLDER), so that
+        concurrent compiles interleave there deterministically."""
+        if os.path.exists(workdir):
+            shutil.rmtree(workdir)
+        for tag, entry in self._graphs().items():
+            for rank, graph in enumerate(entry["graphs"]):
+                folder = os.path.join(workdir, tag, f"_tp0_bk{rank}")
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, "model.neff"), "w") as f:
+                    json.dump({"output_logits": entry["output_logits"], "graph": graph}, f)
+        _trace_barrier()
+        graphs = {}
+        for tag, entry in self._graphs().items():
+            neffs = []
+            for rank in range(len(entry["graphs"])):
+                with open(os.path.join(workdir, tag, f"_tp0_bk{rank}", "model.neff")) as f:
+                    neffs.append(json.load(f))
+            graphs[tag] = {"output_logits": neffs[0]["output_logits"],
+                           "graphs": [neff["graph"] for neff in neffs]}
+        self.config.save(workdir)
+        return graphs
 
     def _graphs(self):
         """tag -> its graphs' output_logits and [(bucket, shape key of its example
