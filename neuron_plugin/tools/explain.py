@@ -213,7 +213,7 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
         )
     else:
         where = f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
-    count = f"{len(shapes)} logits graph{'s add' if len(shapes) > 1 else ' adds'}"
+    count = f"{len(shapes)} logits graphs add" if len(shapes) > 1 else "logits graph adds"
     return [
         f"a decode step whose rows are all sampled on the device runs a token-generation "
         f"graph that returns tokens alone; a step with a host-sampled row (logprobs, "

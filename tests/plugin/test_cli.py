@@ -305,7 +305,7 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert report["logits"] == {"vocab_size": 977, "prefill": 4 * 977, "decode": None,
                                 "decode_with_host_rows": 4 * 4 * 977}
     assert any("returns tokens alone" in n and "at the largest context length, 256" in n
-               and "1 logits graph adds 25% to the 4 other graphs" in n
+               and "The logits graph adds 25% to the 4 other graphs" in n
                for n in report["notes"])
     assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])
     assert report["memory"]["kv_cache_per_core_bytes"] == 2 * 2 * 2 * 64 * 2 * 4 * 256
