@@ -6,10 +6,11 @@ layer-major tensor, K and V of every layer in one call:
 
     [layers, 2 (K, V), len(block_ids), block_size, kv_heads, head_dim]
 
-in the backend's KV dtype. `kv_heads` is what the backend stores: the model's KV heads,
-or with tensor parallelism the heads of every rank in rank order (NxDI replicates KV
-heads up to the TP degree where there are fewer). Two servers exchange blocks only when
-their geometries are equal, so the layout never needs converting.
+in the backend's KV dtype. `kv_heads` is the model's KV heads, each once, whatever the
+tensor parallelism: where NxDI replicates heads over ranks or pads them (its GQA
+sharding, core.kv_heads) the nxd backend reads one copy of each and writes every copy
+(backends/nxd/kv_state.py), so a block is the model's true KV size. Two servers exchange
+blocks only when their geometries are equal, so the layout never needs converting.
 """
 
 from __future__ import annotations

@@ -88,8 +88,10 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
             k: v for k, v in settings.passthrough.items() if k != "quantized_checkpoints_path"
         }
     if settings.max_loras:
-        # The key covers the adapter slots' shapes, never the adapters: NxDI loads those
-        # given at start as weights, not into the graphs (see core.lora).
+        # The key covers the adapter slots' shapes, never the adapters' folders: NxDI
+        # loads those given at start as weights, not into the graphs (see core.lora);
+        # where the artifacts embed weights (save_sharded_checkpoint) their content is in
+        # the backend's weights fingerprint.
         neuron_config["lora_options"] = {
             k: v for k, v in settings.lora_options.items() if k != "lora_ckpt_paths"
         }

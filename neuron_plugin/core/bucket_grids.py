@@ -102,7 +102,7 @@ def resolve_grids(
             "token_generation_buckets": (decode_reach,),
             "prefix_buckets": (0, reach) if block else (),
             "token_generation_batches": (batch,),
-            LOGITS_KEY: (reach,),
+            LOGITS_KEY: (decode_reach,),  # the twin of the one token-generation graph
         }
     ctx_default = nxdi_buckets(min(MIN_BUCKET, max_context_length), max_context_length)
     prefix_default = align_up(nxdi_buckets(min(MIN_BUCKET, seq), seq), unit)
@@ -189,11 +189,13 @@ def resolve_grids(
 
 def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tuple[int, ...]:
     """`token_generation_logits_buckets`: the context lengths whose token-generation
-    graphs get a logits twin (nxd backend, on-device sampling), by default all of them.
-    Fewer compile fewer graphs; a decode with a host-sampled row then runs the first of
-    them that fits, so the largest must be there."""
+    graphs get a logits twin (nxd backend, on-device sampling). A decode with a
+    host-sampled row runs the first twin that fits its longest row, so the largest
+    length must have one; by default it alone does (one NEFF more rather than one a
+    length: host-sampled steps are the rare ones, and run at the largest length), and
+    the key widens the set where such steps are frequent."""
     if LOGITS_KEY not in override:
-        return lengths
+        return lengths[-1:]
     name = f"override_neuron_config.{LOGITS_KEY}"
     try:
         chosen = validate_grid(override[LOGITS_KEY], name=name)

@@ -166,7 +166,8 @@ def token_generation_bucket(
     grows in both dimensions, so the least-cost fitting shape is the first fit of each
     dimension. A call that needs logits (`logits`) where the configuration compiles
     separate logits graphs (`settings.token_generation_logits_shapes()`) runs one of
-    those: the full batch, at their lengths."""
+    those: the full batch, at the first of their lengths that fits (by default there is
+    one, the largest: a host-sampled row at any context length runs there)."""
     batches, lengths = settings.token_generation_batches, settings.token_generation_buckets
     what = "token_generation_buckets"
     shapes = settings.token_generation_logits_shapes() if logits else []

@@ -146,6 +146,8 @@ def resolve_lora(
         )
     targets = expand_target_modules(limits.lora_target_modules)
     nxd_options = _nxd_options(options, limits, targets, backend)
+    if backend == "nxd" and override.get("save_sharded_checkpoint"):
+        _refuse_presharded_run_time_loading(nxd_options)
     return LoraSettings(
         max_loras=limits.max_loras,
         max_lora_rank=limits.max_lora_rank,
@@ -218,6 +220,29 @@ def _nxd_options(
             f"compile other graphs); pass --max-loras {len(checked['lora_ckpt_paths'])}."
         )
     return checked
+
+
+def _refuse_presharded_run_time_loading(nxd_options: Mapping[str, Any] | None) -> None:
+    """`save_sharded_checkpoint` with run-time adapter loading (NxDI 0.9's
+    dynamic_multi_lora, which the plugin turns on unless lora_config says false) cannot
+    work in NxDI 0.7-0.9: with no start adapters its compile stops at `assert
+    len(adapter_names) > 0` (lora_checkpoint.py _shard_cpu_weights, from
+    application_base.py shard_weights); with some, its pre-sharded load never builds the
+    model builder, so get_cte_model() is None and every add_adapter fails in
+    load_streaming_ckpt(None, ...) (application_base.py 185-197, 402-419). Without
+    run-time loading the start adapters are sharded into the artifacts with the weights
+    (and key them: backends/nxd/lora.py start_adapters_fingerprint)."""
+    if (nxd_options or {}).get("dynamic_multi_lora") is False:
+        return
+    raise NeuronConfigError(
+        "override_neuron_config.save_sharded_checkpoint=true with --enable-lora: NxDI's "
+        "pre-sharded artifacts cannot load adapters at run time (with no "
+        "lora_config.lora_ckpt_paths its compile fails on `assert len(adapter_names) > 0`, "
+        "lora_checkpoint.py; with some, its pre-sharded load leaves add_adapter no model "
+        "to load into). Set override_neuron_config.lora_config.dynamic_multi_lora=false to "
+        "serve only the lora_ckpt_paths adapters, sharded into the compiled artifacts, or "
+        "remove save_sharded_checkpoint (NxDI then shards the weights at load)."
+    )
 
 
 def _ckpt_paths(value: Any, key: str) -> dict[str, str]:

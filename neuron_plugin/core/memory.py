@@ -2,9 +2,11 @@
 
 An estimate for planning (explain-config) and for sizing the default number of sequence
 slots (`SequenceBudget`), from the checkpoint's safetensors headers and the settings,
-without loading anything. NxDI shards weights and KV heads over
-the tensor-parallel ranks; with more ranks than KV heads each rank holds one replicated
-KV head. Runtime scratchpad and the compiled graphs' instruction memory are not counted.
+without loading anything. NxDI shards weights over the tensor-parallel ranks and KV
+heads by its own GQA rule (`core.kv_heads`): replicated up to the TP degree where it is a
+multiple of the KV heads, else converted to multi-head attention with padded heads (e.g.
+Llama-3-8B at TP 12: 3 KV heads per core, not 1). Runtime scratchpad and the compiled
+graphs' instruction memory are not counted.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin.core.checkpoint import safetensors_shapes
+from neuron_plugin.core.kv_heads import head_dim, model_head_sharding
 from neuron_plugin.core.neuron_settings import NeuronSettings
 
 GIB = 1 << 30
@@ -32,11 +35,6 @@ def checkpoint_parameters(model_dir: str | Path) -> int | None:
     return sum(math.prod(shape) for shape in shapes.values()) if shapes else None
 
 
-def kv_heads_per_core(num_kv_heads: int, tp_degree: int) -> int:
-    """KV heads one rank holds: an even share, or one replicated head."""
-    return max(1, math.ceil(num_kv_heads / tp_degree))
-
-
 def kv_cache_slots(settings: NeuronSettings) -> int:
     """Token positions the KV cache holds: batch x seq_len rows in the contiguous layout
     (seq_len reaches the largest token-generation bucket, past max_model_len with
@@ -49,15 +47,14 @@ def kv_cache_slots(settings: NeuronSettings) -> int:
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int) -> int:
-    """K and V of one token position on one NeuronCore, over all layers."""
-    text = hf_config.get("text_config", hf_config)
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    kv_heads = text.get("num_key_value_heads", text["num_attention_heads"])
+    """K and V of one token position on one NeuronCore, over all layers: the KV heads
+    NxDI puts on a core (padding and replicas included) x head_dim x dtype."""
+    text = hf_config.get("text_config") or hf_config
     return (
         2
-        * text["num_hidden_layers"]
-        * kv_heads_per_core(kv_heads, tp_degree)
-        * head_dim
+        * int(text["num_hidden_layers"])
+        * model_head_sharding(hf_config, tp_degree).kv_heads_per_core
+        * head_dim(hf_config)
         * DTYPE_BYTES[dtype]
     )
 
@@ -114,6 +111,8 @@ class MemoryEstimate:
     parameters: int | None
     weights_per_core_bytes: int | None
     kv_cache_per_core_bytes: int
+    # K and V of one token position on one core, over the layers (NxDI's heads per core)
+    kv_bytes_per_token_per_core: int
     total_per_core_bytes: int | None
     device_memory_per_core_bytes: int
     fraction_of_core_memory: float | None
@@ -142,7 +141,8 @@ def estimate(
     KV cache (the target's slots) too; with a quantized checkpoint (`quantized_bytes`:
     the whole model's weights unquantized and quantized) the quantized weights."""
     slots = kv_cache_slots(settings)
-    kv = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree) * slots
+    per_token = kv_bytes_per_token(hf_config, settings.dtype, settings.tp_degree)
+    kv = per_token * slots
     weights = weights_per_core(
         parameters, settings.dtype, settings.tp_degree, quantized_bytes and quantized_bytes[1]
     )
@@ -160,6 +160,7 @@ def estimate(
         parameters=parameters,
         weights_per_core_bytes=weights,
         kv_cache_per_core_bytes=kv,
+        kv_bytes_per_token_per_core=per_token,
         total_per_core_bytes=total,
         device_memory_per_core_bytes=memory_per_core,
         fraction_of_core_memory=None if total is None else total / memory_per_core,

@@ -143,7 +143,7 @@ class NeuronSettings:
     num_speculative_tokens: int = 0
     draft_model: str | None = None
     # Context lengths (of token_generation_buckets) whose token-generation graphs also
-    # have a logits twin (see token_generation_logits_shapes); default all of them.
+    # have a logits twin (see token_generation_logits_shapes); default the largest.
     token_generation_logits_buckets: tuple[int, ...] = ()
     # Multi-LoRA (core.lora): adapter slots compiled in (max_loras; 0: LoRA off) of rank
     # max_lora_rank for the target modules; adapters held on the host (changes no
@@ -216,8 +216,9 @@ class NeuronSettings:
         beside the logits-free ones, which serve a decode step that has a host-sampled
         row. Only the nxd backend with on-device sampling splits them (its other
         token-generation graphs return tokens alone): one per context length of
-        `token_generation_logits_buckets` (by default every length, so a mixed step runs
-        the length a logits-free step would), at the full batch (NxDI batch-buckets only
+        `token_generation_logits_buckets` (by default the largest only: a step with a
+        host-sampled row runs there, whatever its rows' lengths), at the full batch (NxDI
+        batch-buckets only
         its own token-generation submodel; backends/nxd/graphs.py). NxDI's tensor capture
         (`tensor_capture_config`) forces output_logits on and puts the captured tensors
         after the logits, so with it every graph keeps its logits (none are split).

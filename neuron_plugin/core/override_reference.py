@@ -11,6 +11,7 @@ from neuron_plugin.core.override_schema import (
     ADDED_IN,
     NXDI_KEYS,
     NXDI_RELEASES,
+    PLUGIN_KEY_MEANINGS,
     PLUGIN_KEYS,
     sub_config_fields,
     value_description,
@@ -54,6 +55,8 @@ def key_reference() -> list[KeyReference]:
 def _treatment(key: str) -> str:
     if key in UNSUPPORTED_KEYS:
         return f"refused: {UNSUPPORTED_KEYS[key]}"
+    if key in PLUGIN_KEY_MEANINGS:
+        return f"read by the plugin: {PLUGIN_KEY_MEANINGS[key]}"
     if key in INTERPRETED_KEYS:
         return "read by the plugin (and passed to NxDI as resolved)"
     return "passed to NxDI's NeuronConfig as given"

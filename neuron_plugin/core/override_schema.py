@@ -149,15 +149,27 @@ ADDED_IN = {
     "0.9": frozenset({"enable_ve_data_parallel"}),
 }
 
-# Keys this plugin reads that NeuronConfig does not take: `bucket_set` (expanded into
-# the grid keys before resolution), `is_chunked_prefill` (NxDI derives it from
-# chunked_prefill_config; here it must agree with --enable-chunked-prefill) and
-# `token_generation_logits_buckets` (the lengths of the token-generation logits graphs,
-# backends/nxd/graphs.py).
+# Keys this plugin reads that NeuronConfig does not take, their kind, and what they do
+# (the generated reference says it: core.override_reference).
 PLUGIN_KEYS = {
     "bucket_set": "text",
     "is_chunked_prefill": "bool",
     "token_generation_logits_buckets": "grid",
+}
+PLUGIN_KEY_MEANINGS = {
+    "bucket_set": "a named bucket set, expanded into the grid keys before resolution",
+    "is_chunked_prefill": (
+        "NxDI derives it from chunked_prefill_config; here it must agree with "
+        "--enable-chunked-prefill"
+    ),
+    "token_generation_logits_buckets": (
+        "nxd with on-device sampling: the context lengths whose token-generation graphs "
+        "get a logits twin, which a decode step with a host-sampled row runs (the first "
+        "that fits its longest row). Default: the largest token-generation length alone "
+        "(one NEFF more; such a step runs there whatever its rows' lengths); list shorter "
+        "lengths of token_generation_buckets to widen it (one NEFF each, and host-sampled "
+        "steps run at their own length). Must hold the largest length"
+    ),
 }
 
 

@@ -30,6 +30,7 @@ from neuron_plugin.core.instances import (
     host_visible_cores,
     lnc,
 )
+from neuron_plugin.core.kv_heads import model_head_sharding
 from neuron_plugin.core.memory import (
     GIB,
     USABLE_FRACTION,
@@ -204,12 +205,16 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
     size = f" ({_size(full)} of float32 logits)" if full else ""
     others = settings.graph_count() - len(shapes)
     lengths = [n for _, n in shapes]
-    where = (
-        "at the same context length"
-        if tuple(lengths) == settings.token_generation_buckets
-        else f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
-    )
-    count = f"{len(shapes)} logits graph{'s add' if len(shapes) > 1 else ' adds'}"
+    if tuple(lengths) == settings.token_generation_buckets:
+        where = "at the same context length"
+    elif len(lengths) == 1:
+        where = (
+            f"at the largest context length, {lengths[0]}, whatever its rows' lengths "
+            f"(token_generation_logits_buckets adds twins at shorter lengths)"
+        )
+    else:
+        where = f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
+    count = f"{len(shapes)} logits graphs add" if len(shapes) > 1 else "logits graph adds"
     return [
         f"a decode step whose rows are all sampled on the device runs a token-generation "
         f"graph that returns tokens alone; a step with a host-sampled row (logprobs, "
@@ -293,6 +298,7 @@ def build_report(
             "instance_source": instance_source,
             "tp_degree": settings.tp_degree,
             "instance_cores": cores,
+            "kv_heads": kv_heads_report(hf_config, settings.tp_degree),
             **memory.to_dict(),
         },
         "speculation": speculation_report(settings),
@@ -306,6 +312,20 @@ def build_report(
         "warnings": problems + warnings_for(settings, memory, instance),
         "notes": notes_for(settings, *host) + logits_notes(settings, hf_config),
         "settings": settings.to_dict(),
+    }
+
+
+def kv_heads_report(hf_config: dict, tp_degree: int) -> dict[str, Any]:
+    """The model's heads as NxDI shards them over the TP ranks (core.kv_heads)."""
+    sharding = model_head_sharding(hf_config, tp_degree)
+    return {
+        "attention_heads": sharding.attention_heads,
+        "kv_heads": sharding.kv_heads,
+        "strategy": sharding.strategy,
+        "padded_attention_heads": sharding.padded_attention_heads,
+        "padded_kv_heads": sharding.padded_kv_heads,
+        "kv_heads_per_core": sharding.kv_heads_per_core,
+        "summary": sharding.describe(),
     }
 
 
@@ -469,6 +489,8 @@ def render(report: dict[str, Any]) -> str:
         f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
         f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
         f"{mem['instance_cores']} cores",
+        f"KV heads/core    {mem['kv_heads']['summary']}; "
+        f"{_size(mem['kv_bytes_per_token_per_core'])} of KV per token per NeuronCore",
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
     if mem.get("unquantized_weights_per_core_bytes"):

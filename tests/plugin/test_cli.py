@@ -28,7 +28,10 @@ from neuron_plugin.core.instances import (
     parse_core_list,
     visible_cores,
 )
-from neuron_plugin.core.memory import checkpoint_parameters, estimate, kv_heads_per_core
+from neuron_plugin.core.kv_heads import CONVERT_TO_MHA, REPLICATE, head_sharding
+from neuron_plugin.core.memory import checkpoint_parameters, estimate
+from neuron_plugin.core.settings import resolve_max_num_seqs
+from neuron_plugin.core.memory import sequence_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -107,8 +110,54 @@ def test_checkpoint_parameters_from_headers(model_dirs):
     assert checkpoint_parameters(folder.parent) is None
 
 
-def test_kv_heads_are_replicated_beyond_their_count():
-    assert [kv_heads_per_core(8, tp) for tp in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
+@pytest.mark.parametrize("tp, per_core, strategy, slots", [
+    # determine_sharding_strategy says MHA where TP is no multiple of 8, but
+    # get_shardable_head_counts leaves 8 KV heads that TP divides as they are
+    (1, 8, CONVERT_TO_MHA, list(range(8))),
+    (2, 4, CONVERT_TO_MHA, list(range(8))),
+    (8, 1, REPLICATE, list(range(8))),
+    (16, 1, REPLICATE, [h // 2 for h in range(16)]),      # each KV head on 2 cores
+    (32, 1, REPLICATE, [h // 4 for h in range(32)]),      # on 4
+    # TP not a multiple of the KV heads: multi-head attention, 32 heads padded to 36
+    (12, 3, CONVERT_TO_MHA, [h // 4 for h in range(32)] + [None] * 4),
+])
+def test_kv_heads_follow_nxdis_gqa_sharding(tp, per_core, strategy, slots):
+    """gqa.py get_shardable_head_counts for Llama-3-8B (32 attention heads, 8 KV heads):
+    replicated up to TP where TP is a multiple of 8, else converted to MHA with padding."""
+    sharding = head_sharding(tp, 32, 8)
+    assert sharding.kv_heads_per_core == per_core
+    assert sharding.strategy == strategy
+    assert list(sharding.slot_heads) == slots
+    assert sharding.padded_kv_heads == len(slots) == per_core * tp
+
+
+def test_kv_heads_of_mha_and_many_kv_heads():
+    """Multi-head attention keeps a KV head per (padded) attention head; KV heads that
+    are a multiple of TP split evenly (NxDI's strategy is then moot)."""
+    mha = head_sharding(3, 4, 4)
+    assert (mha.padded_kv_heads, mha.kv_heads_per_core) == (6, 2)
+    assert list(mha.slot_heads) == [0, 1, 2, 3, None, None]
+    even = head_sharding(4, 64, 8)
+    assert (even.kv_heads_per_core, list(even.slot_heads)) == (2, list(range(8)))
+    qwen = head_sharding(32, 28, 4)  # Qwen2.5-7B: each KV head on 8 cores
+    assert qwen.kv_heads_per_core == 1 and list(qwen.slot_heads) == [h // 8 for h in range(32)]
+
+
+def test_memory_plan_counts_the_padded_heads_at_tp_12():
+    """Llama-3-8B at TP 12 (an inf2.24xlarge's 12 cores): NxDI converts to MHA, 3 KV heads
+    a core, so the KV cache and the default max_num_seqs follow 3, not 1."""
+    settings = nxd_settings(tp_degree=12)
+    got = estimate(settings, LLAMA_8B, 8_030_000_000, 16 * GIB)
+    assert got.kv_bytes_per_token_per_core == 2 * 32 * 3 * 128 * 2
+    assert got.kv_cache_per_core_bytes == 2 * 32 * 3 * 128 * 2 * 4 * 8192
+    budget = sequence_budget(LLAMA_8B, 8_030_000_000, "bfloat16", 12, 16 * GIB, "inf2")
+    assert budget is not None and budget.kv_bytes_per_token == 2 * 32 * 3 * 128 * 2
+    # (16 GiB x 0.9 - 8.03 GB / 12) / (48 KiB x 32768 positions): 8.8 sequences fit
+    # (26.3 with one head a core, where the default would have been 16)
+    default = dataclasses.replace(limits(tp_degree=12, max_num_seqs=256, max_model_len=32768),
+                                  max_num_seqs_is_default=True)
+    seqs, why = resolve_max_num_seqs(default, {}, "nxd", budget)
+    assert seqs == 8 and "8 sequences of 32768 tokens fit" in why
 
 
 def test_estimate_contiguous_8b_on_two_cores():
@@ -144,6 +193,26 @@ def test_build_report_warns_about_memory_and_refuses_too_few_cores():
     assert ("--tensor-parallel-size 8 x --data-parallel-size 1 needs 8 NeuronCores "
             "(1 engine(s) of 8) but 2 are visible (the 2 cores of inf2.xlarge, x); "
             "lower --tensor-parallel-size to at most 2") in str(info.value)
+
+
+def test_explain_config_shows_the_padded_kv_heads_and_their_bytes():
+    report = explain.build_report(nxd_settings(tp_degree=12), "m", LLAMA_8B, 8_030_000_000,
+                                  INSTANCE_TYPES["inf2.24xlarge"], "x", (12, "host"))
+    memory = report["memory"]
+    assert memory["kv_heads"] == {
+        "attention_heads": 32, "kv_heads": 8, "strategy": "convert-to-mha",
+        "padded_attention_heads": 36, "padded_kv_heads": 36, "kv_heads_per_core": 3,
+        "summary": "8 KV heads at TP 12: NxDI converts to multi-head attention, 32 "
+                   "attention heads padded to 36, 36 KV heads (4 of them padding): 3 per "
+                   "NeuronCore"}
+    assert memory["kv_bytes_per_token_per_core"] == 48 * 1024
+    assert ("KV heads/core    8 KV heads at TP 12: NxDI converts to multi-head attention"
+            in explain.render(report))
+    assert "48.0 KiB of KV per token per NeuronCore" in explain.render(report)
+    replicated = explain.build_report(nxd_settings(tp_degree=16), "m", LLAMA_8B, None,
+                                      INSTANCE_TYPES["trn1.32xlarge"], "x", (32, "host"))
+    assert replicated["memory"]["kv_heads"]["summary"] == (
+        "8 KV heads replicated to TP 16 (2 copies each): 1 per NeuronCore")
 
 
 def test_build_report_warns_about_slow_combinations():
@@ -240,13 +309,14 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
                                                "tokens); vLLM's \"KV cache size\" line "
                                                "also counts its null block (1,280 tokens)"}
     assert report["buckets"]["context_encoding"] == [128, 256]
-    # on-device sampling: a logits twin of each token-generation graph (nxd)
+    # on-device sampling: a logits twin of the largest token-generation graph (nxd)
     assert report["graphs"] == {"context_encoding": 2, "token_generation": 2,
-                                "token_generation_logits": 2, "total": 6}
-    assert report["buckets"]["token_generation_logits_shapes"] == [[4, 128], [4, 256]]
+                                "token_generation_logits": 1, "total": 5}
+    assert report["buckets"]["token_generation_logits_shapes"] == [[4, 256]]
     assert report["logits"] == {"vocab_size": 977, "prefill": 4 * 977, "decode": None,
                                 "decode_with_host_rows": 4 * 4 * 977}
-    assert any("returns tokens alone" in n and "2 logits graphs add 50% to the 4 other graphs" in n
+    assert any("returns tokens alone" in n and "at the largest context length, 256" in n
+               and "The logits graph adds 25% to the 4 other graphs" in n
                for n in report["notes"])
     assert report["memory"]["parameters"] == checkpoint_parameters(model_dirs["llama"])
     assert report["memory"]["kv_cache_per_core_bytes"] == 2 * 2 * 2 * 64 * 2 * 4 * 256
@@ -254,7 +324,7 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert any("cannot run the nxd backend" in n for n in report["notes"])
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
-    assert "6 (2 context encoding, 2 token generation, 2 token generation with logits)" in text
+    assert "5 (2 context encoding, 2 token generation, 1 token generation with logits)" in text
 
 
 def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,

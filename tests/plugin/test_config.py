@@ -227,9 +227,9 @@ def test_settings_round_trip_through_json():
                                 "prefix_buckets": [512, 2048]})
     restored = NeuronSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
     assert restored == settings
-    # the nxd backend with on-device sampling adds a logits graph per decode length
-    assert restored.graph_count() == len(settings.context_encoding_shapes()) + 2 * len(
-        settings.token_generation_shapes())
+    # the nxd backend with on-device sampling adds the largest decode graph's logits twin
+    assert restored.graph_count() == len(settings.context_encoding_shapes()) + len(
+        settings.token_generation_shapes()) + 1
 
 
 # -- the override_neuron_config schema, vLLM flags and vllm-neuron variables ------------
@@ -302,3 +302,17 @@ def test_compiled_artifacts_maps_to_the_compile_cache():
     assert (name, value) == ("VLLM_NEURON_CACHE_LOCAL_DIR", "/srv/a")
     assert environment_updates({"NEURON_COMPILED_ARTIFACTS": "/srv/a",
                                 "VLLM_NEURON_CACHE_URL": "/srv/b"}) == []
+
+
+def test_generated_reference_says_what_each_plugin_key_does():
+    """The reference docs_hooks.py renders: every plugin key with its meaning, the logits
+    twins' default and how to widen it."""
+    from neuron_plugin.core.override_reference import key_reference
+    from neuron_plugin.core.override_schema import PLUGIN_KEY_MEANINGS, PLUGIN_KEYS
+
+    assert set(PLUGIN_KEY_MEANINGS) == set(PLUGIN_KEYS)
+    rows = {row.key: row for row in key_reference()}
+    logits = rows["token_generation_logits_buckets"]
+    assert logits.releases == "this plugin"
+    assert "Default: the largest token-generation length alone" in logits.treatment
+    assert "list shorter lengths of token_generation_buckets to widen it" in logits.treatment

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.metadata
 import os
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -410,12 +411,13 @@ def test_block_layout_prefix_hit_and_decode(seam, tiny, tmp_path):
     assert backend.forward(miss).argmax(-1).tolist() == [expected(first)]
     hit = context_encoding_inputs(s, second, 32, 1, [1, 3])
     assert backend.forward(hit).argmax(-1).tolist() == [expected(second)]
+    # forward() asks for logits: with on-device sampling, the largest length's logits twin
     decode = token_generation_inputs(s, np.array([70, 80]), np.array([34, 35]),
-                                     np.array([0, 1]), [[1, 2], [1, 3]])
+                                     np.array([0, 1]), [[1, 2], [1, 3]], logits=True)
     assert backend.forward(decode).argmax(-1).tolist() == [
         expected([*first, 70]), expected([*second, 80])]
     assert ran(backend) == [("context_encoding", miss.bucket), ("context_encoding", hit.bucket),
-                            ("token_generation", (1, 128))]
+                            ("token_generation", (1, 256))]
 
 
 def nxdi_bucket(s, graph) -> tuple:
@@ -850,6 +852,71 @@ def test_kv_block_moves_cost_the_blocks_moved_not_the_cache(release, tiny, tmp_p
     assert [d for d, _ in TRANSFERS] == ["to_device"] * 2 * tensors
     assert sum(n for _, n in TRANSFERS) == 4 * geometry.block_bytes
     assert torch.equal(backend.read_kv_blocks(np.array([20, 7, 8, 9])), kv)
+
+
+# The tiny Llama has 4 attention heads and 2 KV heads. TP 4: each KV head on 2 ranks
+# (REPLICATE_TO_TP_DEGREE); TP 3: multi-head attention over 6 padded heads, 2 a rank,
+# rank 0 holding head 0 twice, rank 1 head 1 twice, rank 2 two padding heads.
+@pytest.mark.parametrize("tp, slots, ranks_read", [
+    (4, [[0], [0], [1], [1]], [0, 2]),
+    (3, [[0, 0], [1, 1], [None, None]], [0, 1]),
+])
+def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeypatch,
+                                                tp, slots, ranks_read):
+    """NxDI's GQA sharding (gqa.py get_shardable_head_counts, replicate_kv,
+    maybe_pad_tail), reproduced by the double: a block's payload holds the model's 2 KV
+    heads once at any TP, a read copies one rank per replica group, a write reaches every
+    replica (a decode reads every rank's copy: one stale replica shows) and zeroes the
+    padding heads; the bytes read are the model's true KV size. Each rank's copies are
+    issued by a thread of their own: the copies one after another are 2 x layers x runs
+    whatever the TP degree."""
+    from neuronx_distributed_inference._device import TRANSFER_THREADS, TRANSFERS
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", f"0-{tp - 1}")
+    s = settings({**PREFIX, "tp_degree": tp})
+    prefill = loaded(s, tiny, tmp_path / "p")
+    decode = loaded(s, tiny, tmp_path / "d")
+    geometry = prefill.kv_geometry()
+    assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=2, head_dim=64,
+                                  dtype="float32")
+    data = torch.randn(geometry.shape(3))
+    TRANSFERS.clear()
+    TRANSFER_THREADS.clear()
+    decode.write_kv_blocks(np.array([9, 4, 12]), data)
+    tensors = 2 * geometry.layers
+    assert [d for d, _ in TRANSFERS] == ["to_device"] * tensors * 3 * tp  # 3 runs, every rank
+    assert sorted(Counter(TRANSFER_THREADS).values()) == [tensors * 3] * tp
+    state = decode.model.context_encoding_model.model.nxd_model.state
+    for rank, heads in enumerate(slots):
+        blocks = state[rank]["kv_mgr.past_key_values.3"].view(s.num_blocks + 1, 32,
+                                                               len(heads), 64)
+        for local, head in enumerate(heads):
+            want = data[1, 1, 0, :, head] if head is not None else torch.zeros(32, 64)
+            assert torch.equal(blocks[9, :, local], want), (rank, local)
+    TRANSFERS.clear()
+    TRANSFER_THREADS.clear()
+    assert torch.equal(decode.read_kv_blocks(np.array([9, 4, 12])), data)
+    assert [d for d, _ in TRANSFERS] == ["to_host"] * tensors * 3 * len(ranks_read)
+    assert sorted(Counter(TRANSFER_THREADS).values()) == [tensors * 3] * len(ranks_read)
+    per_rank_bytes = 3 * geometry.block_bytes // 2 * len(slots[0])  # a rank's heads
+    assert sum(n for _, n in TRANSFERS) == per_rank_bytes * len(ranks_read)
+    if len(slots[0]) == 1:  # one head a rank: the bytes read are the payload's
+        assert sum(n for _, n in TRANSFERS) == 3 * geometry.block_bytes
+    # a prompt's blocks computed on the prefill server decode on the other
+    prompt = np.arange(1, 41)
+    prefill.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
+    decode.write_kv_blocks(np.array([5, 7]), prefill.read_kv_blocks(np.array([1, 2])))
+    step = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]), [[5, 7]])
+    assert decode.forward(step).argmax(-1).tolist() == [expected([*prompt, 70])]
+    # the double reads every replica: one stale copy of a head (slot 1, head 0's second
+    # copy) changes the answer
+    per = len(slots[0])
+    replica = state[1 // per]["kv_mgr.past_key_values.0"].view(s.num_blocks + 1, 32, per, 64)
+    stale = replica.narrow(0, 5, 1).cpu()
+    stale[:, :, 1 % per] = 0
+    replica.narrow(0, 5, 1).copy_(stale)
+    again = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]), [[5, 7]])
+    assert decode.forward(again).argmax(-1).tolist() != [expected([*prompt, 70])]
 
 
 @pytest.mark.parametrize("block_ids, message", [

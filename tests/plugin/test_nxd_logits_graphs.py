@@ -101,18 +101,19 @@ def decode(backend: NxDBackend, contexts, blocks, host: list[bool]):
 
 
 def test_submodels_and_the_graphs_they_compile(seam, tiny, tmp_path):
+    """By default one logits twin, of the largest token-generation graph."""
     s = settings(override=ODS)
-    assert s.token_generation_logits_shapes() == [(4, 128), (4, 256)]
+    assert s.token_generation_logits_shapes() == [(4, 256)]
     names = [g.name for g in graph_specs(s)]
-    assert names == ["cte_128", "cte_256", "tkg_4x128", "tkg_4x256",
-                     "tkg_logits_4x128", "tkg_logits_4x256"]
-    assert s.graph_count() == 6
+    assert names == ["cte_128", "cte_256", "tkg_4x128", "tkg_4x256", "tkg_logits_4x256"]
+    assert s.graph_count() == 5
     model = loaded(s, tiny, tmp_path / "graphs").model
     assert [(w.tag, w.neuron_config.output_logits) for w in model.models] == [
         ("context_encoding_model", True), ("token_generation_model", False), (LOGITS_TAG, True)]
     variant = model.token_generation_logits_model
     assert variant is graphs.logits_variant(model)
-    assert variant.neuron_config.buckets == model.token_generation_model.neuron_config.buckets
+    assert variant.neuron_config.buckets == [256]
+    assert model.token_generation_model.neuron_config.buckets == [128, 256]
     assert model.traced_model.nxd_model.output_logits == {
         "context_encoding_model": True, "token_generation_model": False, LOGITS_TAG: True}
     assert model.neuron_config.output_logits  # NxDI's own parsing between calls
@@ -130,7 +131,7 @@ def test_logits_graphs_key_the_compile_cache(release, tiny):
 
     on = settings(override=ODS)
     manifest = cache_manifest(on, NxDBackend(on, tiny))
-    assert manifest["neuron"]["token_generation_logits_shapes"] == [[4, 128], [4, 256]]
+    assert manifest["neuron"]["token_generation_logits_shapes"] == [[4, 256]]
     off = settings(override={"on_device_sampling_config": None})
     assert "token_generation_logits_shapes" not in cache_manifest(off, NxDBackend(off, tiny))[
         "neuron"]
@@ -164,14 +165,14 @@ def test_batch_bucketing_mixed_decode_runs_the_full_batch_logits_graph(seam, tin
     s = settings(override={**ODS, "token_generation_batches": [1, 2, 4]})
     backend = loaded(s, tiny, tmp_path / "graphs")
     model = backend.model
-    assert model.token_generation_logits_model.neuron_config.buckets == [128, 256]
+    assert model.token_generation_logits_model.neuron_config.buckets == [256]
     assert [4, 128] in model.token_generation_model.neuron_config.buckets
     contexts = prefill(backend, PROMPTS[:2], None)
     decode(backend, contexts, None, [False, False])
     assert model.traced_model.ran[-1] == ("token_generation_model", [2, 128])
     assert last(backend)[1] == {"tokens": 2 * 4}
     out, want = decode(backend, contexts, None, [True, False])
-    assert model.traced_model.ran[-1] == (LOGITS_TAG, 128)
+    assert model.traced_model.ran[-1] == (LOGITS_TAG, 256)
     assert last(backend)[1] == {"tokens": 4 * 4, "logits": 4 * ROW_BYTES}
     assert out.logits.argmax(-1).tolist() == want[:1]
     # forward() of a decode built for the (2, 128) graph: the logits graph, padded
@@ -181,15 +182,16 @@ def test_batch_bucketing_mixed_decode_runs_the_full_batch_logits_graph(seam, tin
     assert built.bucket == (2, 128)
     assert backend.forward(built).argmax(-1).tolist() == [expected(contexts[0]),
                                                          expected(contexts[1])]
-    assert model.traced_model.ran[-1] == (LOGITS_TAG, 128)
+    assert model.traced_model.ran[-1] == (LOGITS_TAG, 256)
 
 
 def test_routing_by_nxds_router_would_run_the_logits_graph(seam, tiny, tmp_path, monkeypatch):
     """The regression explicit routing prevents: NxD's router maps the token-generation
     shapes to the logits graph added after it, so an all-device decode moves logits
-    again (and NxDI hands the plugin [tokens, logits] where it parses tokens)."""
+    again (and NxDI hands the plugin [tokens, logits] where it parses tokens). With a
+    twin at every length, every token-generation shape collides."""
     monkeypatch.setattr(graphs, "route_by_tag", lambda model: None)
-    s = settings(override=ODS)
+    s = settings(override={**ODS, "token_generation_logits_buckets": [128, 256]})
     backend = loaded(s, tiny, tmp_path / "graphs")
     nxd_model = backend.model.traced_model.nxd_model
     example = backend.model.token_generation_model.input_generator()[0]
@@ -318,18 +320,42 @@ def test_model_runner_moves_logits_only_for_host_rows(tiny, monkeypatch, tmp_pat
             context.append(token)
 
 
-# -- token_generation_logits_buckets: fewer logits graphs ----------------------------------
-def test_logits_buckets_choose_the_lengths_with_a_logits_graph():
-    s = settings(override={**ODS, "token_generation_logits_buckets": [256]})
+# -- token_generation_logits_buckets: where logits twins are compiled ---------------------
+def test_logits_twin_of_the_largest_length_by_default_widened_by_the_key():
+    """A host-sampled row can land in a decode of any length; by default the one twin,
+    at the largest length, takes it (a graph that exists); the key adds shorter ones,
+    and a host row then runs the first that fits."""
+    s = settings(override=ODS)
     assert s.token_generation_logits_buckets == (256,)
     assert s.token_generation_logits_shapes() == [(4, 256)]
     assert s.graph_count() == 5
     assert token_generation_bucket(s, 1, 10, logits=True) == (4, 256)
     assert token_generation_bucket(s, 1, 10) == (4, 128)
-    assert settings(override=ODS).token_generation_logits_buckets == (128, 256)
+    wide = settings(override={**ODS, "token_generation_logits_buckets": [128, 256]})
+    assert wide.token_generation_logits_shapes() == [(4, 128), (4, 256)]
+    assert wide.graph_count() == 6
+    assert token_generation_bucket(wide, 1, 10, logits=True) == (4, 128)
+    assert token_generation_bucket(wide, 1, 200, logits=True) == (4, 256)
     reference = dataclasses.replace(s, backend="reference")
     assert reference.token_generation_logits_shapes() == []
     assert token_generation_bucket(reference, 1, 10, logits=True) == (4, 128)
+
+
+@pytest.mark.parametrize("limits, override", [
+    ({}, {}), (PREFIX, {}), ({}, {"token_generation_buckets": [64, 256]}),
+    ({}, {"enable_bucketing": False}),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 3}, {"enable_bucketing": False}),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 3}, {}),
+], ids=["contiguous", "block", "two-lengths", "one-graph", "ngram-one-graph", "ngram"])
+def test_every_logits_twin_has_its_token_generation_graph(limits, override):
+    """The twin is the largest token-generation graph's, so a host row's decode finds
+    its graph whatever the grid (with bucketing off and n-gram speculation, the one
+    graph reaches past max_model_len by the lookahead: so does its twin)."""
+    s = settings(limits, {**ODS, **override})
+    tkg = s.token_generation_shapes()
+    assert s.token_generation_logits_shapes() == [tkg[-1]]
+    for length in (1, s.max_model_len // 2, s.max_model_len):
+        assert token_generation_bucket(s, 1, length, logits=True) == tkg[-1]
 
 
 @pytest.mark.parametrize("override,message", [
@@ -351,8 +377,8 @@ def test_logits_buckets_that_cannot_work_are_refused(override, message):
         settings(override=override)
 
 
-def test_fewer_logits_graphs_serve_a_mixed_decode_at_a_longer_length(seam, tiny, tmp_path):
-    s = settings(override={**ODS, "token_generation_logits_buckets": [256]})
+def test_a_host_row_at_a_short_length_runs_the_twin_at_the_largest(seam, tiny, tmp_path):
+    s = settings(override=ODS)
     backend = loaded(s, tiny, tmp_path / "graphs")
     assert backend.model.token_generation_logits_model.neuron_config.buckets == [256]
     contexts = prefill(backend, PROMPTS, None)

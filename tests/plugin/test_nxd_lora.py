@@ -16,7 +16,7 @@ import pytest
 
 from neuron_plugin.backends.loader import cache_manifest
 from neuron_plugin.backends.nxd.backend import NxDBackend
-from neuron_plugin.core.adapters import AdapterWeights
+from neuron_plugin.core.adapters import AdapterError, AdapterWeights
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.settings import NeuronConfigError
 from tests.plugin.test_nxd_backend import expected, loaded, sampling, settings, use_release
@@ -234,3 +234,83 @@ def test_an_adapter_nxdi_cannot_load_empties_its_slot_only(monkeypatch, tiny, lo
         assert prefill(backend, s, [3, 4], 3, 1) == (expected([3, 4]) + value(a)) % 977
     finally:
         purge()
+
+
+# -- save_sharded_checkpoint: adapters in the artifacts ------------------------------------
+PRESHARDED = {"save_sharded_checkpoint": True}
+
+
+def test_presharded_artifacts_with_run_time_adapters_are_refused_by_name():
+    """NxDI cannot load adapters at run time into pre-sharded artifacts: refused when the
+    settings are resolved, naming both settings and the way out."""
+    override = {"on_device_sampling_config": {"global_topk": 8}, **PRESHARDED}
+    for lora_config in (None, {"dynamic_multi_lora": True}):
+        given = {**override, **({"lora_config": lora_config} if lora_config else {})}
+        with pytest.raises(NeuronConfigError, match=r"save_sharded_checkpoint=true with "
+                                                     r"--enable-lora.*dynamic_multi_lora=false"):
+            settings(LORA, given)
+    static = settings(LORA, {**override, "lora_config": {"dynamic_multi_lora": False}})
+    assert static.passthrough["save_sharded_checkpoint"] is True
+    assert settings({}, override).passthrough["save_sharded_checkpoint"] is True  # no LoRA
+
+
+def test_what_nxdi_does_with_presharded_run_time_adapters(monkeypatch, tiny, lora_adapters,
+                                                          tmp_path):
+    """Why the refusal, past it (the double as NxDI 0.9): no start adapter stops the
+    compile; with one, an adapter loaded at run time fails (the pre-sharded load leaves
+    NxDI's add_adapter no model)."""
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        for start, folder in (({}, "none"), ({"a": str(lora_adapters["lora-a"])}, "one")):
+            s = lora_settings({"lora_ckpt_paths": start})
+            s = dataclasses.replace(s, passthrough={**s.passthrough, **PRESHARDED})
+            backend = NxDBackend(s, tiny)
+            if not start:
+                with pytest.raises(AssertionError):
+                    backend.compile(tmp_path / folder)
+                continue
+            backend.compile(tmp_path / folder)
+            backend.load(tmp_path / folder)
+            with pytest.raises(AdapterError, match="'c'.*could not load it.*NoneType"):
+                backend.set_adapter(1, adapter("c", lora_adapters["lora-c"], 3))
+    finally:
+        purge()
+
+
+def test_start_adapters_sharded_into_the_artifacts_key_them(nxdi, tiny, lora_adapters,
+                                                            tmp_path):
+    """With save_sharded_checkpoint NxDI shards the start adapters' weights into the
+    compiled artifacts (the double reproduces it: the device gets the adapter as it was
+    at compile): the cache key covers their content, so a changed adapter in the same
+    folder compiles anew and serves its new weights, never the baked old ones."""
+    from compile_cache.cache import CompileCache
+    from compile_cache.stores import open_store
+    from neuron_plugin.backends.loader import compile_into_cache
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(lora_adapters["lora-a"], folder)
+    lora_config = {"lora_ckpt_paths": {"a": str(folder)}, "dynamic_multi_lora": False}
+    s = settings(LORA, {"on_device_sampling_config": {"global_topk": 8}, **PRESHARDED,
+                        "lora_config": lora_config})
+    cache = CompileCache(open_store(str(tmp_path / "cache")))
+
+    def serve() -> tuple[bool, int]:
+        backend = NxDBackend(s, tiny)
+        result = compile_into_cache(backend, cache)
+        backend.load(result.path)
+        backend.set_adapter(1, adapter("a", folder, 1))
+        return result.hit, prefill(backend, s, [3, 4], 0, 1)
+
+    first = value(folder)
+    assert serve() == (False, (expected([3, 4]) + first) % 977)
+    assert serve()[0]  # the same adapter: a hit
+    for name in ("adapter_model.safetensors", "adapter_config.json"):  # lora-c's content
+        shutil.copy(lora_adapters["lora-c"] / name, folder / name)
+    assert value(folder) != first
+    assert serve() == (False, (expected([3, 4]) + value(folder)) % 977)
+    unsharded = settings(LORA, {"on_device_sampling_config": {"global_topk": 8},
+                                "lora_config": lora_config})
+    before = cache_manifest(unsharded, NxDBackend(unsharded, tiny))
+    shutil.copy(lora_adapters["lora-a"] / "adapter_model.safetensors",
+                folder / "adapter_model.safetensors")
+    assert cache_manifest(unsharded, NxDBackend(unsharded, tiny)) == before  # not embedded

@@ -184,7 +184,8 @@ def test_5_kernel_graph_gets_the_table_nxdi_would_build(seam, tiny, tmp_path):
     backend = loaded(s, tiny, tmp_path / "graphs")
     context = np.arange(1, 41)
     backend.forward(context_encoding_inputs(s, context, 0, 0, [3, 6]))
-    decode = token_generation_inputs(s, np.array([9]), np.array([40]), np.array([0]), [[3, 6]])
+    decode = token_generation_inputs(s, np.array([9]), np.array([40]), np.array([0]), [[3, 6]],
+                                     logits=True)  # forward(): the logits twin
     assert backend.forward(decode).argmax(-1).tolist() == [expected([*context, 9])]
     table = backend.model.traced_model.inputs[-1][12]
     blocks = decode.bucket[1] // s.block_size

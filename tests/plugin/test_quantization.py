@@ -273,7 +273,9 @@ def test_nxd_tied_head_is_served_as_the_checkpoint_holds_it(keys, model_dirs, mo
 def test_nxd_fused_draft_with_quantized_weights_is_refused(model_dirs, monkeypatch, tmp_path):
     """NxDI converts a fused draft's layers like the model's and loads the draft's float
     weights into them without scales (the double reproduces it: a garbage draft, every
-    draft rejected, no speed-up): refused before anything compiles."""
+    draft rejected, no speed-up): refused before anything compiles, naming the layers,
+    unless draft_model_modules_to_not_convert keeps all of them float in NxDI's own module
+    paths (checkpoint paths like self_attn.q_proj keep nothing there)."""
     from tests.plugin.test_nxd_speculation import settings as spec_settings
 
     override = {"quantized": True, "quantized_checkpoints_path": str(tmp_path / "q"),
@@ -282,8 +284,22 @@ def test_nxd_fused_draft_with_quantized_weights_is_refused(model_dirs, monkeypat
     use_release("0.9", monkeypatch, tmp_path)
     try:
         with pytest.raises(NeuronConfigError, match=r"quantized: true.*fused draft.*own float "
-                                                     r"folder.*ngram"):
+                                                     r"folder.*model\.layers\.0\.mlp\.down_proj"
+                                                     r".*draft_model_modules_to_not_convert.*ngram"):
             NxDBackend(s, model_dirs["llama"])
+        checkpoint_names = {**override, "draft_model_modules_to_not_convert": [
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp", "lm_head"]}
+        named = spec_settings("draft_model", model_dirs["qwen3"], override=checkpoint_names)
+        # self_attn.o_proj is a substring of NxDI's layers.0.self_attn.o_proj.o_proj; the
+        # q/k/v entries match nothing of layers.0.self_attn.qkv_proj.q_proj
+        with pytest.raises(NeuronConfigError, match=r"would propose garbage.*: "
+                                                     r"model\.layers\.0\.self_attn\.k_proj, "
+                                                     r"model\.layers\.0\.self_attn\.q_proj, "
+                                                     r"model\.layers\.0\.self_attn\.v_proj, "
+                                                     r"model\.layers\.1\.self_attn\.k_proj "
+                                                     r"and 5 more would be converted"):
+            NxDBackend(named, model_dirs["llama"])
         # what NxDI would do, past the refusal: the draft's layers are garbage
         monkeypatch.setattr("neuron_plugin.backends.nxd.backend.refuse_quantized_draft",
                             lambda settings: None)
@@ -292,5 +308,52 @@ def test_nxd_fused_draft_with_quantized_weights_is_refused(model_dirs, monkeypat
         backend.compile(tmp_path / "graphs")
         backend.load(tmp_path / "graphs")
         assert backend.model.traced_model.nxd_model.garbled == {"draft_model."}
+        # the checkpoint's names, past the refusal: NxDI's paths differ, still garbage
+        backend = NxDBackend(named, model_dirs["llama"])
+        backend.compile(tmp_path / "named")
+        backend.load(tmp_path / "named")
+        assert backend.model.traced_model.nxd_model.garbled == {"draft_model."}
+    finally:
+        purge()
+
+
+def test_nxd_float_draft_of_a_quantized_model_is_served(model_dirs, monkeypatch, tmp_path):
+    """draft_model_modules_to_not_convert keeping every linear layer of the draft float:
+    NxDI converts none of them (model_wrapper.py load_module, ef2731e lines 1512-1522,
+    with the draft's own modules_to_not_convert) and loads its float weights as they are;
+    the target's quantized layers get the quantized checkpoint. Speculation pays off:
+    greedy tokens equal plain decoding's, with drafts accepted (a garbage draft would
+    have each step emit one token)."""
+    from tests.plugin.test_nxd_speculation import (
+        DRAFTS,
+        PROMPTS,
+        assert_greedy_equal,
+        plain_continuations,
+        speculative_histories,
+    )
+    from tests.plugin.test_nxd_speculation import settings as spec_settings
+
+    override = {"quantized": True, "quantized_checkpoints_path": str(tmp_path / "q"),
+                "quantization_type": "per_channel_symmetric",
+                "draft_model_modules_to_not_convert": ["layers", "lm_head"]}
+    s = spec_settings("draft_model", model_dirs["qwen3"], override=override)
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        backend = NxDBackend(s, model_dirs["llama"])
+        backend.quantize()
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        nxd_model = backend.model.traced_model.nxd_model
+        assert nxd_model.garbled == set()
+        weights = backend.model.loaded_weights[0]
+        assert weights["target_model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+        assert weights["draft_model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+        draft_config = backend.model.fused_spec_config.draft_config.neuron_config
+        assert draft_config.modules_to_not_convert == ["layers", "lm_head"]
+        plain = plain_continuations(model_dirs["llama"], tmp_path / "plain", 60)
+        history = speculative_histories(backend, s, plain, 10, lambda step, seq: DRAFTS,
+                                        lambda step: [0, 1, 2, 3])
+        assert_greedy_equal(history, plain)
+        assert max(len(h) - len(PROMPTS[q]) - 1 for q, h in history.items()) > 2 * 10
     finally:
         purge()

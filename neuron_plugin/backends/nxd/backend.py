@@ -2,7 +2,8 @@
 or by NxDI's own CPU mode (`override_neuron_config` `"on_cpu": true`, see `cpu_mode`).
 
 It turns the resolved `NeuronSettings` into NxDI's NeuronConfig/InferenceConfig
-(`neuron_config`), compiles into and loads from a folder of the compile cache, and calls
+(`neuron_config`), compiles into and loads from a folder of the compile cache (each
+compile in a work folder of its own, `work_dir`), and calls
 the model with the contract's arguments (`arguments`).
 - `run()` is the serving call: a token per row from NxDI's on-device sampler, fed the
   rows' `SamplingInputs`, and logits for the rows that need the host; the sampler is
@@ -14,7 +15,9 @@ the model with the contract's arguments (`arguments`).
   stand-in request that writes no KV block (see `arguments.padding_arguments`).
 - Compiled artifacts hold no weights unless `save_sharded_checkpoint` is set (NxDI traces
   with `initialize_model_weights=False` and shards the checkpoint at load); the cache key
-  includes a weights fingerprint only in that case.
+  includes a weights fingerprint only in that case, of the model's weights, a fused
+  draft's and the LoRA adapters NxDI loads at start (sharded with them; run-time adapter
+  loading is refused with it, core.lora).
 - Speculative decoding (core.speculation): the NeuronConfig keys and the fused draft
   model's config (`neuron_config`), the speculative calls' arguments (`arguments`) and
   their answers (`outputs`). A fused draft's config is in the cache key, and its weights'
@@ -56,7 +59,7 @@ from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, requ
 from neuron_plugin.backends.nxd import compat, cpu_mode, graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
-from neuron_plugin.backends.nxd.lora import NxDAdapters
+from neuron_plugin.backends.nxd.lora import NxDAdapters, start_adapters_fingerprint
 from neuron_plugin.backends.nxd.models import (
     NxDIModelClass,
     model_entry_points,
@@ -79,6 +82,7 @@ from neuron_plugin.backends.nxd.quantized import (
     refuse_quantized_draft,
     untie_quantized_head,
 )
+from neuron_plugin.backends.nxd.work_dir import compile_work_dir
 from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from neuron_plugin.core.inputs import ForwardInputs
@@ -149,6 +153,7 @@ class NxDBackend(InlineCalls):
             raise NeuronConfigError(" ".join(found))
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
         self.tied_head = False  # NxDI's tie of a quantized lm_head undone (_new_model)
+        self._kv: NxDKVState | None = None  # KV blocks of the loaded model (_kv_state)
         self.adapters: NxDAdapters | None = None
         if settings.max_loras:
             self.adapters = NxDAdapters(settings, self.nxdi.lora, self.nxdi.version or "(unknown)")
@@ -209,6 +214,9 @@ class NxDBackend(InlineCalls):
             if self.settings.draft_model:  # the draft's weights are embedded too
                 draft = weights_fingerprint(self.settings.draft_model)
                 fingerprint = hashlib.sha256(f"{fingerprint}+{draft}".encode()).hexdigest()
+            if self.adapters is not None and self.adapters.start:  # and the start adapters
+                adapters = start_adapters_fingerprint(self.adapters.start)
+                fingerprint = hashlib.sha256(f"{fingerprint}+lora:{adapters}".encode()).hexdigest()
         return {
             # make_manifest drops the keys that never change a graph (names, versions,
             # token ids); see compile_cache.manifest.VOLATILE_MODEL_KEYS. A fused draft
@@ -291,10 +299,12 @@ class NxDBackend(InlineCalls):
         from compile_cache.stores import open_store
 
         logger.info("neuronx-cc graph cache: %s", configure_compiler_cache(open_store()))
-        model = self._new_model()
-        if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
-            self._quantized_folder()
-        model.compile(str(folder))
+        # NxDI reads the work folder when it builds the model, NxD when it compiles
+        with compile_work_dir():
+            model = self._new_model()
+            if model.neuron_config.save_sharded_checkpoint:  # compiling reads the weights
+                self._quantized_folder()
+            model.compile(str(folder))
         write_artifact_record(Path(folder), self._record())
         if progress:
             for graph in graph_specs(self.settings):
@@ -372,7 +382,9 @@ class NxDBackend(InlineCalls):
         require_block_layout(self.settings)
         if self.model is None:
             raise RuntimeError("KV blocks of an NxD backend that is not loaded")
-        return NxDKVState(self.model, self.settings, self.on_cpu)
+        if self._kv is None or self._kv.model is not self.model:
+            self._kv = NxDKVState(self.model, self.settings, self.on_cpu, self.hf_config)
+        return self._kv
 
     def kv_geometry(self) -> KVGeometry:
         return self._kv_state().geometry()

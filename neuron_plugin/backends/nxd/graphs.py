@@ -10,8 +10,10 @@ config, model_wrapper.DecoderModelInstance), so the application gets:
 - `token_generation_model` without logits: a step whose rows are all sampled on the
   device moves tokens only off the device;
 - `token_generation_logits_model` (LOGITS_TAG), added here: the same decode with logits,
-  run by a step that has a host-sampled row, at every context length of the grid and the
-  full batch (`NeuronSettings.token_generation_logits_shapes`). It shares the weights and
+  run by a step that has a host-sampled row, at the lengths of
+  `token_generation_logits_buckets` (by default the largest alone: a host row at any
+  context length runs the twin there, core.inputs.token_generation_bucket) and the full
+  batch (`NeuronSettings.token_generation_logits_shapes`). It shares the weights and
   the KV cache state with every other submodel: NxD's ModelBuilder compiles every
   submodel against one weight set and one state (neuronx-distributed
   trace/model_builder.py build_nxd_model, build_state_initializer).

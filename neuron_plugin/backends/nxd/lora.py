@@ -38,8 +38,10 @@ layout does not keep per request.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,6 +158,22 @@ def check_start_adapters(settings: NeuronSettings) -> dict[str, str]:
             )
         checked[name] = str(folder.resolve())
     return checked
+
+
+def start_adapters_fingerprint(start: Mapping[str, str]) -> str:
+    """The content of the adapters NxDI loads at start (name -> folder, in NxDI's id
+    order), for the cache key of artifacts that embed them (save_sharded_checkpoint:
+    NxDI shards the start adapters' weights with the model's, neuronx-distributed
+    trace.py shard_children -> update_weights_for_lora): each adapter's name, weight
+    files (every byte) and adapter_config.json (its scaling)."""
+    from compile_cache.weights import weights_fingerprint
+
+    digest = hashlib.sha256(b"start-adapters-v1\0")
+    for name, folder in start.items():
+        config = hashlib.sha256((Path(folder) / "adapter_config.json").read_bytes()).hexdigest()
+        weights = weights_fingerprint(folder, full=True)
+        digest.update(f"{name}\0{weights}\0{config}\0".encode())
+    return digest.hexdigest()
 
 
 class NxDAdapters:

@@ -25,19 +25,32 @@ Two things follow.
   then stores the embedding once (huggingface_hub's save_torch_state_dict drops the
   shared `lm_head.weight`) and its loader copies it into the float head, as it should.
 - **A fused draft model.** NxDI converts the draft's layers as well as the target's
-  (load_module converts `draft_model` and `target_model`, the draft's config being a
-  copy of the target's) but loads the draft from its own float folder, which has no
-  scales (checkpoint_loader_fn): a load failure or a garbage draft that never proposes
-  an accepted token. Refused.
+  (load_module converts `draft_model` and `target_model`, each with its own config's
+  modules_to_not_convert, lines 1512-1522) but loads the draft from its own float
+  folder, which has no scales (checkpoint_loader_fn): a load failure or a garbage draft
+  that never proposes an accepted token. The draft's config is a copy of the target's
+  whose modules_to_not_convert is `draft_model_modules_to_not_convert` where given
+  (nxd.neuron_config.draft_neuron_config, as vllm-neuron and NxDI's inference_demo
+  build it): where that list keeps every linear layer of the draft in float, NxDI
+  converts none of them and the float draft loads as it is. That is accepted; any
+  other draft with quantized weights is refused, naming the layers NxDI would convert.
+  neuronx-distributed matches the entries as substrings of the traced module's path
+  (quantize.py `_convert_initialized_float_to_initialized_quantized`, 0.18 lines
+  93-125), which is NxDI's path, not the checkpoint's: the attention projections sit
+  in `qkv_proj` (`GroupQueryAttention_QKV`'s q_proj/k_proj/v_proj, or one fused Wqkv)
+  and `o_proj` (`GroupQueryAttention_O`'s o_proj) (attention_base.py lines 412-413,
+  gqa.py lines 411-482 and 998-1016), so "self_attn.q_proj" keeps nothing there;
+  `nxdi_module_paths` gives those paths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuron_plugin.core.checkpoint import safetensors_header
-from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.core.checkpoint import safetensors_header, safetensors_shapes
+from neuron_plugin.core.quantization import Quantization, linear_modules
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
@@ -79,16 +92,53 @@ def check_quantized_head(quantization: Quantization, folder: Path, model: str) -
     )
 
 
+def nxdi_module_paths(module: str) -> tuple[str, ...]:
+    """The paths NxDI's traced decoder gives a checkpoint's linear module (module
+    docstring): `model.` dropped, the attention projections inside their GQA modules
+    (q/k/v_proj separate or fused into Wqkv, with fused_qkv)."""
+    path = module.removeprefix("model.")
+    for projection in ("q_proj", "k_proj", "v_proj"):
+        suffix = f".self_attn.{projection}"
+        if path.endswith(suffix):
+            attention = path.removesuffix(f".{projection}")
+            return (f"{attention}.qkv_proj.{projection}", f"{attention}.qkv_proj.Wqkv")
+    if path.endswith(".self_attn.o_proj"):
+        return (f"{path}.o_proj",)
+    return (path,)
+
+
+def converted_draft_modules(shapes: Mapping[str, Sequence[int]], keep: Sequence[str]) -> list[str]:
+    """The draft's linear modules (checkpoint paths) NxDI converts to quantized layers
+    under the draft's modules_to_not_convert `keep`; experts (a mixture-of-experts MLP,
+    which the check does not map) count as converted."""
+    experts = sorted({n.split(".experts.")[0] + ".experts" for n in shapes if ".experts." in n})
+    return experts + [
+        module
+        for module in linear_modules(shapes)
+        if any(not any(entry in path for entry in keep) for path in nxdi_module_paths(module))
+    ]
+
+
 def refuse_quantized_draft(settings: NeuronSettings) -> None:
-    """Refuse a fused draft model with quantized weights (module docstring)."""
+    """Refuse a fused draft model with quantized weights unless
+    draft_model_modules_to_not_convert keeps all of it in float (module docstring)."""
     if settings.quantization is None or not settings.is_fused_speculation:
         return
+    keep = settings.passthrough.get("draft_model_modules_to_not_convert") or []
+    draft = str(settings.draft_model)
+    converted = converted_draft_modules(safetensors_shapes(draft), keep)
+    if not converted:
+        return
+    shown = ", ".join(converted[:4]) + (f" and {len(converted) - 4} more" if converted[4:] else "")
     raise NeuronConfigError(
-        f"--speculative-config model={settings.draft_model} with override_neuron_config "
-        f"quantized: true on the nxd backend: NxDI converts the fused draft's layers to "
-        f"quantized ones like the model's (model_wrapper.py load_module) but loads the "
-        f"draft's weights from its own float folder, which has no scales, so the draft "
-        f"would propose garbage (no speed-up) or fail to load. Serve the draft with an "
-        f'unquantized model (remove quantized), or use {{"method": "ngram", ...}} '
-        f"speculation with the quantized model."
+        f"--speculative-config model={draft} with override_neuron_config quantized: true "
+        f"on the nxd backend: NxDI converts the fused draft's linear layers not in "
+        f"draft_model_modules_to_not_convert ({list(keep)}) to quantized ones like the "
+        f"model's (model_wrapper.py load_module) but loads the draft's weights from its "
+        f"own float folder, which has no scales, so the draft would propose garbage (no "
+        f"speed-up) or fail to load: {shown} would be converted (NxDI matches the entries "
+        f"in its own module paths, e.g. layers.0.self_attn.qkv_proj.q_proj). Keep the "
+        f'whole draft in float with "draft_model_modules_to_not_convert": ["layers", '
+        f'"lm_head"], serve the model unquantized, or use {{"method": "ngram", ...}} '
+        f"speculation."
     )

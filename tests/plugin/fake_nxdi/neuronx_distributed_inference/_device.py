@@ -21,7 +21,11 @@ What a client can do with such a tensor, and what the stand-in refuses (RuntimeE
 - `.numpy()`: refused (copy to the host first).
 The double's own graphs compute on the same memory through plain aliases (`alias`),
 as traced graphs update their state in place. Test instrumentation: `TRANSFERS` lists
-(direction, bytes) of every host<->device copy, "to_host" or "to_device"."""
+(direction, bytes) of every host<->device copy, "to_host" or "to_device", and
+`TRANSFER_THREADS` the thread that issued each (a copy blocks its caller: the copies
+one thread issues run one after another)."""
+
+import threading
 
 import torch
 
@@ -34,6 +38,12 @@ _INDEXED = frozenset({
 
 
 TRANSFERS = []
+TRANSFER_THREADS = []
+
+
+def _record(direction, size):
+    TRANSFERS.append((direction, size))
+    TRANSFER_THREADS.append(threading.current_thread())
 
 
 def _advanced(index) -> bool:
@@ -76,7 +86,7 @@ def _to_host(tensor, name):
         raise RuntimeError(f"NxD device tensor: a device-to-host copy ({name}) of a "
                            f"non-contiguous tensor (shape {tuple(tensor.shape)}, stride "
                            f"{alias(tensor).stride()}) fails in the Neuron runtime")
-    TRANSFERS.append(("to_host", tensor.numel() * tensor.element_size()))
+    _record("to_host", tensor.numel() * tensor.element_size())
     return alias(tensor).clone()
 
 
@@ -92,7 +102,7 @@ def _check_copy(destination, source):
         raise RuntimeError("NxD device tensor: a copy between host and device needs "
                            "contiguous tensors on both sides")
     direction = "to_device" if on_device[0] else "to_host"
-    TRANSFERS.append((direction, source.numel() * source.element_size()))
+    _record(direction, source.numel() * source.element_size())
 
 
 def on_device(tensor):

@@ -135,21 +135,32 @@ def slot_value(token, index):
     return float(token) + 1 + KV_INDEX_STRIDE * index
 
 
-def kv_heads_per_rank(neuron_config, text) -> int:
-    """modules/kvcache/kv_cache_manager.py _get_num_kv_heads_per_rank (ef2731e lines
-    166-186) with attention/gqa.py determine_sharding_strategy and
-    get_shardable_head_counts (lines 62-100): KV heads replicated up to the TP degree
-    where they divide it (GQA.REPLICATE_TO_TP_DEGREE), else converted to multi-head
-    attention, split evenly over the ranks."""
+def kv_slot_heads(neuron_config, text) -> list:
+    """Per KV head slot over all ranks (rank r holds the slots [r * per_rank, (r + 1) *
+    per_rank)), the model's KV head it is a copy of, None for a padding head:
+    attention/gqa.py determine_sharding_strategy and get_shardable_head_counts (ef2731e
+    lines 62-100): KV heads replicated up to the TP degree where it is a multiple of them
+    (GQA.REPLICATE_TO_TP_DEGREE), else converted to multi-head attention over the
+    attention heads padded to a multiple of TP; GroupQueryAttention_QKV.preshard_hook
+    (lines 784-860): replicate_kv repeats each head in place (repeat_interleave, TP / KV
+    or attention / KV heads times), maybe_pad_tail appends zero heads."""
     tp = neuron_config.tp_degree
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     padded_heads = heads + (-heads % tp)
     if heads == kv:
-        kv = padded_heads
-    elif kv < tp or kv % tp:
-        kv = tp if tp % kv == 0 else padded_heads
-    return kv // tp
+        return list(range(heads)) + [None] * (padded_heads - heads)
+    if kv >= tp and kv % tp == 0:
+        return list(range(kv))
+    repeats = tp // kv if tp % kv == 0 else heads // kv
+    slots = [h for h in range(kv) for _ in range(repeats)]
+    return slots + [None] * ((tp if tp % kv == 0 else padded_heads) - len(slots))
+
+
+def kv_heads_per_rank(neuron_config, text) -> int:
+    """modules/kvcache/kv_cache_manager.py _get_num_kv_heads_per_rank (ef2731e lines
+    166-186): the padded KV heads (kv_slot_heads) split evenly over the ranks."""
+    return len(kv_slot_heads(neuron_config, text)) // neuron_config.tp_degree
 
 
 def block_kv_shape(neuron_config, text):
@@ -259,6 +270,8 @@ class NxDModel:
         decoders = {"": (c, text)}
         if self.fused:
             decoders = {"draft_model.": draft, "target_model.": (c, text)}
+        self.decoders = decoders
+        self.head_masks = {}  # prefix -> per rank, 1 on its real KV heads (_head_masks)
         self.layers = {prefix: t.num_hidden_layers for prefix, (_, t) in decoders.items()}
         # what the graphs compute on, and the same memory as NxD's device tensors
         # (`state`, which clients read and write; see _device)
@@ -543,7 +556,7 @@ class NxDModel:
                 f"shape '[{input_ids.shape[1]}, ...]' is invalid for the {self.window - 1} "
                 f"keys a sliding-window prefill keeps (block_kv_cache_manager.py update_cache)")
         # layer 0's K of the decoder whose state keys start with `prefix`, a value a slot
-        flat = self._slot_rows(self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"])[:, 0]
+        flat = self._agreed_slots(prefix)
         size = self.config.pa_block_size
         readable = block_table.shape[1] * size if block_table.dim() == 2 else 0
         width = min(mask.shape[1] if mask.dim() == 2 else 0, readable)
@@ -691,13 +704,43 @@ class NxDModel:
         block_kv_cache_manager._update_cache_with_reshape scatters at (lines 246-303)."""
         return tensor.view(-1, tensor.shape[-2] * tensor.shape[-1])
 
+    def _head_masks(self, prefix):
+        """Per rank, [heads * head_dim] of 1 on its real KV heads, 0 on padding heads
+        (kv_slot_heads), for the decoder whose state keys start with `prefix`."""
+        if prefix not in self.head_masks:
+            config, text = self.decoders[prefix]
+            slots = kv_slot_heads(config, text)
+            per = len(slots) // config.tp_degree
+            width = self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"].shape[-1]
+            self.head_masks[prefix] = [
+                torch.tensor([float(h is not None) for h in slots[r * per:(r + 1) * per]]
+                             ).repeat_interleave(width) for r in range(config.tp_degree)]
+        return self.head_masks[prefix]
+
+    def _agreed_slots(self, prefix):
+        """Layer 0's K per slot as the graphs read it: each rank computes attention for
+        its own query heads from its own copy of their KV heads, so a slot whose real
+        head copies (every rank's, every replica) disagree answers as never written (0,
+        read as GARBAGE): a KV write that misses a replica shows."""
+        key = f"{prefix}kv_mgr.past_key_values.0"
+        copies = []
+        for rank_state, mask in zip(self.graph_state, self._head_masks(prefix)):
+            rows = self._slot_rows(rank_state[key])
+            head_dim = rank_state[key].shape[-1]
+            copies += [rows[:, c] for c in range(0, rows.shape[1], head_dim) if mask[c] == 1]
+        stacked = torch.stack(copies)
+        agreed = (stacked == stacked[0]).all(dim=0)
+        return torch.where(agreed, stacked[0], torch.zeros_like(stacked[0]))
+
     def _write_slot(self, slot, token, prefix):
         """Every layer's K and V of every rank (of the decoder whose state keys start
-        with `prefix`) take the token at `slot`."""
-        for rank_state in self.graph_state:
+        with `prefix`) take the token at `slot`; padding heads stay zero (their k_proj
+        and v_proj rows are zero, gqa.py maybe_pad_tail)."""
+        masks = self._head_masks(prefix)
+        for rank_state, mask in zip(self.graph_state, masks):
             for i in range(2 * self.layers[prefix]):
                 rows = self._slot_rows(rank_state[f"{prefix}kv_mgr.past_key_values.{i}"])
-                rows[slot] = slot_value(token, i)
+                rows[slot] = slot_value(token, i) * mask
 
 
 class TracedModel:

@@ -101,14 +101,29 @@ def save_quantized_state_dict(model_path, neuron_config):
 QUANTIZED_DTYPES = {"int8": torch.int8, **{name: dtype for name, (dtype, _) in FP8.items()}}
 
 
+def _traced_path(module):
+    """The path of a checkpoint's module (`layers.0.self_attn.q_proj`) in NxDI's traced
+    decoder, where convert matches modules_to_not_convert: the attention's projections
+    live in its GroupQueryAttention_QKV (`qkv_proj`, holding q_proj, k_proj and v_proj)
+    and GroupQueryAttention_O (`o_proj`, holding o_proj) (attention_base.py ef2731e lines
+    412-413, gqa.py lines 438-482 and 998-1016; the double traces no fused Wqkv)."""
+    for projection in ("q_proj", "k_proj", "v_proj"):
+        if module.endswith(f".self_attn.{projection}"):
+            return module.removesuffix(projection) + f"qkv_proj.{projection}"
+    if module.endswith(".self_attn.o_proj"):
+        return module + ".o_proj"
+    return module
+
+
 def _converted(module, modules_to_not_convert):
-    """Whether neuronx-distributed's quantize.convert turns `module` (a module path of
-    the decoder) into a quantized layer: the decoder's linear layers and lm_head, unless
-    an entry of modules_to_not_convert is a substring of the path
+    """Whether neuronx-distributed's quantize.convert turns `module` (a checkpoint's
+    module path of the decoder) into a quantized layer: the decoder's linear layers and
+    lm_head, unless an entry of modules_to_not_convert is a substring of its traced path
     (_convert_initialized_float_to_initialized_quantized, quantize.py 0.18 lines
-    93-125)."""
+    93-125; _traced_path)."""
     linear = module.endswith(LINEAR) or module == "lm_head"
-    return linear and not any(entry in module for entry in modules_to_not_convert or [])
+    path = _traced_path(module)
+    return linear and not any(entry in path for entry in modules_to_not_convert or [])
 
 
 def cast_to_parameters(weights, app):

@@ -14,6 +14,8 @@ EagerModel)."""
 
 import json
 import os
+import shutil
+import time
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +32,18 @@ def normalize_path(path):
 
 def is_compiled(model_path):
     return os.path.isfile(model_path + COMPILED_MODEL_FILE_NAME)
+
+
+def _trace_barrier():
+    """See NeuronApplicationBase._trace (test instrumentation)."""
+    given = os.environ.get("FAKE_NXDI_TRACE_BARRIER")
+    if not given:
+        return
+    folder, count = given.rsplit(":", 1)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class KVCacheManager(torch.nn.Module):
@@ -122,17 +136,35 @@ class NeuronApplicationBase(torch.nn.Module):
         self.config.save(compiled_model_path)
         if dry_run:
             return
+        # get_builder (ef2731e line 150): the ModelBuilder's compiler_workdir
+        graphs = self._trace(os.environ.get("BASE_COMPILE_WORK_DIR", "/tmp/nxd_model/"))
         with open(compiled_model_path + COMPILED_MODEL_FILE_NAME, "w") as f:
-            json.dump(self._graphs(), f)
+            json.dump(graphs, f)
         if self.neuron_config.save_sharded_checkpoint:
-            os.makedirs(compiled_model_path + "weights", exist_ok=True)
-            from neuronx_distributed_inference.quantization import cast_to_parameters
-
-            weights = cast_to_parameters(self.checkpoint_loader_fn(), self)
-            for rank in range(self.neuron_config.tp_degree):
-                save_file(weights, os.path.join(
-                    compiled_model_path, f"weights/tp{rank}_sharded_checkpoint.safetensors"))
+            self._shard_weights(compiled_model_path)
         self.is_compiled = True
+
+    def _shard_weights(self, compiled_model_path):
+        """shard_weights (ef2731e lines 240-265) with save_sharded_checkpoint: the
+        checkpoint as the device gets it, the start adapters' LoRA weights among it
+        (neuronx-distributed trace.py shard_children calls the model's
+        update_weights_for_lora: lora_ckpt_paths at their device slots), per rank; with
+        dynamic_multi_lora, the CPU adapters pre-sharded too, which asserts there is one
+        (lora_checkpoint.py _shard_cpu_weights, `assert len(adapter_names) > 0`)."""
+        os.makedirs(compiled_model_path + "weights", exist_ok=True)
+        from neuronx_distributed_inference.quantization import cast_to_parameters
+
+        weights = cast_to_parameters(self.checkpoint_loader_fn(), self)
+        lora = self.neuron_config.lora_config
+        if lora is not None:
+            from neuronx_distributed_inference.modules.lora_serving.lora_model import MODULE
+
+            weights[MODULE] = self.lora_model_manager.device_weights()
+            if lora.dynamic_multi_lora:
+                assert len(lora.lora_ckpt_paths_cpu) > 0
+        for rank in range(self.neuron_config.tp_degree):
+            save_file(weights, os.path.join(
+                compiled_model_path, f"weights/tp{rank}_sharded_checkpoint.safetensors"))
 
     def load(self, compiled_model_path, start_rank_id=None, local_ranks_size=None,
              skip_warmup=False):
@@ -162,17 +194,57 @@ class NeuronApplicationBase(torch.nn.Module):
     def _load_lora_weights(self):
         """The LoRA weights among the loaded device weights (one weight set for every
         submodel): each adapter slot's weight [max_loras] (lora_checkpoint.py
-        update_weights_for_lora) and weight_active [batch_size], one row per sequence
-        (lora_layer.py set_weight_shapes, max_loras_active = batch_size)."""
+        update_weights_for_lora; with save_sharded_checkpoint as the compile sharded it,
+        load_weights reads no adapter folder) and weight_active [batch_size], one row per
+        sequence (lora_layer.py set_weight_shapes, max_loras_active = batch_size). With
+        dynamic_multi_lora, load_weights ends with init_dynamic_multi_lora(..., 
+        get_cte_model()), which is None on the pre-sharded path: no model builder was
+        made (ef2731e lines 185-197, 402-419)."""
         lora = self.neuron_config.lora_config
         if lora is None:
             return
         from neuronx_distributed_inference.modules.lora_serving.lora_model import MODULE
 
-        weights = self.lora_model_manager.device_weights()
-        for rank_weights in self.traced_model.nxd_model.weights:
-            rank_weights[MODULE] = weights.clone()
+        presharded = self.neuron_config.save_sharded_checkpoint
+        for rank, rank_weights in enumerate(self.traced_model.nxd_model.weights):
+            rank_weights[MODULE] = (self.loaded_weights[rank][MODULE].clone() if presharded
+                                    else self.lora_model_manager.device_weights())
             rank_weights[MODULE + "_active"] = torch.zeros(lora.batch_size)
+        if lora.dynamic_multi_lora:
+            self.lora_model_manager.init_dynamic_multi_lora(
+                None, None if presharded else self.context_encoding_model)
+
+    def _trace(self, workdir):
+        """ModelBuilder.trace's use of its work folder (neuronx-distributed 0.18
+        trace/model_builder.py): it deletes the folder (lines 544-545), writes each
+        submodel's buckets under `{workdir}/{tag}/_tp0_bk{i}` (the HLO and the NEFF the
+        compiler returns, lines 717-760; here the graph's description), then
+        build_nxd_model reads the NEFFs back from there into the traced model (lines
+        1053-1060), and NxDI saves its configs beside them
+        (_save_configs_to_compiler_workdir, application_base.py 267-290). What is read
+        back is whatever the folder then holds. Test instrumentation, not NxD:
+        FAKE_NXDI_TRACE_BARRIER="FOLDER:N" makes the trace wait, between writing and
+        reading back, until N traces have written (a file each in FOLDER), so that
+        concurrent compiles interleave there deterministically."""
+        if os.path.exists(workdir):
+            shutil.rmtree(workdir)
+        for tag, entry in self._graphs().items():
+            for rank, graph in enumerate(entry["graphs"]):
+                folder = os.path.join(workdir, tag, f"_tp0_bk{rank}")
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, "model.neff"), "w") as f:
+                    json.dump({"output_logits": entry["output_logits"], "graph": graph}, f)
+        _trace_barrier()
+        graphs = {}
+        for tag, entry in self._graphs().items():
+            neffs = []
+            for rank in range(len(entry["graphs"])):
+                with open(os.path.join(workdir, tag, f"_tp0_bk{rank}", "model.neff")) as f:
+                    neffs.append(json.load(f))
+            graphs[tag] = {"output_logits": neffs[0]["output_logits"],
+                           "graphs": [neff["graph"] for neff in neffs]}
+        self.config.save(workdir)
+        return graphs
 
     def _graphs(self):
         """tag -> its graphs' output_logits and [(bucket, shape key of its example

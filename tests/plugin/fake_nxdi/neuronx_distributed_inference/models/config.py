@@ -31,6 +31,7 @@ attn_block_tkg_nki_kernel_enabled attn_block_tkg_nki_kernel_use_online_softmax
 attn_cls attn_kernel_enabled attn_tkg_builtin_kernel_enabled
 attn_tkg_nki_kernel_enabled batch_size bucket_n_active_tokens buckets cast_type
 cc_pipeline_tiling_factor chunked_prefill_config context_encoding_buckets cp_degree
+draft_model_modules_to_not_convert
 ctx_batch_size disable_kv_cache_tiling enable_bucketing enable_cte_modular_flow
 enable_eagle_draft_input_norm enable_eagle_speculation enable_fused_speculation
 enable_spill_reload_dge ep_degree expert_mlp_nki_kernel_enabled
@@ -143,6 +144,10 @@ class NeuronConfig:
         self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
         self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
         self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
+        # the fused draft's modules_to_not_convert, copied there by the caller
+        # (inference_demo.py lines 505-510; the plugin's draft_neuron_config)
+        self.draft_model_modules_to_not_convert = kwargs.pop(
+            "draft_model_modules_to_not_convert", None)
         self.speculation_length = kwargs.pop("speculation_length", 0)
         self.spec_batch_size = kwargs.pop("spec_batch_size", self.batch_size)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)

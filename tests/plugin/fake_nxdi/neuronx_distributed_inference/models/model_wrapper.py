@@ -29,6 +29,8 @@ The double runs one prompt per context-encoding call; NxDI's multi-prompt path
 (vllm_cte_repadding) is not reproduced and raises NotImplementedError.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +58,9 @@ class ModelWrapper(torch.nn.Module):
         self.pipeline_execution = pipeline_execution
         self.return_ranked_to_cpu = return_ranked_to_cpu
         self.model_init_kwargs = model_init_kwargs
+        # ef2731e lines 82-83: read when the wrapper is built
+        self.compiler_workdir = os.path.join(
+            os.environ.get("BASE_COMPILE_WORK_DIR", "/tmp/nxd_model/"), tag)
         self.model = None
         self.async_mode = False
         self.is_block_kv_layout = self.neuron_config.is_block_kv_layout

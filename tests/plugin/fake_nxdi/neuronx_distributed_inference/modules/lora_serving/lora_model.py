@@ -97,6 +97,12 @@ class LoraModelManager:
         if self.base_only:
             self.cpu_weights[0] = 0.0
         self.swaps = []  # test instrumentation: (adapter id, device position) written
+        self.model = None  # the context-encoding model (init_dynamic_multi_lora)
+
+    def init_dynamic_multi_lora(self, cpu_weights, model):
+        """Keeps `model`, the context-encoding model whose modules streamed adapters are
+        loaded into (lora_model.py init_dynamic_multi_lora)."""
+        self.model = model
 
     def add_adapter_mapping(self, name):
         if name not in self.lora_adapter_id_mapping:
@@ -131,6 +137,9 @@ class LoraModelManager:
             weights = None
             if not self.cpu_adapter_cache.access_adapter(adapter_id):
                 weights = signature(adapter_path)
+                # lora_checkpoint.py load_streaming_ckpt(self.model, ...) then walks the
+                # model's modules (ef2731e lines 37-66)
+                self.model.named_modules()
             self._insert_cpu(adapter_id, weights)
             return True
 
