@@ -7,7 +7,8 @@ layout and why, block counts, every bucket grid, the number of graphs, which Neu
 each data-parallel engine takes, device memory per NeuronCore for weights and KV cache
 against the instance's HBM, and warnings for
 combinations the field measurements show to be slow. `--json` prints the same report as
-one JSON object (schema in docs/reference/neuron-plugin.md).
+one JSON object (schema in docs/reference/neuron-plugin.md); without it,
+`explain_render.render` prints it for people.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from neuron_plugin.core.instances import (
     InstanceType,
     core_slices,
     detect_instance_type,
-    format_core_list,
     host_visible_cores,
     lnc,
 )
@@ -39,6 +39,7 @@ from neuron_plugin.core.memory import (
     estimate,
 )
 from neuron_plugin.core.settings import MAX_NUM_SEQS_CHOSEN, NeuronConfigError, NeuronSettings
+from neuron_plugin.tools.explain_render import human_size, render
 from neuron_plugin.tools.serve_args import add_serve_command, engine_config_from_serve_args
 
 DEFAULT_INSTANCE = "inf2.xlarge"
@@ -202,7 +203,7 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
         return []
     traffic = logits_traffic(settings, hf_config)
     full = traffic["decode_with_host_rows"]
-    size = f" ({_size(full)} of float32 logits)" if full else ""
+    size = f" ({human_size(full)} of float32 logits)" if full else ""
     others = settings.graph_count() - len(shapes)
     lengths = [n for _, n in shapes]
     if tuple(lengths) == settings.token_generation_buckets:
@@ -396,128 +397,6 @@ def speculation_report(settings: NeuronSettings) -> dict[str, Any] | None:
             settings.speculation_method, settings.num_speculative_tokens, settings.backend
         ),
     }
-
-
-def _speculation_line(spec: dict[str, Any], mem: dict[str, Any]) -> str:
-    line = (
-        f"{spec['method']}, {spec['num_speculative_tokens']} drafts a step: every "
-        f"token-generation graph computes {spec['speculation_length']} positions a row "
-        f"(NxDI speculation_length {spec['speculation_length']}, enable_fused_speculation "
-        f"{str(spec['enable_fused_speculation']).lower()})"
-    )
-    if spec["draft_model"]:
-        line += (
-            f"; draft {spec['draft_model']}: weights "
-            f"{_size(mem['draft_weights_per_core_bytes'])} + KV cache "
-            f"{_size(mem['draft_kv_cache_per_core_bytes'])} per NeuronCore"
-        )
-    return line
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return "unknown"
-    if value >= GIB:
-        return f"{value / GIB:.2f} GiB"
-    if value >= 1 << 20:
-        return f"{value / (1 << 20):.1f} MiB"
-    return f"{value / 1024:.1f} KiB"
-
-
-def _blocks_line(kv: dict[str, Any], settings: dict[str, Any]) -> str:
-    if kv["layout"] == "contiguous":
-        return (
-            f"{kv['num_blocks']} vLLM blocks of {kv['block_size']} tokens: one per "
-            f"sequence slot plus vLLM's null block; NxDI holds "
-            f"{settings['max_num_seqs']} x {settings['max_model_len']} positions"
-        )
-    return (
-        f"{kv['num_blocks']} of {kv['block_size']} tokens including vLLM's null block "
-        f"({kv['usable_blocks']} usable) = NxDI pa_num_blocks"
-    )
-
-
-def _engines_line(dp: dict[str, Any]) -> str:
-    cores = ", ".join(
-        f"{rank}: {format_core_list(ids)}" for rank, ids in enumerate(dp["engine_cores"])
-    )
-    return (
-        f"{dp['engines']} (data-parallel rank -> NEURON_RT_VISIBLE_CORES: {cores}; "
-        f"from {dp['source']})"
-    )
-
-
-def _support_lines(support: dict[str, str] | None, release: str | None) -> list[str]:
-    if not support:
-        return []
-    states = ", ".join(f"{feature} {state.split()[0]}" for feature, state in support.items())
-    return [
-        f"NxDI release     {release}",
-        f"on real NxDI     {states} (docs/serving/architectures.md)",
-    ]
-
-
-def render(report: dict[str, Any]) -> str:
-    """The report for people."""
-    kv, buckets, graphs, mem = (
-        report["kv_layout"],
-        report["buckets"],
-        report["graphs"],
-        report["memory"],
-    )
-    lines = [
-        f"model            {report['model']} ({report['architecture']})",
-        f"backend          {report['backend']}"
-        + (f" -> {report['nxdi_model']}" if report["nxdi_model"] else ""),
-        *_support_lines(report["nxdi_support"], report["nxdi_release"]),
-        f"KV layout        {kv['layout']} ({kv['reason']})",
-        f"blocks           {_blocks_line(kv, report['settings'])}",
-        f"capacity         {kv['capacity']}",
-        f"context buckets  {buckets['context_encoding']}"
-        + (f" x prefix {buckets['prefix']}" if buckets["prefix"] else ""),
-        f"decode buckets   {buckets['token_generation']} x batches "
-        f"{buckets['token_generation_batches']}",
-        f"graphs           {graphs['total']} ({graphs['context_encoding']} context encoding, "
-        f"{graphs['token_generation']} token generation"
-        + (
-            f", {graphs['token_generation_logits']} token generation with logits)"
-            if graphs["token_generation_logits"]
-            else ")"
-        ),
-        f"memory/core      weights {_size(mem['weights_per_core_bytes'])} + KV cache "
-        f"{_size(mem['kv_cache_per_core_bytes'])} of "
-        f"{_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
-        f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
-        f"{mem['instance_cores']} cores",
-        f"KV heads/core    {mem['kv_heads']['summary']}; "
-        f"{_size(mem['kv_bytes_per_token_per_core'])} of KV per token per NeuronCore",
-        f"engines          {_engines_line(report['data_parallel'])}",
-    ]
-    if mem.get("unquantized_weights_per_core_bytes"):
-        quantization = report["settings"]["passthrough"]
-        lines.append(
-            f"quantized        {quantization.get('quantization_dtype') or 'int8'} "
-            f"{quantization.get('quantization_type') or 'per_tensor_symmetric'} from "
-            f"{quantization.get('quantized_checkpoints_path')}: weights "
-            f"{_size(mem['weights_per_core_bytes'])} instead of "
-            f"{_size(mem['unquantized_weights_per_core_bytes'])} per NeuronCore, saving "
-            f"{_size(mem['quantization_saves_per_core_bytes'])}"
-        )
-    if report["lora"]:
-        lora = report["lora"]
-        lines.append(
-            f"LoRA             {lora['max_loras']} adapter slots (+ the base model's) of "
-            f"rank {lora['max_lora_rank']} for {', '.join(lora['target_modules'])}: "
-            f"{_size(lora['slots_per_core_bytes'])} per NeuronCore; up to "
-            f"{lora['max_cpu_loras']} adapters on the host"
-        )
-    if report["speculation"]:
-        lines.append(f"speculation      {_speculation_line(report['speculation'], mem)}")
-    if report["speculation"]:
-        lines.append(f"note: {report['speculation']['summary']}")
-    lines += [f"warning: {w}" for w in report["warnings"]]
-    lines += [f"note: {n}" for n in report["notes"]]
-    return "\n".join(lines)
 
 
 def explain(argv: Sequence[str]) -> tuple[dict[str, Any], bool]:
