@@ -96,7 +96,9 @@ def measure(args: argparse.Namespace, cache_blocks: int) -> list[dict[str, Any]]
 
     settings = settings_for(args, cache_blocks)
     states = {
-        device: NxDKVState(stand_in_model(args, settings.num_blocks, device), settings, False)
+        device: NxDKVState(
+            stand_in_model(args, settings.num_blocks, device), settings, False, "nxd"
+        )
         for device in (True, False)
     }
     block_bytes = states[True].geometry().block_bytes

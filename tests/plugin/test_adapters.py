@@ -318,7 +318,7 @@ def test_an_evicted_adapter_is_rebuilt_from_its_verified_copy_not_its_folder(
     torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]], torch.from_numpy(want))
     # the verified copy itself changed: refused, the slot left empty, the others served
     kept = store._verified[1]
-    (kept.folder / "adapter_model.safetensors").write_bytes(b"changed")
+    (store.copies.folder(kept.digest) / "adapter_model.safetensors").write_bytes(b"changed")
     store.remove(1)
     assert store.prepare_step({2: b, 3: c})[1] == {}  # c takes ev's slot again
     slots, failed = store.prepare_step({1: ev, 2: b})

@@ -372,10 +372,16 @@ class NxDBackend(InlineCalls):
         require_block_layout(self.settings)
         if self.model is None:
             raise RuntimeError("KV blocks of an NxD backend that is not loaded")
-        return NxDKVState(self.model, self.settings, self.on_cpu)
+        return NxDKVState(self.model, self.settings, self.on_cpu, self._computation())
 
     def kv_geometry(self) -> KVGeometry:
         return self._kv_state().geometry()
+
+    def _computation(self) -> str:
+        """How this backend computes KV values: NxDI, with the patches in effect that
+        change this architecture's graphs (`NxDI.patches_for`)."""
+        patches = self.nxdi.patches_for(self.settings.architecture)
+        return f"nxd, patches: {', '.join(patches) or 'none'}"
 
     def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         state = self._kv_state()

@@ -78,10 +78,11 @@ def _cpu_copies(model: Any) -> list[list[torch.Tensor]]:
 class NxDKVState:
     """Reads and writes KV blocks in an NxDI model's cache tensors (module docstring)."""
 
-    def __init__(self, model: Any, settings: NeuronSettings, on_cpu: bool):
+    def __init__(self, model: Any, settings: NeuronSettings, on_cpu: bool, computation: str):
         self.model = model
         self.settings = settings
         self.on_cpu = on_cpu
+        self.computation = computation  # how the values are computed (KVGeometry)
         config = model.neuron_config
         if getattr(config, "kv_quant_config", None) is not None:
             raise NeuronConfigError(
@@ -129,6 +130,7 @@ class NxDKVState:
             kv_heads=int(first.shape[-2]) * len(ranks),
             head_dim=int(first.shape[-1]),
             dtype=dtype_name(first.dtype),
+            computation=self.computation,
         )
 
     def _blocks_view(self, tensor: torch.Tensor) -> torch.Tensor:
