@@ -475,7 +475,9 @@ def test_an_adapter_that_fails_its_checks_leaves_no_copy(model_dirs, lora_adapte
         weights = bad / "adapter_model.safetensors"
         tensors = load_file(str(weights))
         name = next(k for k in tensors if "lora_B" in k)
-        tensors[name] = torch.full_like(tensors[name], float("nan")) + i
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        first_a = next(k for k in tensors if "lora_A" in k)
+        tensors[first_a] = tensors[first_a] + i  # five different adapters
         save_file(tensors, str(weights))
         with pytest.raises(AdapterError, match="NaN or Inf"):
             store.add(request(f"nan{i}", 10 + i, bad))
