@@ -397,9 +397,12 @@ class WorkerSide:
                 )
                 self.saved_bytes += size
                 logger.debug("KV transfer: saved request %s (%d bytes)", job.req_id, size)
-            except (ValueError, OSError, RunnerError) as exc:
+            except Exception as exc:  # a save fails its payload, never the engine
                 # The decode server finds no payload and applies its failure policy.
-                logger.error("KV transfer: saving request %s failed: %s", job.req_id, exc)
+                expected = isinstance(exc, (ValueError, OSError, RunnerError))
+                (logger.error if expected else logger.exception)(
+                    "KV transfer: saving request %s failed: %s", job.req_id, exc
+                )
 
     def _scope(self, lora: Any, cache_salt: str | None) -> payload.RequestScope:
         """A request's adapter and salt as its payload names them; an adapter this
