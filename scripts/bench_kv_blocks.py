@@ -133,7 +133,7 @@ def measure(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     from neuron_plugin.core.kv_heads import model_head_sharding
 
     settings = settings_for(args, tp)
-    state = NxDKVState(stand_in_model(args, settings), settings, False, hf_config(args))
+    state = NxDKVState(stand_in_model(args, settings), settings, False, hf_config(args), "nxd")
     sharding = model_head_sharding(hf_config(args), tp)
     geometry = state.geometry()
     ids = np.arange(1, 1 + args.blocks, dtype=np.int64)

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     args = parser.parse_args(argv)
 
-    geometry = KVGeometry(args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype)
+    geometry = KVGeometry(
+        args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, "bench"
+    )
     kv = torch.randn(geometry.shape(args.blocks)).to(geometry.torch_dtype)
     tokens = list(range(args.blocks * args.block_size))
     token_ids = torch.tensor(tokens, dtype=torch.int64)
@@ -58,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     finite_s = _median_s(lambda: payload.all_finite(kv), args.repeats)
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         key = new_key()
-        payload.write_payload(folder, key, kv, tokens, "m" * 64, geometry, secret)
+        scope = payload.RequestScope()
+        payload.write_payload(folder, key, kv, tokens, "m" * 64, geometry, secret, scope=scope)
         read_s = _median_s(
             lambda: payload.read_payload(
-                folder, key, "m" * 64, geometry, tokens, args.blocks, secret
+                folder, key, "m" * 64, geometry, tokens, args.blocks, secret, scope=scope
             ),
             args.repeats,
         )

@@ -177,16 +177,18 @@ def kv_bytes(args: argparse.Namespace, prompt_len: int) -> int:
 
     from neuron_plugin.backends.kv_blocks import KVGeometry
     from neuron_plugin.core.checkpoint import read_hf_config, text_config
-    from neuron_plugin.kv_transfer.payload import write_payload
+    from neuron_plugin.kv_transfer.payload import RequestScope, write_payload
 
     config = text_config(read_hf_config(args.model))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     geometry = KVGeometry(config["num_hidden_layers"], args.block_size,
-                          config["num_key_value_heads"], head_dim, args.dtype)  # fmt: skip
+                          config["num_key_value_heads"], head_dim, args.dtype,
+                          "bench")  # fmt: skip
     blocks = math.ceil(prompt_len / args.block_size)
     kv = torch.zeros(geometry.shape(blocks), dtype=geometry.torch_dtype)
     with tempfile.TemporaryDirectory() as folder:
-        return write_payload(folder, "0" * 32, kv, [0] * prompt_len, "0" * 64, geometry, b"0" * 32)
+        return write_payload(folder, "0" * 32, kv, [0] * prompt_len, "0" * 64, geometry,
+                             b"0" * 32, scope=RequestScope())  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

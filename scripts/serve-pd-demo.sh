@@ -8,7 +8,7 @@
 #   scripts/serve-pd-demo.sh        # router :8000, prefill :8100, decode :8200
 #
 # Environment: PORT, PREFILL_PORT, DECODE_PORT (the three ports), KV_PATH (payload
-# folder, default /dev/shm/neuron-kv-demo), LOG_DIR (the servers' logs, default
+# folder, default /dev/shm/neuron-kv-demo-<uid>), LOG_DIR (the servers' logs, default
 # pd-demo-logs/), VENV, SKIP_SETUP=1 (use $VENV as it is). Extra arguments go to both
 # `vllm serve` commands.
 set -euo pipefail
@@ -19,7 +19,7 @@ model="$root/models/tiny-llama"
 "$venv/bin/python" "$root/scripts/build_tiny_model.py" --arch llama --out "$model"
 
 port="${PORT:-8000}" prefill_port="${PREFILL_PORT:-8100}" decode_port="${DECODE_PORT:-8200}"
-kv_path="${KV_PATH:-/dev/shm/neuron-kv-demo}"
+kv_path="${KV_PATH:-/dev/shm/neuron-kv-demo-$(id -u)}"
 logs="${LOG_DIR:-$root/pd-demo-logs}"
 mkdir -p "$logs"
 kv_config='{"kv_connector": "NeuronKVConnector",

@@ -50,6 +50,9 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype: str  # a key of TORCH_DTYPES
+    # How the backend computes the values (its name, and on nxd the NxDI patches that
+    # change the math): blocks of another computation are not this cache's.
+    computation: str
 
     def shape(self, blocks: int) -> tuple[int, ...]:
         return (self.layers, 2, blocks, self.block_size, self.kv_heads, self.head_dim)
@@ -75,6 +78,7 @@ class KVGeometry:
             kv_heads=int(values["kv_heads"]),
             head_dim=int(values["head_dim"]),
             dtype=str(values["dtype"]),
+            computation=str(values["computation"]),
         )
 
 

@@ -183,6 +183,10 @@ class AdapterSlots:
     def slot_of(self, adapter_id: int) -> int | None:
         return self._slots.get(adapter_id)
 
+    def adapter_ids(self) -> set[int]:
+        """The adapters in a slot."""
+        return set(self._slots)
+
     def forget(self, adapter_id: int) -> None:
         """The adapter's weights changed (reloaded in place): its slot is stale."""
         self._slots.pop(adapter_id, None)

@@ -15,15 +15,26 @@ account only whole lines of transferred KV.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from neuron_plugin.core.neuron_settings import BLOCK, KVTransferLimits
 
 CONNECTOR = "NeuronKVConnector"
 MODULE_PATH = "neuron_plugin.kv_transfer.connector"
-DEFAULT_PATH = "/dev/shm/neuron-kv"
+# The default payload folder is this user's own (its uid in the name): a folder another
+# local user created first at a shared name would otherwise keep the servers from
+# starting (payload.prepare_folder refuses a folder of another user's).
+DEFAULT_PATH_PREFIX = "/dev/shm/neuron-kv-"
+
+
+def default_path() -> str:
+    """This user's default payload folder, /dev/shm/neuron-kv-<uid>."""
+    return f"{DEFAULT_PATH_PREFIX}{os.geteuid()}"
+
+
 DEFAULT_TTL_S = 600.0
 # The key that authenticates payloads between the servers of one deployment
 # (kv_transfer.auth): the key itself, or a file holding it; neither: this user's own key.
@@ -33,7 +44,7 @@ OPTIONS = ("path", "ttl_s", "max_bytes")
 EXAMPLE = (
     f'{{"kv_connector": "{CONNECTOR}", "kv_connector_module_path": "{MODULE_PATH}", '
     f'"kv_role": "kv_both", "kv_load_failure_policy": "recompute", '
-    f'"kv_connector_extra_config": {{"path": "{DEFAULT_PATH}"}}}}'
+    f'"kv_connector_extra_config": {{}}}}'
 )
 
 
@@ -56,13 +67,13 @@ class TransferOptions:
 
     # The folder KV payloads are written to and read from: shared by the prefill and the
     # decode server (/dev/shm on one host; a shared file system across hosts).
-    path: str = DEFAULT_PATH
+    path: str = field(default_factory=default_path)
     # Payloads no decode server took (the client went away, the router failed) are
     # deleted after this many seconds.
     ttl_s: float = DEFAULT_TTL_S
     # The most bytes of payloads the folder may hold: a prefill server does not write a
     # payload past it (its decode server computes that prompt itself). None: half the
-    # size of the file system the folder is on.
+    # free space of the file system the folder is on when the server starts.
     max_bytes: int | None = None
 
 
@@ -76,12 +87,12 @@ def transfer_options(extra: Mapping[str, Any] | None) -> TransferOptions:
             f"{CONNECTOR} reads path (the payload folder), ttl_s and max_bytes; remove "
             f"the others."
         )
-    path = extra.get("path", DEFAULT_PATH)
+    path = extra.get("path", default_path())
     if not isinstance(path, str) or not path.startswith("/"):
         raise ValueError(
             f"--kv-transfer-config kv_connector_extra_config.path={path!r} must be an "
             f"absolute folder path shared by the prefill and decode servers, e.g. "
-            f"{DEFAULT_PATH!r}."
+            f"{default_path()!r}."
         )
     ttl = extra.get("ttl_s", DEFAULT_TTL_S)
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
@@ -95,7 +106,8 @@ def transfer_options(extra: Mapping[str, Any] | None) -> TransferOptions:
     ):
         raise ValueError(
             f"--kv-transfer-config kv_connector_extra_config.max_bytes={max_bytes!r} must be "
-            f"a positive number of bytes (default: half the payload folder's file system)."
+            f"a positive number of bytes (default: half the free space of the payload "
+            f"folder's file system at start)."
         )
     return TransferOptions(path=path, ttl_s=float(ttl), max_bytes=max_bytes)
 

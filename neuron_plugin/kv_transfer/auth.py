@@ -121,5 +121,7 @@ def tag(
 def verify(
     secret: bytes, key: str, metadata: Mapping[str, str], tensors: Sequence[torch.Tensor]
 ) -> bool:
-    """Whether the payload's tag is the one `secret` makes."""
-    return hmac.compare_digest(metadata.get(TAG_KEY, ""), tag(secret, key, metadata, tensors))
+    """Whether the payload's tag is the one `secret` makes. Compared as bytes: the tag
+    is whatever the file holds, and compare_digest raises on a non-ASCII str."""
+    given = metadata.get(TAG_KEY, "").encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, tag(secret, key, metadata, tensors).encode())

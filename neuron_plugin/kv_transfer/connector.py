@@ -2,8 +2,7 @@
 
     --kv-transfer-config '{"kv_connector": "NeuronKVConnector",
         "kv_connector_module_path": "neuron_plugin.kv_transfer.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"path": "/dev/shm/neuron-kv"}}'
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
 
 on a prefill and a decode server behind `vllm-router --vllm-pd-disaggregation`.
 
@@ -18,7 +17,8 @@ no lease: the payload holds its own copy).
 Decode server: a request with `do_remote_prefill` is an asynchronous external hit of its
 whole prompt (`get_num_new_matched_tokens` -> (prompt - local hit, True)); vLLM allocates
 its blocks and parks it in WAITING_FOR_REMOTE_KVS. At the next step the worker reads the
-payload, checks it (model, dtype, block size, geometry, prompt), writes the blocks past
+payload, checks it (model, computation, dtype, block size, geometry, prompt, and that
+it was computed for the request's own LoRA adapter and cache salt), writes the blocks past
 the local prefix-cache hit into the backend (`write_kv_blocks`), deletes the file and
 reports the request in `finished_recving`; vLLM then schedules it with its last prompt
 token to compute, and it decodes. A payload that is missing, corrupt, unsigned or
@@ -95,14 +95,24 @@ class KVBlockIO(Protocol):
     def write_kv_blocks(self, block_ids: np.ndarray, kv: torch.Tensor) -> None: ...
 
 
+class AdapterIdentities(Protocol):
+    """What the worker side asks the worker's adapters (`serving.adapters.AdapterStore`):
+    a LoRARequest's adapter as a payload names it (`payload.adapter_identity`)."""
+
+    def identity(self, request: Any) -> str: ...
+
+
 @dataclass(frozen=True)
 class SaveJob:
-    """Write this prefill request's blocks as payload `key`."""
+    """Write this prefill request's blocks as payload `key`; `lora` is the request's
+    LoRARequest (None: the base model), `cache_salt` its salt."""
 
     req_id: str
     key: str
     block_ids: list[int]
     token_ids: list[int]
+    lora: Any = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,8 @@ class LoadJob:
     block_ids: list[int]
     first_block: int
     token_ids: list[int]
+    lora: Any = None  # the request's LoRARequest (None: the base model)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -140,6 +152,7 @@ class SchedulerSide:
         self.loads = config.is_kv_consumer
         self._keys: dict[str, str] = {}  # prefill request -> its payload's key
         self._prompts: dict[str, list[int]] = {}
+        self._scopes: dict[str, tuple[Any, str | None]] = {}  # prefill -> (LoRA, salt)
         self._blocks: dict[str, list[int]] = {}  # prefill request -> its blocks so far
         self._saved: set[str] = set()
         self._local_hit: dict[str, int] = {}  # decode request -> local tokens at match
@@ -150,6 +163,7 @@ class SchedulerSide:
         if self.saves and wants_remote_decode(request.kv_transfer_params):
             self._keys[request.request_id] = new_key()
             self._prompts[request.request_id] = list(request.prompt_token_ids or ())
+            self._scopes[request.request_id] = (request.lora_request, request.cache_salt)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """A decode request's whole prompt past the local hit, loaded asynchronously;
@@ -178,7 +192,14 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids or ())
         self._new_loads.append(
             LoadJob(
-                rid, key, error, list(blocks.get_block_ids()[0]), local // self.block_size, prompt
+                rid,
+                key,
+                error,
+                list(blocks.get_block_ids()[0]),
+                local // self.block_size,
+                prompt,
+                request.lora_request,
+                request.cache_salt,
             )
         )
 
@@ -210,7 +231,8 @@ class SchedulerSide:
         if rid in self._saved or computed + so.num_scheduled_tokens.get(rid, 0) < len(prompt):
             return
         blocks = math.ceil(len(prompt) / self.block_size)
-        saves.append(SaveJob(rid, self._keys[rid], self._blocks[rid][:blocks], prompt))
+        lora, salt = self._scopes[rid]
+        saves.append(SaveJob(rid, self._keys[rid], self._blocks[rid][:blocks], prompt, lora, salt))
         self._saved.add(rid)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
@@ -225,6 +247,7 @@ class SchedulerSide:
         self._local_hit.pop(rid, None)
         self._blocks.pop(rid, None)
         prompt = self._prompts.pop(rid, None)
+        self._scopes.pop(rid, None)
         key = self._keys.pop(rid, None)
         saved = rid in self._saved
         self._saved.discard(rid)
@@ -267,6 +290,7 @@ class WorkerSide:
         self.max_blocks = 0
         self.io: KVBlockIO | None = None
         self.geometry: KVGeometry | None = None
+        self.adapters: AdapterIdentities | None = None
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         # Totals since start (bytes of payload files), for telemetry and benchmarks.
@@ -278,10 +302,14 @@ class WorkerSide:
         )
         self._sweeper.start()
 
-    def bind(self, io: KVBlockIO, settings: NeuronSettings) -> None:
-        """The backend that owns the KV cache, and the settings it was resolved with
-        (the model's identity covers their weight quantization)."""
+    def bind(
+        self, io: KVBlockIO, settings: NeuronSettings, adapters: AdapterIdentities | None = None
+    ) -> None:
+        """The backend that owns the KV cache, the settings it was resolved with (the
+        model's identity covers their weight quantization) and, with LoRA, the worker's
+        adapters (a payload names the adapter that computed it)."""
         self.io = io
+        self.adapters = adapters
         self.geometry = io.kv_geometry()
         self.model = payload.model_identity(self.model_dir, settings.quantization)
         self.max_blocks = settings.max_blocks_per_seq
@@ -331,7 +359,14 @@ class WorkerSide:
             raise ValueError(job.error or "no payload key")
         io, geometry, model = self._bound()
         kv = payload.read_payload(
-            self.folder, job.key, model, geometry, job.token_ids, self.max_blocks, self.secret
+            self.folder,
+            job.key,
+            model,
+            geometry,
+            job.token_ids,
+            self.max_blocks,
+            self.secret,
+            scope=self._scope(job.lora, job.cache_salt),
         )
         blocks = kv.shape[2]
         if len(job.block_ids) < blocks:
@@ -358,12 +393,29 @@ class WorkerSide:
                     geometry,
                     self.secret,
                     self.max_bytes,
+                    scope=self._scope(job.lora, job.cache_salt),
                 )
                 self.saved_bytes += size
                 logger.debug("KV transfer: saved request %s (%d bytes)", job.req_id, size)
-            except (ValueError, OSError, RunnerError) as exc:
+            except Exception as exc:  # a save fails its payload, never the engine
                 # The decode server finds no payload and applies its failure policy.
-                logger.error("KV transfer: saving request %s failed: %s", job.req_id, exc)
+                expected = isinstance(exc, (ValueError, OSError, RunnerError))
+                (logger.error if expected else logger.exception)(
+                    "KV transfer: saving request %s failed: %s", job.req_id, exc
+                )
+
+    def _scope(self, lora: Any, cache_salt: str | None) -> payload.RequestScope:
+        """A request's adapter and salt as its payload names them; an adapter this
+        worker has not read yet is read and checked now (as its first step would)."""
+        adapter = payload.BASE
+        if lora is not None:
+            if self.adapters is None:
+                raise ValueError(
+                    f"request names LoRA adapter {lora.lora_name!r} on a server without "
+                    f"--enable-lora"
+                )
+            adapter = self.adapters.identity(lora)
+        return payload.RequestScope(adapter, payload.salt_digest(cache_salt))
 
     def sweep(self) -> None:
         """Delete payloads older than ttl_s (a failure is logged: serving goes on)."""
@@ -423,10 +475,12 @@ class NeuronKVConnector(KVConnectorBase_V1):
         return self._worker
 
     # -- worker side ---------------------------------------------------------------------
-    def bind_backend(self, io: KVBlockIO, settings: NeuronSettings) -> None:
-        """The plugin's worker hands over its backend (the KV cache's owner) and the
-        settings it resolved."""
-        self._worker_side().bind(io, settings)
+    def bind_backend(
+        self, io: KVBlockIO, settings: NeuronSettings, adapters: AdapterIdentities | None = None
+    ) -> None:
+        """The plugin's worker hands over its backend (the KV cache's owner), the
+        settings it resolved and its LoRA adapters (None without LoRA)."""
+        self._worker_side().bind(io, settings, adapters)
 
     def transferred_bytes(self) -> dict[str, dict[str, float]]:
         """KV bytes moved since start, as the telemetry's `kv_transfer_bytes` total."""

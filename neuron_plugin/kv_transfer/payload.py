@@ -4,8 +4,8 @@ and a decode server reads once, then deletes. No vLLM import.
     <folder>/<key>.safetensors
       kv         [layers, 2, blocks, block_size, kv_heads, head_dim]  the KV dtype
       token_ids  [num_tokens] int64                                     the prompt
-      metadata   format, model, dtype, block_size, num_tokens, layout,  (strings)
-               hmac (kv_transfer.auth)
+      metadata   format, model, computation, adapter, cache_salt, dtype,  (strings)
+               block_size, num_tokens, layout, hmac (kv_transfer.auth)
 
 Safe by construction: safetensors is a JSON header and raw bytes, so reading a payload
 runs no code (nothing is unpickled). The key is 32 lowercase hex digits the prefill
@@ -14,10 +14,22 @@ under a temporary name, opened exclusively, and renamed into place, so a reader 
 whole payload or none. A reader opens it without following a link and without blocking
 (a FIFO or a device at its path never stalls the engine) and refuses anything but a
 regular file, a file larger than a request's worth of blocks, any tensor or metadata key
-it does not know, a payload whose model, dtype, block size, geometry or prompt is not
-its own, one whose tag the deployment's key did not make (`auth`), and KV holding NaN or
-Inf (which would reach other requests through the prefix cache), each with the
-difference and the fix. Deleting a payload never raises: what cannot be deleted is
+it does not know, a payload whose model, computation, adapter, cache salt, dtype, block
+size, geometry or prompt is not the loading request's, one whose tag the deployment's
+key did not make (`auth`), and KV holding NaN or Inf (which would reach other requests
+through the prefix cache), each with the difference and the fix.
+
+What a payload is bound to is what vLLM's prefix cache keys a block by, and more: the
+loaded blocks enter the decode server's prefix cache under the decode request's hash,
+which covers its LoRA adapter (vLLM 0.32 `kv_cache_utils._gen_lora_extra_hash_keys`:
+the adapter's name and path) and its cache salt, so a payload carries the adapter that
+computed it (name and the SHA-256 of its verified files, or "base") and the salt's
+SHA-256, and a request of another adapter or salt refuses it and computes its prompt
+itself: a block computed for one adapter never serves another. `computation` names how
+the backend computes KV values (backend, and the NxDI patches that change the math;
+`KVGeometry.computation`); `model` covers weights, config and weight quantization.
+
+Deleting a payload never raises: what cannot be deleted is
 logged and left to the sweep. Leftovers (a decode server never came) are swept after
 `ttl_s`; the folder holds at most `max_bytes` of payloads.
 """
@@ -32,6 +44,7 @@ import re
 import stat
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +58,30 @@ from compile_cache.weights import weights_fingerprint
 from neuron_plugin import plugin_logger
 from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.core.checkpoint import read_hf_config
-from neuron_plugin.core.kv_transfer import KEY_ENV, KEY_FILE_ENV
+from neuron_plugin.core.kv_transfer import KEY_ENV, KEY_FILE_ENV, default_path
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.kv_transfer import auth
 from neuron_plugin.kv_transfer.params import KEY
 
 logger = plugin_logger(__name__)
 
-FORMAT = "neuron-kv/2"
+FORMAT = "neuron-kv/3"
 LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 METADATA_KEYS = frozenset(
-    {"format", "model", "dtype", "block_size", "num_tokens", "layout", auth.TAG_KEY}
+    {
+        "format",
+        "model",
+        "computation",
+        "adapter",
+        "cache_salt",
+        "dtype",
+        "block_size",
+        "num_tokens",
+        "layout",
+        auth.TAG_KEY,
+    }
 )
+BASE = "base"  # the adapter of a request without one
 TENSOR_KEYS = frozenset({"kv", "token_ids"})
 SUFFIX = ".safetensors"
 _LEFTOVER = re.compile(r"(?:[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.\d+\.partial)")
@@ -71,6 +96,28 @@ SAME_SERVERS = (
 
 class PayloadError(ValueError):
     """A payload that cannot be used; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """What of a request, besides its prompt, decides its KV or who may share it in
+    vLLM's prefix cache (module docstring): its LoRA adapter (`adapter_identity`, or
+    BASE) and its cache salt (`salt_digest`)."""
+
+    adapter: str = BASE
+    cache_salt: str = ""
+
+
+def adapter_identity(name: str, digest: str) -> str:
+    """An adapter as a payload names it: vLLM's name for it and the SHA-256 of the files
+    that were checked (`serving.adapter_files.AdapterFiles.digest`)."""
+    return f"{name} sha256:{digest}"
+
+
+def salt_digest(cache_salt: str | None) -> str:
+    """A request's cache salt as a payload holds it: its SHA-256 ("" without a salt), so
+    the salt itself is never written to the folder."""
+    return hashlib.sha256(cache_salt.encode()).hexdigest() if cache_salt else ""
 
 
 def model_identity(model_dir: str | Path, quantization: Quantization | None = None) -> str:
@@ -115,8 +162,8 @@ def payload_path(folder: str | Path, key: str) -> Path:
 
 def prepare_folder(folder: str | Path) -> Path:
     """The payload folder, created (owner only) if missing: a directory, not a link,
-    this user's and writable by no other (payloads hold prompts; another user could
-    read them or fill the folder)."""
+    this user's and writable by no group or other user (payloads hold prompts; another
+    user could read them, fill the folder or plant payloads)."""
     path = Path(folder)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = os.lstat(path)
@@ -126,21 +173,28 @@ def prepare_folder(folder: str | Path) -> Path:
             f"{setting} is not a directory (a symlink or a file); point it at a folder "
             f"both servers share"
         )
-    if info.st_uid != os.geteuid() or info.st_mode & 0o002:
+    if info.st_uid != os.geteuid():
         raise PayloadError(
-            f"{setting} belongs to uid {info.st_uid} with mode {oct(info.st_mode & 0o777)}; "
-            f"this server runs as uid {os.geteuid()}, and a payload folder another user "
-            f"owns or may write lets that user read prompts and fill the folder: use a "
-            f"folder of this user's that others cannot write, e.g. {str(path / 'payloads')!r} "
-            f"(created with mode 0700)"
+            f"{setting} belongs to uid {info.st_uid}, and this server runs as uid "
+            f"{os.geteuid()}: a payload folder another user owns lets that user read "
+            f"prompts, fill the folder and plant payloads; set "
+            f"kv_connector_extra_config.path to a folder of this user's (leaving it out "
+            f"gives this user's own default, {default_path()!r}), the same on both servers"
+        )
+    if info.st_mode & 0o022:
+        raise PayloadError(
+            f"{setting} has mode {oct(info.st_mode & 0o777)}: its group or other users may "
+            f"write it, and so plant or remove payloads; `chmod 700 {path}` (the servers "
+            f"create it with mode 0700)"
         )
     return path
 
 
 def default_max_bytes(folder: str | Path) -> int:
-    """The cap on the folder's payloads when none is set: half its file system."""
+    """The cap on the folder's payloads when none is set: half the space free on its
+    file system now (not half its size: /dev/shm is memory others use too)."""
     fs = os.statvfs(folder)
-    return fs.f_blocks * fs.f_frsize // 2
+    return fs.f_bavail * fs.f_frsize // 2
 
 
 def folder_bytes(folder: str | Path) -> int:
@@ -168,9 +222,12 @@ def write_payload(
     geometry: KVGeometry,
     secret: bytes,
     max_bytes: int | None = None,
+    *,
+    scope: RequestScope,
 ) -> int:
-    """Write one request's blocks atomically, tagged with `secret` (auth); the file's
-    size in bytes. Refused when the folder would then hold more than `max_bytes`."""
+    """Write one request's blocks atomically, tagged with `secret` (auth) and bound to
+    its `scope`; the file's size in bytes. Refused when the folder would then hold more
+    than `max_bytes`."""
     final = payload_path(folder, key)
     tensors = {
         "kv": kv.contiguous(),
@@ -179,6 +236,9 @@ def write_payload(
     metadata = {
         "format": FORMAT,
         "model": model,
+        "computation": geometry.computation,
+        "adapter": scope.adapter,
+        "cache_salt": scope.cache_salt,
         "dtype": geometry.dtype,
         "block_size": str(geometry.block_size),
         "num_tokens": str(len(token_ids)),
@@ -335,8 +395,11 @@ def read_payload(
     prompt: Sequence[int],
     max_blocks: int,
     secret: bytes,
+    *,
+    scope: RequestScope,
 ) -> torch.Tensor:
-    """The blocks of `prompt`'s KV, every check passed (module docstring)."""
+    """The blocks of `prompt`'s KV for a request of `scope`, every check passed (module
+    docstring)."""
     path = payload_path(folder, key)
     limit = (
         geometry.block_bytes * max_blocks + 8 * (max_blocks * geometry.block_size) + HEADER_LIMIT
@@ -346,6 +409,9 @@ def read_payload(
     _check_format(meta, key, len(prompt))
     if meta["model"] != model:
         raise _refused(key, "model", meta["model"][:16], model[:16])
+    if meta["computation"] != geometry.computation:
+        raise _refused(key, "KV computation", meta["computation"], geometry.computation)
+    _check_scope(meta, key, scope)
     if meta["dtype"] != geometry.dtype:
         raise _refused(key, "KV dtype", meta["dtype"], geometry.dtype)
     if meta["block_size"] != str(geometry.block_size):
@@ -384,6 +450,25 @@ def read_payload(
         )
     _check_finite(kv, key)
     return kv
+
+
+def _check_scope(meta: Mapping[str, str], key: str, scope: RequestScope) -> None:
+    """Refuse the KV of another adapter or cache salt than the loading request's: its
+    blocks would enter this server's prefix cache under this request's hash."""
+    if meta["adapter"] != scope.adapter:
+        raise PayloadError(
+            f"KV payload {key} refused: it holds the KV of LoRA adapter "
+            f"{meta['adapter']!r}, and the loading request's is {scope.adapter!r}; the "
+            f"decode request must name the adapter the prefill request ran with (the same "
+            f"name and the same adapter files on both servers); its prompt is computed "
+            f"here with its own adapter"
+        )
+    if meta["cache_salt"] != scope.cache_salt:
+        raise PayloadError(
+            f"KV payload {key} refused: it was computed for a request with another "
+            f"cache_salt; the decode request must carry the prefill request's cache_salt "
+            f"(its prompt is computed here)"
+        )
 
 
 # NaN and Inf are the floats whose exponent bits are all ones: (integer view, mask).

@@ -7,7 +7,8 @@ never added, in the step that first needs it. Its two files are read into memory
 Face cache snapshot needs, but a link loop, a FIFO or a device is refused by name, and
 so is a file larger than the compiled slots can hold), every check runs on those bytes,
 and the bytes are kept as a private verified copy: a folder named by their SHA-256 in
-this worker's private directory (mode 0700, removed when the worker stops).
+this worker's private directory (`adapter_copies`), written only once every check has
+passed.
 
 After that the adapter's own folder is never read again. When the host cache
 (--max-cpu-loras) has evicted an adapter a later step needs, it is rebuilt from its
@@ -21,12 +22,13 @@ The checks reuse vLLM's own (`PEFTHelper.from_dict` + `validate_legal`: rank abo
 --max-lora-rank, DoRA, biases, PEFT variants vLLM does not serve;
 `LoRAModel.from_lora_tensors`: tensor names), then refuse what the Neuron slots cannot
 hold or should not serve: `target_modules` none of which the base model has (PEFT's
-NoMatchingPeftModuleError), modules outside the compiled target modules, a lora_A or
-lora_B missing, shapes of another base model (a transposed lora_A named as such), a rank
-above --max-lora-rank, and weights holding NaN or Inf (they would reach the KV cache).
-Only safetensors is read: a folder with pickled weights alone (.bin, .pt) is refused,
-since loading a pickle can run code. Every refusal names the adapter, its path, the
-value and the fix.
+NoMatchingPeftModuleError; the config's patterns are matched with bounded work,
+`adapter_patterns`, and one that cannot be is refused naming its field), modules outside
+the compiled target modules, a lora_A or lora_B missing, shapes of another base model (a
+transposed lora_A named as such), a rank above --max-lora-rank, and weights holding NaN
+or Inf (they would reach the KV cache). Only safetensors is read: a folder with pickled
+weights alone (.bin, .pt) is refused, since loading a pickle can run code. Every refusal
+names the adapter, its path, the value and the fix.
 """
 
 from __future__ import annotations
@@ -36,10 +38,7 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
-import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from neuron_plugin.core.adapters import AdapterError, AdapterWeights, LayerWeigh
 from neuron_plugin.core.checkpoint import pickle_files
 from neuron_plugin.core.lora import MODULE_PARENTS, LoraGeometry
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.serving import adapter_patterns as patterns
 
 CONFIG = "adapter_config.json"
 SAFETENSORS = "adapter_model.safetensors"
@@ -136,24 +136,6 @@ def read_folder(
         raise AdapterError(f"LoRA adapter {name!r} ({given}): {problem}; {fix}.") from None
 
 
-def target_module_names(config: dict[str, Any]) -> list[str] | str | None:
-    targets = config.get("target_modules")
-    if targets is None or isinstance(targets, str):
-        return targets
-    return [str(t) for t in targets]
-
-
-def matches_base_model(targets: list[str] | str, base_modules: Iterable[str]) -> bool:
-    """Whether PEFT would find any target module in the base model (PEFT's
-    check_target_module_exists: a string is a regex over whole module names, a list
-    matches a name or its last dotted parts)."""
-    modules = list(base_modules)
-    if isinstance(targets, str):
-        pattern = re.compile(targets)
-        return any(pattern.fullmatch(m) for m in modules)
-    return any(m == t or m.endswith(f".{t}") for m in modules for t in targets)
-
-
 @dataclass(frozen=True)
 class AdapterChecks:
     """What an adapter is checked against (module docstring)."""
@@ -229,8 +211,16 @@ class AdapterChecks:
                 "every module by lora_alpha / r)",
                 "retrain it with one rank and alpha, or use the reference backend",
             )
-        targets = target_module_names(config)
-        if targets and not matches_base_model(targets, self.base_modules):
+        budget = patterns.Budget()
+        targets = config.get("target_modules")
+        try:
+            found = targets is None or patterns.targets_match(targets, self.base_modules, budget)
+        except patterns.PatternError as exc:
+            raise refuse(
+                f"has an {CONFIG} whose {exc.field} cannot be used: {exc.problem}",
+                "fix the adapter's config",
+            ) from None
+        if not found:
             raise refuse(
                 f"names target_modules {targets!r}, none of which is a module of the base "
                 f"model (PEFT refuses it: NoMatchingPeftModuleError)",
@@ -243,6 +233,7 @@ class AdapterChecks:
                 f"has an {SAFETENSORS} that is not a readable safetensors file ({exc})",
                 "save the adapter again",
             ) from exc
+        self._resolve_patterns(helper, tensors, budget, refuse)
         try:
             model = LoRAModel.from_lora_tensors(
                 lora_model_id=adapter_id,
@@ -259,6 +250,32 @@ class AdapterChecks:
             ) from exc
         layers = [self._layer(module, w, refuse) for module, w in model.loras.items()]
         return build_adapter(name, adapter_id, path, layers, self.geometry, settings.max_lora_rank)
+
+    @staticmethod
+    def _resolve_patterns(
+        helper: Any, tensors: dict[str, Any], budget: patterns.Budget, refuse: Any
+    ) -> None:
+        """Resolve rank_pattern/alpha_pattern for the adapter's modules within the
+        budget, and hand vLLM the result as the modules' own names, so vLLM never runs
+        the adapter's expressions (`adapter_patterns`)."""
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        if not helper.rank_pattern and not helper.alpha_pattern:
+            return
+        names = sorted({parse_fine_tuned_lora_name(name)[0] for name in tensors})
+        try:
+            for field in ("rank_pattern", "alpha_pattern"):
+                resolved = patterns.resolve_pattern(field, getattr(helper, field), names, budget)
+                setattr(helper, field, patterns.literal_patterns(resolved))
+        except patterns.PatternError as exc:
+            raise refuse(
+                f"has an {CONFIG} whose {exc.field} cannot be used: {exc.problem}",
+                "fix the adapter's config",
+            ) from None
+        except ValueError as exc:  # vLLM's name parser: a tensor that is no LoRA weight
+            raise refuse(
+                f"holds a tensor that is not a LoRA weight ({exc})", "save the adapter again"
+            ) from None
 
     @staticmethod
     def _layer(module_name: str, weights: Any, refuse: Any) -> LayerWeights:
@@ -293,46 +310,3 @@ class AdapterChecks:
             lora_b=b,
             scaling=float(weights.scaling),
         )
-
-
-class PrivateCopies:
-    """Verified adapter files in this worker's private directory, by digest."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="vllm-neuron-lora-"))  # mode 0700
-
-    def keep(self, files: AdapterFiles) -> Path:
-        """The folder holding `files` (written once per digest)."""
-        folder = self.root / files.digest
-        if not folder.is_dir():
-            staging = Path(tempfile.mkdtemp(dir=self.root))
-            for name, data in ((CONFIG, files.config), (SAFETENSORS, files.weights)):
-                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-            os.rename(staging, folder)
-        return folder
-
-    def read(self, folder: Path, digest: str, who: str) -> AdapterFiles:
-        """The files kept in `folder`, AdapterError (naming `who`) unless they are there
-        and are the ones verified (`digest`)."""
-        try:
-            files = AdapterFiles(
-                config=(folder / CONFIG).read_bytes(),
-                weights=(folder / SAFETENSORS).read_bytes(),
-            )
-        except OSError as exc:
-            raise AdapterError(
-                f"{who}: its verified copy in {folder} cannot be read ({exc}); load the "
-                f"adapter again"
-            ) from None
-        if files.digest != digest:
-            raise AdapterError(
-                f"{who}: its verified copy in {folder} changed after it was verified "
-                f"(something else writes this worker's private directory); load the "
-                f"adapter again"
-            )
-        return files
-
-    def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -2,14 +2,16 @@
 host, written into the backend's compiled slots as steps need them.
 
 Holding (`AdapterStore`): vLLM's worker API (`add_lora`, `remove_lora`, `pin_lora`,
-`list_loras`) acts on a host cache of up to --max-cpu-loras adapters, least recently used
-evicted first, never a pinned one (vLLM's rule). Every adapter read is kept as a private
-verified copy (`adapter_files.PrivateCopies`), so evicting one costs nothing but a later
-rebuild from that copy: its own folder is not read again. A request may also name an
-adapter the worker has never seen (offline `LLM.generate(lora_request=...)`): it is read
-and checked when its first step comes, as vLLM's GPU runner does. `/v1/unload_lora_adapter`
-never reaches the worker (vLLM's API server only forgets the name), so adapters leave
-the host by eviction, and their private copies when the worker stops.
+`list_loras`) acts on a host cache of up to --max-cpu-loras adapters, least recently
+used evicted first, never a pinned one (vLLM's rule). Every adapter read is kept, once
+every check has passed, as a private verified copy (`adapter_copies.PrivateCopies`,
+within a budget), so evicting one costs nothing but a later rebuild from that copy: its
+own folder is not read again (unless the copy itself was evicted to keep the budget). A
+request may also name an adapter the worker has never seen (offline
+`LLM.generate(lora_request=...)`): it is read and checked when its first step comes, as
+vLLM's GPU runner does. `/v1/unload_lora_adapter` never reaches the worker (vLLM's API
+server only forgets the name), so adapters leave the host by eviction, and their private
+copies by the budget or when the worker stops.
 
 Reloading in place (`load_inplace`, the reference backend): the adapter's folder is read
 and checked again, and its slot is rewritten before the next step that uses it, so every
@@ -44,7 +46,9 @@ from neuron_plugin.backends.base import LoadedBackend
 from neuron_plugin.core.adapters import AdapterError, AdapterSlots, AdapterWeights
 from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.serving.adapter_files import AdapterChecks, AdapterFiles, PrivateCopies
+from neuron_plugin.kv_transfer.payload import adapter_identity
+from neuron_plugin.serving.adapter_copies import DEFAULT_ROOM, PrivateCopies, max_bytes_setting
+from neuron_plugin.serving.adapter_files import CONFIG_LIMIT, AdapterChecks, AdapterFiles
 
 logger = plugin_logger(__name__)
 
@@ -55,7 +59,6 @@ class _Verified:
 
     name: str
     given: str  # the path the adapter was loaded from
-    folder: Path
     digest: str
 
 
@@ -70,6 +73,7 @@ class AdapterStore:
         lora_config: Any,
         max_position_embeddings: int | None,
         base_modules: frozenset[str],
+        copies_parent: str | Path | None = None,
     ):
         self.settings = settings
         self.backend = backend
@@ -81,25 +85,49 @@ class AdapterStore:
         self._pinned: set[int] = set()
         self._active: set[int] = set()  # the step's adapters, while prepare_step runs
         self._verified: dict[int, _Verified] = {}
-        self.copies = PrivateCopies()
+        in_use = settings.max_cpu_loras + settings.max_loras
+        default = DEFAULT_ROOM * in_use * (self.checks.slot_bytes_limit + CONFIG_LIMIT)
+        self.copies = PrivateCopies(max_bytes_setting(default), copies_parent)
         self.slots = AdapterSlots(settings.max_loras)
 
     def read(self, request: Any) -> AdapterWeights:
-        """Read and check the adapter a LoRARequest names, keeping its verified copy."""
+        """Read and check the adapter a LoRARequest names, then keep its verified copy
+        (nothing is written for an adapter that fails a check)."""
         name, given = request.lora_name, str(request.lora_path)
         files = self.checks.read(name, given)
-        folder = self.copies.keep(files)
-        adapter = self._verify(files, name, request.lora_int_id, given, folder)
-        self._verified[request.lora_int_id] = _Verified(name, given, folder, files.digest)
+        adapter = self._verify(files, name, request.lora_int_id, given, files.digest)
+        evicted = self.copies.keep(
+            files, self._digests_in_use(), f"LoRA adapter {name!r} ({given})"
+        )
+        for adapter_id, kept in list(self._verified.items()):
+            if kept.digest in evicted:  # read from its folder again when next needed
+                del self._verified[adapter_id]
+        self._verified[request.lora_int_id] = _Verified(name, given, files.digest)
         return adapter
 
+    def _digests_in_use(self) -> set[str]:
+        """The copies of adapters held, in a slot, pinned or used by the step."""
+        ids = set(self._held) | self.slots.adapter_ids() | self._pinned | self._active
+        return {self._verified[i].digest for i in ids if i in self._verified}
+
+    def identity(self, request: Any) -> str:
+        """The adapter a LoRARequest names as a KV payload names it (name and the digest
+        of its verified files; `kv_transfer.payload.adapter_identity`), read and checked
+        now if this worker has not read it yet."""
+        kept = self._verified.get(request.lora_int_id)
+        if kept is None:
+            self.read(request)
+            kept = self._verified[request.lora_int_id]
+        return adapter_identity(request.lora_name, kept.digest)
+
     def _verify(
-        self, files: AdapterFiles, name: str, adapter_id: int, given: str, folder: Path
+        self, files: AdapterFiles, name: str, adapter_id: int, given: str, digest: str
     ) -> AdapterWeights:
         # NxDI reads the path it is given at every re-add: the verified copy. A backend
         # that serves only its start-up adapters is given the folder it started with.
         loading = self.backend.adapter_loading
-        path = str(folder) if loading.at_run_time else os.path.realpath(given)
+        copy = self.copies.folder(digest)
+        path = str(copy) if loading.at_run_time else os.path.realpath(given)
         return self.checks.verify(files, name, adapter_id, given, path)
 
     def _rebuild(self, adapter_id: int) -> AdapterWeights | None:
@@ -107,10 +135,8 @@ class AdapterStore:
         kept = self._verified.get(adapter_id)
         if kept is None:
             return None
-        files = self.copies.read(
-            kept.folder, kept.digest, f"LoRA adapter {kept.name!r} ({kept.given})"
-        )
-        return self._verify(files, kept.name, adapter_id, kept.given, kept.folder)
+        files = self.copies.read(kept.digest, f"LoRA adapter {kept.name!r} ({kept.given})")
+        return self._verify(files, kept.name, adapter_id, kept.given, kept.digest)
 
     def add(self, request: Any) -> bool:
         """vLLM's add_lora: read (or, with load_inplace, reread) and hold the adapter."""

@@ -236,7 +236,7 @@ class NeuronWorker(WorkerBase):
                 f"(docs/configuration/disaggregation.md)."
             )
         runner = self._runner()
-        connector.bind_backend(runner.backend, self.settings)
+        connector.bind_backend(runner.backend, self.settings, self.adapters)
         self.telemetry.watch(connector.transferred_bytes)
         runner.kv_transfer = KVTransferSteps(connector, self.vllm_config)
 

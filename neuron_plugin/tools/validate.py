@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from compile_cache import safe_fs
 from neuron_plugin import BACKEND_ENV, BACKENDS, plugin_logger
 from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.instances import (
@@ -131,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--new-tokens {options.new_tokens}: at least 2 (a token after the prefill)"
         )
-    out = options.out or Path(f"neuron-validate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(options.out or Path(f"neuron-validate-{datetime.now(UTC):%Y%m%dT%H%M%SZ}"))
     model = engine_args.model
     refusals = _refusals(engine_args)  # before the engine: probes resolve configurations
     try:
@@ -212,8 +214,7 @@ def run(args: argparse.Namespace) -> int:
         speed=speed.model_copy(update={"decode_host_share": share}),
         seconds=time.perf_counter() - started,
     )
-    (out / "report.json").write_text(report.model_dump_json(indent=2))
-    (out / "report.md").write_text(report.markdown())
+    write_reports(out, report)
     for result in results:
         print(f"[{result.status:>14}] {result.name}: {result.detail}")
     print(
@@ -221,6 +222,33 @@ def run(args: argparse.Namespace) -> int:
         f"{out / 'report.json'}"
     )
     return 0 if report.ok else 1
+
+
+def output_folder(out: Path) -> Path:
+    """`--out`, created (mode 0700) if missing. Every file validate writes there is
+    written by name (reports, the oracle's log, telemetry, the adapter it builds), so an
+    existing folder must be this user's and writable by no group or other user: nobody
+    else can then have planted a link where a file goes."""
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.stat(out)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"--out {out} is not a folder; give a folder (validate creates it)")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise ValueError(
+            f"--out {out} belongs to uid {info.st_uid} with mode "
+            f"{oct(info.st_mode & 0o777)}; validate writes its reports there by name, so a "
+            f"folder another user may write could redirect them through a link: give a "
+            f"folder of this user's (uid {os.geteuid()}) that others cannot write, or a new "
+            f"one (validate creates it with mode 0700)"
+        )
+    return out
+
+
+def write_reports(out: Path, report: ValidationReport) -> None:
+    """report.json and report.md into `out`, never through a link in their place
+    (`safe_fs.write_new` replaces one)."""
+    safe_fs.write_new(out, ("report.json",), report.model_dump_json(indent=2).encode())
+    safe_fs.write_new(out, ("report.md",), report.markdown().encode())
 
 
 def _engine(engine_args: Any, out: Path) -> Any:

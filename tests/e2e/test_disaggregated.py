@@ -157,8 +157,10 @@ def _geometry(model_dirs):
     from neuron_plugin.core.checkpoint import read_hf_config
 
     config = read_hf_config(model_dirs["llama"])
+    from neuron_plugin.backends.reference.decoder import COMPUTATION
+
     return KVGeometry(config["num_hidden_layers"], BLOCK, config["num_key_value_heads"],
-                      config["head_dim"], "float32")
+                      config["head_dim"], "float32", f"reference computation {COMPUTATION}")
 
 
 def _forged(kv: Path, prompt: list[int], model: str, geometry, token_ids=None, data=None,
@@ -168,13 +170,14 @@ def _forged(kv: Path, prompt: list[int], model: str, geometry, token_ids=None, d
     import torch
 
     from neuron_plugin.kv_transfer.params import new_key
-    from neuron_plugin.kv_transfer.payload import write_payload
+    from neuron_plugin.kv_transfer.payload import RequestScope, write_payload
 
     key = new_key()
     blocks = math.ceil(len(prompt) / geometry.block_size)
     if data is None:
         data = torch.randn(geometry.shape(blocks)).to(geometry.torch_dtype)
-    write_payload(kv, key, data, token_ids or prompt, model, geometry, secret.encode())
+    write_payload(kv, key, data, token_ids or prompt, model, geometry, secret.encode(),
+                  scope=RequestScope())
     return key
 
 
@@ -278,7 +281,7 @@ def test_nan_or_unauthenticated_kv_never_reaches_the_cache(pd, model_dirs, oracl
     (decode-server prefix-cache hits) then get transformers' tokens, 3 of 3."""
     import torch
 
-    from neuron_plugin.kv_transfer.payload import model_identity, read_payload
+    from neuron_plugin.kv_transfer.payload import RequestScope, model_identity, read_payload
 
     _, _, decode, kv = pd
     model = model_dirs["llama"]
@@ -315,7 +318,8 @@ def test_nan_or_unauthenticated_kv_never_reaches_the_cache(pd, model_dirs, oracl
         key = write()
         if name == "nan":  # well formed and signed: only its values are refused
             with pytest.raises(ValueError, match="holds NaN"):
-                read_payload(kv, key, ours, geometry, prompt, 16, KEY.encode())
+                read_payload(kv, key, ours, geometry, prompt, 16, KEY.encode(),
+                             scope=RequestScope())
         status, reply = _complete(decode.url, model, prompt,
                                   kv_transfer_params=_params(key, len(prompt)))
         assert status == 200 and _tokens(reply) == expected, (name, reply)

@@ -10,7 +10,8 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Adapters are PEFT's own files
   loses nothing: every request completes with PEFT's tokens, and the third adapter takes
   a slot when one frees up (vLLM's scheduler runs at most --max-loras adapters a step);
 - malformed, oversized, mismatched and hostile adapters (NaN weights, a transposed
-  lora_A, a symlink loop, target_modules the model lacks) are refused with HTTP 400
+  lora_A, a symlink loop, target_modules the model lacks, a target_modules pattern that
+  backtracks catastrophically or does not compile) are refused with HTTP 400
   naming the adapter, the value and the limit, and the server keeps serving;
 - an adapter changed, swapped or deleted on disk after it left the host cache serves
   the weights verified when it was loaded (its private copy), never the engine's death;
@@ -261,6 +262,15 @@ def test_hostile_adapters_are_client_errors_with_their_reason(
         "targets": (_variant(source, tmp_path / "targets",
                              config={"target_modules": ["query_key_value", "dense"]}),
                     ["'targets'", "none of which is a module of the base model"]),
+        # issue 39: a pattern that backtracks catastrophically under Python's re (one
+        # load used to stall every request) and one that does not compile
+        "backtracking": (_variant(source, tmp_path / "backtracking",
+                                  config={"target_modules": r"(\w|\.|\w\.?)*X"}),
+                         ["'backtracking'", "none of which is a module of the base model"]),
+        "bad-regex": (_variant(source, tmp_path / "bad-regex",
+                               config={"target_modules": "(q_proj"}),
+                      ["'bad-regex'", "target_modules cannot be used",
+                       "is not a valid regular expression"]),
         "rank16": (build_lora(llama, tmp_path / "rank16", seed=4, r=16, lora_alpha=16,
                               target_modules=["q_proj"]),
                    ["'rank16'", "rank 16", "--max-lora-rank 8"]),

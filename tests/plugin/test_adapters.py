@@ -201,9 +201,12 @@ def cache_url(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("adapter-cache"))
 
 
-def _store(model_dirs, backend, settings):
+def _store(model_dirs, backend, settings, copies_parent=None):
+    if copies_parent is not None:
+        os.makedirs(copies_parent, exist_ok=True)
     return AdapterStore(settings, geometry_of(model_dirs["llama"], settings), backend,
-                        lora_config(), 4096, base_modules(model_dirs["llama"]))
+                        lora_config(), 4096, base_modules(model_dirs["llama"]),
+                        copies_parent)
 
 
 def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cache_url):
@@ -318,7 +321,7 @@ def test_an_evicted_adapter_is_rebuilt_from_its_verified_copy_not_its_folder(
     torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]], torch.from_numpy(want))
     # the verified copy itself changed: refused, the slot left empty, the others served
     kept = store._verified[1]
-    (kept.folder / "adapter_model.safetensors").write_bytes(b"changed")
+    (store.copies.folder(kept.digest) / "adapter_model.safetensors").write_bytes(b"changed")
     store.remove(1)
     assert store.prepare_step({2: b, 3: c})[1] == {}  # c takes ev's slot again
     slots, failed = store.prepare_step({1: ev, 2: b})
@@ -349,14 +352,254 @@ def test_an_adapter_that_cannot_be_written_fails_alone(model_dirs, lora_adapters
 
 
 def test_target_modules_match_as_peft_matches_them():
-    from neuron_plugin.serving.adapter_files import matches_base_model
+    from neuron_plugin.serving.adapter_patterns import Budget, targets_match
 
     modules = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"]
-    assert matches_base_model(["q_proj", "nonexistent"], modules)  # PEFT: one match is enough
-    assert matches_base_model(["self_attn.q_proj"], modules)
-    assert matches_base_model(r".*\.mlp\.down_proj", modules)  # a string is a regex
-    assert not matches_base_model(["query_key_value"], modules)
-    assert not matches_base_model(r"down_proj", modules)  # a regex matches whole names
+
+    def matches(targets):
+        return targets_match(targets, modules, Budget())
+
+    assert matches(["q_proj", "nonexistent"])  # PEFT: one match is enough
+    assert matches(["self_attn.q_proj"])
+    assert matches(r".*\.mlp\.down_proj")  # a string is a regex
+    assert matches(r"^(?!.*vision).*\.(q_proj|v_proj)$")  # lookarounds, as PEFT's re has
+    assert not matches(["query_key_value"])
+    assert not matches(["proj"])  # a list names whole dotted parts
+    assert not matches(r"down_proj")  # a regex matches whole names
+
+
+# -- adapter configs are data (issue 39) ----------------------------------------------------
+def _with_config(source, folder, **config):
+    import json
+
+    shutil.copytree(source, folder)
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+HOSTILE = {
+    # the confirmed case: a catastrophically backtracking pattern (with Python's re,
+    # hours per module name); matched with bounded work it is simply no module's
+    "backtracking": ("target_modules", r"(\w|\.|\w\.?)*X",
+                     ["none of which is a module of the base model"]),
+    # one that backtracks whatever the engine: refused when the budget runs out
+    "budget": ("target_modules", r"(\w|\.|\w\.?)*\d",
+               ["target_modules cannot be used", "did not finish within 1 s"]),
+    "invalid": ("target_modules", "(q_proj", ["target_modules cannot be used",
+                                              "'(q_proj' is not a valid regular expression"]),
+    "long": ("target_modules", "q" * 5000, ["target_modules cannot be used",
+                                            "5,000 characters"]),
+    "not-names": ("target_modules", ["q_proj", 5], ["target_modules cannot be used",
+                                                    "neither a string nor a list of names"]),
+    # vLLM matches rank_pattern keys against every module itself, unbounded
+    "rank-pattern": ("rank_pattern", {r"(\w|\.|\w\.?)*\d": 4},
+                     ["rank_pattern key cannot be used", "did not finish within 1 s"]),
+    "alpha-pattern": ("alpha_pattern", {"q_proj)(": 4}, ["alpha_pattern key cannot be used",
+                                                         "is not a valid regular expression"]),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_outcomes(model_dirs, lora_adapters, tmp_path_factory):
+    """Each HOSTILE adapter read in one child process, as the engine thread reads it, the
+    outcome per case ("refused: <message>", or what else happened). A child, bounded by
+    a timeout, because an unbounded match holds the GIL: the test then fails rather than
+    hanging the suite."""
+    import json
+    import subprocess
+
+    root = tmp_path_factory.mktemp("hostile")
+    folders = {name: str(_with_config(lora_adapters["lora-c"], root / name, **{field: value}))
+               for name, (field, value, _) in HOSTILE.items()}
+    code = f"""
+import json, sys
+sys.path[:0] = {sys.path!r}
+from pathlib import Path
+from neuron_plugin.core.adapters import AdapterError
+from tests.plugin.test_adapters import read
+model_dirs = {{"llama": Path({str(model_dirs["llama"])!r})}}
+for name, folder in {folders!r}.items():
+    try:
+        read(model_dirs, folder, name="hostile")
+        outcome = "accepted"
+    except AdapterError as exc:
+        outcome = "refused: " + str(exc)
+    except Exception as exc:
+        outcome = f"{{type(exc).__name__}}: {{exc}}"
+    print(json.dumps([name, outcome]), flush=True)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, cwd=os.getcwd())
+        lines = done.stdout.splitlines()
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or b""
+        lines = (out.decode() if isinstance(out, bytes) else out).splitlines()
+    return dict(json.loads(line) for line in lines if line.startswith("["))
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_adapter_config_patterns_are_data_with_bounded_work(hostile_outcomes, case):
+    """Each is a refusal naming the field (HTTP 400 from /v1/load_lora_adapter), never a
+    stalled engine thread nor an uncaught re.error."""
+    outcome = hostile_outcomes.get(case, "stalled: no outcome within the timeout")
+    assert outcome.startswith("refused: "), outcome
+    assert "'hostile'" in outcome
+    for word in HOSTILE[case][2]:
+        assert word in outcome, (word, outcome)
+
+
+def test_rank_and_alpha_patterns_are_resolved_as_vllm_resolves_them(model_dirs,
+                                                                    lora_adapters):
+    """lora-b's rank_pattern/alpha_pattern, resolved here per module and handed to vLLM
+    as the modules' own names: the same slots as vLLM's own matching gives (the scaling
+    test_adapter_as_vllm_reads_it checks), and vLLM's helper holds no expression of the
+    adapter's any more."""
+    checks = checks_of(model_dirs)
+    path = str(lora_adapters["lora-b"])
+    files = checks.read("b", path)
+    adapter = checks.verify(files, "b", 2, path, path)
+    assert adapter.rank == 4
+    import json
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from neuron_plugin.serving.adapter_patterns import Budget, literal_patterns, resolve_pattern
+
+    config = json.loads(files.config)
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": 4096})
+    names = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("v_proj", "o_proj")]
+    for name in names:
+        resolved = {
+            "rank_pattern": resolve_pattern("rank_pattern", helper.rank_pattern, [name], Budget()),
+            "alpha_pattern": resolve_pattern("alpha_pattern", helper.alpha_pattern, [name],
+                                             Budget()),
+        }
+        literal = dataclasses.replace(helper, **{k: literal_patterns(v)
+                                                 for k, v in resolved.items()})
+        assert literal.get_rank_and_scaling(name) == helper.get_rank_and_scaling(name), name
+
+
+# -- the verified copies: after the checks, within a budget, swept (issue 39) --------------
+def test_an_adapter_that_fails_its_checks_leaves_no_copy(model_dirs, lora_adapters, cache_url,
+                                                         tmp_path):
+    """Five refused loads (NaN weights) write nothing: copies are written only once every
+    check has passed."""
+    from safetensors.torch import load_file, save_file
+
+    settings = lora_settings()
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings, tmp_path / "tmp")
+    for i in range(5):
+        bad = tmp_path / f"nan{i}"
+        shutil.copytree(lora_adapters["lora-c"], bad)
+        weights = bad / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        name = next(k for k in tensors if "lora_B" in k)
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        first_a = next(k for k in tensors if "lora_A" in k)
+        tensors[first_a] = tensors[first_a] + i  # five different adapters
+        save_file(tensors, str(weights))
+        with pytest.raises(AdapterError, match="NaN or Inf"):
+            store.add(request(f"nan{i}", 10 + i, bad))
+    assert sorted(os.listdir(store.copies.root)) == ["owner.lock"]
+    assert store.add(request("c", 3, lora_adapters["lora-c"]))
+    assert len(os.listdir(store.copies.root)) == 2
+    store.close()
+
+
+def test_copies_stay_within_their_budget_evicting_unused_ones(model_dirs, lora_adapters,
+                                                              cache_url, tmp_path,
+                                                              monkeypatch):
+    """With room for three copies and two adapters on the host: a fourth adapter's copy
+    evicts the least recently used copy no held, slotted or pinned adapter needs; that
+    adapter is read (and checked) again from its folder when next needed; a copy that
+    cannot fit beside the ones in use is refused naming the setting."""
+    from neuron_plugin.serving.adapter_copies import MAX_BYTES_ENV
+
+    def size(folder):
+        return sum((folder / n).stat().st_size
+                   for n in ("adapter_config.json", "adapter_model.safetensors"))
+
+    d_path = _with_config(lora_adapters["lora-a"], tmp_path / "d", lora_dropout=0.25)
+    room = sum(size(lora_adapters[f"lora-{n}"]) for n in "abc") + 100
+    monkeypatch.setenv(MAX_BYTES_ENV, str(room))
+    settings = lora_settings()  # 2 slots, 2 adapters on the host
+    backend = open_backend(settings, model_dirs["llama"], cache_url)
+    store = _store(model_dirs, backend, settings, tmp_path / "tmp")
+    a, b, c = (request(n, i, lora_adapters[f"lora-{n}"]) for i, n in enumerate("abc", 1))
+    d = request("d", 4, d_path)
+    assert store.add(a) and store.add(b) and store.add(c)  # a left the host, copy kept
+    assert {1, 2, 3} <= set(store._verified)
+    assert store.add(d)  # a's copy goes: the least recently used one not in use
+    assert 1 not in store._verified and {2, 3, 4} <= set(store._verified)
+    assert len(set(os.listdir(store.copies.root)) - {"owner.lock"}) == 3
+    assert store.copies.used_bytes <= room
+    # a is read again from its folder (and checked) when a step needs it, evicting
+    # copies no adapter in use needs (c and d removed from the host)
+    assert store.remove(3) and store.remove(4)
+    assert store.prepare_step({1: a}) == ({1: 1}, {})
+    assert 1 in store._verified and store.copies.used_bytes <= room
+    monkeypatch.setenv(MAX_BYTES_ENV, "100")
+    small = _store(model_dirs, backend, settings, tmp_path / "tmp")
+    with pytest.raises(AdapterError, match=rf"'a'.*does not fit.*{MAX_BYTES_ENV}=100"):
+        small.add(a)
+    assert sorted(os.listdir(small.copies.root)) == ["owner.lock"]
+    monkeypatch.setenv(MAX_BYTES_ENV, "lots")
+    with pytest.raises(NeuronConfigError, match=f"{MAX_BYTES_ENV}='lots' must be a positive"):
+        _store(model_dirs, backend, settings, tmp_path / "tmp")
+    for kept_store in (store, small):
+        kept_store.close()
+
+
+def test_stale_copy_folders_of_dead_workers_are_swept_and_nothing_else(tmp_path):
+    """A worker killed (SIGKILL) leaves its folder; the next worker's start removes it,
+    and leaves a live worker's folder, a link named like one (never followed), a file,
+    and an older version's folder without an owner lock."""
+    import subprocess
+    import textwrap
+
+    from neuron_plugin.serving.adapter_copies import PREFIX, PrivateCopies
+
+    parent = tmp_path / "tmp"
+    parent.mkdir()
+    code = textwrap.dedent(f"""
+        import sys, time
+        from neuron_plugin.serving.adapter_copies import PrivateCopies
+        copies = PrivateCopies(1 << 20, {str(parent)!r})
+        (copies.root / ("a" * 64)).mkdir()
+        print(copies.root.name, flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    live = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        dead_name = killed.stdout.readline().strip()
+        assert dead_name.startswith(PREFIX)
+        live_name = live.stdout.readline().strip()
+        killed.kill()
+        killed.wait()
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "precious").write_text("keep")
+        (parent / f"{PREFIX}link").symlink_to(outside)
+        (parent / f"{PREFIX}file").write_text("x")
+        (parent / f"{PREFIX}old").mkdir()  # an older version's: no owner lock
+        copies = PrivateCopies(1 << 20, parent)
+        left = sorted(os.listdir(parent))
+        assert dead_name not in left
+        assert live_name in left and copies.root.name in left
+        assert {f"{PREFIX}link", f"{PREFIX}file", f"{PREFIX}old"} <= set(left)
+        assert (outside / "precious").read_text() == "keep"
+        copies.close()
+        assert copies.root.name not in os.listdir(parent)
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_the_api_server_answers_a_refusal_as_the_clients_error():

@@ -220,3 +220,25 @@ def test_the_worker_side_reports_every_load_and_its_failures(model_dirs, tmp_pat
     shutil.rmtree(tmp_path / "kv")
     worker.sweep()
     worker.close()
+
+
+def test_jobs_carry_the_requests_adapter_and_cache_salt(configs):
+    """What a payload is bound to (issue 39): the prefill's save and the decode's load
+    name the request's LoRARequest and cache salt, as vLLM's prefix cache keys them."""
+    from vllm.lora.request import LoRARequest
+
+    side = SchedulerSide(configs["kv_both"])
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    prefill = Request("p9", PROMPT, SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": {"do_remote_decode": True}}), None, lora_request=lora,
+        cache_salt="tenant-a")
+    side.on_new_request(prefill)
+    (save,) = side.build_meta(scheduler_output([_new(prefill, [4, 9, 2])],
+                                               scheduled={"p9": 70})).saves
+    assert (save.lora, save.cache_salt) == (lora, "tenant-a")
+    decode = Request("d9", PROMPT, SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": decode_params("ab" * 16, 70)}), None, cache_salt="tenant-b")
+    assert side.matched_tokens(decode, 0) == (70, True)
+    side.after_alloc(decode, _blocks(3, 5, 11), 70)
+    (load,) = side.build_meta(scheduler_output()).loads
+    assert (load.lora, load.cache_salt) == (None, "tenant-b")

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import struct
 
 import pytest
@@ -18,7 +19,8 @@ import torch
 from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.kv_transfer import params, payload
 
-GEOMETRY = KVGeometry(layers=2, block_size=4, kv_heads=2, head_dim=3, dtype="float32")
+GEOMETRY = KVGeometry(layers=2, block_size=4, kv_heads=2, head_dim=3, dtype="float32",
+                      computation="reference computation 2")
 MODEL = "a" * 64
 PROMPT = [5, 6, 7, 8, 9, 10]  # two blocks, the second partial
 SECRET = b"k" * 32
@@ -28,14 +30,21 @@ def _kv(geometry: KVGeometry = GEOMETRY, blocks: int = 2) -> torch.Tensor:
     return torch.randn(geometry.shape(blocks)).to(geometry.torch_dtype)
 
 
-def _read(folder, key, geometry=GEOMETRY, prompt=PROMPT, model=MODEL):
-    return payload.read_payload(folder, key, model, geometry, prompt, 4, SECRET)
+BASE = payload.RequestScope()
+
+
+def _write(*args, scope=BASE, **kwargs):
+    return payload.write_payload(*args, scope=scope, **kwargs)
+
+
+def _read(folder, key, geometry=GEOMETRY, prompt=PROMPT, model=MODEL, scope=BASE):
+    return payload.read_payload(folder, key, model, geometry, prompt, 4, SECRET, scope=scope)
 
 
 def test_round_trip_is_exact_and_leaves_no_partial_file(tmp_path):
     kv = _kv()
     key = params.new_key()
-    size = payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
+    size = _write(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
     assert os.listdir(tmp_path) == [f"{key}.safetensors"]
     assert (tmp_path / f"{key}.safetensors").stat().st_size == size
     assert oct((tmp_path / f"{key}.safetensors").stat().st_mode & 0o777) == "0o600"
@@ -48,7 +57,7 @@ def test_bfloat16_round_trip(tmp_path):
     geometry = dataclasses.replace(GEOMETRY, dtype="bfloat16")
     kv = _kv(geometry)
     key = params.new_key()
-    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, geometry, SECRET)
+    _write(tmp_path, key, kv, PROMPT, MODEL, geometry, SECRET)
     assert torch.equal(_read(tmp_path, key, geometry), kv)
 
 
@@ -69,7 +78,7 @@ def test_a_payload_of_another_configuration_is_refused_naming_it(tmp_path, chang
     prompt = change.get("prompt", PROMPT)
     blocks = -(-len(prompt) // written.block_size)
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(written, blocks), prompt,
+    _write(tmp_path, key, _kv(written, blocks), prompt,
                           change.get("model", MODEL), written, SECRET)
     with pytest.raises(payload.PayloadError) as error:
         _read(tmp_path, key)
@@ -98,7 +107,7 @@ def _rewrite_header(path, edit):
 ])
 def test_unknown_keys_and_formats_are_refused(tmp_path, edit, reason):
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     _rewrite_header(tmp_path / f"{key}.safetensors", edit)
     with pytest.raises(payload.PayloadError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         _read(tmp_path, key)
@@ -124,7 +133,7 @@ def test_a_pickle_is_never_unpickled(tmp_path, monkeypatch):
 
 def test_truncated_oversized_and_linked_files_are_refused(tmp_path):
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     path = tmp_path / f"{key}.safetensors"
     whole = path.read_bytes()
     path.write_bytes(whole[: len(whole) - 10])
@@ -156,7 +165,7 @@ def test_missing_payload_says_why_it_may_be_missing(tmp_path):
 def test_sweep_removes_only_old_payloads_and_partial_writes(tmp_path):
     old, fresh = params.new_key(), params.new_key()
     for key in (old, fresh):
-        payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+        _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     partial = tmp_path / f".{params.new_key()}.123.partial"
     partial.write_bytes(b"x")
     other = tmp_path / "notes.txt"
@@ -240,7 +249,7 @@ def test_non_finite_kv_is_refused_naming_where(tmp_path):
     kv = _kv()
     kv[1, 0, 1, 2, 0, 1] = float("inf")
     key = params.new_key()
-    payload.write_payload(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
+    _write(tmp_path, key, kv, PROMPT, MODEL, GEOMETRY, SECRET)
     with pytest.raises(payload.PayloadError, match=r"holds NaN or Inf \(1 values; the first "
                                                    r"in layer 1's K cache, block 1\)"):
         _read(tmp_path, key)
@@ -251,8 +260,8 @@ def test_only_payloads_tagged_with_the_deployments_key_are_read(tmp_path):
     from safetensors.torch import save_file
 
     forged, changed, unsigned = params.new_key(), params.new_key(), params.new_key()
-    payload.write_payload(tmp_path, forged, _kv(), PROMPT, MODEL, GEOMETRY, b"x" * 32)
-    payload.write_payload(tmp_path, changed, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    _write(tmp_path, forged, _kv(), PROMPT, MODEL, GEOMETRY, b"x" * 32)
+    _write(tmp_path, changed, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     path = str(tmp_path / f"{changed}.safetensors")
     with safe_open(path, "pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -264,7 +273,8 @@ def test_only_payloads_tagged_with_the_deployments_key_are_read(tmp_path):
     # a payload renamed to another key is not that key's either
     os.rename(tmp_path / f"{forged}.safetensors", tmp_path / f"{unsigned}.safetensors")
     with pytest.raises(payload.PayloadError, match="tag is not the one"):
-        payload.read_payload(tmp_path, unsigned, MODEL, GEOMETRY, PROMPT, 4, b"x" * 32)
+        payload.read_payload(tmp_path, unsigned, MODEL, GEOMETRY, PROMPT, 4, b"x" * 32,
+                             scope=BASE)
     del metadata["hmac"]
     save_file(tensors, path, metadata=metadata)
     with pytest.raises(payload.PayloadError, match="its metadata keys are"):
@@ -272,7 +282,7 @@ def test_only_payloads_tagged_with_the_deployments_key_are_read(tmp_path):
 
 
 def test_the_folder_holds_at_most_max_bytes_of_payloads(tmp_path):
-    size = payload.write_payload(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
+    size = _write(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
                                  SECRET)
     cap = size + size // 2
     assert payload.folder_bytes(tmp_path) == size
@@ -280,24 +290,108 @@ def test_the_folder_holds_at_most_max_bytes_of_payloads(tmp_path):
                                                    rf"{size:,} more would pass "
                                                    rf"kv_connector_extra_config.max_bytes="
                                                    rf"{cap:,}"):
-        payload.write_payload(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
+        _write(tmp_path, params.new_key(), _kv(), PROMPT, MODEL, GEOMETRY,
                               SECRET, max_bytes=cap)
     assert len(os.listdir(tmp_path)) == 1
     assert payload.default_max_bytes(tmp_path) > 0
 
 
-def test_a_payload_folder_another_user_may_write_is_refused(tmp_path):
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o720, 0o702])
+def test_a_payload_folder_another_user_may_write_is_refused(tmp_path, mode):
+    """Group-writable too (issue 39): a group member could plant or remove payloads."""
     folder = tmp_path / "kv"
     assert payload.prepare_folder(folder) == folder
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
-    folder.chmod(0o777)
-    with pytest.raises(payload.PayloadError, match="lets that user read prompts"):
+    folder.chmod(mode)
+    with pytest.raises(payload.PayloadError, match=rf"has mode {oct(mode)}: its group or "
+                                                   rf"other users may write it.*chmod 700"):
         payload.prepare_folder(folder)
+    folder.chmod(0o750)  # others may read nothing but the group's listing: served
+    assert payload.prepare_folder(folder) == folder
+
+
+def test_the_default_payload_folder_is_this_users_own():
+    """Another local user creating a shared default name first cannot keep this user's
+    servers from starting: the default folder carries the uid."""
+    from neuron_plugin.core.kv_transfer import transfer_options
+
+    assert transfer_options({}).path == f"/dev/shm/neuron-kv-{os.geteuid()}"
+    assert transfer_options({"path": "/x/kv"}).path == "/x/kv"
+
+
+def test_a_payload_folder_of_another_user_is_refused_naming_the_setting(tmp_path):
+    """(As root the test makes the folder another user's; as anyone else the temp folder's
+    root-owned parent stands in.)"""
+    if os.geteuid() == 0:
+        folder = tmp_path / "theirs"
+        folder.mkdir(mode=0o700)
+        os.chown(folder, 12345, 12345)
+    else:
+        folder = tmp_path.parent.parent.parent  # /tmp or /: root's
+        assert folder.stat().st_uid != os.geteuid()
+    with pytest.raises(payload.PayloadError, match=r"kv_connector_extra_config.path=.* "
+                                                   r"belongs to uid \d+.*leaving it out gives "
+                                                   r"this user's own default"):
+        payload.prepare_folder(folder)
+
+
+def test_the_default_cap_is_half_the_free_space_not_half_the_size(tmp_path):
+    fs = os.statvfs(tmp_path)
+    assert payload.default_max_bytes(tmp_path) == fs.f_bavail * fs.f_frsize // 2
+
+
+def test_a_tag_that_is_not_ascii_is_a_refusal_not_a_crash(tmp_path):
+    """hmac.compare_digest raises TypeError on a non-ASCII str: compared as bytes."""
+    key = params.new_key()
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    _rewrite_header(tmp_path / f"{key}.safetensors",
+                    lambda h: h["__metadata__"].update(hmac="é" * 64))
+    with pytest.raises(payload.PayloadError, match="tag is not the one this deployment's"):
+        _read(tmp_path, key)
+
+
+# -- what a payload is bound to besides the model (issue 39) ----------------------------
+@pytest.mark.parametrize("written, loading, reason", [
+    (payload.RequestScope(adapter=payload.adapter_identity("sql", "d" * 64)), BASE,
+     "it holds the KV of LoRA adapter 'sql sha256:dddd"),
+    (BASE, payload.RequestScope(adapter=payload.adapter_identity("sql", "d" * 64)),
+     "LoRA adapter 'base', and the loading request's is 'sql sha256:"),
+    # the same name, other files (reloaded, or another folder on the other server)
+    (payload.RequestScope(adapter=payload.adapter_identity("sql", "d" * 64)),
+     payload.RequestScope(adapter=payload.adapter_identity("sql", "e" * 64)),
+     "the same name and the same adapter files on both servers"),
+    (payload.RequestScope(cache_salt=payload.salt_digest("tenant-a")),
+     payload.RequestScope(cache_salt=payload.salt_digest("tenant-b")), "another cache_salt"),
+    (payload.RequestScope(cache_salt=payload.salt_digest("tenant-a")), BASE,
+     "another cache_salt"),
+])
+def test_a_payload_of_another_adapter_or_salt_is_refused(tmp_path, written, loading, reason):
+    key = params.new_key()
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET, scope=written)
+    with pytest.raises(payload.PayloadError, match=re.escape(reason)):
+        _read(tmp_path, key, scope=loading)
+    assert torch.equal(_read(tmp_path, key, scope=written), _read(tmp_path, key, scope=written))
+
+
+def test_a_payload_of_another_computation_is_refused(tmp_path):
+    """KV NxDI computed with other math-changing patches, or the reference backend's, is
+    not this backend's."""
+    key = params.new_key()
+    theirs = dataclasses.replace(GEOMETRY, computation="nxd, patches: none")
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, theirs, SECRET)
+    with pytest.raises(payload.PayloadError, match="its KV computation is nxd, patches: none, "
+                                                   "this server's is reference computation 2"):
+        _read(tmp_path, key)
+
+
+def test_the_salt_itself_is_never_written():
+    assert payload.salt_digest(None) == payload.salt_digest("") == ""
+    assert "tenant-a" not in payload.salt_digest("tenant-a")
 
 
 def test_check_available_reads_the_header_only(tmp_path):
     key = params.new_key()
-    payload.write_payload(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
+    _write(tmp_path, key, _kv(), PROMPT, MODEL, GEOMETRY, SECRET)
     payload.check_available(tmp_path, key, len(PROMPT))
     with pytest.raises(payload.PayloadError, match="its prompt length is 6"):
         payload.check_available(tmp_path, key, 7)

@@ -781,7 +781,10 @@ def test_kv_blocks_are_nxdi_state_tensors_moved_between_servers(seam, tiny, tmp_
     assert state[0]["kv_mgr.past_key_values.0"].shape == (s.num_blocks + 1, 16, 2, 1, 64)
     geometry = prefill.kv_geometry()
     assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=2, head_dim=64,
-                                  dtype="float32")
+                                  dtype="float32", computation=geometry.computation)
+    # how the values are computed: NxDI and its math-changing patches (issue 39)
+    patches = prefill.nxdi.patches_for(s.architecture)
+    assert geometry.computation == f"nxd, patches: {', '.join(patches) or 'none'}"
     prompt = np.arange(1, 41)  # a block and a part
     prefill.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
     kv = prefill.read_kv_blocks(np.array([1, 2])).clone()
@@ -958,7 +961,8 @@ def test_kv_blocks_through_the_runner_arena(tiny, sdk_python, monkeypatch, tmp_p
     assert isinstance(backend, RunnerBackend)
     try:
         geometry = backend.kv_geometry()
-        assert geometry == KVGeometry(2, 32, 2, 64, dtype)
+        assert geometry == KVGeometry(2, 32, 2, 64, dtype, geometry.computation)
+        assert geometry.computation.startswith("nxd, patches: ")
         assert backend.runner.kv.size == geometry.block_bytes * s.max_blocks_per_seq
         data = torch.randn(geometry.shape(3)).to(geometry.torch_dtype)
         backend.write_kv_blocks(np.array([9, 4, 12]), data)

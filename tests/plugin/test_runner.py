@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -143,6 +144,101 @@ time.sleep(600)
     assert not alive(runner_pid), "the runner outlived its parent"
 
 
+
+
+# -- the channel (issue 39): nothing printed breaks it, nothing waits forever -------------
+def _script(path, body: str) -> str:
+    path.write_text(body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_an_interpreter_wrapper_that_prints_still_shakes_hands(model_dirs, cache_url,
+                                                               tmp_path):
+    """A wrapper printing to stdout before it execs Python (a conda or module shim), and
+    a library printing at import: the handshake and calls go on, and the lines reach
+    the log. (Before messages had pipes of their own, the wrapper's line was read as a
+    message length and the handshake waited forever.)"""
+    wrapper = _script(tmp_path / "python", f"#!/bin/sh\necho 'activating the SDK env'\n"
+                                           f"exec {sys.executable} \"$@\"\n")
+    from neuron_plugin.backends.runner.client import probe
+
+    # the handshake alone first, on a thread, so that a hang fails this test instead of
+    # hanging the suite (a runner dies with the thread that started it: PDEATHSIG)
+    shaken = []
+    thread = threading.Thread(target=lambda: shaken.append(probe(wrapper, "reference")),
+                              daemon=True)
+    thread.start()
+    thread.join(240)
+    assert shaken, "the handshake with a printing interpreter wrapper never completed"
+    assert shaken[0]["versions"]["executable"] == sys.executable
+    backend = open_backend(settings_for(False, backend_python=wrapper), model_dirs["llama"],
+                           cache_url)
+    try:
+        assert backend.handshake["versions"]["executable"] == sys.executable
+        logits = backend.forward(next(_calls(settings_for(False))))
+        assert logits.shape == (1, remote_vocab(model_dirs))
+        assert "activating the SDK env" in "\n".join(backend.runner._tail)
+    finally:
+        backend.close()
+
+
+def test_a_runner_that_never_answers_is_a_named_timeout(model_dirs, tmp_path):
+    """An interpreter that starts and then never answers (stuck, or not Python at all)
+    fails the engine's start with RunnerTimeout naming the setting, within it."""
+    from neuron_plugin.backends.runner.client import (
+        START_TIMEOUT_ENV,
+        RunnerTimeout,
+        RunnerTimeouts,
+        probe,
+    )
+
+    silent = _script(tmp_path / "python", "#!/bin/sh\necho 'started'\nexec sleep 600\n")
+    with pytest.raises(RunnerTimeout, match=rf"(?s)did not answer hello within "
+                                            rf"{START_TIMEOUT_ENV}=2 s and was stopped.*"
+                                            rf"started"):
+        probe(silent, "reference", RunnerTimeouts(start_s=2))
+    with pytest.raises(NeuronConfigError, match=f"{START_TIMEOUT_ENV}='soon' must be a "
+                                                f"positive number of seconds"):
+        RunnerTimeouts.from_env({START_TIMEOUT_ENV: "soon"})
+    assert RunnerTimeouts.from_env({START_TIMEOUT_ENV: "30"}).start_s == 30
+
+
+def test_a_stuck_call_is_a_named_timeout_and_stops_the_runner(model_dirs, cache_url):
+    """A call the runner does not answer in time (its backend stuck: here the runner is
+    stopped with SIGSTOP) ends in RunnerTimeout naming the call and the setting."""
+    from neuron_plugin.backends.runner.client import CALL_TIMEOUT_ENV, RunnerTimeout
+
+    backend = open_backend(settings_for(False, backend_python=sys.executable),
+                           model_dirs["llama"], cache_url)
+    backend.runner.timeouts = dataclasses.replace(backend.runner.timeouts, call_s=1)
+    os.kill(backend.runner.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RunnerTimeout, match=rf"did not answer forward within "
+                                                rf"{CALL_TIMEOUT_ENV}=1 s"):
+            backend.forward(next(_calls(settings_for(False))))
+        assert backend.runner.process.poll() is not None  # stopped, not left stuck
+    finally:
+        backend.close()
+
+
+def test_messages_are_capped_and_lengths_not_trusted():
+    """A message length past MAX_MESSAGE_BYTES is refused at once (never a read of 4 GiB);
+    so is a message too large to send."""
+    from neuron_plugin.backends.runner.protocol import MAX_MESSAGE_BYTES, Channel
+
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, (0xFFFFFFF0).to_bytes(4, "little"))
+    channel = Channel(read_fd, write_fd)
+    try:
+        with pytest.raises(ProtocolError, match="announced as 4,294,967,280 bytes, more than"):
+            channel.receive(timeout=5)
+        with pytest.raises(ProtocolError, match="more than the protocol's"):
+            channel.send({"op": "x", "data": "a" * MAX_MESSAGE_BYTES}, timeout=5)
+        channel.send({"op": "ping"}, timeout=5)
+        assert channel.receive(timeout=5) == {"op": "ping"}
+    finally:
+        channel.close()
 
 
 @pytest.mark.parametrize("where", ["in-process", "sdk-runner"])

@@ -247,6 +247,35 @@ def test_report_names_the_nxdi_release_against_the_instance_family(installed, li
     assert ValidationReport.model_validate_json(report.model_dump_json()) == report
 
 
+def test_validate_never_writes_through_a_link_in_its_out_folder(tmp_path):
+    """Issue 39: `--out` into an existing folder. A folder others may write is refused
+    (they could plant a link where a report goes); in the user's own folder a link where
+    a report goes is replaced, its target untouched."""
+    import os
+
+    from neuron_plugin.tools.validate import output_folder, write_reports
+
+    report = ValidationReport(
+        ok=True, created="2026-11-26T00:00:00+00:00", model="m", command=["m"],
+        backend="reference", instance_type=None, visible_cores=[], versions={},
+        settings={}, compile_cache_key="k", oracle={}, cases=[], seconds=1.0)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"--out .*shared belongs to uid \d+ with mode "
+                                         r"0o777.*others cannot write"):
+        output_folder(shared)
+    mine = output_folder(tmp_path / "new" / "out")
+    assert oct(mine.stat().st_mode & 0o777) == "0o700"
+    precious = tmp_path / "precious"
+    precious.write_text("keep")
+    (mine / "report.json").symlink_to(precious)
+    write_reports(mine, report)
+    assert precious.read_text() == "keep"
+    assert not os.path.islink(mine / "report.json")
+    assert ValidationReport.model_validate_json((mine / "report.json").read_text()) == report
+
+
 @pytest.fixture(scope="module")
 def oracle(model_dirs, sdk_python, tmp_path_factory):
     from neuron_plugin.validation.oracle_client import OracleProcess

@@ -383,11 +383,19 @@ class NxDBackend(InlineCalls):
         if self.model is None:
             raise RuntimeError("KV blocks of an NxD backend that is not loaded")
         if self._kv is None or self._kv.model is not self.model:
-            self._kv = NxDKVState(self.model, self.settings, self.on_cpu, self.hf_config)
+            self._kv = NxDKVState(
+                self.model, self.settings, self.on_cpu, self.hf_config, self._computation()
+            )
         return self._kv
 
     def kv_geometry(self) -> KVGeometry:
         return self._kv_state().geometry()
+
+    def _computation(self) -> str:
+        """How this backend computes KV values: NxDI, with the patches in effect that
+        change this architecture's graphs (`NxDI.patches_for`)."""
+        patches = self.nxdi.patches_for(self.settings.architecture)
+        return f"nxd, patches: {', '.join(patches) or 'none'}"
 
     def read_kv_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         state = self._kv_state()

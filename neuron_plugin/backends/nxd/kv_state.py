@@ -120,14 +120,21 @@ def write_heads(sharding: HeadSharding) -> list[tuple[int, ...]]:
 
 class NxDKVState:
     """Reads and writes KV blocks in an NxDI model's cache tensors (module docstring).
-    `hf_config`: the checkpoint's config, whose heads NxDI shards."""
+    `hf_config`: the checkpoint's config, whose heads NxDI shards; `computation`: how
+    the values are computed (KVGeometry)."""
 
     def __init__(
-        self, model: Any, settings: NeuronSettings, on_cpu: bool, hf_config: Mapping[str, Any]
+        self,
+        model: Any,
+        settings: NeuronSettings,
+        on_cpu: bool,
+        hf_config: Mapping[str, Any],
+        computation: str,
     ):
         self.model = model
         self.settings = settings
         self.on_cpu = on_cpu
+        self.computation = computation  # how the values are computed (KVGeometry)
         config = model.neuron_config
         if getattr(config, "kv_quant_config", None) is not None:
             raise NeuronConfigError(
@@ -186,6 +193,7 @@ class NxDKVState:
             kv_heads=sharding.kv_heads,
             head_dim=int(first.shape[-1]),
             dtype=dtype_name(first.dtype),
+            computation=self.computation,
         )
 
     def _blocks_view(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -452,6 +452,7 @@ class ReferenceBackend(InlineCalls):
             spec.num_kv_heads,
             spec.head_dim,
             self.settings.dtype,
+            computation=f"reference computation {COMPUTATION}",
         )
 
     def _block_slots(self, block_ids: np.ndarray) -> torch.Tensor:

@@ -4,7 +4,10 @@ interpreter and serves the Backend contract through it (see the package docstrin
 Faults end in an error naming the interpreter, the runner's last log lines and the fix:
 a runner that cannot start (missing package, wrong protocol) stops the engine's start-up;
 a runner that dies while serving fails the call in progress, and with it the engine
-step, so vLLM fails the in-flight requests and shuts down rather than hanging.
+step, so vLLM fails the in-flight requests and shuts down rather than hanging. Every
+wait has a bound (`RunnerTimeouts`): a runner that does not shake hands, or answer a
+call, in time is killed and the wait ends in a `RunnerTimeout` naming the operation and
+the setting, never a silent hang.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import signal
 import subprocess
 import threading
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +33,13 @@ from neuron_plugin.backends.kv_blocks import KVGeometry
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
     Arena,
+    Channel,
+    ChannelTimeout,
     KVArena,
     encode_inputs,
     encode_sampling,
     input_arena_bytes,
     output_arena_bytes,
-    read_message,
-    write_message,
 )
 from neuron_plugin.core.adapters import AdapterError, AdapterWeights
 from neuron_plugin.core.checkpoint import (
@@ -52,10 +57,61 @@ logger = plugin_logger(__name__)
 
 TAIL_LINES = 25
 EXIT_WAIT_S = 10.0
+START_TIMEOUT_ENV = "VLLM_NEURON_RUNNER_START_TIMEOUT_S"
+CALL_TIMEOUT_ENV = "VLLM_NEURON_RUNNER_CALL_TIMEOUT_S"
+BUILD_TIMEOUT_ENV = "VLLM_NEURON_RUNNER_BUILD_TIMEOUT_S"
+# Operations that compile or load graphs (a compile takes minutes to hours).
+BUILD_OPS = frozenset({"load", "compile", "quantize", "manifest"})
 
 
 class RunnerError(RuntimeError):
     """The backend runner failed or died; the message says why and what to do."""
+
+
+class RunnerTimeout(RunnerError):
+    """The backend runner did not answer within its timeout (and was stopped)."""
+
+
+@dataclass(frozen=True)
+class RunnerTimeouts:
+    """How long the worker waits for the runner, in seconds: the handshake (the runner
+    starts its interpreter and imports the backend: NxDI takes about a minute), a call
+    that compiles or loads graphs, and every other call (an engine step's)."""
+
+    start_s: float = 300.0
+    build_s: float = 12 * 3600.0
+    call_s: float = 600.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> RunnerTimeouts:
+        values = {}
+        for field, env in (
+            ("start_s", START_TIMEOUT_ENV),
+            ("build_s", BUILD_TIMEOUT_ENV),
+            ("call_s", CALL_TIMEOUT_ENV),
+        ):
+            given = environ.get(env, "").strip()
+            if not given:
+                continue
+            try:
+                value = float(given)
+            except ValueError:
+                value = -1.0
+            if not 0 < value < float("inf"):
+                raise NeuronConfigError(
+                    f"{env}={given!r} must be a positive number of seconds (default "
+                    f"{getattr(cls, field):g}); fix or unset it."
+                )
+            values[field] = value
+        return cls(**values)
+
+    def for_op(self, op: str) -> tuple[float, str]:
+        """(seconds, the setting that sets them) for a reply to `op`."""
+        if op == "hello":
+            return self.start_s, START_TIMEOUT_ENV
+        if op in BUILD_OPS:
+            return self.build_s, BUILD_TIMEOUT_ENV
+        return self.call_s, CALL_TIMEOUT_ENV
 
 
 def describe_exit(code: int | None) -> str:
@@ -67,15 +123,26 @@ def describe_exit(code: int | None) -> str:
 
 
 class RunnerProcess:
-    """A started runner: its process, its two arenas, and request/reply over its pipes."""
+    """A started runner: its process, its arenas, and request/reply over its channel."""
 
-    def __init__(self, python: str, backend: str, input_bytes: int, output_bytes: int):
+    def __init__(
+        self,
+        python: str,
+        backend: str,
+        input_bytes: int,
+        output_bytes: int,
+        timeouts: RunnerTimeouts | None = None,
+    ):
         self.python = python
+        self.timeouts = timeouts or RunnerTimeouts.from_env()
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.inputs = Arena.create("neuron-runner-inputs", input_bytes)
         self.outputs = Arena.create("neuron-runner-outputs", output_bytes)
         self.kv = KVArena.create("neuron-runner-kv")  # sized on first use
-        fds = (self.inputs.fd, self.outputs.fd, self.kv.fd)
+        # The channel's pipes: the runner reads requests from one, answers on the other.
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        fds = (self.inputs.fd, self.outputs.fd, self.kv.fd, request_r, reply_w)
         try:
             self.process = subprocess.Popen(
                 [
@@ -92,29 +159,42 @@ class RunnerProcess:
                     str(output_bytes),
                     "--kv-fd",
                     str(fds[2]),
+                    "--request-fd",
+                    str(request_r),
+                    "--reply-fd",
+                    str(reply_w),
                     "--parent-pid",
                     str(os.getpid()),
                 ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,  # the log: whatever it prints
+                stderr=subprocess.STDOUT,
                 pass_fds=fds,
             )
         except OSError as exc:
+            for fd in (request_r, request_w, reply_r, reply_w):
+                os.close(fd)
             self._close_arenas()
             raise RunnerError(
                 f"cannot start the backend runner with VLLM_NEURON_BACKEND_PYTHON="
                 f"{python!r}: {exc}; point it at the Python of the environment that "
                 f"has the backend installed."
             ) from exc
-        stdin, stdout, stderr = self.process.stdin, self.process.stdout, self.process.stderr
-        assert stdin and stdout and stderr  # Popen made all three pipes (typed optional)
-        self._stdin, self._stdout, self._stderr = stdin, stdout, stderr
+        os.close(request_r)  # the runner's ends: its exit is then our end of stream
+        os.close(reply_w)
+        self.channel = Channel(reply_r, request_w)
+        log = self.process.stdout
+        assert log is not None  # Popen made the pipe (typed optional)
+        self._log = log
         self._relay = threading.Thread(
             target=self._relay_log, daemon=True, name="neuron-runner-log"
         )
         self._relay.start()
-        self.handshake = self.request("hello", protocol=PROTOCOL_VERSION, backend=backend)
+        try:
+            self.handshake = self.request("hello", protocol=PROTOCOL_VERSION, backend=backend)
+        except BaseException:
+            self.close()
+            raise
 
     def describe(self) -> str:
         """The handshake in one line: who runs the backend, with which versions."""
@@ -135,16 +215,21 @@ class RunnerProcess:
         """The request half of `request`: the runner starts on it while this process
         goes on; `receive` waits for its reply."""
         try:
-            write_message(self._stdin, {"op": op, **fields})
+            self.channel.send({"op": op, **fields}, self.timeouts.call_s)
         except (BrokenPipeError, ConnectionResetError):
             raise self._died(op) from None
+        except ChannelTimeout:
+            raise self._timed_out(op, self.timeouts.call_s, CALL_TIMEOUT_ENV) from None
 
     def receive(self, op: str) -> dict[str, Any]:
-        """The reply to the request `send` sent for `op`."""
+        """The reply to the request `send` sent for `op`, within the op's timeout."""
+        seconds, setting = self.timeouts.for_op(op)
         try:
-            reply = read_message(self._stdout)
+            reply = self.channel.receive(seconds)
         except (BrokenPipeError, ConnectionResetError):
             reply = None
+        except ChannelTimeout:
+            raise self._timed_out(op, seconds, setting) from None
         if reply is None:
             raise self._died(op)
         if not reply.get("ok"):
@@ -163,16 +248,17 @@ class RunnerProcess:
         """Stop the runner (it would also die with this process)."""
         if self.process.poll() is None:
             try:
-                write_message(self._stdin, {"op": "shutdown"})
+                self.channel.send({"op": "shutdown"}, EXIT_WAIT_S)
                 self.process.wait(EXIT_WAIT_S)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, ChannelTimeout, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
+        self.channel.close()
         self._close_arenas()
 
     def _relay_log(self) -> None:
-        """The runner's stderr into vLLM's log, keeping the last lines for errors."""
-        for raw in iter(self._stderr.readline, b""):
+        """The runner's output into vLLM's log, keeping the last lines for errors."""
+        for raw in iter(self._log.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             self._tail.append(line)
             logger.info("backend runner: %s", line)
@@ -197,6 +283,30 @@ class RunnerProcess:
             f"{describe_exit(code)} during {op}. Its last lines:\n{tail}\n{fix}"
         )
 
+    def _timed_out(self, op: str, seconds: float, setting: str) -> RunnerTimeout:
+        """Stop a runner that did not answer in time (its channel is out of step now)."""
+        self.process.kill()
+        self.process.wait()
+        self._relay.join(2.0)
+        tail = "\n".join(self._tail) or "(it printed nothing)"
+        if op == "hello":
+            fix = (
+                f"; it did not shake hands: check that {self.python} is the backend "
+                f"environment's Python and starts, or raise {setting} if importing the "
+                f"backend takes longer on this host"
+            )
+        else:
+            fix = (
+                f"; the backend is stuck or far slower than expected: the engine cannot "
+                f"continue, so the requests in flight fail and the server stops; raise "
+                f"{setting} if this call legitimately takes longer"
+            )
+        return RunnerTimeout(
+            f"the backend runner (pid {self.process.pid}, {self.python}) did not answer "
+            f"{op} within {setting}={seconds:g} s and was stopped. Its last lines:\n{tail}\n"
+            f"{fix}"
+        )
+
     def _fix_for_start(self) -> str:
         return (
             f"; install the backend side in that environment ({self.python} -m pip "
@@ -211,9 +321,9 @@ class RunnerProcess:
         self.kv.close()
 
 
-def probe(python: str, backend: str) -> dict[str, Any]:
+def probe(python: str, backend: str, timeouts: RunnerTimeouts | None = None) -> dict[str, Any]:
     """Start a runner, shake hands (it imports the backend), stop it: the handshake."""
-    runner = RunnerProcess(python, backend, mmap.PAGESIZE, mmap.PAGESIZE)
+    runner = RunnerProcess(python, backend, mmap.PAGESIZE, mmap.PAGESIZE, timeouts)
     try:
         return runner.handshake
     finally:

@@ -1,10 +1,14 @@
 """The runner protocol: framed JSON control messages and arrays in shared memory.
 
-Control: each message is a 4-byte little-endian length and a UTF-8 JSON object; requests
-carry "op", replies carry "ok" (and "error" when false). JSON, so nothing received can
-run code. Arrays: the client writes a call's arrays into the input arena and sends their
-layout ({name: [dtype, shape, offset]}); the runner answers with the output arena's
-layout. Operations:
+Control: each message is a 4-byte little-endian length and a UTF-8 JSON object of at
+most MAX_MESSAGE_BYTES; requests carry "op", replies carry "ok" (and "error" when
+false). JSON, so nothing received can run code. Messages travel on two pipes of their
+own (`Channel`), passed to the runner as file descriptors: nothing else writes to them,
+so whatever an interpreter wrapper, the Python start-up or a library prints goes to the
+runner's stdout and stderr (the log), never into a message. A reader waits at most its
+timeout for a whole message (`ChannelTimeout`), and a writer too. Arrays: the client
+writes a call's arrays into the input arena and sends their layout ({name: [dtype,
+shape, offset]}); the runner answers with the output arena's layout. Operations:
 - "hello" (protocol version, backend), "load", "compile", "manifest" and "quantize"
   (writes the quantized checkpoint the settings name) carry settings and a model folder,
   no arrays; "load" answers which LoRA adapters the backend takes (`AdapterLoading`).
@@ -41,9 +45,11 @@ import dataclasses
 import json
 import mmap
 import os
+import select
 import struct
+import time
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +62,11 @@ from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
 
 # 3: tokens and draws [rows, positions] (speculative decoding); 4: adapter_slots and
-# "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation)
-PROTOCOL_VERSION = 5
+# "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation);
+# 6: messages on pipes of their own, lengths capped; KVGeometry.computation
+PROTOCOL_VERSION = 6
+# Control messages carry settings, layouts and manifests (arrays go through the arenas).
+MAX_MESSAGE_BYTES = 16 << 20
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
 SAMPLING_PREFIX = "sampling."
 ALIGN = 64
@@ -71,25 +80,90 @@ class ProtocolError(RuntimeError):
     """The other side sent something this protocol version does not allow."""
 
 
-def write_message(stream: IO[bytes], message: Mapping[str, Any]) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    stream.write(_LENGTH.pack(len(data)) + data)
-    stream.flush()
+class ChannelTimeout(TimeoutError):
+    """No whole message crossed the channel within the timeout."""
 
 
-def read_message(stream: IO[bytes]) -> dict[str, Any] | None:
-    """The next message, or None at end of stream (the other side is gone)."""
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        return None
-    (length,) = _LENGTH.unpack(head)
-    data = stream.read(length)
-    if len(data) < length:
-        return None
-    message = json.loads(data)
-    if not isinstance(message, dict):
-        raise ProtocolError(f"expected a JSON object, got {type(message).__name__}")
-    return message
+class Channel:
+    """Messages out on `write_fd`, in from `read_fd` (two pipes of the channel's own),
+    each wait bounded by a timeout in seconds (None: no bound)."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.read_fd = read_fd
+        self.write_fd = write_fd
+        os.set_blocking(write_fd, False)  # a write waits in poll, within its timeout
+        self._pending = bytearray()
+
+    def send(self, message: Mapping[str, Any], timeout: float | None = None) -> None:
+        data = json.dumps(message, separators=(",", ":")).encode()
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(
+                f"a {message.get('op', 'reply')!r} message of {len(data):,} bytes, more than "
+                f"the protocol's {MAX_MESSAGE_BYTES:,}"
+            )
+        view = memoryview(_LENGTH.pack(len(data)) + data)
+        deadline = _deadline(timeout)
+        while view:
+            self._wait(self.write_fd, select.POLLOUT, deadline)
+            try:
+                view = view[os.write(self.write_fd, view) :]
+            except BlockingIOError:
+                continue
+
+    def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next message, or None at end of stream (the other side is gone)."""
+        deadline = _deadline(timeout)
+        head = self._read(_LENGTH.size, deadline)
+        if head is None:
+            return None
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_MESSAGE_BYTES:
+            raise ProtocolError(
+                f"a message announced as {length:,} bytes, more than the protocol's "
+                f"{MAX_MESSAGE_BYTES:,}: the other side does not speak this protocol"
+            )
+        data = self._read(length, deadline)
+        if data is None:
+            return None
+        try:
+            message = json.loads(data)
+        except ValueError as exc:
+            raise ProtocolError(f"a message that is not JSON ({exc})") from None
+        if not isinstance(message, dict):
+            raise ProtocolError(f"expected a JSON object, got {type(message).__name__}")
+        return message
+
+    def _read(self, count: int, deadline: float | None) -> bytes | None:
+        while len(self._pending) < count:
+            self._wait(self.read_fd, select.POLLIN, deadline)
+            chunk = os.read(self.read_fd, max(count - len(self._pending), 1 << 16))
+            if not chunk:
+                return None
+            self._pending += chunk
+        data = bytes(self._pending[:count])
+        del self._pending[:count]
+        return data
+
+    @staticmethod
+    def _wait(fd: int, event: int, deadline: float | None) -> None:
+        poller = select.poll()
+        poller.register(fd, event)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ChannelTimeout()
+            # POLLHUP/POLLERR too: the read or write that follows reports them
+            if poller.poll(None if left is None else max(1, int(left * 1000) + 1)):
+                return
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def _aligned(n: int) -> int:

@@ -2,10 +2,11 @@
 contract to the vLLM worker that started it (see the package docstring).
 
 It exits with its parent: the kernel kills it when the parent dies (PR_SET_PDEATHSIG),
-and it exits at end of input (the parent closed the pipe). Its stdout is the protocol
-channel, so the process's fd 1 is pointed at stderr: a library that prints cannot
-corrupt a message. Everything it logs goes to stderr, which the client relays into
-vLLM's log.
+and it exits at end of input (the parent closed the pipe). Messages come and go on two
+pipes the client passes as file descriptors (`protocol.Channel`), kept from the
+processes the backend starts (a compiler): stdout and stderr are only the log, which
+the client relays into vLLM's log, so nothing an interpreter wrapper, the Python
+start-up or a library prints can corrupt a message.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 from neuron_plugin.backends.runner.protocol import (
     PROTOCOL_VERSION,
     Arena,
+    Channel,
     KVArena,
+    ProtocolError,
     decode_inputs,
     decode_sampling,
-    read_message,
-    write_message,
 )
 from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.settings import NeuronSettings
@@ -195,16 +196,20 @@ def _cache_result(result: Any) -> dict[str, Any]:
     }
 
 
-def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
+def serve(runner: Runner, channel: Channel) -> int:
     """Answer requests until shutdown or end of input. An operation's error is a reply,
     not an exit: the worker decides what it means."""
     while True:
-        message = read_message(requests)
+        try:
+            message = channel.receive()
+        except ProtocolError as exc:  # the channel is out of step: nothing can follow
+            logger.error("runner protocol: %s", exc)
+            return 1
         if message is None:
             return 0
         op = message.get("op")
         if op == "shutdown":
-            write_message(replies, {"ok": True})
+            channel.send({"ok": True})
             return 0
         handler = getattr(runner, op, None) if op in OPS else None
         try:
@@ -218,7 +223,10 @@ def serve(runner: Runner, requests: BinaryIO, replies: BinaryIO) -> int:
                 "error": f"{type(exc).__name__}: {exc}",
                 "type": type(exc).__name__,
             }
-        write_message(replies, reply)
+        try:
+            channel.send(reply)
+        except ProtocolError as exc:  # a reply too large: its error goes instead
+            channel.send({"ok": False, "error": f"ProtocolError: {exc}", "type": "ProtocolError"})
 
 
 OPS = frozenset(
@@ -249,14 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-fd", type=int, required=True)
     parser.add_argument("--output-bytes", type=int, required=True)
     parser.add_argument("--kv-fd", type=int, required=True)
+    parser.add_argument("--request-fd", type=int, required=True)
+    parser.add_argument("--reply-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGKILL, args.parent_pid)
-    requests = os.fdopen(os.dup(0), "rb")  # buffered: read(n) returns n bytes or EOF
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # stray prints go to the log, never into the protocol
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    for fd in (args.request_fd, args.reply_fd):
+        os.set_inheritable(fd, False)  # a process the backend starts never holds them
+    channel = Channel(args.request_fd, args.reply_fd)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -265,4 +273,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         Arena(args.output_fd, args.output_bytes),
         KVArena(args.kv_fd),
     )
-    return serve(runner, requests, replies)
+    return serve(runner, channel)
