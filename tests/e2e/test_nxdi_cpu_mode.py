@@ -181,8 +181,13 @@ def test_real_nxdi_kv_blocks_move_to_another_backend_and_decode_there(nxdi_pytho
     # NxDI's prefix-caching cache: pa_num_blocks + 1 blocks, the block dimension tiled
     # (8 blocks a sequence < 128), 2 KV heads of 64 (block_kv_cache_manager.py)
     assert report["state_shape"] == [settings.num_blocks + 1, 16, 2, 2, 64]
-    assert report["geometry"] == {"layers": 2, "block_size": 32, "kv_heads": 2,
-                                  "head_dim": 64, "dtype": "float32"}
+    geometry = report["geometry"]
+    # how the values were computed, bound into every payload: the NxDI patches that
+    # change the math (the prefix-cache hit's masked prefill among them)
+    computation = geometry.pop("computation")
+    assert computation.startswith("nxd, patches: ") and "prefix-prefill-mask" in computation
+    assert geometry == {"layers": 2, "block_size": 32, "kv_heads": 2, "head_dim": 64,
+                        "dtype": "float32"}
     assert report["kv_shape"] == [2, 2, 2, 32, 2, 64]
     assert report["round_trip_equal"] and report["nonzero"]
     expected = oracles("llama").generate(prompt, NEW_TOKENS)
