@@ -7,13 +7,14 @@ import json
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import boto3
 import pytest
 
 from compile_cache.cache import CompileCache
-from compile_cache.errors import EntryUntrusted
+from compile_cache.errors import EntryCorrupt, EntryUntrusted
 from compile_cache.manifest import cache_key
 from compile_cache.record import new_record
 from compile_cache.signing import Trust, TrustConfigError, generate_key, key_id, own_key_path
@@ -202,3 +203,45 @@ def test_keygen_and_trust_verbs(tmp_path, monkeypatch):
                                       text=True, check=True).stdout)
     assert shown["signs_with"] == info["key_id"] and shown["publishes_to_shared_stores"]
     assert info["key_id"] in shown["trusted"]
+
+
+def _share(folder: Path) -> None:
+    """Make a store folder writable by its group, as on a shared filesystem."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(path.stat().st_mode | stat.S_IWGRP)
+
+
+def test_an_entry_others_can_write_is_loaded_from_a_private_verified_copy(store, tmp_path):
+    """Issue 39: in a store another writer can change, a file swapped after the check
+    (before the loader opens it) must not be what loads: the loader's folder is a
+    private copy made from the bytes that were verified."""
+    cache = CompileCache(store)
+    built = cache.get_or_build(manifest_for(), counting_build(tmp_path / "c", "v1"))
+    original = (built.path / "neuron_config.json").read_bytes()
+    _share(store.root)
+    hit = CompileCache(store).get_or_build(manifest_for(), counting_build(tmp_path / "c"))
+    assert hit.hit and builds(tmp_path / "c") == ["built"]
+    assert store.root not in hit.path.parents
+    assert stat.S_IMODE(hit.path.stat().st_mode) == 0o700
+    # the other writer swaps the checked file now: the loader's copy is unchanged
+    swapped = store.files_path(built.key) / "neuron_config.json"
+    swapped.unlink()
+    swapped.write_bytes(b'{"forged": true}')
+    assert (hit.path / "neuron_config.json").read_bytes() == original
+    assert sorted(p.relative_to(hit.path).as_posix() for p in hit.path.rglob("*.neff")) == \
+        sorted(p.relative_to(built.path).as_posix() for p in built.path.rglob("*.neff"))
+
+
+def test_a_private_entry_is_loaded_in_place_and_a_forged_shared_one_never(store, tmp_path):
+    """Only this user can change a private store: its entry loads in place. A shared
+    entry whose bytes differ from its record is refused, its copy removed."""
+    cache = CompileCache(store)
+    built = cache.get_or_build(manifest_for(), counting_build(tmp_path / "c", "v1"))
+    assert cache.get_or_build(manifest_for(), counting_build(tmp_path / "c")).path == built.path
+    _share(store.root)
+    (store.files_path(built.key) / "neuron_config.json").write_bytes(b"tampered")
+    record = store.get_record(built.key)
+    leftovers = set(Path(tempfile.gettempdir()).glob("neuron-cache-*"))
+    with pytest.raises(EntryCorrupt, match="neuron_config.json differs from its record"):
+        store.materialize(record)
+    assert set(Path(tempfile.gettempdir()).glob("neuron-cache-*")) == leftovers
