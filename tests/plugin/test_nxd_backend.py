@@ -881,7 +881,7 @@ def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeyp
     decode = loaded(s, tiny, tmp_path / "d")
     geometry = prefill.kv_geometry()
     assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=2, head_dim=64,
-                                  dtype="float32")
+                                  dtype="float32", computation=geometry.computation)
     data = torch.randn(geometry.shape(3))
     TRANSFERS.clear()
     TRANSFER_THREADS.clear()
