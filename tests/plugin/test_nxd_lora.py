@@ -8,6 +8,7 @@ NxDI cannot load at run time (0.7, 0.8; said at start-up), and what is refused."
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 
@@ -166,6 +167,14 @@ def test_what_nxdi_cannot_serve_is_refused(nxdi, tiny, lora_adapters, tmp_path):
     (broken / "adapter_config.json").write_text("{not json")
     with pytest.raises(NeuronConfigError, match="'x'.*unreadable adapter_config.json"):
         NxDBackend(lora_settings({"lora_ckpt_paths": {"x": str(broken)}}), tiny)
+    # a PEFT pattern: NxDI's set(target_modules) would take it letter by letter
+    pattern = tmp_path / "pattern"
+    shutil.copytree(lora_adapters["lora-a"], pattern)
+    config = json.loads((pattern / "adapter_config.json").read_text())
+    config["target_modules"] = r".*\.(q_proj|v_proj)"
+    (pattern / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(NeuronConfigError, match=r"'r'.*target_modules as a pattern.*listed"):
+        NxDBackend(lora_settings({"lora_ckpt_paths": {"r": str(pattern)}}), tiny)
 
 
 def test_cache_key_covers_slot_shapes_not_adapters(nxdi, tiny, lora_adapters):

@@ -141,7 +141,16 @@ def check_start_adapters(settings: NeuronSettings) -> dict[str, str]:
                 f"--max-lora-rank {settings.max_lora_rank}; restart with --max-lora-rank "
                 f"{rank} or more."
             )
-        targets = set(expand_target_modules(config.get("target_modules") or []))
+        listed = config.get("target_modules") or []
+        if isinstance(listed, str):
+            raise NeuronConfigError(
+                f"{KEY}.lora_ckpt_paths: adapter {name!r} ({given}) gives target_modules as "
+                f"a pattern ({listed[:80]!r}); NxDI reads it as a list of module names "
+                f"(modules/lora_serving/config.py LoraServingConfig: set(target_modules) "
+                f"takes a string letter by letter): save the adapter with the module "
+                f"names listed."
+            )
+        targets = set(expand_target_modules(listed))
         outside = sorted(targets - set(settings.lora_target_modules))
         if outside:
             raise NeuronConfigError(
