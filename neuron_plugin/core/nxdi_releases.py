@@ -23,7 +23,6 @@ class NxDIRelease:
     release: str  # "0.8": what `neuronx-distributed-inference` versions start with
     sdk: str  # the Neuron SDK release that ships it
     commit: str  # the public source the plugin was checked against
-    families: tuple[str, ...]  # the chip targets (Chip.target) it supports
 
     def describe(self) -> str:
         return f"NxDI {self.release} (Neuron SDK {self.sdk}, {self.commit})"
@@ -33,8 +32,8 @@ class NxDIRelease:
 V2_FAMILIES = ("inf2", "trn1")
 V2_LAST_RELEASE = "0.8"
 
-NXDI_0_8 = NxDIRelease("0.8", "2.28", "cd3abf3", ("inf2", "trn1", "trn2"))
-NXDI_0_9 = NxDIRelease("0.9", "2.29", "ef2731e", ("trn2",))
+NXDI_0_8 = NxDIRelease("0.8", "2.28", "cd3abf3")
+NXDI_0_9 = NxDIRelease("0.9", "2.29", "ef2731e")
 # The releases the plugin's `-m nxdi` suite ran on, oldest first.
 CHECKED = (NXDI_0_8, NXDI_0_9)
 
@@ -67,8 +66,7 @@ def checked(version: str | None) -> NxDIRelease | None:
 def for_family(target: str | None) -> NxDIRelease:
     """The newest checked release that supports a chip target (an unknown or absent
     target: the newest checked release)."""
-    supporting = [r for r in CHECKED if target is None or target in r.families]
-    return (supporting or list(CHECKED))[-1]
+    return [r for r in CHECKED if supports(r.release, target)][-1]
 
 
 def assessment(version: str | None, target: str | None) -> dict[str, object]:
