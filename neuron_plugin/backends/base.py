@@ -49,6 +49,7 @@ from neuron_plugin.core.inputs import (
 )
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs
 
 GRAPHS_FILE = "graphs.json"
 Progress = Callable[[str], None]
@@ -67,7 +68,7 @@ class GraphSpec:
     @property
     def name(self) -> str:
         dims = "x".join(str(d) for d in self.shape)
-        kind = "cte" if self.phase == CONTEXT_ENCODING else "tkg"
+        kind = {CONTEXT_ENCODING: "cte", VISION_ENCODING: "vision"}.get(self.phase, "tkg")
         return f"{kind}{'_logits' if self.logits else ''}_{dims}"
 
 
@@ -80,6 +81,7 @@ def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
             GraphSpec(TOKEN_GENERATION, s, logits=True)
             for s in settings.token_generation_logits_shapes()
         ]
+        + [GraphSpec(VISION_ENCODING, s) for s in settings.vision_shapes()]
     )
 
 
@@ -206,6 +208,11 @@ class LoadedBackend(Protocol):
 
     def collect(self) -> StepOutput:
         """The answer of the call `submit` started (waiting for it if need be)."""
+
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        """A vision-language model's embeddings of one image, [image.embedding_tokens,
+        hidden] float32, from the vision graph of its bucket (core.vision); never while a
+        submitted call is in flight."""
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """Write a LoRA adapter into slot `slot` (1..settings.max_loras), replacing the

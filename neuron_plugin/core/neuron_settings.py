@@ -153,6 +153,9 @@ class NeuronSettings:
     lora_target_modules: tuple[str, ...] = ()
     max_cpu_loras: int = 0
     lora_options: Mapping[str, Any] = field(default_factory=dict)
+    # Vision-language models (core.vision): the vision encoder's buckets, in patches per
+    # image, ascending (empty for a text model).
+    vision_buckets: tuple[int, ...] = ()
 
     @property
     def quantization(self) -> Quantization | None:
@@ -233,6 +236,10 @@ class NeuronSettings:
         lengths = self.token_generation_logits_buckets or self.token_generation_buckets
         return [(self.max_num_seqs, n) for n in lengths]
 
+    def vision_shapes(self) -> list[tuple[int]]:
+        """(patches,) for every vision-encoder graph."""
+        return [(n,) for n in self.vision_buckets]
+
     def capacity(self) -> str:
         """The KV cache's capacity in one line, the same in the server log and in
         explain-config. vLLM's own "KV cache size" line counts its null block, which
@@ -257,6 +264,7 @@ class NeuronSettings:
             len(self.context_encoding_shapes())
             + len(self.token_generation_shapes())
             + len(self.token_generation_logits_shapes())
+            + len(self.vision_shapes())
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,7 +276,7 @@ class NeuronSettings:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
         values = dict(data)
-        for key in (*GRID_KEYS, "token_generation_logits_buckets"):
+        for key in (*GRID_KEYS, "token_generation_logits_buckets", "vision_buckets"):
             values[key] = tuple(values.get(key, ()))
         values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
         values["lora_target_modules"] = tuple(values.get("lora_target_modules", ()))
