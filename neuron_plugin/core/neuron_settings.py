@@ -16,6 +16,7 @@ from typing import Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.core.vision import VisionLimits
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -92,6 +93,9 @@ class EngineLimits:
     fully_sharded_loras: bool = False
     # vLLM's --kv-transfer-config (prefill/decode disaggregation), None without it.
     kv_transfer: KVTransferLimits | None = None
+    # A vision-language model's image sizes (its processor's patch range), None for a
+    # text model.
+    vision: VisionLimits | None = None
 
 
 @dataclass(frozen=True)

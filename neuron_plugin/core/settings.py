@@ -54,6 +54,7 @@ from neuron_plugin.core.override_checks import (
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
+from neuron_plugin.core.vision import VISION_BUCKETS_KEY, resolve_vision_buckets
 from neuron_plugin.core.vllm_flags import WORKER_CLS
 
 # The names callers import from here, wherever they are defined.
@@ -101,6 +102,7 @@ INTERPRETED_KEYS = frozenset(
         "seq_len",
         "torch_dtype",
         "lora_config",
+        VISION_BUCKETS_KEY,
     )
 )
 
@@ -329,6 +331,7 @@ def resolve_settings(
         lora_target_modules=lora.target_modules,
         max_cpu_loras=lora.max_cpu_loras,
         lora_options=dict(lora.nxd_options or {}),
+        vision_buckets=resolve_vision_buckets(override, limits.vision),
     )
     if backend == "nxd":
         refuse_what_the_cpu_mode_cannot_run(settings)

@@ -15,11 +15,15 @@ in order (`ForwardInputs.vision_embeddings` / `vision_mask`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from neuron_plugin.core.settings import NeuronConfigError
+from bucketing.errors import BucketError
+from bucketing.grids import validate_grid
+from neuron_plugin.core.errors import NeuronConfigError
 
 VISION_ENCODING = "vision_encoding"
 
@@ -52,3 +56,143 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
         f"patches): lower the processor's max_pixels (mm_processor_kwargs) or add a larger "
         f"bucket to override_neuron_config.vision_buckets."
     )
+
+
+# The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
+# family: patches merged spatial_merge_size**2 to one embedding, M-RoPE positions).
+VISION_ARCHITECTURES = frozenset(
+    {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
+VISION_BUCKETS_KEY = "vision_buckets"
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True)
+class VisionLimits:
+    """What the model's processor makes of an image: between `min_patches` and
+    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each."""
+
+    min_patches: int
+    max_patches: int
+    step: int
+
+
+def processor_limits(
+    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any]
+) -> VisionLimits:
+    """A Qwen2-VL image processor's patch range. It resizes an image to a multiple of
+    patch_size * merge_size per side with min_pixels <= height x width <= max_pixels
+    (`smart_resize`), so an image has at most max_pixels / patch_size**2 patches; the
+    pixel bounds come from mm_processor_kwargs where vLLM passes them, else from
+    preprocessor_config.json (`min_pixels`/`max_pixels`, or transformers 5's
+    `size.shortest_edge`/`size.longest_edge`)."""
+    merged = {**preprocessor, **mm_processor_kwargs}
+    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    low = _pixels("min_pixels", merged.get("min_pixels", size.get("shortest_edge")))
+    high = _pixels("max_pixels", merged.get("max_pixels", size.get("longest_edge")))
+    patch, merge = int(merged.get("patch_size", 14)), int(merged.get("merge_size", 2))
+    step = merge * merge
+    area = patch * patch
+    return VisionLimits(
+        min_patches=max(step, -(-low // area) // step * step),
+        max_patches=max(step, high // area // step * step),
+        step=step,
+    )
+
+
+def _pixels(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NeuronConfigError(
+            f"the image processor's {name}={value!r} (mm_processor_kwargs or the "
+            f"checkpoint's preprocessor_config.json) must be a whole number of pixels "
+            f">= 1; set --mm-processor-kwargs '{{\"{name}\": ...}}'."
+        )
+    return value
+
+
+def resolve_vision_buckets(
+    override: Mapping[str, Any], limits: VisionLimits | None
+) -> tuple[int, ...]:
+    """The vision encoder's buckets: the user's `vision_buckets`, or powers of two from
+    the smallest image's patches up to the largest's (appended), as NxDI's default text
+    grids grow; none for a text model."""
+    if limits is None:
+        if VISION_BUCKETS_KEY in override:
+            raise NeuronConfigError(
+                f"override_neuron_config.{VISION_BUCKETS_KEY} sizes a vision encoder's "
+                f"graphs, but this model takes no images; remove it."
+            )
+        return ()
+    name = f"override_neuron_config.{VISION_BUCKETS_KEY}"
+    if VISION_BUCKETS_KEY in override:
+        try:
+            buckets = validate_grid(override[VISION_BUCKETS_KEY], name=name)
+        except BucketError as exc:
+            raise NeuronConfigError(str(exc)) from None
+        odd = [b for b in buckets if b % limits.step]
+        if odd:
+            raise NeuronConfigError(
+                f"{name} has {odd}: an image's patches come in multiples of "
+                f"{limits.step} (spatial_merge_size squared); round them up."
+            )
+        return buckets
+    grown: list[int] = []
+    size = 1 << max(0, (limits.min_patches - 1).bit_length())
+    while size < limits.max_patches:
+        grown.append(size)
+        size *= 2
+    return (*grown, limits.max_patches)
+
+
+def mrope_positions(
+    length: int, images: list[tuple[int, np.ndarray]], spatial_merge_size: int
+) -> tuple[np.ndarray, int]:
+    """M-RoPE rotary positions [3, length] of a prompt whose images (placeholder offset,
+    grid_thw) sit in it, and the shift its later tokens keep (`delta`: the token at KV
+    position p rotates at p + delta), as the Qwen2-VL family numbers them
+    (transformers' `get_rope_index`): text counts on in all three rows from the last
+    position used; an image's tokens take (frame, row, column) of the merged grid,
+    offset by the position the image starts at."""
+    rows, start, cursor = [], 0, 0
+    for offset, grid in sorted(images, key=lambda image: image[0]):
+        text = offset - start
+        rows.append(np.broadcast_to(cursor + np.arange(text), (3, text)))
+        cursor += text
+        t, h, w = (
+            int(grid[0]),
+            int(grid[1]) // spatial_merge_size,
+            int(grid[2]) // spatial_merge_size,
+        )
+        frame, row, column = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        placed = cursor + np.stack([frame.ravel(), row.ravel(), column.ravel()])
+        rows.append(placed)
+        cursor = int(placed.max()) + 1
+        start = offset + t * h * w
+    rows.append(np.broadcast_to(cursor + np.arange(length - start), (3, length - start)))
+    positions = np.concatenate(rows, axis=1).astype(np.int64)
+    return positions, cursor + (length - start) - length
+
+
+def chunk_embeddings(
+    start: int,
+    count: int,
+    active: int,
+    hidden: int,
+    placed: list[tuple[int, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The vision inputs of a context-encoding call of prompt tokens [start, start +
+    count) padded to `active`: embeddings [1, active, hidden] and mask [1, active], from
+    each image's (placeholder offset, embeddings [tokens, hidden]). A chunk may cut an
+    image anywhere (chunked prefill, a prefix-cache hit inside an image): it takes the
+    rows of the image's embeddings its tokens cover, as vLLM's GPU runner gathers them
+    (`_gather_mm_embeddings`)."""
+    embeddings = np.zeros((1, active, hidden), dtype=np.float32)
+    mask = np.zeros((1, active), dtype=bool)
+    end = start + count
+    for offset, rows in placed:
+        first, last = max(start, offset), min(end, offset + rows.shape[0])
+        if first >= last:
+            continue
+        embeddings[0, first - start : last - start] = rows[first - offset : last - offset]
+        mask[0, first - start : last - start] = True
+    return embeddings, mask

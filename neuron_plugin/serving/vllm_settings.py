@@ -46,6 +46,12 @@ from neuron_plugin.core.settings import (
     engine_updates,
     resolve_settings,
 )
+from neuron_plugin.core.vision import (
+    PREPROCESSOR_FILE,
+    VISION_ARCHITECTURES,
+    VisionLimits,
+    processor_limits,
+)
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
 from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV
 from neuron_plugin.core.vllm_neuron_env import environment_updates
@@ -107,7 +113,29 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         **speculative_limits(vllm_config.speculative_config),
         **lora_limits(vllm_config.lora_config),
         kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
+        vision=vision_limits(model),
     )
+
+
+def vision_limits(model: Any) -> VisionLimits | None:
+    """A vision-language model's image sizes from its processor's settings (the
+    checkpoint's preprocessor_config.json under --mm-processor-kwargs); None for a text
+    model. A multimodal architecture whose vision tower the plugin does not run is
+    refused here, before anything loads."""
+    if not model.is_multimodal_model:
+        return None
+    architecture = (model.architectures or ["unknown"])[0]
+    if architecture not in VISION_ARCHITECTURES:
+        raise NeuronConfigError(
+            f"{architecture} is a multimodal model whose vision encoder this plugin does "
+            f"not run (it runs {', '.join(sorted(VISION_ARCHITECTURES))}); serve a "
+            f"supported model or a text-only checkpoint."
+        )
+    from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+    preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
+    kwargs = model.multimodal_config.mm_processor_kwargs or {}
+    return processor_limits(preprocessor, kwargs)
 
 
 def kv_transfer_limits(config: Any) -> KVTransferLimits | None:
