@@ -80,8 +80,12 @@ def expected(model, host_python) -> dict[str, list[int]]:
         "requests": [{"messages": m, "max_tokens": TOKENS} for m in REQUESTS.values()],
     }
     done = subprocess.run(
-        [host_python, str(ORACLE)], input=json.dumps(job), capture_output=True, text=True,
-        timeout=600, check=False,
+        [host_python, str(ORACLE)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(zip(REQUESTS, json.loads(done.stdout), strict=True))
@@ -98,11 +102,24 @@ def server(model, host_python, tmp_path_factory):
     served = Server(
         model,
         tmp_path_factory.mktemp("vision") / "server.log",
-        ["--max-model-len", "512", "--max-num-seqs", "4", "--enable-prefix-caching",
-         "--limit-mm-per-prompt", json.dumps({"image": 2}),
-         "--additional-config", json.dumps({"override_neuron_config": {
-             "context_encoding_buckets": [64, 128, 256, 512],
-             "vision_buckets": [64, 256]}})],
+        [
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--enable-prefix-caching",
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 2}),
+            "--additional-config",
+            json.dumps(
+                {
+                    "override_neuron_config": {
+                        "context_encoding_buckets": [64, 128, 256, 512],
+                        "vision_buckets": [64, 256],
+                    }
+                }
+            ),
+        ],
         env={"VLLM_NEURON_BACKEND": "reference"},
         python=host_python,
     )
@@ -123,8 +140,14 @@ def eos(model) -> int:
 def ask(server, messages, **extra) -> requests.Response:
     return requests.post(
         f"{server.url}/v1/chat/completions",
-        json={"model": server.model, "messages": messages, "max_tokens": TOKENS,
-              "temperature": 0, "return_token_ids": True, **extra},
+        json={
+            "model": server.model,
+            "messages": messages,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        },
         timeout=300,
     )
 
@@ -156,8 +179,12 @@ def test_streamed_answer_equals_transformers(server, expected, eos):
 
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     stream = client.chat.completions.create(
-        model=server.model, messages=REQUESTS["two"], max_tokens=TOKENS,
-        temperature=0, stream=True, extra_body={"return_token_ids": True},
+        model=server.model,
+        messages=REQUESTS["two"],
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
     )
     ids = [i for chunk in stream for c in chunk.choices for i in (c.token_ids or [])]
     assert _until_eos(ids, eos) == _until_eos(expected["two"], eos)
@@ -185,10 +212,12 @@ def _prefix_hits(server) -> float:
     [
         # the processor's max_pixels raised for this request: 1024 patches, the largest
         # vision bucket holds 256
-        (chat("look", image_url(4, 448, 448)), {"mm_processor_kwargs": {"max_pixels": 448 * 448}},
-         "exceeds the largest vision bucket"),
-        (chat("look", "data:image/png;base64," + base64.b64encode(b"not a png").decode()), {},
-         ""),
+        (
+            chat("look", image_url(4, 448, 448)),
+            {"mm_processor_kwargs": {"max_pixels": 448 * 448}},
+            "exceeds the largest vision bucket",
+        ),
+        (chat("look", "data:image/png;base64," + base64.b64encode(b"not a png").decode()), {}, ""),
         (chat("look", RED, BLUE, WIDE), {}, "image"),
     ],
     ids=["larger-than-the-largest-bucket", "corrupt", "too-many"],

@@ -49,9 +49,7 @@ def main() -> None:
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(
-                **inputs, max_new_tokens=request["max_tokens"], do_sample=False
-            )
+            out = model.generate(**inputs, max_new_tokens=request["max_tokens"], do_sample=False)
         answers.append(out[0, inputs["input_ids"].shape[1] :].tolist())
     json.dump(answers, sys.stdout)
 

@@ -119,7 +119,7 @@ def test_processor_limits_read_both_spellings_and_the_request_kwargs():
 
 
 def test_processor_limits_refuse_a_bad_pixel_count():
-    with pytest.raises(NeuronConfigError, match="max_pixels='many'.*mm-processor-kwargs"):
+    with pytest.raises(NeuronConfigError, match=r"max_pixels='many'.*mm-processor-kwargs"):
         processor_limits({"min_pixels": 3136, "max_pixels": "many"}, {})
 
 
