@@ -45,6 +45,13 @@ class ImageInputs:
         return self.patches // (spatial_merge_size * spatial_merge_size)
 
 
+def padding_image(patches: int, patch_dim: int) -> ImageInputs:
+    """An image of exactly `patches` zero patches (a multiple of 4: a 2 x patches/2
+    grid that a 2 x 2 merge divides), for warming up and timing a vision graph."""
+    grid = np.array([1, 2, patches // 2], dtype=np.int64)
+    return ImageInputs(np.zeros((patches, patch_dim), dtype=np.float32), grid)
+
+
 def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
     """The first vision bucket that holds `patches` (buckets ascending)."""
     for bucket in buckets:
@@ -70,11 +77,13 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 @dataclass(frozen=True)
 class VisionLimits:
     """What the model's processor makes of an image: between `min_patches` and
-    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each."""
+    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each, of
+    `patch_dim` values (channels x temporal_patch_size x patch_size**2)."""
 
     min_patches: int
     max_patches: int
     step: int
+    patch_dim: int = 3 * 2 * 14 * 14
 
 
 def processor_limits(
@@ -93,10 +102,12 @@ def processor_limits(
     patch, merge = int(merged.get("patch_size", 14)), int(merged.get("merge_size", 2))
     step = merge * merge
     area = patch * patch
+    temporal = int(merged.get("temporal_patch_size", 2))
     return VisionLimits(
         min_patches=max(step, -(-low // area) // step * step),
         max_patches=max(step, high // area // step * step),
         step=step,
+        patch_dim=3 * temporal * area,
     )
 
 

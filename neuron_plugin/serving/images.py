@@ -15,6 +15,7 @@ request, and a decode's from its KV position and the request's shift.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from neuron_plugin.core.inputs import ForwardInputs
-from neuron_plugin.core.vision import ImageInputs, chunk_embeddings, mrope_positions
+from neuron_plugin.core.vision import (
+    ImageInputs,
+    chunk_embeddings,
+    mrope_positions,
+    vision_bucket,
+)
+from neuron_plugin.serving.observers import StepObserver
 
 if TYPE_CHECKING:  # the platform imports this module; backends load in the worker
     from neuron_plugin.backends.base import LoadedBackend
@@ -51,8 +58,15 @@ def image_inputs(feature: Any) -> ImageInputs:
 class Images:
     """See the module docstring."""
 
-    def __init__(self, backend: LoadedBackend, hf_config: Any, hidden_size: int):
+    def __init__(
+        self,
+        backend: LoadedBackend,
+        hf_config: Any,
+        hidden_size: int,
+        observers: Sequence[StepObserver] = (),
+    ):
         self.backend = backend
+        self.observers = tuple(observers)
         vision = getattr(hf_config, "vision_config", None)
         self.merge = int(getattr(vision, "spatial_merge_size", 2))
         text = getattr(hf_config, "text_config", hf_config)
@@ -91,9 +105,16 @@ class Images:
             for index in indexes:
                 feature = features[index]
                 if feature.identifier not in self.cache:
-                    self.cache[feature.identifier] = self.backend.encode_image(
-                        image_inputs(feature)
-                    )
+                    self.cache[feature.identifier] = self._encode(image_inputs(feature))
+
+    def _encode(self, image: ImageInputs) -> np.ndarray:
+        started = time.perf_counter()
+        embeddings = self.backend.encode_image(image)
+        forward_s = time.perf_counter() - started
+        bucket = vision_bucket(self.backend.settings.vision_buckets, image.patches)
+        for observer in self.observers:
+            observer.on_vision_call(bucket, image.patches, forward_s)
+        return embeddings
 
     def in_images(self, req_ids: Sequence[str], positions: np.ndarray) -> np.ndarray:
         """[rows] whether the token at each row's position is an image placeholder."""

@@ -159,7 +159,7 @@ class NeuronModelRunner:
         self.kv_transfer: KVTransferSteps | None = None
         # A vision-language model's images (serving.images); None for a text model.
         self.images = (
-            Images(backend, model_config.hf_config, self.hf_config.hidden_size)
+            Images(backend, model_config.hf_config, self.hf_config.hidden_size, observers)
             if settings.vision_buckets
             else None
         )
