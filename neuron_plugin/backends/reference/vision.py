@@ -1,0 +1,227 @@
+"""The Qwen2-VL vision tower as one fixed-shape function of (weights, patches), one graph
+per vision bucket (core.vision).
+
+An image arrives as its processor's flattened patches (channels x temporal x patch x
+patch values each), already in merge-block order: every spatial_merge_size**2
+consecutive patches form one merged embedding. What depends on the image's grid is
+computed on the host (`patch_inputs`, numpy) and enters the graph as inputs, so one graph
+serves every grid of at most its bucket's patches:
+  pixel_values: [patches, patch_dim]   the image's patches, zero rows after the real ones
+  rotary_ids:   [patches, 2]           each patch's (row, column) in the grid
+  frames:       [patches]              each patch's frame (temporal index); -1: padding
+Attention is full within a frame (transformers' cu_seqlens split per frame) and never
+sees padding; the padded rows compute garbage that `LoadedBackend.encode_image` drops.
+The graph answers [patches / merge**2, text hidden] embeddings (PatchMerger).
+
+The patch embedding, a Conv3d whose kernel equals its stride, is a linear map over the
+flattened patch; attention, its 2-D rotary and the MLPs are transformers'
+(`modeling_qwen2_vl.py`: PatchEmbed, Qwen2VLVisionRotaryEmbedding, VisionAttention,
+Qwen2VLVisionBlock, PatchMerger).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional
+
+from neuron_plugin.backends.reference.architectures import UnsupportedModelError
+from neuron_plugin.backends.reference.decoder import rotate_half
+from neuron_plugin.backends.reference.mlp import activation
+from neuron_plugin.core.checkpoint import safetensors_files
+
+PREFIX = "visual."
+LAYER_NORM_EPS = 1e-6  # transformers' vision blocks and merger
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower's facts, from config.json's vision_config."""
+
+    depth: int
+    embed_dim: int
+    num_heads: int
+    mlp_hidden: int
+    out_hidden: int  # the text decoder's hidden size
+    activation: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_patches(self) -> int:
+        return self.spatial_merge_size**2
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> VisionSpec:
+        vision: dict[str, Any] | None = config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise UnsupportedModelError(
+                f"architectures={config.get('architectures')}: config.json has no "
+                f"vision_config, which a vision-language model needs"
+            )
+        embed_dim = int(vision["embed_dim"])
+        params = vision.get("rope_parameters") or {}
+        return cls(
+            depth=int(vision["depth"]),
+            embed_dim=embed_dim,
+            num_heads=int(vision["num_heads"]),
+            mlp_hidden=int(embed_dim * vision.get("mlp_ratio", 4)),
+            out_hidden=int(vision["hidden_size"]),
+            activation=vision.get("hidden_act", "quick_gelu"),
+            # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
+            in_channels=int(vision.get("in_channels") or vision.get("in_chans") or 3),
+            patch_size=int(vision.get("patch_size", 14)),
+            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            rope_theta=float(params.get("rope_theta", 10000.0)),
+        )
+
+
+def weight_names(spec: VisionSpec) -> list[str]:
+    """The vision graph's weight inputs, in order (the checkpoint's names)."""
+    names = [PREFIX + "patch_embed.proj.weight"]
+    for i in range(spec.depth):
+        p = f"{PREFIX}blocks.{i}."
+        for module in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+            names += [f"{p}{module}.weight", f"{p}{module}.bias"]
+    for module in ("ln_q", "mlp.0", "mlp.2"):
+        names += [f"{PREFIX}merger.{module}.weight", f"{PREFIX}merger.{module}.bias"]
+    return names
+
+
+def patch_inputs(grid_thw: np.ndarray, merge: int, patches: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rotary_ids [patches, 2], frames [patches]) of an image of `grid_thw` padded to
+    `patches`: each patch's (row, column) in merge-block order, as transformers'
+    get_vision_position_ids lays them out, and its frame (-1 for padding)."""
+    t, h, w = (int(n) for n in grid_thw)
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    blocks = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+    cols = cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+    real = t * h * w
+    rotary_ids = np.zeros((patches, 2), dtype=np.int64)
+    rotary_ids[:real] = np.tile(np.stack([rows, cols], axis=-1), (t, 1))
+    frames = np.full(patches, -1, dtype=np.int64)
+    frames[:real] = np.repeat(np.arange(t), h * w)
+    return rotary_ids, frames
+
+
+def load_weights(model_dir: str | Path, spec: VisionSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The vision tower's tensors of the checkpoint, in `weight_names` order."""
+    from safetensors import safe_open
+
+    wanted = set(weight_names(spec))
+    found: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in wanted.intersection(f.keys()):
+                found[name] = f.get_tensor(name)
+    return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
+
+
+def weight_shapes(spec: VisionSpec, shapes: Mapping[str, list[int]]) -> list[list[int]]:
+    """The vision graph's weight shapes from the checkpoint's (safetensors headers)."""
+    return [list(shapes[name]) for name in checked_names(spec, shapes)]
+
+
+def checked_names(spec: VisionSpec, present: Mapping[str, object]) -> list[str]:
+    names = weight_names(spec)
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise UnsupportedModelError(
+            f"the checkpoint lacks {len(missing)} tensors of the vision tower, e.g. {missing[:3]}"
+        )
+    return names
+
+
+class VisionGraph(nn.Module):
+    """The vision tower over one bucket of patches (see the module docstring)."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.spec = spec
+        self.names = weight_names(spec)
+        # transformers' axial rotary: head_dim / 4 frequencies each for row and column
+        quarter = spec.head_dim // 2
+        exponents = torch.arange(0, quarter, 2, dtype=torch.float) / quarter
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", 1.0 / (spec.rope_theta**exponents), persistent=True)
+
+    def forward(
+        self,
+        weights: list[torch.Tensor],
+        pixel_values: torch.Tensor,
+        rotary_ids: torch.Tensor,
+        frames: torch.Tensor,
+    ) -> torch.Tensor:
+        s = self.spec
+        w = dict(zip(self.names, weights, strict=True))
+        patch_weight = w[PREFIX + "patch_embed.proj.weight"]
+        dtype = patch_weight.dtype
+        x = pixel_values.to(dtype) @ patch_weight.reshape(s.embed_dim, -1).t()
+
+        freqs = rotary_ids.unsqueeze(-1).float() * self.inv_freq  # [n, 2, head_dim / 4]
+        freqs = freqs.flatten(1)  # rows' then columns' frequencies
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)  # [n, 1, head_dim]
+        visible = (frames.unsqueeze(1) == frames.unsqueeze(0)) & (frames >= 0).unsqueeze(0)
+
+        for i in range(s.depth):
+            p = f"{PREFIX}blocks.{i}."
+            h = self._layer_norm(w, p + "norm1", x)
+            x = x + self._attention(w, p + "attn.", h, cos, sin, visible)
+            h = self._layer_norm(w, p + "norm2", x)
+            h = activation(s.activation, self._linear(w, p + "mlp.fc1", h))
+            x = x + self._linear(w, p + "mlp.fc2", h)
+
+        m = PREFIX + "merger."
+        h = self._layer_norm(w, m + "ln_q", x).reshape(-1, s.embed_dim * s.merge_patches)
+        h = functional.gelu(self._linear(w, m + "mlp.0", h))
+        return self._linear(w, m + "mlp.2", h)
+
+    def _attention(
+        self,
+        w: dict[str, torch.Tensor],
+        p: str,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        s = self.spec
+        n = x.shape[0]
+        q, k, v = self._linear(w, p + "qkv", x).reshape(n, 3, s.num_heads, s.head_dim).unbind(1)
+        # the rotary in float32, as transformers' apply_rotary_pos_emb_vision
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        scores = (q.transpose(0, 1) @ k.permute(1, 2, 0)) * s.head_dim**-0.5  # [heads, n, n]
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        out = (probs @ v.transpose(0, 1)).transpose(0, 1).reshape(n, s.embed_dim)
+        return self._linear(w, p + "proj", out)
+
+    @staticmethod
+    def _linear(w: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, w[module + ".weight"], w[module + ".bias"])
+
+    @staticmethod
+    def _layer_norm(w: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
+        weight = w[module + ".weight"]
+        return functional.layer_norm(x, weight.shape, weight, w[module + ".bias"], LAYER_NORM_EPS)

@@ -1,0 +1,188 @@
+"""Qwen2-VL on the reference backend against transformers: the vision tower's graphs
+(one per vision bucket, an image padded into a larger bucket, non-square grids), the
+decoder's M-RoPE and the merge of image embeddings at the placeholders, and greedy
+decoding of a prompt with an image equal to transformers' generate. No processor here
+(transformers 5 builds Qwen2-VL's only with torchvision): the images are synthetic
+pixel_values of the processor's shape [patches, 3 * 2 * 14 * 14]."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_plugin.backends.reference.architectures import DecoderSpec, UnsupportedModelError
+from neuron_plugin.backends.reference.backend import ReferenceBackend
+from neuron_plugin.backends.reference.vision import patch_inputs
+from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.vision import ImageInputs
+
+ARCH = "Qwen2VLForConditionalGeneration"
+LIMITS = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=None,
+                      enable_prefix_caching=False, enable_chunked_prefill=False,
+                      max_num_batched_tokens=128, dtype="float32")
+BUCKETS = {"context_encoding_buckets": [64], "token_generation_buckets": [128]}
+VISION_BUCKETS = (24, 64)
+
+
+def vlm_settings(vision_buckets=VISION_BUCKETS, **override):
+    settings = resolve_settings(LIMITS, {**BUCKETS, **override}, backend="reference",
+                                architecture=ARCH)
+    return dataclasses.replace(settings, vision_buckets=tuple(vision_buckets))
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_model):
+    return tiny_model("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def hf_model(vlm):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(vlm, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def backend(vlm, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2-vl-graphs")
+    compiled = ReferenceBackend(vlm_settings(), vlm)
+    compiled.compile(folder)
+    loaded = ReferenceBackend(vlm_settings(), vlm)
+    loaded.load(folder)
+    return loaded
+
+
+def image(grid, seed=0) -> ImageInputs:
+    patches = int(np.prod(grid))
+    pixels = np.random.default_rng(seed).standard_normal((patches, 3 * 2 * 14 * 14))
+    return ImageInputs(pixels.astype(np.float32), np.array(grid, dtype=np.int64))
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 6, 4), (1, 4, 4), (1, 6, 8), (2, 2, 4)],
+                         ids=["wide", "tall", "padded-in-24", "padded-in-64", "two-frames"])
+def test_vision_graph_equals_transformers_visual(backend, hf_model, grid):
+    img = image(grid)
+    with torch.no_grad():
+        expected = hf_model.model.visual(torch.from_numpy(img.pixel_values),
+                                         grid_thw=torch.tensor([grid])).pooler_output
+    got = backend.encode_image(img)
+    assert got.shape == (img.embedding_tokens(2), 128) == tuple(expected.shape)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected.numpy(), atol=2e-5, rtol=1e-4)
+
+
+def test_patch_inputs_are_transformers_vision_positions():
+    from transformers.vision_utils import get_vision_position_ids
+
+    grid = np.array([2, 4, 6])
+    rotary_ids, frames = patch_inputs(grid, 2, 64)
+    expected = get_vision_position_ids(torch.from_numpy(grid[None]), 2).numpy()
+    np.testing.assert_array_equal(rotary_ids[:48], expected)
+    np.testing.assert_array_equal(frames, [0] * 24 + [1] * 24 + [-1] * 16)
+
+
+def test_an_image_above_the_largest_vision_bucket_is_refused(backend):
+    with pytest.raises(NeuronConfigError, match="80 patches exceeds the largest vision "
+                                                "bucket \\(64 patches\\)"):
+        backend.encode_image(image((1, 8, 10)))
+    with pytest.raises(ValueError, match="pixel_values has shape \\[16, 10\\]"):
+        backend.encode_image(ImageInputs(np.zeros((16, 10), np.float32), np.array([1, 4, 4])))
+    with pytest.raises(ValueError, match="multiples of the spatial merge size 2"):
+        backend.encode_image(image((1, 3, 4)))
+
+
+def prompt(hf_model, grids) -> list[int]:
+    """Text, then each image's placeholder run between vision_start and vision_end."""
+    c = hf_model.config
+    ids = [5, 17, 33]
+    for grid in grids:
+        ids += [c.vision_start_token_id] + [c.image_token_id] * (int(np.prod(grid)) // 4)
+        ids += [c.vision_end_token_id, 41, 9]
+    return ids
+
+
+def test_greedy_with_images_equals_transformers_generate(backend, hf_model):
+    grids = [(1, 4, 6), (1, 6, 8)]  # the second one padded into the 64-patch bucket
+    images = [image(g, seed=i) for i, g in enumerate(grids)]
+    ids = prompt(hf_model, grids)
+    input_ids = torch.tensor([ids])
+    pixel_values = torch.from_numpy(np.concatenate([i.pixel_values for i in images]))
+    grid_thw = torch.tensor(grids)
+    mm_types = (input_ids == hf_model.config.image_token_id).int()  # the processor's
+    images_in = {"pixel_values": pixel_values, "image_grid_thw": grid_thw,
+                 "mm_token_type_ids": mm_types}
+    steps = 6
+    with torch.no_grad():
+        expected = hf_model.generate(input_ids=input_ids, **images_in, max_new_tokens=steps,
+                                     do_sample=False)[0, len(ids):].tolist()
+        rope, deltas = hf_model.model.get_rope_index(input_ids, mm_types, grid_thw)
+        expected_logits = hf_model(input_ids=input_ids, **images_in).logits[0, -1]
+
+    settings = backend.settings
+    inputs = context_encoding_inputs(settings, np.array(ids), 0, 0, None)
+    active = inputs.input_ids.shape[1]
+    mask = np.zeros((1, active), dtype=bool)
+    mask[0, : len(ids)] = np.array(ids) == hf_model.config.image_token_id
+    embeddings = np.zeros((1, active, 128), dtype=np.float32)
+    embeddings[0, mask[0]] = np.concatenate([backend.encode_image(i) for i in images])
+    rope_positions = np.zeros((3, 1, active), dtype=np.int64)
+    rope_positions[:, 0, : len(ids)] = rope[:, 0].numpy()
+    inputs = dataclasses.replace(inputs, vision_embeddings=embeddings, vision_mask=mask,
+                                 rope_positions=rope_positions)
+    logits = backend.forward(inputs)[0]
+    np.testing.assert_allclose(logits.numpy(), expected_logits.numpy(), atol=1e-4, rtol=1e-4)
+    # both matter: without the images' embeddings, or without M-RoPE, the logits differ
+    for missing in ({"vision_mask": np.zeros_like(mask)}, {"rope_positions": None}):
+        other = backend.forward(dataclasses.replace(inputs, **missing))[0]
+        assert (other - logits).abs().max() > 1e-2, missing
+
+    tokens = [int(logits.argmax())]
+    delta = int(deltas[0, 0])
+    for position in range(len(ids), len(ids) + steps - 1):
+        step = token_generation_inputs(settings, np.array([[tokens[-1]]]),
+                                       np.array([[position]]), np.array([0]), None)
+        rows, width = step.position_ids.shape
+        step = dataclasses.replace(step, rope_positions=np.broadcast_to(
+            step.position_ids + delta, (3, rows, width)).copy())
+        tokens.append(int(backend.forward(step)[0].argmax()))
+    assert tokens == expected
+
+
+def test_a_call_without_images_is_transformers_text_only(backend, hf_model):
+    ids = [5, 17, 33, 41, 9, 12, 100]
+    with torch.no_grad():
+        expected = hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
+    logits = backend.forward(context_encoding_inputs(backend.settings, np.array(ids), 0, 1,
+                                                     None))[0]
+    np.testing.assert_allclose(logits.numpy(), expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_flat_and_nested_configs_read_alike(vlm):
+    """The Hub's Qwen2-VL config.json (transformers 4.x) is flat, with rope_scaling
+    type mrope; transformers 5 nests the decoder's keys in text_config."""
+    nested = json.loads((vlm / "config.json").read_text())
+    text = nested["text_config"]
+    flat = {**{k: v for k, v in nested.items() if k != "text_config"},
+            **{k: v for k, v in text.items() if k != "rope_parameters"}}
+    assert "rope_parameters" not in flat and flat["rope_scaling"]["type"] == "mrope"
+    assert DecoderSpec.from_hf_config(flat) == DecoderSpec.from_hf_config(nested)
+    spec = DecoderSpec.from_hf_config(nested)
+    assert (spec.mrope_section, spec.hidden_size, spec.num_layers) == ((4, 6, 6), 128, 2)
+    bad = {**nested, "text_config": {**text, "rope_parameters": {
+        **text["rope_parameters"], "mrope_section": [4, 6, 4]}}}
+    with pytest.raises(UnsupportedModelError, match="summing to head_dim / 2 = 16"):
+        DecoderSpec.from_hf_config(bad)
+
+
+def test_vision_buckets_are_checked(vlm, model_dirs):
+    with pytest.raises(NeuronConfigError, match="\\[30\\] are not multiples of 4 patches"):
+        ReferenceBackend(vlm_settings((16, 30)), vlm)
+    text = resolve_settings(LIMITS, BUCKETS, backend="reference",
+                            architecture="LlamaForCausalLM")
+    with pytest.raises(NeuronConfigError, match="LlamaForCausalLM has no vision encoder"):
+        ReferenceBackend(dataclasses.replace(text, vision_buckets=(16,)), model_dirs["llama"])
