@@ -131,6 +131,9 @@ class SeamMeter:
     def set_adapter(self, slot, adapter) -> None:
         self.backend.set_adapter(slot, adapter)
 
+    def encode_image(self, image):
+        return self.backend.encode_image(image)
+
     @property
     def module(self) -> torch.nn.Module | None:
         return self.backend.module

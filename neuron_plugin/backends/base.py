@@ -49,7 +49,7 @@ from neuron_plugin.core.inputs import (
 )
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, padding_image
 
 GRAPHS_FILE = "graphs.json"
 Progress = Callable[[str], None]
@@ -275,8 +275,11 @@ class Backend(LoadedBackend, Protocol):
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
     """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs
     that return logits, `run` without a host row the token-generation graphs that
-    return tokens alone."""
+    return tokens alone, `encode_image` a vision graph."""
     settings = backend.settings
+    if graph.phase == VISION_ENCODING:
+        backend.encode_image(padding_image(graph.shape[0]))
+        return
     inputs = padding_inputs(settings, graph.phase, graph.shape)
     tokens_only = settings.token_generation_logits_shapes() and not graph.logits
     if graph.phase == TOKEN_GENERATION and tokens_only:
