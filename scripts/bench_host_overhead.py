@@ -93,7 +93,7 @@ class HostOnlyBackend:
         raise ValueError("the host-only backend measures serving without LoRA adapters")
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
-        raise ValueError("the host-only backend measures a text model: it takes no images")
+        raise ValueError("the host-only backend measures serving without images")
 
     # No KV cache: nothing to transfer (the benchmark serves no disaggregated requests).
     def kv_geometry(self) -> KVGeometry:

@@ -34,10 +34,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_report import run_meta, write_results  # noqa: E402
 
 from neuron_plugin.core.vision import (  # noqa: E402
+    ImageInputs,
+    VisionGeometry,
     VisionLimits,
     chunk_embeddings,
     mrope_positions,
-    padding_image,
     resolve_vision_buckets,
     vision_bucket,
 )
@@ -100,6 +101,13 @@ def padding_rows(min_pixels: int, max_pixels: int) -> tuple[list[dict[str, Any]]
     return rows, 1 - sum(r["patches"] for r in rows) / computed
 
 
+def full_image(patches: int, patch_dim: int) -> ImageInputs:
+    """An image of exactly `patches` random patches (a 2 x patches/2 grid, which a 2 x 2
+    merge divides), filling its bucket."""
+    pixels = np.random.default_rng(0).standard_normal((patches, patch_dim), dtype=np.float32)
+    return ImageInputs(pixels, np.array([1, 2, patches // 2], dtype=np.int64))
+
+
 def median_ms(call: Any, repeats: int) -> float:
     samples = []
     for _ in range(repeats):
@@ -116,7 +124,7 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     import json
 
     from neuron_plugin.backends.reference.backend import ReferenceBackend
-    from neuron_plugin.core.checkpoint import read_hf_config, text_config
+    from neuron_plugin.core.checkpoint import read_hf_config
     from neuron_plugin.core.inputs import context_encoding_inputs
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
     from neuron_plugin.core.vision import PREPROCESSOR_FILE, processor_limits
@@ -143,11 +151,13 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
         backend.compile(Path(folder))
         backend.load(Path(folder))
     config = read_hf_config(model)
-    hidden = int(text_config(config)["hidden_size"])
+    geometry = VisionGeometry.from_hf_config(config)
+    assert geometry is not None, f"{model} is not a vision-language model"
+    hidden = geometry.hidden_size
     image_token = int(config["image_token_id"])
     rows = []
     for bucket in settings.vision_buckets:
-        image = padding_image(bucket, settings.vision_patch_dim)
+        image = full_image(bucket, geometry.patch_dim)
         encode_ms = median_ms(lambda image=image: backend.encode_image(image), repeats)
         embeddings = backend.encode_image(image)
         tokens = embeddings.shape[0]

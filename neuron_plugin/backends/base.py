@@ -275,10 +275,10 @@ class Backend(LoadedBackend, Protocol):
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
     """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs
     that return logits, `run` without a host row the token-generation graphs that
-    return tokens alone."""
+    return tokens alone, `encode_image` a vision graph."""
     settings = backend.settings
     if graph.phase == VISION_ENCODING:
-        backend.encode_image(padding_image(graph.shape[0], settings.vision_patch_dim))
+        backend.encode_image(padding_image(graph.shape[0]))
         return
     inputs = padding_inputs(settings, graph.phase, graph.shape)
     tokens_only = settings.token_generation_logits_shapes() and not graph.logits

@@ -158,9 +158,8 @@ class NeuronSettings:
     max_cpu_loras: int = 0
     lora_options: Mapping[str, Any] = field(default_factory=dict)
     # Vision-language models (core.vision): the vision encoder's buckets, in patches per
-    # image, ascending (empty for a text model), and the values per patch.
+    # image, ascending (empty for a text model).
     vision_buckets: tuple[int, ...] = ()
-    vision_patch_dim: int = 0
 
     @property
     def quantization(self) -> Quantization | None:

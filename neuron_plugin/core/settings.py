@@ -332,7 +332,6 @@ def resolve_settings(
         max_cpu_loras=lora.max_cpu_loras,
         lora_options=dict(lora.nxd_options or {}),
         vision_buckets=resolve_vision_buckets(override, limits.vision),
-        vision_patch_dim=limits.vision.patch_dim if limits.vision else 0,
     )
     if backend == "nxd":
         refuse_what_the_cpu_mode_cannot_run(settings)

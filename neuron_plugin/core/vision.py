@@ -44,12 +44,44 @@ class ImageInputs:
         """Placeholder tokens (and encoder outputs) of this image."""
         return self.patches // (spatial_merge_size * spatial_merge_size)
 
+    @property
+    def is_padding(self) -> bool:
+        """A call holding only padding (`padding_image`)."""
+        return self.patches == 0
 
-def padding_image(patches: int, patch_dim: int) -> ImageInputs:
-    """An image of exactly `patches` zero patches (a multiple of 4: a 2 x patches/2
-    grid that a 2 x 2 merge divides), for warming up and timing a vision graph."""
-    grid = np.array([1, 2, patches // 2], dtype=np.int64)
-    return ImageInputs(np.zeros((patches, patch_dim), dtype=np.float32), grid)
+
+def padding_image(bucket: int) -> ImageInputs:
+    """An encoder call of exactly vision bucket `bucket` holding only padding (warm-up,
+    timing), as `core.inputs.padding_inputs` is for the decoder's graphs: no patches
+    (grid_thw zero), pixel_values [bucket, 0]; its answer has no rows."""
+    return ImageInputs(np.zeros((bucket, 0), dtype=np.float32), np.zeros(3, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """The sizes of a vision-language model's image arrays, from its config.json
+    (Qwen2-VL family keys): what crosses a process boundary per image and per call."""
+
+    patch_dim: int  # values per patch: channels x temporal_patch_size x patch_size**2
+    spatial_merge_size: int
+    hidden_size: int  # the text decoder's: one embedding per merged patch group
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> VisionGeometry | None:
+        """None for a text model (no vision_config)."""
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            return None
+        text = config.get("text_config")
+        hidden = (text if isinstance(text, dict) else config)["hidden_size"]
+        # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
+        channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
+        patch = int(vision.get("patch_size", 14))
+        return cls(
+            patch_dim=channels * int(vision.get("temporal_patch_size", 2)) * patch * patch,
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            hidden_size=int(hidden),
+        )
 
 
 def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
@@ -77,13 +109,11 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 @dataclass(frozen=True)
 class VisionLimits:
     """What the model's processor makes of an image: between `min_patches` and
-    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each, of
-    `patch_dim` values (channels x temporal_patch_size x patch_size**2)."""
+    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each."""
 
     min_patches: int
     max_patches: int
     step: int
-    patch_dim: int = 3 * 2 * 14 * 14
 
 
 def processor_limits(
@@ -102,12 +132,10 @@ def processor_limits(
     patch, merge = int(merged.get("patch_size", 14)), int(merged.get("merge_size", 2))
     step = merge * merge
     area = patch * patch
-    temporal = int(merged.get("temporal_patch_size", 2))
     return VisionLimits(
         min_patches=max(step, -(-low // area) // step * step),
         max_patches=max(step, high // area // step * step),
         step=step,
-        patch_dim=3 * temporal * area,
     )
 
 

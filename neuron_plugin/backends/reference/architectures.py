@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from neuron_plugin.core.checkpoint import text_config
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -216,21 +218,6 @@ class DecoderSpec:
             mrope_section=_mrope_section(arch, config, head_dim),
             **moe,
         )
-
-
-def text_config(config: dict) -> dict:
-    """The text decoder's config keys at the top level: a vision-language model's
-    `text_config` (transformers 5 nests it) over the outer keys (4.57 writes them flat,
-    and keeps architectures, tie_word_embeddings and the vision keys outside)."""
-    nested = config.get("text_config")
-    if not isinstance(nested, dict):
-        return config
-    merged = {**config, **nested}
-    # transformers 4.57 saves architectures inside text_config only
-    merged["architectures"] = config.get("architectures") or nested.get("architectures")
-    if "tie_word_embeddings" in config:  # the outer one is what transformers ties by
-        merged["tie_word_embeddings"] = config["tie_word_embeddings"]
-    return merged
 
 
 def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:

@@ -467,24 +467,18 @@ class ReferenceBackend(InlineCalls):
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
         """The image's embeddings [embedding_tokens, hidden] float32 from the graph of
-        its vision bucket: its patches padded to the bucket, the padding's rows dropped."""
+        its vision bucket: its patches padded to the bucket, the padding's rows dropped
+        (none for a padding image, core.vision.padding_image)."""
         vision = self.vision
         if vision is None:
             raise NeuronConfigError(
                 f"{self.spec.architecture} is a text model: it has no vision encoder for images"
             )
-        t, h, w = (int(n) for n in image.grid_thw)
-        merge = vision.spatial_merge_size
-        if h % merge or w % merge or t < 1:
-            raise ValueError(
-                f"image grid_thw={[t, h, w]}: height and width must be multiples of the "
-                f"spatial merge size {merge} (the model's processor makes them so)"
-            )
-        patches = image.patches
-        _check_shape("pixel_values", image.pixel_values, (patches, vision.patch_dim))
-        bucket = vision_bucket(self.settings.vision_buckets, patches)
+        bucket = self._image_bucket(image, vision)
         padded = np.zeros((bucket, vision.patch_dim), dtype=np.float32)
-        padded[:patches] = image.pixel_values
+        if not image.is_padding:
+            padded[: image.patches] = image.pixel_values
+        merge = vision.spatial_merge_size
         rotary_ids, frames = patch_inputs(image.grid_thw, merge, bucket)
         graph = self.graphs[(VISION_ENCODING, (bucket,))]
         with torch.inference_mode():
@@ -495,6 +489,24 @@ class ReferenceBackend(InlineCalls):
                 torch.from_numpy(frames),
             )
         return merged[: image.embedding_tokens(merge)].float().numpy()
+
+    def _image_bucket(self, image: ImageInputs, vision: VisionSpec) -> int:
+        """The vision bucket `image` runs in, its arrays checked."""
+        buckets = self.settings.vision_buckets
+        if image.is_padding:
+            bucket = image.pixel_values.shape[0]
+            if bucket not in buckets:
+                raise ValueError(f"a padding image of {bucket} patches: no vision bucket {buckets}")
+            return bucket
+        t, h, w = (int(n) for n in image.grid_thw)
+        merge = vision.spatial_merge_size
+        if h % merge or w % merge or t < 1:
+            raise ValueError(
+                f"image grid_thw={[t, h, w]}: height and width must be multiples of the "
+                f"spatial merge size {merge} (the model's processor makes them so)"
+            )
+        _check_shape("pixel_values", image.pixel_values, (image.patches, vision.patch_dim))
+        return vision_bucket(buckets, image.patches)
 
     def _row_slots(self, inputs: ForwardInputs) -> torch.Tensor:
         slots = inputs.adapter_slots

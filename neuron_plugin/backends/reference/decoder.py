@@ -220,10 +220,9 @@ class DecoderGraph(nn.Module):
         self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
         # M-RoPE: which rotary position (0 temporal, 1 height, 2 width) each frequency
         # follows (transformers' mrope_section split of head_dim / 2).
-        self.mrope_axis: torch.Tensor | None = None
-        if spec.mrope_section:
-            axis = [i % 3 for i, n in enumerate(spec.mrope_section) for _ in range(n)]
-            self.register_buffer("mrope_axis", torch.tensor(axis, dtype=torch.int64))
+        self.mrope_axis: torch.Tensor | None
+        axis = [i % 3 for i, n in enumerate(spec.mrope_section) for _ in range(n)]
+        self.register_buffer("mrope_axis", torch.tensor(axis) if axis else None)
         for kind, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
         self.candidates = candidates

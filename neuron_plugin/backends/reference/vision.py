@@ -35,6 +35,7 @@ from neuron_plugin.backends.reference.architectures import UnsupportedModelError
 from neuron_plugin.backends.reference.decoder import rotate_half
 from neuron_plugin.backends.reference.mlp import activation
 from neuron_plugin.core.checkpoint import safetensors_files
+from neuron_plugin.core.vision import VisionGeometry
 
 PREFIX = "visual."
 LAYER_NORM_EPS = 1e-6  # transformers' vision blocks and merger
@@ -50,9 +51,7 @@ class VisionSpec:
     mlp_hidden: int
     out_hidden: int  # the text decoder's hidden size
     activation: str
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
+    patch_dim: int  # the processor's values per patch (core.vision.VisionGeometry)
     spatial_merge_size: int
     rope_theta: float
 
@@ -61,21 +60,18 @@ class VisionSpec:
         return self.embed_dim // self.num_heads
 
     @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
     def merge_patches(self) -> int:
         return self.spatial_merge_size**2
 
     @classmethod
     def from_hf_config(cls, config: dict) -> VisionSpec:
-        vision: dict[str, Any] | None = config.get("vision_config")
-        if not isinstance(vision, dict):
+        geometry = VisionGeometry.from_hf_config(config)
+        if geometry is None:
             raise UnsupportedModelError(
                 f"architectures={config.get('architectures')}: config.json has no "
                 f"vision_config, which a vision-language model needs"
             )
+        vision: dict[str, Any] = config["vision_config"]
         embed_dim = int(vision["embed_dim"])
         params = vision.get("rope_parameters") or {}
         return cls(
@@ -85,11 +81,8 @@ class VisionSpec:
             mlp_hidden=int(embed_dim * vision.get("mlp_ratio", 4)),
             out_hidden=int(vision["hidden_size"]),
             activation=vision.get("hidden_act", "quick_gelu"),
-            # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
-            in_channels=int(vision.get("in_channels") or vision.get("in_chans") or 3),
-            patch_size=int(vision.get("patch_size", 14)),
-            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
-            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            patch_dim=geometry.patch_dim,
+            spatial_merge_size=geometry.spatial_merge_size,
             rope_theta=float(params.get("rope_theta", 10000.0)),
         )
 
