@@ -86,7 +86,7 @@ def padding_rows(min_pixels: int, max_pixels: int) -> tuple[list[dict[str, Any]]
         step=MERGE * MERGE,
     )
     buckets = resolve_vision_buckets({}, limits)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for width, height, source in IMAGE_SIZES:
         patches = resized_patches(width, height, min_pixels, max_pixels)
         rows.append(
@@ -152,7 +152,8 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
         backend.load(Path(folder))
     config = read_hf_config(model)
     geometry = VisionGeometry.from_hf_config(config)
-    assert geometry is not None, f"{model} is not a vision-language model"
+    if geometry is None:
+        raise SystemExit(f"--model {model}: not a vision-language model (no vision_config)")
     hidden = geometry.hidden_size
     image_token = int(config["image_token_id"])
     rows = []
