@@ -358,6 +358,8 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
         if os.environ.get(name) != value:
             os.environ[name] = value
             logger.info("neuron platform: %s=%s (%s)", name, value, reason)
+    if settings.vision_buckets:
+        host_normalized_pixels(vllm_config.model_config.multimodal_config)
     scheduler = vllm_config.scheduler_config
     if settings.max_loras and scheduler.scheduler_cls is None:
         from neuron_plugin.serving.request_errors import scheduler_class
@@ -382,6 +384,19 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
     )
     global _resolved_config
     _resolved_config = weakref.ref(vllm_config)
+
+
+def host_normalized_pixels(multimodal: Any) -> None:
+    """The processor rescales and normalizes the pixels (vLLM 0.33 otherwise hands a
+    model that supports it raw uint8 pixels to normalize on its device,
+    `mm_device_do_normalize`): the vision graphs take the processor's output as
+    transformers computes it."""
+    if getattr(multimodal, "mm_device_do_normalize", False):
+        multimodal.mm_device_do_normalize = False
+        logger.info(
+            "neuron platform: mm_device_do_normalize True -> False (the vision encoder's "
+            "graphs take the pixels the processor normalized)"
+        )
 
 
 def settings_from_vllm_config(vllm_config: Any) -> NeuronSettings:

@@ -27,21 +27,13 @@ import numpy as np
 import pytest
 import requests
 
+from neuron_plugin.core.checkpoint import read_hf_config, text_config
 from tests.e2e.support import Server
-from tests.environments import environment
 
 pytestmark = [pytest.mark.server, pytest.mark.deployment]
 
 TOKENS = 10
 ORACLE = Path(__file__).with_name("vision_oracle.py")
-
-
-@pytest.fixture(scope="module")
-def host_python() -> str:
-    python = environment("host", "NEURON_TEST_HOST_PYTHON", "scripts/setup-host-env.sh")
-    if python is None:
-        pytest.skip("no Neuron host vLLM environment: set NEURON_TEST_HOST_PYTHON")
-    return python
 
 
 def image_url(seed: int, height: int, width: int) -> str:
@@ -59,7 +51,7 @@ def chat(text: str, *images: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-RED, BLUE, WIDE = image_url(1, 64, 64), image_url(2, 64, 64), image_url(3, 56, 140)
+RED, BLUE, WIDE = image_url(1, 224, 224), image_url(2, 224, 224), image_url(3, 56, 140)
 REQUESTS = {
     "one": chat("what is in the picture", RED),
     "other": chat("what is in the picture", BLUE),
@@ -134,7 +126,7 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def eos(model) -> int:
-    return int(json.loads((model / "config.json").read_text())["eos_token_id"])
+    return int(text_config(read_hf_config(model))["eos_token_id"])
 
 
 def ask(server, messages, **extra) -> requests.Response:
