@@ -48,11 +48,17 @@ class _Request:
 
 def image_inputs(feature: Any) -> ImageInputs:
     """The encoder input of one vLLM image feature (its processor's output)."""
-    data = feature.data
     return ImageInputs(
-        pixel_values=data["pixel_values"].data.float().numpy(),
-        grid_thw=data["image_grid_thw"].data.numpy().astype(np.int64),
+        pixel_values=feature.data["pixel_values"].data.float().numpy(),
+        grid_thw=image_grid(feature),
     )
+
+
+def image_grid(feature: Any) -> np.ndarray:
+    """An image feature's grid_thw. vLLM strips an image that a prefix-cache hit covers
+    down to the fields an M-RoPE model keeps on the host (`image_grid_thw`): its pixels
+    are not needed, its grid is."""
+    return feature.data["image_grid_thw"].data.numpy().astype(np.int64)
 
 
 class Images:
@@ -84,7 +90,7 @@ class Images:
         if self.mrope and images:
             rope, delta = mrope_positions(
                 prompt_len,
-                [(f.mm_position.offset, image_inputs(f).grid_thw) for f in images],
+                [(f.mm_position.offset, image_grid(f)) for f in images],
                 self.merge,
             )
         placed = [(f.mm_position.offset, f.mm_position.length, f.identifier) for f in images]
