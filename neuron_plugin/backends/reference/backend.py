@@ -462,7 +462,7 @@ class ReferenceBackend(InlineCalls):
             [torch.zeros(shape, dtype=self.dtype) for shape in shapes],
             torch.zeros(patches, self.vision.patch_dim),
             torch.zeros(patches, 2, dtype=torch.int64),
-            torch.zeros(patches, dtype=torch.int64),
+            torch.zeros(2, patches, dtype=torch.int64),
         )
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
@@ -479,14 +479,14 @@ class ReferenceBackend(InlineCalls):
         if not image.is_padding:
             padded[: image.patches] = image.pixel_values
         merge = vision.spatial_merge_size
-        rotary_ids, frames = patch_inputs(image.grid_thw, merge, bucket)
+        rotary_ids, groups = patch_inputs(image.grid_thw, merge, bucket, vision.window)
         graph = self.graphs[(VISION_ENCODING, (bucket,))]
         with torch.inference_mode():
             merged = graph(
                 self.vision_weights,
                 torch.from_numpy(padded),
                 torch.from_numpy(rotary_ids),
-                torch.from_numpy(frames),
+                torch.from_numpy(groups),
             )
         return merged[: image.embedding_tokens(merge)].float().numpy()
 
