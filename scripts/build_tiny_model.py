@@ -28,6 +28,14 @@ multiples of 128); gpt_oss_float is one with float experts and a 16-token window
 variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
 need (see ARCHITECTURES).
 
+Vision-language checkpoints (qwen2_vl, qwen2_5_vl) carry their processor too: the tiny
+tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image
+parts as Qwen2-VL's placeholder run, and preprocessor_config.json / chat_template.json
+as the Hub's Qwen2-VL ships them, with pixel limits that keep images tiny (16 to 256
+patches):
+
+    python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
+
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
 rows) and one layer, for measurements where the vocabulary's size matters (sampling,

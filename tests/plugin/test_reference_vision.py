@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,8 +31,9 @@ BOTH = pytest.mark.parametrize("arch", list(ARCHS), indirect=True)
 LIMITS = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=None,
                       enable_prefix_caching=False, enable_chunked_prefill=False,
                       max_num_batched_tokens=128, dtype="float32")
-BUCKETS = {"context_encoding_buckets": [64], "token_generation_buckets": [128]}
-VISION_BUCKETS = (24, 64)
+# 256 patches and 128 tokens: the processor's largest image (64 placeholders)
+BUCKETS = {"context_encoding_buckets": [64, 128], "token_generation_buckets": [128]}
+VISION_BUCKETS = (24, 64, 256)
 
 
 def vlm_settings(vision_buckets=VISION_BUCKETS, buckets=BUCKETS, arch="qwen2_vl", **changes):
@@ -69,14 +69,6 @@ def compiled(settings, model, folder):
 @pytest.fixture(scope="module")
 def backend(vlm, arch, tmp_path_factory):
     return compiled(vlm_settings(arch=arch), vlm, tmp_path_factory.mktemp(f"{arch}-graphs"))
-
-
-@pytest.fixture(scope="module")
-def large_image_backend(vlm, arch, tmp_path_factory):
-    """The processor's largest image (256 patches, 64 placeholders) needs a vision
-    bucket and a context bucket that hold it."""
-    settings = vlm_settings((24, 256), {**BUCKETS, "context_encoding_buckets": [128]}, arch)
-    return compiled(settings, vlm, tmp_path_factory.mktemp(f"{arch}-large-graphs"))
 
 
 def image(grid, seed=0) -> ImageInputs:
@@ -127,9 +119,9 @@ def test_patch_inputs_are_transformers_vision_positions():
 
 
 def test_an_image_above_the_largest_vision_bucket_is_refused(backend):
-    with pytest.raises(NeuronConfigError, match="80 patches exceeds the largest vision "
-                                                "bucket \\(64 patches\\)"):
-        backend.encode_image(image((1, 8, 10)))
+    with pytest.raises(NeuronConfigError, match="288 patches exceeds the largest vision "
+                                                "bucket \\(256 patches\\)"):
+        backend.encode_image(image((1, 16, 18)))
     with pytest.raises(ValueError, match="pixel_values has shape \\[16, 10\\]"):
         backend.encode_image(ImageInputs(np.zeros((16, 10), np.float32), np.array([1, 4, 4])))
     with pytest.raises(ValueError, match="multiples of the spatial merge size 2"):
@@ -224,6 +216,7 @@ def test_greedy_with_images_equals_transformers_generate(backend, hf_model):
 # vLLM environment: transformers 5 builds Qwen2VLProcessor only with torchvision).
 PROCESSOR_SCRIPT = """
 import sys
+
 import numpy as np
 from PIL import Image
 from transformers import AutoProcessor
@@ -245,7 +238,7 @@ np.savez(sys.argv[2], text=np.array(text), input_ids=out["input_ids"][0],
 
 @BOTH
 def test_the_processors_images_equal_transformers(vlm, hf_model, host_python, tmp_path,
-                                                  large_image_backend):
+                                                  backend):
     """The builder's processor files (written from their documented keys) load with
     AutoProcessor; its chat template puts a placeholder run per image part, its pixel
     limits keep a large image within 256 patches, and what it makes of two images
@@ -262,7 +255,6 @@ def test_the_processors_images_equal_transformers(vlm, hf_model, host_python, tm
     assert grids.tolist() == [[1, 4, 6], [1, 16, 14]]  # 60x90 pixels; 1000x800 scaled down
     ids = processed["input_ids"].tolist()
     assert ids.count(c.image_token_id) == int(grids.prod(axis=1).sum()) // 4
-    backend = large_image_backend
     splits = np.cumsum(grids.prod(axis=1))[:-1]
     images = [ImageInputs(p.astype(np.float32), g)
               for p, g in zip(np.split(processed["pixel_values"], splits), grids, strict=True)]
@@ -322,18 +314,11 @@ def test_vision_buckets_are_checked(vlm, model_dirs):
         ReferenceBackend(dataclasses.replace(text, vision_buckets=(16,)), model_dirs["llama"])
 
 
-@pytest.fixture(scope="module")
-def cache_url(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("vision-cache"))
-
-
-@pytest.mark.parametrize("python", ["this", "sdk"], ids=["this-env", "sdk-env"])
-def test_images_cross_the_runner_boundary(backend, hf_model, vlm, cache_url, python, request):
-    """A real runner process (in the SDK's environment too: torch 2.9, transformers 4.57)
+def test_images_cross_the_runner_boundary(backend, hf_model, vlm, sdk_python, tmp_path):
+    """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
     compiles, warms up every graph (the vision ones with a padding image) and answers
     encode_image and a context encoding with images as the in-process backend does."""
-    interpreter = sys.executable if python == "this" else request.getfixturevalue("sdk_python")
-    remote = open_backend(vlm_settings(backend_python=interpreter), vlm, cache_url)
+    remote = open_backend(vlm_settings(backend_python=sdk_python), vlm, str(tmp_path))
     try:
         assert isinstance(remote, RunnerBackend)
         images = [image((1, 4, 6), seed=3), image((1, 6, 8), seed=4)]
@@ -353,7 +338,7 @@ def test_images_cross_the_runner_boundary(backend, hf_model, vlm, cache_url, pyt
         np.testing.assert_allclose(remote.forward(inputs).numpy(),
                                    backend.forward(inputs).numpy(), atol=1e-5, rtol=1e-5)
         with pytest.raises(NeuronConfigError, match="exceeds the largest vision bucket"):
-            remote.encode_image(image((1, 8, 10)))
+            remote.encode_image(image((1, 16, 18)))
     finally:
         remote.close()
     assert remote.runner.process.returncode == 0

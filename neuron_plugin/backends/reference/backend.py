@@ -12,6 +12,10 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
 - block layout: slot = block * block_size + offset over vLLM's num_blocks blocks (block 0
   is vLLM's null block and takes padding writes).
 
+A vision-language model (core.vision) adds one vision-tower graph per vision bucket
+(`vision`), whose weights are inputs too; `encode_image` pads an image's patches to its
+bucket and returns only its real embeddings.
+
 With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
 zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
 so adapters come and go without recompiling and a compiled graph never holds one.
