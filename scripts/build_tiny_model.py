@@ -28,6 +28,14 @@ multiples of 128); gpt_oss_float is one with float experts and a 16-token window
 variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
 need (see ARCHITECTURES).
 
+Vision-language checkpoints (qwen2_vl, qwen2_5_vl) carry their processor too: the tiny
+tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image
+parts as Qwen2-VL's placeholder run, and preprocessor_config.json / chat_template.json
+as the Hub's Qwen2-VL ships them, with pixel limits that keep images tiny (16 to 256
+patches):
+
+    python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
+
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
 rows) and one layer, for measurements where the vocabulary's size matters (sampling,
@@ -309,7 +317,6 @@ ARCHITECTURES["gpt_oss_float"] = {
 # keep every image at 16 to 256 patches (4 to 64 placeholder tokens).
 VISION_LANGUAGE: dict[str, dict[str, Any]] = {
     "qwen2_vl": {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
         "text_config": {
             **{k: v for k, v in _SMALL.items() if k != "perturb"},
             "rms_norm_eps": 1e-6,
@@ -332,7 +339,27 @@ VISION_LANGUAGE: dict[str, dict[str, Any]] = {
             "temporal_patch_size": 2,
         },
         "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64},
+        "processor_class": "Qwen2VLProcessor",
     },
+}
+# Qwen2.5-VL: the same decoder; a vision tower with RMSNorms, gated MLPs and windows of
+# 56 pixels (2x2 merge groups, so the tiny images span several) except in block 1.
+VISION_LANGUAGE["qwen2_5_vl"] = {
+    **VISION_LANGUAGE["qwen2_vl"],
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,  # the text decoder's
+        "hidden_act": "silu",
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "processor_class": "Qwen2_5_VLProcessor",
 }
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # CLIP's normalisation, as Qwen2-VL's preprocessor_config.json has it
@@ -606,7 +633,7 @@ def _write_vlm(
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         preprocessor = {
             "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": "Qwen2VLProcessor",
+            "processor_class": recipe_fields["processor_class"],
             **recipe_fields["processor"],
             "patch_size": vision["patch_size"],
             "temporal_patch_size": vision["temporal_patch_size"],

@@ -1,16 +1,16 @@
-"""Qwen2-VL on the reference backend against transformers: the vision tower's graphs
-(one per vision bucket, an image padded into a larger bucket, non-square grids), the
-decoder's M-RoPE and the merge of image embeddings at the placeholders, and greedy
-decoding of a prompt with an image equal to transformers' generate. No processor here
-(transformers 5 builds Qwen2-VL's only with torchvision): the images are synthetic
-pixel_values of the processor's shape [patches, 3 * 2 * 14 * 14]."""
+"""Qwen2-VL and Qwen2.5-VL on the reference backend against transformers: the vision
+tower's graphs (one per vision bucket, an image padded into a larger bucket, non-square
+grids, Qwen2.5-VL's windows), the decoder's M-RoPE and the merge of image embeddings at
+the placeholders, and greedy decoding of a prompt with images equal to transformers'
+generate, on synthetic pixel_values of the processor's shape [patches, 3 * 2 * 14 * 14]
+and on what the tiny model's processor makes of real images (run in the host's vLLM
+environment: transformers 5 builds Qwen2-VL's processor only with torchvision)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,51 +25,50 @@ from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 from neuron_plugin.core.vision import ImageInputs, padding_image
 
-ARCH = "Qwen2VLForConditionalGeneration"
+ARCHS = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+BOTH = pytest.mark.parametrize("arch", list(ARCHS), indirect=True)
 LIMITS = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=None,
                       enable_prefix_caching=False, enable_chunked_prefill=False,
                       max_num_batched_tokens=128, dtype="float32")
-BUCKETS = {"context_encoding_buckets": [64], "token_generation_buckets": [128]}
-VISION_BUCKETS = (24, 64)
+# 256 patches and 128 tokens: the processor's largest image (64 placeholders)
+BUCKETS = {"context_encoding_buckets": [64, 128], "token_generation_buckets": [128]}
+VISION_BUCKETS = (24, 64, 256)
 
 
-def vlm_settings(vision_buckets=VISION_BUCKETS, buckets=BUCKETS, **changes):
-    settings = resolve_settings(LIMITS, buckets, backend="reference", architecture=ARCH)
+def vlm_settings(vision_buckets=VISION_BUCKETS, buckets=BUCKETS, arch="qwen2_vl", **changes):
+    settings = resolve_settings(LIMITS, buckets, backend="reference", architecture=ARCHS[arch])
     return dataclasses.replace(settings, vision_buckets=tuple(vision_buckets), **changes)
 
 
 @pytest.fixture(scope="module")
-def vlm(tiny_model):
-    return tiny_model("qwen2_vl")
+def arch(request) -> str:
+    """The architecture (BOTH: each in turn; otherwise Qwen2-VL)."""
+    return getattr(request, "param", "qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_model, arch):
+    return tiny_model(arch)
 
 
 @pytest.fixture(scope="module")
 def hf_model(vlm):
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen2VLForConditionalGeneration.from_pretrained(vlm, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def backend(vlm, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2-vl-graphs")
-    compiled = ReferenceBackend(vlm_settings(), vlm)
-    compiled.compile(folder)
-    loaded = ReferenceBackend(vlm_settings(), vlm)
+def compiled(settings, model, folder):
+    ReferenceBackend(settings, model).compile(folder)
+    loaded = ReferenceBackend(settings, model)
     loaded.load(folder)
     return loaded
 
 
 @pytest.fixture(scope="module")
-def tiny_processor_buckets_backend(vlm, tmp_path_factory):
-    """The processor's largest image (256 patches, 64 placeholders) needs a vision
-    bucket and a context bucket that hold it."""
-    settings = vlm_settings((24, 256), {**BUCKETS, "context_encoding_buckets": [128]})
-    folder = tmp_path_factory.mktemp("qwen2-vl-processor-graphs")
-    ReferenceBackend(settings, vlm).compile(folder)
-    loaded = ReferenceBackend(settings, vlm)
-    loaded.load(folder)
-    return loaded
+def backend(vlm, arch, tmp_path_factory):
+    return compiled(vlm_settings(arch=arch), vlm, tmp_path_factory.mktemp(f"{arch}-graphs"))
 
 
 def image(grid, seed=0) -> ImageInputs:
@@ -78,7 +77,8 @@ def image(grid, seed=0) -> ImageInputs:
     return ImageInputs(pixels.astype(np.float32), np.array(grid, dtype=np.int64))
 
 
-@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 6, 4), (1, 4, 4), (1, 6, 8), (2, 2, 4)],
+@BOTH
+@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 6, 4), (1, 4, 4), (1, 6, 10), (2, 2, 4)],
                          ids=["wide", "tall", "padded-in-24", "padded-in-64", "two-frames"])
 def test_vision_graph_equals_transformers_visual(backend, hf_model, grid):
     img = image(grid)
@@ -91,20 +91,37 @@ def test_vision_graph_equals_transformers_visual(backend, hf_model, grid):
     np.testing.assert_allclose(got, expected.numpy(), atol=2e-5, rtol=1e-4)
 
 
+def test_qwen2_5_windows_are_transformers_windows():
+    """Qwen2.5-VL's window of each patch, from get_vision_window_index's reordering:
+    the windows transformers attends within, as groups of patch indices."""
+    from transformers.vision_utils import get_vision_window_index
+
+    grid = np.array([2, 6, 10])  # 3x5 merge groups a frame, windows of 2x2 groups
+    _, groups = patch_inputs(grid, 2, 128, window=2)
+    index, bounds = get_vision_window_index(torch.from_numpy(grid[None]), 2, 56, 14)
+    order = (index[:, None] * 4 + torch.arange(4)).reshape(-1).numpy()  # patches
+    bounds = bounds.unique().tolist()  # empty windows repeat a bound
+    expected = sorted(sorted(order[a:b].tolist()) for a, b in zip(bounds, bounds[1:]))
+    got = sorted(np.flatnonzero(groups[1] == g).tolist() for g in set(groups[1, :120]))
+    assert got == expected and len(got) == 2 * 2 * 3  # two frames of 2 x 3 windows
+    assert (groups[:, 120:] == -1).all()
+
+
 def test_patch_inputs_are_transformers_vision_positions():
     from transformers.vision_utils import get_vision_position_ids
 
     grid = np.array([2, 4, 6])
-    rotary_ids, frames = patch_inputs(grid, 2, 64)
+    rotary_ids, groups = patch_inputs(grid, 2, 64)
     expected = get_vision_position_ids(torch.from_numpy(grid[None]), 2).numpy()
     np.testing.assert_array_equal(rotary_ids[:48], expected)
-    np.testing.assert_array_equal(frames, [0] * 24 + [1] * 24 + [-1] * 16)
+    np.testing.assert_array_equal(groups[0], [0] * 24 + [1] * 24 + [-1] * 16)
+    np.testing.assert_array_equal(groups[1], groups[0])
 
 
 def test_an_image_above_the_largest_vision_bucket_is_refused(backend):
-    with pytest.raises(NeuronConfigError, match="80 patches exceeds the largest vision "
-                                                "bucket \\(64 patches\\)"):
-        backend.encode_image(image((1, 8, 10)))
+    with pytest.raises(NeuronConfigError, match="288 patches exceeds the largest vision "
+                                                "bucket \\(256 patches\\)"):
+        backend.encode_image(image((1, 16, 18)))
     with pytest.raises(ValueError, match="pixel_values has shape \\[16, 10\\]"):
         backend.encode_image(ImageInputs(np.zeros((16, 10), np.float32), np.array([1, 4, 4])))
     with pytest.raises(ValueError, match="multiples of the spatial merge size 2"):
@@ -176,8 +193,9 @@ def backend_greedy(backend, first_logits, prompt_len, delta) -> list[int]:
     return tokens
 
 
+@BOTH
 def test_greedy_with_images_equals_transformers_generate(backend, hf_model):
-    grids = [(1, 4, 6), (1, 6, 8)]  # the second one padded into the 64-patch bucket
+    grids = [(1, 4, 6), (1, 6, 10)]  # the second one padded into the 64-patch bucket
     images = [image(g, seed=i) for i, g in enumerate(grids)]
     ids = prompt(hf_model, grids)
     expected, expected_logits, rope, delta = transformers_greedy(
@@ -198,6 +216,7 @@ def test_greedy_with_images_equals_transformers_generate(backend, hf_model):
 # vLLM environment: transformers 5 builds Qwen2VLProcessor only with torchvision).
 PROCESSOR_SCRIPT = """
 import sys
+
 import numpy as np
 from PIL import Image
 from transformers import AutoProcessor
@@ -217,8 +236,9 @@ np.savez(sys.argv[2], text=np.array(text), input_ids=out["input_ids"][0],
 """
 
 
+@BOTH
 def test_the_processors_images_equal_transformers(vlm, hf_model, host_python, tmp_path,
-                                                  tiny_processor_buckets_backend):
+                                                  backend):
     """The builder's processor files (written from their documented keys) load with
     AutoProcessor; its chat template puts a placeholder run per image part, its pixel
     limits keep a large image within 256 patches, and what it makes of two images
@@ -228,13 +248,13 @@ def test_the_processors_images_equal_transformers(vlm, hf_model, host_python, tm
                    capture_output=True, text=True)
     processed = np.load(out)
     c = hf_model.config
-    assert str(processed["processor"]) == "Qwen2VLProcessor"
+    assert str(processed["processor"]) == type(hf_model).__name__.replace(
+        "ForConditionalGeneration", "Processor")
     assert str(processed["text"]).count("<|vision_start|><|image_pad|><|vision_end|>") == 2
     grids = processed["image_grid_thw"]
     assert grids.tolist() == [[1, 4, 6], [1, 16, 14]]  # 60x90 pixels; 1000x800 scaled down
     ids = processed["input_ids"].tolist()
     assert ids.count(c.image_token_id) == int(grids.prod(axis=1).sum()) // 4
-    backend = tiny_processor_buckets_backend
     splits = np.cumsum(grids.prod(axis=1))[:-1]
     images = [ImageInputs(p.astype(np.float32), g)
               for p, g in zip(np.split(processed["pixel_values"], splits), grids, strict=True)]
@@ -294,18 +314,11 @@ def test_vision_buckets_are_checked(vlm, model_dirs):
         ReferenceBackend(dataclasses.replace(text, vision_buckets=(16,)), model_dirs["llama"])
 
 
-@pytest.fixture(scope="module")
-def cache_url(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("vision-cache"))
-
-
-@pytest.mark.parametrize("python", ["this", "sdk"], ids=["this-env", "sdk-env"])
-def test_images_cross_the_runner_boundary(backend, hf_model, vlm, cache_url, python, request):
-    """A real runner process (in the SDK's environment too: torch 2.9, transformers 4.57)
+def test_images_cross_the_runner_boundary(backend, hf_model, vlm, sdk_python, tmp_path):
+    """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
     compiles, warms up every graph (the vision ones with a padding image) and answers
     encode_image and a context encoding with images as the in-process backend does."""
-    interpreter = sys.executable if python == "this" else request.getfixturevalue("sdk_python")
-    remote = open_backend(vlm_settings(backend_python=interpreter), vlm, cache_url)
+    remote = open_backend(vlm_settings(backend_python=sdk_python), vlm, str(tmp_path))
     try:
         assert isinstance(remote, RunnerBackend)
         images = [image((1, 4, 6), seed=3), image((1, 6, 8), seed=4)]
@@ -325,7 +338,7 @@ def test_images_cross_the_runner_boundary(backend, hf_model, vlm, cache_url, pyt
         np.testing.assert_allclose(remote.forward(inputs).numpy(),
                                    backend.forward(inputs).numpy(), atol=1e-5, rtol=1e-5)
         with pytest.raises(NeuronConfigError, match="exceeds the largest vision bucket"):
-            remote.encode_image(image((1, 8, 10)))
+            remote.encode_image(image((1, 16, 18)))
     finally:
         remote.close()
     assert remote.runner.process.returncode == 0

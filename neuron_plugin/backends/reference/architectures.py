@@ -105,6 +105,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         default_rope_theta=1_000_000.0,
         vision=True,
     ),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(
+        "qwen2_5_vl",
+        attention_bias="qkv",
+        window_flag=True,
+        sliding_layer=_from_max_window_layers,
+        default_rope_theta=1_000_000.0,
+        vision=True,
+    ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
         norm="rms_float",

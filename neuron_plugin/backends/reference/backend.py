@@ -12,6 +12,10 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
 - block layout: slot = block * block_size + offset over vLLM's num_blocks blocks (block 0
   is vLLM's null block and takes padding writes).
 
+A vision-language model (core.vision) adds one vision-tower graph per vision bucket
+(`vision`), whose weights are inputs too; `encode_image` pads an image's patches to its
+bucket and returns only its real embeddings.
+
 With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
 zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
 so adapters come and go without recompiling and a compiled graph never holds one.
@@ -462,7 +466,7 @@ class ReferenceBackend(InlineCalls):
             [torch.zeros(shape, dtype=self.dtype) for shape in shapes],
             torch.zeros(patches, self.vision.patch_dim),
             torch.zeros(patches, 2, dtype=torch.int64),
-            torch.zeros(patches, dtype=torch.int64),
+            torch.zeros(2, patches, dtype=torch.int64),
         )
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
@@ -479,14 +483,14 @@ class ReferenceBackend(InlineCalls):
         if not image.is_padding:
             padded[: image.patches] = image.pixel_values
         merge = vision.spatial_merge_size
-        rotary_ids, frames = patch_inputs(image.grid_thw, merge, bucket)
+        rotary_ids, groups = patch_inputs(image.grid_thw, merge, bucket, vision.window)
         graph = self.graphs[(VISION_ENCODING, (bucket,))]
         with torch.inference_mode():
             merged = graph(
                 self.vision_weights,
                 torch.from_numpy(padded),
                 torch.from_numpy(rotary_ids),
-                torch.from_numpy(frames),
+                torch.from_numpy(groups),
             )
         return merged[: image.embedding_tokens(merge)].float().numpy()
 

@@ -34,6 +34,13 @@ every targeted projection adds B[slot] (A[slot] x) to its row, PEFT's
 y = W x + scaling * B(A x) with the scaling already in B (core.adapters). Slot 0 is
 zero, so rows without an adapter compute the base model exactly.
 
+A vision-language model's graphs (Qwen2-VL family, core.vision) also take rope_positions
+[3, batch, active] (M-RoPE: each rotary frequency follows the temporal, height or width
+position, by the config's mrope_section), and in context encoding the image embeddings
+vision_embeddings [batch, active, hidden] and vision_mask [batch, active], which replace
+the token embeddings where the mask is set (zeros and False in a call without images).
+Their vision towers are graphs of their own (`vision`).
+
 Speculative decoding's graphs (`speculative`) are built from the same pieces (`hidden`,
 `head`).
 """
@@ -57,8 +64,8 @@ from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core import mxfp4
 from neuron_plugin.core.checkpoint import safetensors_files
 
-# Bumped whenever what a graph computes changes, so compiled graphs of earlier code are
-# cache misses (2: values of unseen key positions zeroed).
+# Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
+# graphs of earlier code are cache misses (2: values of unseen key positions zeroed).
 COMPUTATION = 2
 
 __all__ = [
