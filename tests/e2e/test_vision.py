@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ def server(model, host_python, tmp_path_factory):
                 }
             ),
         ],
-        env={"VLLM_NEURON_BACKEND": "reference"},
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
         python=host_python,
     )
     served.wait_healthy(timeout=420)
