@@ -186,7 +186,7 @@ def rms_norm(kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return (weight * normed).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -326,7 +326,36 @@ class DecoderGraph(nn.Module):
         """The final-normed hidden states [batch, active, hidden] of every input token,
         each token's keys and values written to its cache slot first; `lora`: per layer,
         the rows' adapter deltas (`lora_rows`)."""
+        return self.hidden_states(
+            w,
+            input_ids,
+            positions,
+            write_slots,
+            read_slots,
+            full_context_lens,
+            k_cache,
+            v_cache,
+            lora,
+        )[0]
+
+    def hidden_states(
+        self,
+        w: dict[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        full_context_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        lora: list[Adapt] | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`hidden`, and the residual stream entering each layer of `capture` (index
+        num_layers: leaving the last layer, before the final norm), in `capture`'s
+        order: what an EAGLE-3 head fuses (vLLM `_maybe_add_hidden_state`)."""
         s = self.spec
+        captured: dict[int, torch.Tensor] = {}
         batch, active = input_ids.shape
         width = read_slots.shape[1]
         embed = w["model.embed_tokens.weight"]
@@ -357,6 +386,8 @@ class DecoderGraph(nn.Module):
         norm = s.arch.norm
 
         for layer in range(s.num_layers):
+            if layer in capture:
+                captured[layer] = x
             p = f"model.layers.{layer}."
             a = p + "self_attn."
             adapt = None if lora is None else lora[layer]
@@ -371,13 +402,13 @@ class DecoderGraph(nn.Module):
                 q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
                 k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
             cos, sin = rope[s.rope_kind(layer)]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
 
             layer_idx = torch.full_like(flat_write, layer)
             k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
             v_cache.index_put_((layer_idx, flat_write), v.reshape(-1, s.num_kv_heads, s.head_dim))
-            attn = _attend(
+            attn = attend(
                 s,
                 q,
                 k_cache[layer][read_slots],
@@ -398,7 +429,9 @@ class DecoderGraph(nn.Module):
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
                 )
             x = x + out
-        return rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
+        captured[s.num_layers] = x
+        normed = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
+        return normed, [captured[i] for i in capture]
 
 
 def _lora_delta(rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Adapt:
@@ -416,7 +449,7 @@ def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tens
     return y if delta is None else y + delta
 
 
-def _attend(
+def attend(
     s: DecoderSpec,
     q: torch.Tensor,
     keys: torch.Tensor,
