@@ -113,6 +113,27 @@ def test_a_head_that_does_not_fit_the_target_is_refused_by_name(
                      draft_model=str(head), target_shape=shape))
 
 
+def test_explain_config_names_the_eagle_graphs_and_counts_the_head(eagle_heads):
+    import json
+
+    from neuron_plugin.core.instances import INSTANCE_TYPES
+    from neuron_plugin.tools import explain
+
+    target, _, head = eagle_heads
+    settings = resolve(dict(speculative_method="eagle3", num_speculative_tokens=3,
+                            draft_model=str(head), target_shape=TARGET_SHAPE))
+    report = explain.build_report(settings, str(target),
+                                  json.loads((target / "config.json").read_text()), None,
+                                  INSTANCE_TYPES["inf2.xlarge"], "x", (None, "x"))
+    spec = report["speculation"]
+    assert (spec["method"], spec["speculation_length"]) == ("eagle3", 4)
+    assert spec["enable_eagle_speculation"] and spec["is_eagle3"]
+    assert "an eagle3 head on the target's hidden states" in spec["summary"]
+    assert report["memory"]["draft_kv_cache_per_core_bytes"] > 0  # the head's one layer
+    line = next(x for x in explain.render(report).splitlines() if x.startswith("speculation"))
+    assert "enable_eagle_speculation true, is_eagle3 true); head " in line
+
+
 def test_vllms_eagle_config_reaches_the_settings_with_the_targets_shape(eagle_heads):
     """vLLM's own SpeculativeConfig for an EAGLE-3 head: the head folder and the target's
     shape it is checked against come from it."""
