@@ -27,7 +27,7 @@ to num_speculative_tokens + 1 with it). Each figure is the median of --repeats r
 writes speculation.json and speculation.md; the EAGLE figures of the docs:
 
     python scripts/bench_speculation.py --methods none,eagle,eagle3 --batches 1,4,16 \
-        --out bench-results/speculation-eagle
+        --batch-graphs --requests 8 --repeats 1 --out bench-results/speculation-eagle
  On an inf2/trn host: VLLM_NEURON_BACKEND=nxd,
 --python the Neuron SDK's interpreter, --target/--draft real checkpoints.
 """
@@ -102,7 +102,8 @@ def make_llm(
     method: str,
     drafts: int,
     python: str | None,
-    max_num_seqs: int,
+    batches: tuple[int, ...],
+    batch_graphs: bool,
 ):
     from vllm import LLM
 
@@ -128,14 +129,18 @@ def make_llm(
         model=str(target),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max(batches),
         seed=0,
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
         gpu_memory_utilization=0.1,
         speculative_config=speculative,
         additional_config={
-            "override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512]},
+            "override_neuron_config": {
+                "context_encoding_buckets": [64, 128, 256, 512],
+                # a token-generation graph per batch size, so batch 1 computes one row
+                **({"token_generation_batches": list(batches)} if batch_graphs else {}),
+            },
             **({"backend_python": python} if python else {}),
         },
     )
@@ -233,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes"
     )
+    parser.add_argument(
+        "--batch-graphs",
+        action="store_true",
+        help="compile a token-generation graph per --batches size (token_generation_batches; "
+        "the reference backend only with speculation) instead of all at the largest",
+    )
     args = parser.parse_args(argv)
     from build_eagle_heads import build_head
     from build_tiny_model import build_speculation_models
@@ -258,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["VLLM_NEURON_CACHE_URL"] = cache
         for method in methods:
-            llm = make_llm(target, draft, heads, method, args.drafts, args.python, max(batches))
+            llm = make_llm(
+                target, draft, heads, method, args.drafts, args.python, batches, args.batch_graphs
+            )
             try:
                 run_batch(llm, loads["edit"][:2])  # warm-up
                 for name, requests in loads.items():
@@ -282,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests,
         repeats=args.repeats,
         max_model_len=MAX_MODEL_LEN,
+        batch_graphs=args.batch_graphs,
     )
     write_results(
         args.out,

@@ -1,7 +1,8 @@
 """EAGLE and EAGLE-3 speculation through vLLM's --speculative-config on the reference
 backend: greedy tokens equal transformers' greedy tokens (so equal those without
 speculation) at batch 1 and beside sampled and host-sampled rows, in both KV layouts,
-with the heads' drafts accepted (vLLM's spec-decode counters).
+in-process and through the backend runner (the SDK's environment), with the heads'
+drafts accepted (vLLM's spec-decode counters).
 
 The target is the corpus-trained tiny Mistral of tests/e2e/test_speculative_decoding.py;
 the heads are trained on its hidden states (scripts/build_eagle_heads.py), so their
@@ -21,8 +22,8 @@ DRAFTS = 3
 BUCKETS = {"context_encoding_buckets": [32, 64, 128, 256]}
 
 CONFIGS = [
-    pytest.param(("eagle", False), id="eagle-contiguous"),
-    pytest.param(("eagle3", True), id="eagle3-prefix_caching"),
+    pytest.param(("eagle", False, True), id="eagle-contiguous-sdk"),
+    pytest.param(("eagle3", True, False), id="eagle3-prefix_caching"),
 ]
 
 
@@ -33,13 +34,14 @@ def oracle(eagle_heads) -> GreedyOracle:
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def engine(request, eagle_heads):
-    method, prefix = request.param
+    method, prefix, in_sdk = request.param
     target, eagle, eagle3 = eagle_heads
     spec = {"method": method, "model": str(eagle if method == "eagle" else eagle3),
             "num_speculative_tokens": DRAFTS}
+    runner = {"backend_python": request.getfixturevalue("sdk_python")} if in_sdk else {}
     llm = make_llm(target, max_num_seqs=3, speculative_config=spec,
                    enable_prefix_caching=prefix, disable_log_stats=False,
-                   additional_config={"override_neuron_config": dict(BUCKETS)})
+                   additional_config={"override_neuron_config": dict(BUCKETS), **runner})
     yield method, llm
     shutdown_llm(llm)
 
@@ -72,7 +74,8 @@ def test_greedy_tokens_equal_transformers_and_drafts_are_accepted(engine, eagle_
         for prompt, count, out in zip(prompts, wanted, outputs, strict=True):
             assert list(out.outputs[0].token_ids) == oracle.generate(prompt, count), method
     drafted, accepted = _accepted(llm, before)
-    assert drafted > 0 and accepted / drafted > 0.2, (method, drafted, accepted)
+    # trained heads are accepted nearly always (95-98% here); a head computed wrongly is not
+    assert drafted > 0 and accepted / drafted > 0.5, (method, drafted, accepted)
 
 
 def test_sampled_and_host_sampled_rows_beside_greedy_ones(engine, eagle_heads, oracle):
