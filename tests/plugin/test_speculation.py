@@ -72,6 +72,7 @@ def test_eagle_heads_are_fused_drafters(method, eagle_heads):
                             draft_model=str(head), target_shape=TARGET_SHAPE))
     assert settings.is_fused_speculation and settings.is_eagle
     assert settings.speculation_length == 4 and settings.draft_model == str(head.resolve())
+    assert settings.token_generation_buckets == (128, 256, 259)  # the lookahead, as for drafts
     with pytest.raises(NeuronConfigError, match=r"nxd backend: the plugin does not yet drive "
                                                 r"NxDI's EAGLE speculation"):
         resolve(dict(speculative_method=method, num_speculative_tokens=3,
