@@ -1,11 +1,12 @@
 """Speculative decoding: decode tokens/s and inter-token latency with and without
-speculation (prompt lookup, and a draft model fused into the graphs) at batch 1 and 8,
-on a repetitive workload and on the Azure trace's lengths, as ratios to no speculation
-measured in one run.
+speculation (prompt lookup, a draft model fused into the graphs, and EAGLE / EAGLE-3
+heads) at batch 1 and 8 (--batches), on a repetitive workload and on the Azure trace's
+lengths, as ratios to no speculation measured in one run.
 
-The target is a tiny Mistral trained on the corpus until it memorises it and the draft a
-one-layer Mistral trained the same way (scripts/build_tiny_model.py --train-steps): with
-random weights no draft would be accepted. Workloads (prompt text is corpus text, the
+The target is a tiny Mistral trained on the corpus until it memorises it, the draft a
+one-layer Mistral trained the same way (scripts/build_tiny_model.py --train-steps) and
+the EAGLE heads are trained on the target's hidden states (scripts/build_eagle_heads.py):
+with random weights no draft would be accepted. Workloads (prompt text is corpus text, the
 only text these models know):
 - *edit*: a corpus passage followed by its own first 24 tokens, so the answer copies the
   passage: the shape of a code edit, where prompt lookup shines;
@@ -23,7 +24,11 @@ tokens after its first / the engine steps that delivered any (1 without speculat
 to num_speculative_tokens + 1 with it). Each figure is the median of --repeats runs.
 
     python scripts/bench_speculation.py --out bench-results/speculation
-writes speculation.json and speculation.md. On an inf2/trn host: VLLM_NEURON_BACKEND=nxd,
+writes speculation.json and speculation.md; the EAGLE figures of the docs:
+
+    python scripts/bench_speculation.py --methods none,eagle,eagle3 --batches 1,4,16 \
+        --batch-graphs --requests 8 --repeats 1 --out bench-results/speculation-eagle
+ On an inf2/trn host: VLLM_NEURON_BACKEND=nxd,
 --python the Neuron SDK's interpreter, --target/--draft real checkpoints.
 """
 
@@ -51,7 +56,7 @@ TRACE = ROOT / "scripts" / "data" / "azure_llm_inference_conv_2023.csv"
 BATCHES = (1, 8)
 MAX_MODEL_LEN = 512
 PROMPT_CAP, OUTPUT_CAP = 384, 64
-METHODS = ("none", "ngram", "draft_model")
+METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3")
 
 
 def corpus_ids(model: Path) -> list[int]:
@@ -90,7 +95,16 @@ def workloads(model: Path, requests: int) -> dict[str, list[tuple[list[int], int
     return {"edit": edit, "azure": azure}
 
 
-def make_llm(target: Path, draft: Path, method: str, drafts: int, python: str | None):
+def make_llm(
+    target: Path,
+    draft: Path,
+    heads: dict[str, Path],
+    method: str,
+    drafts: int,
+    python: str | None,
+    batches: tuple[int, ...],
+    batch_graphs: bool,
+):
     from vllm import LLM
 
     speculative = {
@@ -106,19 +120,27 @@ def make_llm(target: Path, draft: Path, method: str, drafts: int, python: str | 
             "model": str(draft),
             "num_speculative_tokens": drafts,
         },
+        **{
+            name: {"method": name, "model": str(head), "num_speculative_tokens": drafts}
+            for name, head in heads.items()
+        },
     }[method]
     return LLM(
         model=str(target),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=max(BATCHES),
+        max_num_seqs=max(batches),
         seed=0,
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
         gpu_memory_utilization=0.1,
         speculative_config=speculative,
         additional_config={
-            "override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512]},
+            "override_neuron_config": {
+                "context_encoding_buckets": [64, 128, 256, 512],
+                # a token-generation graph per batch size, so batch 1 computes one row
+                **({"token_generation_batches": list(batches)} if batch_graphs else {}),
+            },
             **({"backend_python": python} if python else {}),
         },
     )
@@ -210,25 +232,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python", help="the backend runner's interpreter (default: the backend in-process)"
     )
+    parser.add_argument(
+        "--methods", default=",".join(METHODS[:3]), help=f"comma-separated, of {METHODS}"
+    )
+    parser.add_argument(
+        "--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes"
+    )
+    parser.add_argument(
+        "--batch-graphs",
+        action="store_true",
+        help="compile a token-generation graph per --batches size (token_generation_batches; "
+        "the reference backend only with speculation) instead of all at the largest",
+    )
     args = parser.parse_args(argv)
+    from build_eagle_heads import build_head
     from build_tiny_model import build_speculation_models
 
+    methods = tuple(args.methods.split(","))
+    batches = tuple(int(b) for b in args.batches.split(","))
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or "none" not in methods:
+        parser.error(f"--methods: {unknown} not in {METHODS}, or 'none' (the baseline) missing")
     if args.target and args.draft:
         target, draft = args.target, args.draft
     elif args.target or args.draft:
         parser.error("--target and --draft go together")
     else:
         target, draft = build_speculation_models(ROOT / "models")
+    heads = {
+        m: build_head(target, ROOT / "models" / f"tiny-mistral-{m}", m)
+        for m in methods
+        if m.startswith("eagle")
+    }
     loads = workloads(target, args.requests)
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         os.environ["VLLM_NEURON_CACHE_URL"] = cache
-        for method in METHODS:
-            llm = make_llm(target, draft, method, args.drafts, args.python)
+        for method in methods:
+            llm = make_llm(
+                target, draft, heads, method, args.drafts, args.python, batches, args.batch_graphs
+            )
             try:
                 run_batch(llm, loads["edit"][:2])  # warm-up
                 for name, requests in loads.items():
-                    for batch in BATCHES:
+                    for batch in batches:
                         runs = [measure(llm, requests, batch) for _ in range(args.repeats)]
                         row = {
                             "workload": name,
@@ -248,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests,
         repeats=args.repeats,
         max_model_len=MAX_MODEL_LEN,
+        batch_graphs=args.batch_graphs,
     )
     write_results(
         args.out,

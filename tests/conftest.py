@@ -61,6 +61,15 @@ def speculation_models() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def eagle_heads() -> tuple[Path, Path, Path]:
+    """The speculation target and an EAGLE and an EAGLE-3 head trained on its hidden
+    states (scripts/build_eagle_heads.py), so their drafts get accepted (built once)."""
+    from build_eagle_heads import build_eagle_heads
+
+    return build_eagle_heads(ROOT / "models")
+
+
+@pytest.fixture(scope="session")
 def lora_adapters(model_dirs) -> dict[str, Path]:
     """PEFT adapters of the tiny Llama (scripts/build_tiny_lora.py ADAPTERS), built once."""
     from build_tiny_lora import build_test_adapters

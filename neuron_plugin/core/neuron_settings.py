@@ -23,6 +23,10 @@ BLOCK = "block"
 # Speculative decoding methods (vLLM's --speculative-config "method" values served here).
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
+EAGLE = "eagle"
+EAGLE3 = "eagle3"
+# The methods whose drafter runs inside the token-generation graphs (fused speculation).
+FUSED_METHODS = (DRAFT_MODEL, EAGLE, EAGLE3)
 # The reason recorded when the user chose max_num_seqs (nothing to log or explain).
 MAX_NUM_SEQS_CHOSEN = "--max-num-seqs"
 
@@ -82,6 +86,9 @@ class EngineLimits:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # The target's (hidden_size, vocab_size, num_hidden_layers) from its config, which an
+    # EAGLE head must fit (core.eagle_heads); None where the caller does not know them.
+    target_shape: tuple[int, int, int] | None = None
     # vLLM's --enable-lora flags (core.lora): max_loras 0 means LoRA is off;
     # lora_target_modules None means vLLM's default (every module); lora_dtype as vLLM
     # holds it ("auto" or a dtype name).
@@ -184,9 +191,16 @@ class NeuronSettings:
 
     @property
     def is_fused_speculation(self) -> bool:
-        """A draft model runs inside the token-generation graphs (NxDI's fused
-        speculation): they take one token per row and propose the drafts themselves."""
-        return self.speculation_method == DRAFT_MODEL
+        """A draft model or an EAGLE head runs inside the token-generation graphs
+        (NxDI's fused speculation): they take one token per row and propose the drafts
+        themselves."""
+        return self.speculation_method in FUSED_METHODS
+
+    @property
+    def is_eagle(self) -> bool:
+        """The fused drafter is an EAGLE or EAGLE-3 head reading the target's hidden
+        states (NxDI's enable_eagle_speculation)."""
+        return self.speculation_method in (EAGLE, EAGLE3)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -38,7 +38,9 @@ _SPECULATION = (
     "speculative decoding is set with vLLM's --speculative-config, from which the plugin "
     'derives NxDI\'s speculation keys (e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4}\', or \'{"model": DRAFT_DIR, '
-    "\"num_speculative_tokens\": 4}' for NxDI's fused speculation); remove the key"
+    '"num_speculative_tokens": 4}\' for NxDI\'s fused speculation, or \'{"method": '
+    '"eagle3", "model": HEAD_DIR, "num_speculative_tokens": 4}\' for its EAGLE '
+    "speculation); remove the key"
 )
 
 # NxDI features this plugin does not drive: any value but null, false or 0 turns the
@@ -64,10 +66,8 @@ UNSUPPORTED_KEYS = {
     ),
     "speculation_length": _SPECULATION,
     "enable_fused_speculation": _SPECULATION,
-    "enable_eagle_speculation": (
-        "EAGLE heads are not supported (the graphs verify n-gram or draft-model drafts); "
-        "remove the key and see --speculative-config"
-    ),
+    "enable_eagle_speculation": _SPECULATION,
+    "is_eagle3": _SPECULATION,
     "is_medusa": "Medusa heads are not supported; remove the key",
 }
 

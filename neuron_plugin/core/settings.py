@@ -35,7 +35,7 @@ from neuron_plugin.core.memory import SequenceBudget
 from neuron_plugin.core.neuron_settings import (
     BLOCK,
     CONTIGUOUS,
-    DRAFT_MODEL,
+    FUSED_METHODS,
     GRID_KEYS,
     MAX_NUM_SEQS_CHOSEN,
     EngineLimits,
@@ -256,10 +256,11 @@ def resolve_settings(
             f"NxDI does not batch-bucket the block layout ({reason}); remove "
             f"token_generation_batches or turn off prefix caching and chunked prefill."
         )
-    if LOGITS_KEY in override and method == DRAFT_MODEL:
+    if LOGITS_KEY in override and method in FUSED_METHODS:
         raise NeuronConfigError(
             f"override_neuron_config.{LOGITS_KEY} chooses token-generation graphs with "
-            f"logits beside tokens-only ones, but a fused draft model's graphs return no "
+            f"logits beside tokens-only ones, but a fused draft model's or EAGLE head's "
+            f"graphs return no "
             f"logits (requests that need them are refused); remove {LOGITS_KEY}."
         )
     if LOGITS_KEY in override and not on_device:

@@ -1,7 +1,8 @@
 """Speculative decoding: which of vLLM's `--speculative-config` methods Neuron serves, the
 combinations that cannot work, and how verification picks the tokens a step emits.
 
-Two methods, both verified inside the token-generation graphs (one call per step):
+Three kinds of drafter, all verified inside the token-generation graphs (one call per
+step):
 - `ngram` (prompt lookup): vLLM's `NgramProposer` proposes up to N drafts per request on
   the host from the request's own tokens; the graph computes the target at the last
   token and every draft (N + 1 positions per row) and accepts a prefix of the drafts.
@@ -14,6 +15,13 @@ Two methods, both verified inside the token-generation graphs (one call per step
   vLLM's scheduler still schedules N draft positions per request (the runner hands it
   N placeholders), so KV slots, the rollback of rejected positions and vLLM's
   spec-decode metrics all follow vLLM's own contract.
+- `eagle` / `eagle3`: an EAGLE head (core.eagle_heads) fused the same way, reading the
+  target's hidden states (NxDI's `enable_eagle_speculation`, `is_eagle3`): the graph
+  keeps the target's hidden state (EAGLE-3: the fused feature) of every position, runs
+  the head N times from the last token and the hidden state before it, verifies the N
+  drafts with the target, then runs the head once more over the N + 1 positions with the
+  target's own hidden states, so the head's KV cache holds what EAGLE defines (NxDI
+  model_base.py `_eagle_token_gen_forward`; vLLM recomputes them the same way).
 
 NxDI's `speculation_length` counts the last token too: N drafts are speculation_length
 N + 1 (vllm-neuron 0.x passed N, which verifies N - 1 drafts).
@@ -42,24 +50,31 @@ from pathlib import Path
 
 import numpy as np
 
+from neuron_plugin.core.eagle_heads import TargetShape, read_head
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.neuron_settings import (
     BLOCK,
     DRAFT_MODEL,
+    EAGLE,
+    EAGLE3,
+    FUSED_METHODS,
     NGRAM,
     EngineLimits,
     NeuronSettings,
 )
 
-METHODS = (NGRAM, DRAFT_MODEL)
-# vLLM's EAGLE-family method names (config/speculative.py EagleModelTypes), refused with
+METHODS = (NGRAM, *FUSED_METHODS)
+# vLLM's other hidden-state methods (config/speculative.py EagleModelTypes), refused with
 # their own reason.
-EAGLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "extract_hidden_states"})
+HIDDEN_STATE_METHODS = frozenset({"mtp", "dflash", "extract_hidden_states"})
 # Accepted-token rows are padded with this after a row's last emitted token (NxDI 0.8+'s
 # acceptance_padding_token).
 NO_TOKEN = -1
 
-_FIX = 'use {"method": "ngram", ...} or {"model": DRAFT_DIR, ...} (method draft_model)'
+_FIX = (
+    'use {"method": "ngram", ...}, {"model": DRAFT_DIR, ...} (method draft_model) or '
+    '{"method": "eagle" or "eagle3", "model": HEAD_DIR, ...}'
+)
 
 
 def resolve_speculation(
@@ -76,11 +91,10 @@ def resolve_speculation(
     if method is None:
         return None, 0, None
     flag = f"--speculative-config method {method!r}"
-    if method in EAGLE_METHODS or method.startswith("mtp") or "eagle" in method:
+    if method in HIDDEN_STATE_METHODS or method.startswith("mtp"):
         raise NeuronConfigError(
-            f"{flag}: EAGLE and MTP heads need the target's hidden states inside the "
-            f"graphs (NxDI's enable_eagle_speculation), which this plugin does not "
-            f"compile; {_FIX}."
+            f"{flag}: MTP, DFlash and hidden-state extraction are not compiled by this "
+            f"plugin (its hidden-state drafters are EAGLE and EAGLE-3 heads); {_FIX}."
         )
     if method not in METHODS:
         raise NeuronConfigError(
@@ -96,9 +110,18 @@ def resolve_speculation(
             f"remove --speculative-config."
         )
     draft = None
-    if method == DRAFT_MODEL:
+    if method in FUSED_METHODS:
         draft = _draft_folder(limits.draft_model)
+        if method in (EAGLE, EAGLE3) and limits.target_shape is not None:
+            read_head(method, draft, TargetShape(*limits.target_shape))  # refuses a misfit
     if backend == "nxd":
+        if method in (EAGLE, EAGLE3):
+            raise NeuronConfigError(
+                f"{flag} on the nxd backend: the plugin does not yet drive NxDI's EAGLE "
+                f"speculation (enable_eagle_speculation, is_eagle3); serve the head on the "
+                f"reference backend (VLLM_NEURON_BACKEND=reference), or use a draft model "
+                f"or n-gram speculation on nxd."
+            )
         if method == NGRAM and kv_layout == BLOCK:
             raise NeuronConfigError(
                 f"{flag} with the block KV layout (prefix caching or chunked prefill) on "
@@ -120,8 +143,8 @@ def resolve_speculation(
 def _draft_folder(path: str | None) -> str:
     if not path or not (Path(path) / "config.json").is_file():
         raise NeuronConfigError(
-            f"--speculative-config model={path!r}: the draft model must be a local "
-            f"checkpoint folder (config.json and *.safetensors) the backend reads, as the "
+            f"--speculative-config model={path!r}: the draft model or EAGLE head must be a "
+            f"local checkpoint folder (config.json and *.safetensors) the backend reads, as the "
             f"target is; download it first (e.g. huggingface-cli download) and pass its path."
         )
     return str(Path(path).resolve())
@@ -131,11 +154,10 @@ def speculation_summary(method: str | None, drafts: int, backend: str) -> str | 
     """What speculation does with these settings (the start-up log line), None without."""
     if method is None:
         return None
-    proposer = (
-        "prompt lookup on the host (vLLM's NgramProposer)"
-        if method == NGRAM
-        else "a draft model fused into the token-generation graphs"
-    )
+    proposer = {
+        NGRAM: "prompt lookup on the host (vLLM's NgramProposer)",
+        DRAFT_MODEL: "a draft model fused into the token-generation graphs",
+    }.get(method, f"an {method} head on the target's hidden states, fused into the graphs")
     rule = (
         "NxDI verifies every position with the target's argmax, so a request with "
         "temperature > 0 decodes greedily after its first token while speculation is on"
@@ -159,8 +181,9 @@ def host_sampling_refusal(settings: NeuronSettings, why: str) -> str | None:
     if settings.backend != "nxd" or not settings.is_fused_speculation:
         return None
     return (
-        f"{why}, but with a draft model (--speculative-config) the nxd backend's graphs "
-        f"return tokens only (NxDI's fused speculation cannot also return logits); drop "
+        f"{why}, but with a draft model or EAGLE head (--speculative-config) the nxd "
+        f"backend's graphs return tokens only (NxDI's fused speculation cannot also return "
+        f"logits); drop "
         f"that option (greedy, temperature, top_k and top_p are sampled on the device), "
         f'or serve with {{"method": "ngram"}} speculation or none'
     )

@@ -35,7 +35,7 @@ from neuron_plugin.core.memory import (
     checkpoint_parameters,
     sequence_budget,
 )
-from neuron_plugin.core.neuron_settings import KVTransferLimits
+from neuron_plugin.core.neuron_settings import FUSED_METHODS, KVTransferLimits
 from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
@@ -110,7 +110,7 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         dp_degree=vllm_config.parallel_config.data_parallel_size_local,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
         vllm_flags=vllm_flag_values(vllm_config),
-        **speculative_limits(vllm_config.speculative_config),
+        **speculative_limits(vllm_config.speculative_config, model),
         **lora_limits(vllm_config.lora_config),
         kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
         vision=vision_limits(model),
@@ -165,15 +165,18 @@ def lora_limits(lora: Any) -> dict[str, Any]:
     }
 
 
-def speculative_limits(speculative: Any) -> dict[str, Any]:
-    """vLLM's resolved --speculative-config (None without one) as EngineLimits fields."""
+def speculative_limits(speculative: Any, model: Any) -> dict[str, Any]:
+    """vLLM's resolved --speculative-config (None without one) as EngineLimits fields,
+    with the target's shape an EAGLE head must fit."""
     if speculative is None:
         return {}
+    text = model.hf_text_config
     return {
         "speculative_method": speculative.method,
         "num_speculative_tokens": speculative.num_speculative_tokens,
-        # ngram's draft "model" is the target itself; only a draft checkpoint has one.
-        "draft_model": speculative.model if speculative.method == "draft_model" else None,
+        # ngram's draft "model" is the target itself; only a drafter checkpoint has one.
+        "draft_model": speculative.model if speculative.method in FUSED_METHODS else None,
+        "target_shape": (text.hidden_size, text.vocab_size, text.num_hidden_layers),
     }
 
 

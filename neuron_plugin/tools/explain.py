@@ -374,7 +374,8 @@ def lora_report(settings: NeuronSettings, model: str) -> dict[str, Any] | None:
 
 
 def draft_of(settings: NeuronSettings) -> tuple[dict[str, Any], int | None] | None:
-    """A fused draft model's config and parameter count, for the memory estimate."""
+    """A fused draft model's (or EAGLE head's) config and parameter count, for the
+    memory estimate."""
     if not settings.draft_model:
         return None
     from neuron_plugin.core.checkpoint import read_hf_config
@@ -386,6 +387,7 @@ def speculation_report(settings: NeuronSettings) -> dict[str, Any] | None:
     """What speculative decoding compiles (None without it)."""
     if not settings.speculation_method:
         return None
+    from neuron_plugin.core.neuron_settings import EAGLE3
     from neuron_plugin.core.speculation import speculation_summary
 
     return {
@@ -395,6 +397,8 @@ def speculation_report(settings: NeuronSettings) -> dict[str, Any] | None:
         # NxDI's keys (nxd backend); the reference backend compiles the same graphs.
         "speculation_length": settings.speculation_length,
         "enable_fused_speculation": settings.is_fused_speculation,
+        "enable_eagle_speculation": settings.is_eagle,
+        "is_eagle3": settings.speculation_method == EAGLE3,
         "summary": speculation_summary(
             settings.speculation_method, settings.num_speculative_tokens, settings.backend
         ),

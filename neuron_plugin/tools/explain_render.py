@@ -14,11 +14,18 @@ def _speculation_line(spec: dict[str, Any], mem: dict[str, Any]) -> str:
         f"{spec['method']}, {spec['num_speculative_tokens']} drafts a step: every "
         f"token-generation graph computes {spec['speculation_length']} positions a row "
         f"(NxDI speculation_length {spec['speculation_length']}, enable_fused_speculation "
-        f"{str(spec['enable_fused_speculation']).lower()})"
+        f"{str(spec['enable_fused_speculation']).lower()}"
+        + (
+            f", enable_eagle_speculation true, is_eagle3 {str(spec['is_eagle3']).lower()}"
+            if spec.get("enable_eagle_speculation")
+            else ""
+        )
+        + ")"
     )
     if spec["draft_model"]:
+        kind = "head" if spec.get("enable_eagle_speculation") else "draft"
         line += (
-            f"; draft {spec['draft_model']}: weights "
+            f"; {kind} {spec['draft_model']}: weights "
             f"{human_size(mem['draft_weights_per_core_bytes'])} + KV cache "
             f"{human_size(mem['draft_kv_cache_per_core_bytes'])} per NeuronCore"
         )

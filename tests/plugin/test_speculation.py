@@ -62,6 +62,97 @@ def test_draft_model_settings(tmp_path, model_dirs):
                      draft_model=str(tmp_path / "nowhere")))
 
 
+TARGET_SHAPE = (128, 977, 2)  # tiny-mistral-trained: hidden_size, vocab_size, layers
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_are_fused_drafters(method, eagle_heads):
+    head = eagle_heads[1 if method == "eagle" else 2]
+    settings = resolve(dict(speculative_method=method, num_speculative_tokens=3,
+                            draft_model=str(head), target_shape=TARGET_SHAPE))
+    assert settings.is_fused_speculation and settings.is_eagle
+    assert settings.speculation_length == 4 and settings.draft_model == str(head.resolve())
+    assert settings.token_generation_buckets == (128, 256, 259)  # the lookahead, as for drafts
+    with pytest.raises(NeuronConfigError, match=r"nxd backend: the plugin does not yet drive "
+                                                r"NxDI's EAGLE speculation"):
+        resolve(dict(speculative_method=method, num_speculative_tokens=3,
+                     draft_model=str(head), target_shape=TARGET_SHAPE), backend="nxd")
+
+
+def _head_copy(tmp_path, head, **config):
+    """A copy of `head` whose config.json has `config`'s keys changed (None: removed)."""
+    import json
+    import shutil
+
+    copy = tmp_path / head.name
+    shutil.copytree(head, copy)
+    data = json.loads((copy / "config.json").read_text())
+    data.update(config)
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return copy
+
+
+@pytest.mark.parametrize("method,shape,config,message", [
+    ("eagle", (256, 977, 2), {}, r"hidden_size is 128, the target's 256.*shares the target's"),
+    ("eagle3", (128, 1000, 2), {}, r"the head's vocab_size is 977, the target's 1000"),
+    ("eagle3", (128, 977, 1), {},
+     r"eagle_aux_hidden_state_layer_ids \[0, 1, 2\] name layers outside the target's 0..1"),
+    ("eagle3", TARGET_SHAPE, {"eagle_aux_hidden_state_layer_ids": None},
+     r"\[2, 1, -1\] name layers outside.*default \(2, L // 2, L - 3\) needs at least 4"),
+    ("eagle3", TARGET_SHAPE, {"draft_vocab_size": 600},
+     r"lm_head.weight is \[512, 128\], its config and the target make it \[600, 128\]"),
+    ("eagle3", TARGET_SHAPE, {"norm_before_fc": True}, r"sets norm_before_fc"),
+    ("eagle", TARGET_SHAPE, {"num_hidden_layers": 0}, r"num_hidden_layers=0"),
+])
+def test_a_head_that_does_not_fit_the_target_is_refused_by_name(
+        method, shape, config, message, eagle_heads, tmp_path):
+    head = eagle_heads[1 if method == "eagle" else 2]
+    if config:
+        head = _head_copy(tmp_path, head, **config)
+    with pytest.raises(NeuronConfigError, match=rf"--speculative-config model=.*{message}"):
+        resolve(dict(speculative_method=method, num_speculative_tokens=3,
+                     draft_model=str(head), target_shape=shape))
+
+
+def test_explain_config_names_the_eagle_graphs_and_counts_the_head(eagle_heads):
+    import json
+
+    from neuron_plugin.core.instances import INSTANCE_TYPES
+    from neuron_plugin.tools import explain
+
+    target, _, head = eagle_heads
+    settings = resolve(dict(speculative_method="eagle3", num_speculative_tokens=3,
+                            draft_model=str(head), target_shape=TARGET_SHAPE))
+    report = explain.build_report(settings, str(target),
+                                  json.loads((target / "config.json").read_text()), None,
+                                  INSTANCE_TYPES["inf2.xlarge"], "x", (None, "x"))
+    spec = report["speculation"]
+    assert (spec["method"], spec["speculation_length"]) == ("eagle3", 4)
+    assert spec["enable_eagle_speculation"] and spec["is_eagle3"]
+    assert "an eagle3 head on the target's hidden states" in spec["summary"]
+    assert report["memory"]["draft_kv_cache_per_core_bytes"] > 0  # the head's one layer
+    line = next(x for x in explain.render(report).splitlines() if x.startswith("speculation"))
+    assert "enable_eagle_speculation true, is_eagle3 true); head " in line
+
+
+def test_vllms_eagle_config_reaches_the_settings_with_the_targets_shape(eagle_heads):
+    """vLLM's own SpeculativeConfig for an EAGLE-3 head: the head folder and the target's
+    shape it is checked against come from it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from neuron_plugin.serving.vllm_settings import engine_limits
+
+    target, _, head = eagle_heads
+    config = EngineArgs(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2,
+                        enable_prefix_caching=False, enable_chunked_prefill=False,
+                        speculative_config={"method": "eagle3", "model": str(head),
+                                            "num_speculative_tokens": 2},
+                        ).create_engine_config()
+    limits = engine_limits(config)
+    assert (limits.speculative_method, limits.draft_model) == ("eagle3", str(head))
+    assert limits.target_shape == TARGET_SHAPE
+
+
 def test_block_layout_grids_reach_the_lookahead_in_whole_blocks():
     settings = resolve({**NGRAM, **PREFIX})
     assert settings.token_generation_buckets[-1] == 288  # 259 rounded up to 32-token blocks
@@ -69,8 +160,8 @@ def test_block_layout_grids_reach_the_lookahead_in_whole_blocks():
 
 
 @pytest.mark.parametrize("limits,override,backend,message", [
-    (dict(speculative_method="eagle", num_speculative_tokens=2), {}, "reference",
-     r"method 'eagle': EAGLE and MTP heads need the target's hidden states"),
+    (dict(speculative_method="mtp", num_speculative_tokens=2), {}, "reference",
+     r"method 'mtp': MTP, DFlash and hidden-state extraction are not compiled"),
     (dict(speculative_method="suffix", num_speculative_tokens=2), {}, "reference",
      r"method 'suffix' is not served on Neuron"),
     (NGRAM, {"on_device_sampling_config": None}, "reference",

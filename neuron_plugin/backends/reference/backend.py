@@ -58,6 +58,11 @@ from neuron_plugin.backends.reference.decoder import (
     rope_tables,
     weight_shapes,
 )
+from neuron_plugin.backends.reference.eagle import (
+    EagleDecodeGraph,
+    EaglePrefillGraph,
+    EagleState,
+)
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
 from neuron_plugin.backends.reference.quantized import (
@@ -136,7 +141,12 @@ class ReferenceBackend(InlineCalls):
             settings.lora_target_modules if self.lora else (),
             self.quantized,
         )
-        self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
+        self.draft: Draft | EagleState | None = None
+        if settings.is_eagle:
+            assert settings.speculation_method and settings.draft_model
+            self.draft = EagleState(settings.speculation_method, settings.draft_model, self.module)
+        elif settings.draft_model:
+            self.draft = Draft(settings, self.spec)
         self.vision = _vision_spec(settings, self.spec, self.hf_config)
         self.vision_module = None if self.vision is None else VisionGraph(self.vision)
         self.vision_weights: list[torch.Tensor] = []
@@ -168,7 +178,7 @@ class ReferenceBackend(InlineCalls):
                 "torch": torch.__version__,
                 "graph_format": GRAPH_FORMAT,
                 "computation": COMPUTATION,
-                "draft_architecture": self.draft.spec.architecture if self.draft else None,
+                "draft_architecture": self.draft.architecture if self.draft else None,
                 # absent without LoRA / quantization, so other records stay put
                 **({"lora_slots": self._lora_shapes()} if self.lora else {}),
                 **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
@@ -221,7 +231,12 @@ class ReferenceBackend(InlineCalls):
     def _graph_module(self, graph: GraphSpec) -> torch.nn.Module:
         """What a bucket's graph computes: a step of the target, or with speculation a
         verification (n-gram) or a fused draft-and-verify; with a draft model every
-        context encoding also encodes the prompt with the draft."""
+        context encoding also encodes the prompt with the draft (with an EAGLE head,
+        `eagle`)."""
+        if isinstance(self.draft, EagleState):
+            if graph.phase == CONTEXT_ENCODING:
+                return EaglePrefillGraph(self.draft.module)
+            return EagleDecodeGraph(self.draft.module, decode_width(self.settings))
         if graph.phase == CONTEXT_ENCODING:
             return (
                 self.module
@@ -415,7 +430,7 @@ class ReferenceBackend(InlineCalls):
                 t(last),
                 self.k_cache,
                 self.v_cache,
-                *(() if draft is None else (draft.k_cache, draft.v_cache)),
+                *(() if draft is None else draft.state),
                 *extra,
                 *self._lora_inputs(self._row_slots(inputs)).values(),
                 *self._vision_decoder_inputs(
@@ -561,8 +576,9 @@ class ReferenceBackend(InlineCalls):
         require_block_layout(self.settings)
         if self.draft is not None:
             raise NeuronConfigError(
-                "KV blocks of a fused draft model's cache are not transferred; remove "
-                "--speculative-config (or use method ngram) on a disaggregated server."
+                "KV blocks of a fused draft model's or EAGLE head's cache are not "
+                "transferred; remove --speculative-config (or use method ngram) on a "
+                "disaggregated server."
             )
         spec = self.spec
         return KVGeometry(
@@ -614,9 +630,9 @@ class Draft:
                 f"draft model must share the target's tokenizer and vocabulary."
             )
         self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec))
+        self.architecture = self.spec.architecture
         self.weights: list[torch.Tensor] = []
-        self.k_cache = torch.zeros(0)
-        self.v_cache = torch.zeros(0)
+        self.state: tuple[torch.Tensor, ...] = ()  # its KV cache (K, V)
 
     def placeholders(self, dtype: torch.dtype) -> list[torch.Tensor]:
         shapes = weight_shapes(self.spec, safetensors_shapes(self.model_dir))
@@ -629,7 +645,7 @@ class Draft:
 
     def load(self, slots: int, dtype: torch.dtype) -> None:
         self.weights = load_weights(self.model_dir, self.spec, dtype)
-        self.k_cache, self.v_cache = self.caches(slots, dtype)
+        self.state = self.caches(slots, dtype)
 
 
 def _vision_spec(

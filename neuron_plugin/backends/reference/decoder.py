@@ -352,7 +352,40 @@ class DecoderGraph(nn.Module):
         rotates by `rope_positions` [3, batch, active], and `vision` (embeddings
         [batch, active, hidden], mask [batch, active]) replaces the token embeddings
         where the mask is set (transformers' masked_scatter of the image features)."""
+        return self.hidden_states(
+            w,
+            input_ids,
+            positions,
+            write_slots,
+            read_slots,
+            full_context_lens,
+            k_cache,
+            v_cache,
+            lora,
+            rope_positions=rope_positions,
+            vision=vision,
+        )[0]
+
+    def hidden_states(
+        self,
+        w: dict[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        full_context_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        lora: list[Adapt] | None = None,
+        rope_positions: torch.Tensor | None = None,
+        vision: tuple[torch.Tensor, torch.Tensor] | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`hidden`, and the residual stream entering each layer of `capture` (index
+        num_layers: leaving the last layer, before the final norm), in `capture`'s
+        order: what an EAGLE-3 head fuses (vLLM `_maybe_add_hidden_state`)."""
         s = self.spec
+        captured: dict[int, torch.Tensor] = {}
         batch, active = input_ids.shape
         width = read_slots.shape[1]
         embed = w["model.embed_tokens.weight"]
@@ -392,6 +425,8 @@ class DecoderGraph(nn.Module):
         norm = s.arch.norm
 
         for layer in range(s.num_layers):
+            if layer in capture:
+                captured[layer] = x
             p = f"model.layers.{layer}."
             a = p + "self_attn."
             adapt = None if lora is None else lora[layer]
@@ -412,7 +447,7 @@ class DecoderGraph(nn.Module):
             layer_idx = torch.full_like(flat_write, layer)
             k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
             v_cache.index_put_((layer_idx, flat_write), v.reshape(-1, s.num_kv_heads, s.head_dim))
-            attn = _attend(
+            attn = attend(
                 s,
                 q,
                 k_cache[layer][read_slots],
@@ -433,7 +468,9 @@ class DecoderGraph(nn.Module):
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
                 )
             x = x + out
-        return rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
+        captured[s.num_layers] = x
+        normed = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
+        return normed, [captured[i] for i in capture]
 
 
 def _lora_delta(rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Adapt:
@@ -451,7 +488,7 @@ def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tens
     return y if delta is None else y + delta
 
 
-def _attend(
+def attend(
     s: DecoderSpec,
     q: torch.Tensor,
     keys: torch.Tensor,
