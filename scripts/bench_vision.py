@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['encode_ms']:.2f}",
             f"{r['prefill_ms']:.2f}",
             f"{r['host_ms']:.3f}",
-            f"{100 * r['host_share']:.1f}%",
+            f"{100 * r['host_share']:.3f}%",
         ]
         for r in encoder
     ]
