@@ -45,18 +45,28 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
 }
-# Vision-language architectures -> their NxDI MODEL_TYPES key (utils/constants.py, 0.9):
-# each but mllama pairs the causal-lm application with an "image-encoding" one, which
-# the backend does not drive yet. NxDI 0.9's Qwen2-VL text model also rotates every
-# M-RoPE axis by the same 1-D position (modeling_qwen2_vl_text.py
-# NeuronQwen2VLRotaryEmbedding.forward expands position_ids to 3 equal rows), where
-# transformers gives image tokens their (t, h, w) positions (get_rope_index).
+# Vision-language architectures -> their NxDI MODEL_TYPES key (utils/constants.py, 0.8
+# and 0.9) and why the backend refuses them: what NxDI's CPU mode showed
+# (tests/e2e/test_nxdi_vision.py, docs/serving/vision.md).
 VISION_LANGUAGE = {
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen3VLForConditionalGeneration": "qwen3_vl",
-    "LlavaForConditionalGeneration": "pixtral",
-    "Llama4ForConditionalGeneration": "llama4",
-    "MllamaForConditionalGeneration": "mllama",
+    "Qwen2VLForConditionalGeneration": (
+        "qwen2_vl",
+        "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
+        "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
+        "with an image differ from transformers; a prompt that fills its context bucket "
+        "comes out wrong; and on 0.8 every forward raises TypeError (tensor_capture_hook)",
+    ),
+    "Qwen3VLForConditionalGeneration": (
+        "qwen3_vl",
+        "NxDI's CPU mode cannot build it (to_cpu reads vocab_size from the top level of "
+        "its config), so nothing about it is checked",
+    ),
+    "LlavaForConditionalGeneration": (
+        "pixtral",
+        "NxDI's CPU mode does not implement it (to_cpu), so nothing about it is checked",
+    ),
+    "Llama4ForConditionalGeneration": ("llama4", "it is not checked on real NxDI"),
+    "MllamaForConditionalGeneration": ("mllama", "it is not checked on real NxDI"),
 }
 # MODEL_TYPES keys that are not in every release, -> the first release listing them
 # (utils/constants.py): 0.8 (cd3abf3) ships models/gemma3 but registers neither.
@@ -83,12 +93,11 @@ def describe_architecture(
 def refuse_vision_language(architecture: str) -> None:
     """A vision-language model is refused by name (see VISION_LANGUAGE)."""
     if architecture in VISION_LANGUAGE:
-        key = VISION_LANGUAGE[architecture]
+        key, why = VISION_LANGUAGE[architecture]
         raise NeuronConfigError(
-            f"architecture {architecture!r} is a vision-language model: NxD Inference "
-            f"serves it as MODEL_TYPES[{key!r}]'s image-encoding and causal-lm "
-            f"applications, and the nxd backend does not drive NxDI's image encoding "
-            f"yet; serve it on the CPU with VLLM_NEURON_BACKEND=reference."
+            f"architecture {architecture!r} is a vision-language model the nxd backend "
+            f"does not serve: NxDI's MODEL_TYPES[{key!r}] is refused because {why} "
+            f"(docs/serving/vision.md); serve it with VLLM_NEURON_BACKEND=reference."
         )
 
 
