@@ -233,3 +233,28 @@ def test_bad_images_get_a_400_and_the_server_keeps_serving(
     assert response.status_code == 400, response.text
     assert says in response.text
     assert answer(server, REQUESTS["one"], eos) == _until_eos(expected["one"], eos)
+
+
+def test_vision_calls_are_counted_per_vision_bucket(server):
+    """The per-bucket telemetry has the vision graphs' calls beside the text graphs'."""
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    calls = [
+        line for line in text.splitlines()
+        if line.startswith("neuron:bucket_calls") and 'phase="vision_encoding"' in line
+    ]
+    assert calls and sum(float(line.rsplit(" ", 1)[1]) for line in calls) > 0, text[-2000:]
+
+
+def test_explain_config_plans_the_vision_graphs(model, host_python):
+    done = subprocess.run(
+        [str(Path(host_python).with_name("neuron-plugin")), "explain-config", str(model),
+         "--max-model-len", "512", "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    # the tiny processor's images: 16 to 256 patches (min_pixels 56x56, max 28x28x64)
+    assert report["buckets"]["vision"] == [16, 32, 64, 128, 256]
+    assert report["graphs"]["vision_encoding"] == 5
+    assert report["graphs"]["total"] == 11
