@@ -61,6 +61,9 @@ class ForwardInputs:
     # [batch] int64 with LoRA on (settings.max_loras): each row's adapter slot, 0 (the
     # base model's zero slot) for rows without an adapter and for pads (core.adapters).
     adapter_slots: np.ndarray | None = None
+    # [1, active] int64, a context encoding that asks for prompt logprobs only: the
+    # prompt token each position scores, core.prompt_logprobs.NO_TARGET where none.
+    prompt_targets: np.ndarray | None = None
 
     @property
     def draft_budget(self) -> np.ndarray:

@@ -92,6 +92,9 @@ class EngineLimits:
     fully_sharded_loras: bool = False
     # vLLM's --kv-transfer-config (prefill/decode disaggregation), None without it.
     kv_transfer: KVTransferLimits | None = None
+    # vLLM's --max-logprobs (-1: the whole vocabulary) and --logprobs-mode.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,9 @@ class NeuronSettings:
     lora_target_modules: tuple[str, ...] = ()
     max_cpu_loras: int = 0
     lora_options: Mapping[str, Any] = field(default_factory=dict)
+    # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
+    # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
+    prompt_logprobs: int | None = None
 
     @property
     def quantization(self) -> Quantization | None:
@@ -252,9 +258,15 @@ class NeuronSettings:
             f"({vllm_tokens:,} tokens)"
         )
 
+    def prompt_logprobs_shapes(self) -> list[tuple[int, ...]]:
+        """The context-encoding shapes compiled a second time to return prompt logprobs
+        (core.prompt_logprobs): all of them where `prompt_logprobs` is set."""
+        return [] if self.prompt_logprobs is None else self.context_encoding_shapes()
+
     def graph_count(self) -> int:
         return (
             len(self.context_encoding_shapes())
+            + len(self.prompt_logprobs_shapes())
             + len(self.token_generation_shapes())
             + len(self.token_generation_logits_shapes())
         )

@@ -56,6 +56,7 @@ from neuron_plugin.backends.reference.decoder import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
     placeholders,
@@ -77,8 +78,10 @@ from neuron_plugin.core.inputs import (
     decode_width,
 )
 from neuron_plugin.core.lora import LoraGeometry
+from neuron_plugin.core.prompt_logprobs import PromptLogprobs, scored_positions
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.speculation import NO_TOKEN
 
 logger = plugin_logger(__name__)
 
@@ -130,7 +133,7 @@ class ReferenceBackend(InlineCalls):
         )
         self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
         self.lora_slots: list[torch.Tensor] = []
-        self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
+        self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -211,6 +214,9 @@ class ReferenceBackend(InlineCalls):
         """What a bucket's graph computes: a step of the target, or with speculation a
         verification (n-gram) or a fused draft-and-verify; with a draft model every
         context encoding also encodes the prompt with the draft."""
+        if graph.prompt_logprobs:  # settings refuse them with a draft model
+            assert self.settings.prompt_logprobs is not None
+            return PromptLogprobsGraph(self.module, self.settings.prompt_logprobs)
         if graph.phase == CONTEXT_ENCODING:
             return (
                 self.module
@@ -247,6 +253,7 @@ class ReferenceBackend(InlineCalls):
         )
         draft = () if self.draft is None else (self.draft.placeholders(self.dtype),)
         draft_caches = () if self.draft is None else self.draft.caches(self.num_slots, self.dtype)
+        targets = (zeros(batch, active),) if graph.prompt_logprobs else ()
         return (
             weights,
             *draft,
@@ -259,6 +266,7 @@ class ReferenceBackend(InlineCalls):
             cache,
             cache.clone(),
             *draft_caches,
+            *targets,
             *sampling,
         )
 
@@ -314,8 +322,7 @@ class ReferenceBackend(InlineCalls):
         folder = Path(folder)
         check_artifact_record(folder, self._record())
         self.graphs = {
-            (g.phase, g.shape): load_graph(folder / "graphs", g.name)
-            for g in graph_specs(self.settings)
+            g.key: load_graph(folder / "graphs", g.name) for g in graph_specs(self.settings)
         }
         self.weights = self._load_weights()
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
@@ -361,8 +368,12 @@ class ReferenceBackend(InlineCalls):
         read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
         return write, read
 
-    def _call(self, inputs: ForwardInputs, sampling: SamplingInputs | None):
-        """The bucket's graph on `inputs`: logits, or (logits, tokens) with a sampler."""
+    def _call(
+        self, inputs: ForwardInputs, sampling: SamplingInputs | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobs | None]:
+        """The bucket's graph on `inputs` (its prompt-logprob graph where the inputs
+        carry prompt targets): logits, tokens where it samples, prompt logprobs where
+        asked (their scored positions only)."""
         write, read = self._slots(inputs)
         last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
         t = torch.from_numpy
@@ -375,9 +386,10 @@ class ReferenceBackend(InlineCalls):
             uniform[:, :given] = padded.uniform[:, :given]
             extra = _sampling_tensors(dataclasses.replace(padded, uniform=uniform))
         draft = self.draft
-        graph = self.graphs[(inputs.phase, inputs.bucket)]
+        targets = inputs.prompt_targets
+        graph = self.graphs[(inputs.phase, inputs.bucket, targets is not None)]
         with torch.inference_mode():
-            return graph(
+            out = graph(
                 self.weights,
                 *(() if draft is None else (draft.weights,)),
                 t(inputs.input_ids),
@@ -389,9 +401,19 @@ class ReferenceBackend(InlineCalls):
                 self.k_cache,
                 self.v_cache,
                 *(() if draft is None else (draft.k_cache, draft.v_cache)),
+                *(() if targets is None else (t(targets),)),
                 *extra,
                 *self._lora_inputs(self._row_slots(inputs)).values(),
             )
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        scored = None
+        if targets is not None:
+            ranks, logprobs, ids = outputs.pop(), outputs.pop(), outputs.pop()
+            n = scored_positions(targets)
+            scored = PromptLogprobs(
+                ids[0, :n].numpy(), logprobs[0, :n].numpy(), ranks[0, :n].numpy()
+            )
+        return outputs[0], outputs[1] if len(outputs) > 1 else None, scored
 
     def _row_slots(self, inputs: ForwardInputs) -> torch.Tensor:
         slots = inputs.adapter_slots
@@ -421,20 +443,26 @@ class ReferenceBackend(InlineCalls):
                         b_slots[slot, :, :rank] = torch.from_numpy(adapter.b[module][layer])
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        if self.module.candidates is None:
-            return self._call(inputs, None)[: inputs.num_real]
-        logits, _ = self._call(inputs, SamplingInputs.greedy(inputs.num_real))
-        return logits[: inputs.num_real]
+        sampling = (
+            None if self.module.candidates is None else SamplingInputs.greedy(inputs.num_real)
+        )
+        return self._call(inputs, sampling)[0][: inputs.num_real]
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
         """Tokens from the compiled sampler (a row's emitted tokens, padded with
-        NO_TOKEN, with speculation); logits only of the rows that need them."""
-        logits, tokens = self._call(inputs, sampling)
+        NO_TOKEN, with speculation); logits only of the rows that need them. Without
+        on-device sampling (a prompt-logprob call) no token: every row needs logits."""
+        on_device = self.module.candidates is not None
+        logits, tokens, scored = self._call(inputs, sampling if on_device else None)
         wanted = torch.from_numpy(np.flatnonzero(sampling.needs_logits))
-        rows = tokens.shape[0]
+        if tokens is None:
+            emitted = np.full((inputs.num_real, 1), NO_TOKEN, dtype=np.int32)
+        else:
+            emitted = tokens.reshape(tokens.shape[0], -1)[: inputs.num_real].numpy()
         return StepOutput(
-            tokens=tokens.reshape(rows, -1)[: inputs.num_real].numpy().astype(np.int32),
+            tokens=emitted.astype(np.int32),
             logits=logits.index_select(0, wanted),
+            prompt_logprobs=scored,
         )
 
     # -- KV blocks (backends.kv_blocks) ----------------------------------------------
