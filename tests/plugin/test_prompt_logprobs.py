@@ -32,9 +32,10 @@ def limits(block: bool, **changes) -> EngineLimits:
 
 
 def settings_for(block: bool, prompt_logprobs: object = True, backend: str = "reference",
-                 **changes):
+                 sampling_off: bool = False, **changes):
     return resolve_settings(limits(block, **changes), BUCKETS, backend=backend,
-                            architecture="LlamaForCausalLM", prompt_logprobs=prompt_logprobs)
+                            architecture="LlamaForCausalLM", prompt_logprobs=prompt_logprobs,
+                            on_device_sampling_disabled="1" if sampling_off else None)
 
 
 def test_setting_compiles_one_prompt_graph_per_context_encoding_shape():
@@ -105,17 +106,20 @@ def _score(backend, settings, chunks: list[int]):
     return answers, logits
 
 
-@pytest.mark.parametrize(("block", "runner", "chunks"), [
-    (False, False, [40]),
-    (True, False, [16, 24]),
-    (True, True, [16, 24]),
-], ids=["contiguous", "block-chunked", "runner-block-chunked"])
+@pytest.mark.parametrize(("block", "runner", "chunks", "sampling_off"), [
+    (False, False, [40], False),
+    (False, False, [40], True),
+    (True, False, [16, 24], False),
+    (True, True, [16, 24], False),
+], ids=["contiguous", "contiguous-host-sampling", "block-chunked", "runner-block-chunked"])
 def test_prompt_logprobs_equal_transformers(model_dirs, cache_url, expected, block, runner,
-                                           chunks):
+                                           chunks, sampling_off):
     """Every scored position: the target's logprob and rank, the top k ids and values, as
     transformers' log-softmax gives them; k + 1 ids and values and a rank per position
-    come back (8 (k + 1) + 8 bytes), never the vocabulary."""
-    settings = settings_for(block)
+    come back (8 (k + 1) + 8 bytes), never the vocabulary. With on-device sampling off
+    (no sampler in the graphs) the serving call answers them too."""
+    settings = settings_for(block, sampling_off=sampling_off)
+    assert settings.on_device_sampling != sampling_off
     if runner:
         settings = dataclasses.replace(settings, backend_python=sys.executable)
     backend = open_backend(settings, model_dirs["llama"], cache_url)
@@ -148,3 +152,14 @@ def test_prompt_logprobs_equal_transformers(model_dirs, cache_url, expected, blo
     # the call's usual answer too: the last prompt token's logits
     assert torch.allclose(logits[0].log_softmax(-1), expected[-1], atol=1e-5)
 
+
+
+def test_measure_prices_context_encoding_on_the_usual_graph_alone(model_dirs, cache_url):
+    """The cost tables (neuron-plugin measure, validate's speed section) get one entry per
+    context-encoding shape: the prompt-logprob twin is not priced as a second one."""
+    from neuron_plugin.tools.measure import time_buckets
+
+    backend = open_backend(settings_for(False), model_dirs["llama"], cache_url)
+    timings = time_buckets(backend, repeats=1, warmup=0)
+    encoded = [shape for rows in timings.values() for shape, _ in rows if len(shape) == 1]
+    assert sorted(encoded) == [(16,), (32,), (64,)]
