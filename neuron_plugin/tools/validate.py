@@ -39,6 +39,7 @@ from neuron_plugin.core.instances import (
     host_visible_core_ids,
     package_version,
 )
+from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import host_sampling_refusal
 from neuron_plugin.core.vllm_builds import installed_vllm
@@ -289,8 +290,13 @@ def _refusals(engine_args: Any) -> dict[str, str]:
     (feature -> the plugin's error), by resolving the configuration with each on."""
     from neuron_plugin.tools.cli import error_message
 
+    additional = engine_args.additional_config or {}
+    probes = {
+        **_FEATURE_PROBES,
+        "prompt-logprobs": {"additional_config": {**additional, PROMPT_LOGPROBS_KEY: True}},
+    }
     refused = {}
-    for feature, changes in _FEATURE_PROBES.items():
+    for feature, changes in probes.items():
         if all(getattr(engine_args, k) == v for k, v in changes.items()):
             continue  # already on: the feature's case runs
         try:

@@ -163,3 +163,31 @@ def test_measure_prices_context_encoding_on_the_usual_graph_alone(model_dirs, ca
     timings = time_buckets(backend, repeats=1, warmup=0)
     encoded = [shape for rows in timings.values() for shape, _ in rows if len(shape) == 1]
     assert sorted(encoded) == [(16,), (32,), (64,)]
+
+
+
+@pytest.mark.parametrize("backend", ["reference", "nxd"])
+def test_validate_lists_the_case_refused_where_the_backend_refuses_it(model_dirs, backend):
+    """`neuron-plugin validate` on nxd lists prompt-logprobs as refused with the reason,
+    not as a setting to turn on; on the reference backend the setting serves it (the
+    backend is chosen when the platform activates: a process of its own)."""
+    import json
+    import os
+    import subprocess
+
+    code = f"""
+import json
+from vllm.engine.arg_utils import EngineArgs
+from neuron_plugin.tools.validate import _refusals
+args = EngineArgs(model={str(model_dirs["llama"])!r}, max_model_len=128, max_num_seqs=2,
+                  dtype="float32")
+print("REFUSED", json.dumps(_refusals(args)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_NEURON_BACKEND": backend})
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REFUSED"))
+    refused = json.loads(line.removeprefix("REFUSED "))
+    if backend == "reference":
+        assert "prompt-logprobs" not in refused
+    else:
+        assert "prompt_logprobs=true on the nxd backend" in refused["prompt-logprobs"]
