@@ -25,7 +25,13 @@ import numpy as np
 from .errors import BucketError, BucketFileError
 from .fileio import check_keys, dump_document, load_document, positive_number, whole_number
 
-PHASES = ("context_encoding", "token_generation", "prefix_context_encoding", "chunked_prefill")
+PHASES = (
+    "context_encoding",
+    "token_generation",
+    "prefix_context_encoding",
+    "chunked_prefill",
+    "vision_encoding",
+)
 LAYOUTS = ("tokens", "active_prefix")
 TABLE_KEYS = ("unit", "phase", "source", "buckets")
 ENTRY_KEYS = ("shape", "ms", "samples")

@@ -18,11 +18,14 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_plugin import BACKEND_ENV, plugin_logger
+from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import package_version, parse_core_list
 from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.sampling import on_device_refusal, sampling_summary
 from neuron_plugin.core.speculation import host_sampling_refusal, speculation_summary
+from neuron_plugin.core.vision import vision_bucket
 from neuron_plugin.core.vllm_builds import TESTED, installed_vllm
+from neuron_plugin.serving.images import image_patches
 from neuron_plugin.serving.vllm_settings import (
     apply,
     resolve_from_vllm_config,
@@ -309,6 +312,14 @@ class NeuronPlatform(Platform):
             from neuron_plugin.kv_transfer.admission import check_request
 
             check_request(kv_config, params, None if token_ids is None else len(token_ids))
+        if settings.vision_buckets and isinstance(processed_inputs, dict):
+            for patches in image_patches(processed_inputs):
+                try:
+                    vision_bucket(settings.vision_buckets, patches)
+                except NeuronConfigError as exc:
+                    raise VLLMValidationError(
+                        str(exc), parameter="image", value=f"{patches} patches"
+                    ) from None
         if token_ids is None or settings.is_chunked_prefill:
             return
         largest = max(settings.context_encoding_buckets)

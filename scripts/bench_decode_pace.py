@@ -68,6 +68,9 @@ class DecodeClock:
         if inputs.phase == TOKEN_GENERATION:
             self.backend_s.append((inputs.num_real, self.backend.last_backend_s))
 
+    def on_vision_call(self, bucket: int, patches: int, forward_s: float) -> None:
+        pass  # text models only
+
     def on_step(self, host_s: float) -> None:
         pass
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from neuron_plugin.core.inputs import ForwardInputs
     from neuron_plugin.core.sampling import SamplingInputs
     from neuron_plugin.core.settings import NeuronSettings
+    from neuron_plugin.core.vision import ImageInputs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -90,6 +91,9 @@ class HostOnlyBackend:
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         raise ValueError("the host-only backend measures serving without LoRA adapters")
+
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        raise ValueError("the host-only backend measures serving without images")
 
     # No KV cache: nothing to transfer (the benchmark serves no disaggregated requests).
     def kv_geometry(self) -> KVGeometry:

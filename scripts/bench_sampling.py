@@ -60,6 +60,9 @@ class StepClock:
     def on_backend_call(self, inputs, forward_s: float, host_s: float, accepted: int = 0) -> None:
         self.forward_s.append(forward_s)
 
+    def on_vision_call(self, bucket: int, patches: int, forward_s: float) -> None:
+        pass  # text models only
+
     def on_step(self, host_s: float) -> None:
         self.host_s.append(host_s)
 
@@ -130,6 +133,9 @@ class SeamMeter:
 
     def set_adapter(self, slot, adapter) -> None:
         self.backend.set_adapter(slot, adapter)
+
+    def encode_image(self, image):
+        return self.backend.encode_image(image)
 
     @property
     def module(self) -> torch.nn.Module | None:

@@ -28,6 +28,14 @@ multiples of 128); gpt_oss_float is one with float experts and a 16-token window
 variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
 need (see ARCHITECTURES).
 
+Vision-language checkpoints (qwen2_vl, qwen2_5_vl) carry their processor too: the tiny
+tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image
+parts as Qwen2-VL's placeholder run, and preprocessor_config.json / chat_template.json
+as the Hub's Qwen2-VL ships them, with pixel limits that keep images tiny (16 to 256
+patches):
+
+    python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
+
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
 rows) and one layer, for measurements where the vocabulary's size matters (sampling,
@@ -303,6 +311,82 @@ ARCHITECTURES["gpt_oss_float"] = {
     **{k: v for k, v in ARCHITECTURES["gpt_oss"].items() if k != "mxfp4"},
     "sliding_window": 16,
 }
+# Vision-language models (issue 36): built by `_write_vlm`, not from ARCHITECTURES' flat
+# keys. Qwen2-VL: a nested text_config (transformers 5's layout; 4.57 reads it too) with
+# M-RoPE over head_dim 32, a two-block vision tower, and a processor whose pixel limits
+# keep every image at 16 to 256 patches (4 to 64 placeholder tokens).
+VISION_LANGUAGE: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {
+        "text_config": {
+            **{k: v for k, v in _SMALL.items() if k != "perturb"},
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [4, 6, 6],
+                "rope_theta": 1000000.0,
+            },
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "depth": 2,
+            "embed_dim": 64,
+            "num_heads": 4,
+            "mlp_ratio": 2,
+            "hidden_size": 128,  # the text decoder's
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64},
+        "processor_class": "Qwen2VLProcessor",
+    },
+}
+# Qwen2.5-VL: the same decoder; a vision tower with RMSNorms, gated MLPs and windows of
+# 56 pixels (2x2 merge groups, so the tiny images span several) except in block 1.
+VISION_LANGUAGE["qwen2_5_vl"] = {
+    **VISION_LANGUAGE["qwen2_vl"],
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,  # the text decoder's
+        "hidden_act": "silu",
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "processor_class": "Qwen2_5_VLProcessor",
+}
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# CLIP's normalisation, as Qwen2-VL's preprocessor_config.json has it
+IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+# CHAT_TEMPLATE with content as a string or as OpenAI parts: text parts as their text,
+# image parts ({"type": "image"} or "image_url") as Qwen2-VL's placeholder run.
+VLM_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('chat template of the tiny models: role ' ~ message['role'] ~ "
+    "' is not supported; use system, user or assistant') }}"
+    "{%- endif %}"
+    "{{- message['role'] ~ '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] in ['image', 'image_url'] %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- else %}{{- raise_exception('chat template of the tiny models: content type ' ~ "
+    "part['type'] ~ ' is not supported; use text or image parts') }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- eos_token ~ '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant\\n' }}{%- endif %}"
+)
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
 
@@ -379,11 +463,14 @@ def build(
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
     size) the embedding and output rows; `layers` overrides the architecture's depth;
     `train_steps` trains the weights on the corpus (see `train_on_corpus`)."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"--arch {arch!r} is not known; choose one of {sorted(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE:
+        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE])
+        raise ValueError(f"--arch {arch!r} is not known; choose one of {known}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
     with building(out, "tiny_model_recipe.json", wanted) as stale:
-        if stale:
+        if stale and arch in VISION_LANGUAGE:
+            _write_vlm(arch, out, wanted, seed, vocab_size, max_positions)
+        elif stale:
             _write(
                 arch, out, wanted, seed, vocab_size, max_positions, layers, model_vocab, train_steps
             )
@@ -481,6 +568,86 @@ def _write(
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
 
 
+def _write_vlm(
+    arch: str, out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """A vision-language checkpoint: the tiny tokenizer with the vision special tokens
+    (the config's token ids point at them), random weights saved with save_pretrained
+    (the Hub's tensor names: model.layers.*, visual.*, lm_head), and the processor's
+    files as the Hub's Qwen2-VL ships them (preprocessor_config.json, chat_template.json),
+    written from their documented keys: transformers 5 builds a Qwen2VLProcessor only
+    with torchvision (its video processor), which the CPU test environment lacks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
+
+    recipe_fields = VISION_LANGUAGE[arch]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=VLM_CHAT_TEMPLATE,
+        additional_special_tokens=list(VISION_TOKENS),
+    )
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    text = {
+        **recipe_fields["text_config"],
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": max_positions,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = AutoConfig.for_model(
+        arch,
+        text_config=text,
+        vision_config=dict(recipe_fields["vision_config"]),
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.eval()
+    _perturb_constants(model, seed)
+    vision = recipe_fields["vision_config"]
+    with replacing_folder(out) as staging:
+        model.save_pretrained(staging)
+        saved = json.loads((staging / "config.json").read_text())
+        # transformers 4.57 reads RoPE from rope_theta / rope_scaling ("mrope" is its
+        # name for M-RoPE's default frequencies)
+        rope = text["rope_parameters"]
+        saved["text_config"]["rope_theta"] = rope["rope_theta"]
+        saved["text_config"]["rope_scaling"] = {
+            "type": "mrope",
+            "mrope_section": rope["mrope_section"],
+        }
+        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+        tokenizer.save_pretrained(staging, save_jinja_files=False)
+        preprocessor = {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": recipe_fields["processor_class"],
+            **recipe_fields["processor"],
+            "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"],
+            "image_mean": IMAGE_MEAN,
+            "image_std": IMAGE_STD,
+        }
+        (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+        (staging / "chat_template.json").write_text(
+            json.dumps({"chat_template": VLM_CHAT_TEMPLATE}, indent=2)
+        )
+        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+
+
 def mxfp4_experts(folder: Path) -> None:
     """Replace the float expert weights in `folder`'s model.safetensors by openai's MXFP4
     `*_blocks` / `*_scales` (biases stay float), as gpt-oss checkpoints ship."""
@@ -531,7 +698,9 @@ def build_speculation_models(models: Path) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument(
+        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE]), default="llama"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=1024)

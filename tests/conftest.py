@@ -69,6 +69,18 @@ def lora_adapters(model_dirs) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def host_python() -> str:
+    """The interpreter of a Neuron host's vLLM environment (the vLLM wheel from the
+    index, a CUDA torch build with its torchvision) that scripts/run-tests.sh builds
+    with scripts/setup-host-env.sh."""
+    python = environment("host", "NEURON_TEST_HOST_PYTHON", "scripts/setup-host-env.sh")
+    if python is None:
+        pytest.skip("no Neuron host vLLM environment: set NEURON_TEST_HOST_PYTHON "
+                    "(scripts/run-tests.sh builds one with scripts/setup-host-env.sh)")
+    return python
+
+
+@pytest.fixture(scope="session")
 def sdk_python() -> str:
     """The interpreter of the second environment, with the Neuron SDK's pins (torch 2.9,
     transformers 4.57) and no vLLM, that scripts/run-tests.sh builds for the backend

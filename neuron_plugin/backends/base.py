@@ -50,6 +50,7 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.prompt_logprobs import NO_TARGET, PromptLogprobs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, padding_image
 
 GRAPHS_FILE = "graphs.json"
 Progress = Callable[[str], None]
@@ -70,7 +71,7 @@ class GraphSpec:
     @property
     def name(self) -> str:
         dims = "x".join(str(d) for d in self.shape)
-        kind = "cte" if self.phase == CONTEXT_ENCODING else "tkg"
+        kind = {CONTEXT_ENCODING: "cte", VISION_ENCODING: "vision"}.get(self.phase, "tkg")
         variant = "_logits" if self.logits else "_plp" if self.prompt_logprobs else ""
         return f"{kind}{variant}_{dims}"
 
@@ -93,6 +94,7 @@ def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
             GraphSpec(CONTEXT_ENCODING, s, prompt_logprobs=True)
             for s in settings.prompt_logprobs_shapes()
         ]
+        + [GraphSpec(VISION_ENCODING, s) for s in settings.vision_shapes()]
     )
 
 
@@ -226,6 +228,11 @@ class LoadedBackend(Protocol):
     def collect(self) -> StepOutput:
         """The answer of the call `submit` started (waiting for it if need be)."""
 
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        """A vision-language model's embeddings of one image, [image.embedding_tokens,
+        hidden] float32, from the vision graph of its bucket (core.vision); never while a
+        submitted call is in flight."""
+
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """Write a LoRA adapter into slot `slot` (1..settings.max_loras), replacing the
         one there; rows whose `adapter_slots` name the slot use it from the next call."""
@@ -287,8 +294,12 @@ class Backend(LoadedBackend, Protocol):
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
     """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs
     that return logits, `run` without a host row the token-generation graphs that
-    return tokens alone and, with targets that score nothing, the prompt-logprob ones."""
+    return tokens alone and, with targets that score nothing, the prompt-logprob ones,
+    `encode_image` a vision graph."""
     settings = backend.settings
+    if graph.phase == VISION_ENCODING:
+        backend.encode_image(padding_image(graph.shape[0]))
+        return
     inputs = padding_inputs(settings, graph.phase, graph.shape)
     tokens_only = settings.token_generation_logits_shapes() and not graph.logits
     if graph.prompt_logprobs:

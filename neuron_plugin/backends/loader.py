@@ -98,6 +98,8 @@ def cache_manifest(settings: NeuronSettings, backend: Backend) -> dict[str, Any]
     else:  # absent without LoRA, so the keys of other configurations stay put
         for key in _LORA_KEYS:
             neuron_config.pop(key, None)
+    if not settings.vision_buckets:  # a text model: absent, so its keys stay put
+        neuron_config.pop("vision_buckets", None)
     logits_shapes = settings.token_generation_logits_shapes()
     if logits_shapes:  # graphs of their own (absent elsewhere, so those keys stay put)
         neuron_config["token_generation_logits_shapes"] = [list(s) for s in logits_shapes]

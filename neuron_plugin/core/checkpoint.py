@@ -20,8 +20,18 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config (multimodal configs nest it)."""
-    return config.get("text_config", config)
+    """The language model's config keys at the top level: a multimodal config's
+    `text_config` (transformers 5 nests it) over the outer keys (4.57 and the Hub's
+    Qwen2-VL write them flat), with the outer architectures (4.57 saves them inside
+    text_config only) and tie_word_embeddings (the one transformers ties by)."""
+    nested = config.get("text_config")
+    if not isinstance(nested, dict):
+        return config
+    merged = {**config, **nested}
+    merged["architectures"] = config.get("architectures") or nested.get("architectures")
+    if "tie_word_embeddings" in config:
+        merged["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return merged
 
 
 def vocab_size(model_dir: str | Path) -> int:

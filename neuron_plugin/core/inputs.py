@@ -61,6 +61,15 @@ class ForwardInputs:
     # [batch] int64 with LoRA on (settings.max_loras): each row's adapter slot, 0 (the
     # base model's zero slot) for rows without an adapter and for pads (core.adapters).
     adapter_slots: np.ndarray | None = None
+    # Vision-language models (core.vision): embeddings [batch, active, hidden] float32
+    # that replace the token embeddings where vision_mask [batch, active] bool is set
+    # (the image placeholders this call computes); None in a call without images.
+    vision_embeddings: np.ndarray | None = None
+    vision_mask: np.ndarray | None = None
+    # M-RoPE (the Qwen2-VL family): rotary positions [3, batch, active] int64 (temporal,
+    # height, width); position_ids stays each token's KV position. None: every rotary
+    # position is position_ids (text only, nothing shifted by an earlier image).
+    rope_positions: np.ndarray | None = None
     # [1, active] int64, a context encoding that asks for prompt logprobs only: the
     # prompt token each position scores, core.prompt_logprobs.NO_TARGET where none.
     prompt_targets: np.ndarray | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.core.vision import VisionLimits
 
 CONTIGUOUS = "contiguous"
 BLOCK = "block"
@@ -92,6 +93,9 @@ class EngineLimits:
     fully_sharded_loras: bool = False
     # vLLM's --kv-transfer-config (prefill/decode disaggregation), None without it.
     kv_transfer: KVTransferLimits | None = None
+    # A vision-language model's image sizes (its processor's patch range), None for a
+    # text model.
+    vision: VisionLimits | None = None
     # vLLM's --max-logprobs (-1: the whole vocabulary) and --logprobs-mode.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
@@ -156,6 +160,9 @@ class NeuronSettings:
     lora_target_modules: tuple[str, ...] = ()
     max_cpu_loras: int = 0
     lora_options: Mapping[str, Any] = field(default_factory=dict)
+    # Vision-language models (core.vision): the vision encoder's buckets, in patches per
+    # image, ascending (empty for a text model).
+    vision_buckets: tuple[int, ...] = ()
     # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
     # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
     prompt_logprobs: int | None = None
@@ -239,6 +246,10 @@ class NeuronSettings:
         lengths = self.token_generation_logits_buckets or self.token_generation_buckets
         return [(self.max_num_seqs, n) for n in lengths]
 
+    def vision_shapes(self) -> list[tuple[int]]:
+        """(patches,) for every vision-encoder graph."""
+        return [(n,) for n in self.vision_buckets]
+
     def capacity(self) -> str:
         """The KV cache's capacity in one line, the same in the server log and in
         explain-config. vLLM's own "KV cache size" line counts its null block, which
@@ -269,6 +280,7 @@ class NeuronSettings:
             + len(self.prompt_logprobs_shapes())
             + len(self.token_generation_shapes())
             + len(self.token_generation_logits_shapes())
+            + len(self.vision_shapes())
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,7 +292,7 @@ class NeuronSettings:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NeuronSettings:
         values = dict(data)
-        for key in (*GRID_KEYS, "token_generation_logits_buckets"):
+        for key in (*GRID_KEYS, "token_generation_logits_buckets", "vision_buckets"):
             values[key] = tuple(values.get(key, ()))
         values["rank_cores"] = tuple(tuple(cores) for cores in values.get("rank_cores", ()))
         values["lora_target_modules"] = tuple(values.get("lora_target_modules", ()))

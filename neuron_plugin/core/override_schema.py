@@ -155,6 +155,7 @@ PLUGIN_KEYS = {
     "bucket_set": "text",
     "is_chunked_prefill": "bool",
     "token_generation_logits_buckets": "grid",
+    "vision_buckets": "grid",
 }
 PLUGIN_KEY_MEANINGS = {
     "bucket_set": "a named bucket set, expanded into the grid keys before resolution",
@@ -169,6 +170,12 @@ PLUGIN_KEY_MEANINGS = {
         "(one NEFF more; such a step runs there whatever its rows' lengths); list shorter "
         "lengths of token_generation_buckets to widen it (one NEFF each, and host-sampled "
         "steps run at their own length). Must hold the largest length"
+    ),
+    "vision_buckets": (
+        "vision-language models: the vision encoder's graphs, in patches per image "
+        "(multiples of spatial_merge_size squared); an image runs in the first that holds "
+        "it. Default: powers of two from the processor's smallest image to its largest "
+        "(max_pixels / patch_size squared). A larger image is refused with a 400"
     ),
 }
 

@@ -55,6 +55,7 @@ from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY, resolve_prom
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
+from neuron_plugin.core.vision import VISION_BUCKETS_KEY, resolve_vision_buckets
 from neuron_plugin.core.vllm_flags import WORKER_CLS
 
 # The names callers import from here, wherever they are defined.
@@ -102,6 +103,7 @@ INTERPRETED_KEYS = frozenset(
         "seq_len",
         "torch_dtype",
         "lora_config",
+        VISION_BUCKETS_KEY,
     )
 )
 
@@ -287,6 +289,12 @@ def resolve_settings(
             f"draft's KV cache; serve prompt logprobs without --speculative-config, or with "
             f"n-gram speculation."
         )
+    if prompt_k is not None and limits.vision is not None:
+        raise NeuronConfigError(
+            f"additional_config.{PROMPT_LOGPROBS_KEY}=true with a vision-language model: "
+            f"the prompt-logprob graphs take no image embeddings; drop "
+            f"{PROMPT_LOGPROBS_KEY} for this model."
+        )
     if prompt_k is not None and backend == "nxd":
         raise NeuronConfigError(
             f"additional_config.{PROMPT_LOGPROBS_KEY}=true on the nxd backend: its "
@@ -347,6 +355,7 @@ def resolve_settings(
         lora_target_modules=lora.target_modules,
         max_cpu_loras=lora.max_cpu_loras,
         lora_options=dict(lora.nxd_options or {}),
+        vision_buckets=resolve_vision_buckets(override, limits.vision),
     )
     if backend == "nxd":
         refuse_what_the_cpu_mode_cannot_run(settings)

@@ -128,7 +128,8 @@ VLLM_FLAGS = (
         "--ec-transfer-config",
         "ec_transfer_config",
         (None,),
-        "encoder-cache transfer serves multimodal encoders, which this plugin does not run",
+        "encoder-cache transfer (encoder/prefill/decode disaggregation) moves vision "
+        "embeddings between instances, which this plugin's workers do not connect",
         "remove --ec-transfer-config",
     ),
     VllmFlag(

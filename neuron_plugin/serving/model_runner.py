@@ -92,6 +92,7 @@ from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.serving.adapters import AdapterStore
 from neuron_plugin.serving.drafts import Drafts
 from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_order
+from neuron_plugin.serving.images import Images
 from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
 from neuron_plugin.serving.prompt_logprobs import PromptScores
@@ -162,6 +163,12 @@ class NeuronModelRunner:
         self.kv_transfer: KVTransferSteps | None = None
         # Requests scoring their prompt (prompt_logprobs), until it is encoded.
         self.prompt_scores = PromptScores()
+        # A vision-language model's images (serving.images); None for a text model.
+        self.images = (
+            Images(backend, model_config.hf_config, self.hf_config.hidden_size, observers)
+            if settings.vision_buckets
+            else None
+        )
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -212,6 +219,8 @@ class NeuronModelRunner:
             self.host.remove(req_id)
             self._refusals.pop(req_id, None)
             self.prompt_scores.remove(req_id)
+            if self.images is not None:
+                self.images.remove(req_id)
             if state is not None:
                 self._finish(state)
         resumed = so.scheduled_cached_reqs.resumed_req_ids
@@ -225,6 +234,8 @@ class NeuronModelRunner:
             state = self._new_state(data)
             self.requests[data.req_id] = state
             to_add.append(state)
+            if self.images is not None:
+                self.images.add(data.req_id, state.num_prompt_tokens, data.mm_features)
 
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -433,6 +444,8 @@ class NeuronModelRunner:
         if self.kv_transfer is not None:  # loads write the cache: nothing is in flight
             self.kv_transfer.begin(so)
         self.update_states(so)
+        if self.images is not None:  # nothing is in flight: the backend is free
+            self.images.encode(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
         if so.total_num_scheduled_tokens == 0:
             if self.kv_transfer is not None:
                 return ModelRunnerOutput.with_kv_conn_output_only(
@@ -454,6 +467,8 @@ class NeuronModelRunner:
         runs = np.fromiter((r not in failed for r in req_ids), dtype=bool, count=num_reqs)
         samples = (computed + scheduled >= total) & runs
         decoding = (scheduled == 1) & (computed > 0) & runs
+        if self.images is not None:  # a last prompt token inside an image is a prefill
+            decoding &= ~self.images.in_images(req_ids, computed)
         step = self._new_step(so, samples)
         step.failed = failed
         step.logits[step.host_pos[~runs & step.host]] = 0  # never computed: sampled, dropped
@@ -484,6 +499,8 @@ class NeuronModelRunner:
                 logits=step.sampling is None or bool(step.sampling.needs_logits[rows].any()),
                 adapter_slots=slots[rows],
             )
+            if self.images is not None:
+                inputs = self.images.decode([req_ids[i] for i in rows], inputs)
             self._run(inputs, rows, step, host_start, last=not prefills.size)
 
         for n, index in enumerate(prefills, start=1):
@@ -501,6 +518,8 @@ class NeuronModelRunner:
             inputs = self._prompt_targets(state, inputs)
             if self.prompt_scores.wants(state.req_id) and start + count >= state.num_prompt_tokens:
                 step.prompt_done.append(state.req_id)
+            if self.images is not None:
+                inputs = self.images.context(state.req_id, inputs)
             self._run(inputs, np.array([index]), step, host_start, last=n == prefills.size)
             if state.req_id not in self._timelines:
                 self._timelines[state.req_id] = _Timeline(host_start, start, list(inputs.bucket))

@@ -36,6 +36,9 @@ class StepObserver(Protocol):
         speculative decoding, how many of its drafts (`inputs.draft_budget`) the device
         rows accepted."""
 
+    def on_vision_call(self, bucket: int, patches: int, forward_s: float) -> None:
+        """One image through the vision encoder's graph of `bucket` patches."""
+
     def on_step(self, host_s: float) -> None:
         """One engine step's host time outside backend forwards."""
 
@@ -59,6 +62,9 @@ class RequestTrace:
     def on_backend_call(
         self, inputs: ForwardInputs, forward_s: float, host_s: float, accepted: int = 0
     ) -> None:
+        pass
+
+    def on_vision_call(self, bucket: int, patches: int, forward_s: float) -> None:
         pass
 
     def on_step(self, host_s: float) -> None:

@@ -43,6 +43,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
+from neuron_plugin.core.vision import VISION_ENCODING
 from neuron_plugin.serving.observers import FinishedRequest
 from neuron_plugin.serving.vllm_settings import SETTINGS_KEY, TELEMETRY_DIR_KEY
 
@@ -229,6 +230,15 @@ class StepTelemetry:
             forward_s,
             host_s,
         )
+        self._record(call)
+
+    def on_vision_call(self, bucket: int, patches: int, forward_s: float) -> None:
+        """One image through the vision graph of `bucket` patches: a row, its patches
+        the real tokens and the rest of the bucket padding."""
+        counts = (1, 1, 1, patches, bucket - patches, 0, 0, 0)
+        self._record(Call(VISION_ENCODING, (bucket,), counts, forward_s, 0.0))
+
+    def _record(self, call: Call) -> None:
         with self._lock:
             self.buckets[(call.phase, call.bucket)].add(call)
             if self._native is not None:

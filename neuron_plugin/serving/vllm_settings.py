@@ -47,6 +47,12 @@ from neuron_plugin.core.settings import (
     engine_updates,
     resolve_settings,
 )
+from neuron_plugin.core.vision import (
+    PREPROCESSOR_FILE,
+    VISION_ARCHITECTURES,
+    VisionLimits,
+    processor_limits,
+)
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
 from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV
 from neuron_plugin.core.vllm_neuron_env import environment_updates
@@ -109,9 +115,31 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         **speculative_limits(vllm_config.speculative_config),
         **lora_limits(vllm_config.lora_config),
         kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
+        vision=vision_limits(model),
         max_logprobs=model.max_logprobs,
         logprobs_mode=str(model.logprobs_mode),
     )
+
+
+def vision_limits(model: Any) -> VisionLimits | None:
+    """A vision-language model's image sizes from its processor's settings (the
+    checkpoint's preprocessor_config.json under --mm-processor-kwargs); None for a text
+    model. A multimodal architecture whose vision tower the plugin does not run is
+    refused here, before anything loads."""
+    if not model.is_multimodal_model:
+        return None
+    architecture = (model.architectures or ["unknown"])[0]
+    if architecture not in VISION_ARCHITECTURES:
+        raise NeuronConfigError(
+            f"{architecture} is a multimodal model whose vision encoder this plugin does "
+            f"not run (it runs {', '.join(sorted(VISION_ARCHITECTURES))}); serve a "
+            f"supported model or a text-only checkpoint."
+        )
+    from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+    preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
+    kwargs = model.multimodal_config.mm_processor_kwargs or {}
+    return processor_limits(preprocessor, kwargs)
 
 
 def kv_transfer_limits(config: Any) -> KVTransferLimits | None:
@@ -336,6 +364,8 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
         if os.environ.get(name) != value:
             os.environ[name] = value
             logger.info("neuron platform: %s=%s (%s)", name, value, reason)
+    if settings.vision_buckets:
+        host_normalized_pixels(vllm_config.model_config.multimodal_config)
     scheduler = vllm_config.scheduler_config
     if settings.max_loras and scheduler.scheduler_cls is None:
         from neuron_plugin.serving.request_errors import scheduler_class
@@ -360,6 +390,19 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
     )
     global _resolved_config
     _resolved_config = weakref.ref(vllm_config)
+
+
+def host_normalized_pixels(multimodal: Any) -> None:
+    """The processor rescales and normalizes the pixels (vLLM 0.33 otherwise hands a
+    model that supports it raw uint8 pixels to normalize on its device,
+    `mm_device_do_normalize`): the vision graphs take the processor's output as
+    transformers computes it."""
+    if getattr(multimodal, "mm_device_do_normalize", False):
+        multimodal.mm_device_do_normalize = False
+        logger.info(
+            "neuron platform: mm_device_do_normalize True -> False (the vision encoder's "
+            "graphs take the pixels the processor normalized)"
+        )
 
 
 def settings_from_vllm_config(vllm_config: Any) -> NeuronSettings:

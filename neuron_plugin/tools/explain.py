@@ -286,12 +286,14 @@ def build_report(
             "context_encoding_shapes": cte,
             "token_generation_shapes": tkg,
             "token_generation_logits_shapes": tkg_logits,
+            "vision": list(settings.vision_buckets),
         },
         "graphs": {
             "context_encoding": len(cte),
             "token_generation": len(tkg),
             "token_generation_logits": len(tkg_logits),
-            "total": len(cte) + len(tkg) + len(tkg_logits),
+            "vision_encoding": len(settings.vision_shapes()),
+            "total": settings.graph_count(),
         },
         "logits": logits_traffic(settings, hf_config),
         "memory": {

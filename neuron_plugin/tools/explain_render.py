@@ -68,6 +68,20 @@ def _support_lines(support: dict[str, str] | None, release: str | None) -> list[
     ]
 
 
+def _graph_counts(graphs: dict[str, int]) -> str:
+    kinds = (
+        ("context_encoding", "context encoding"),
+        ("token_generation", "token generation"),
+        ("token_generation_logits", "token generation with logits"),
+        ("vision_encoding", "vision encoder"),
+    )
+    return ", ".join(
+        f"{graphs[key]} {name}"
+        for key, name in kinds
+        if graphs[key] or key in ("context_encoding", "token_generation")
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     """The report for people."""
     kv, buckets, graphs, mem = (
@@ -88,13 +102,8 @@ def render(report: dict[str, Any]) -> str:
         + (f" x prefix {buckets['prefix']}" if buckets["prefix"] else ""),
         f"decode buckets   {buckets['token_generation']} x batches "
         f"{buckets['token_generation_batches']}",
-        f"graphs           {graphs['total']} ({graphs['context_encoding']} context encoding, "
-        f"{graphs['token_generation']} token generation"
-        + (
-            f", {graphs['token_generation_logits']} token generation with logits)"
-            if graphs["token_generation_logits"]
-            else ")"
-        ),
+        *([f"vision buckets   {buckets['vision']} patches per image"] if buckets["vision"] else []),
+        f"graphs           {graphs['total']} ({_graph_counts(graphs)})",
         f"memory/core      weights {human_size(mem['weights_per_core_bytes'])} + KV cache "
         f"{human_size(mem['kv_cache_per_core_bytes'])} of "
         f"{human_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "

@@ -31,7 +31,6 @@ import pytest
 import requests
 
 from tests.e2e.support import GreedyOracle, PeftOracle, Server, corpus_token_ids
-from tests.environments import environment
 
 pytestmark = [pytest.mark.server, pytest.mark.deployment]
 
@@ -52,15 +51,6 @@ CONFIGS = {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4})],
 }
-
-
-@pytest.fixture(scope="session")
-def host_python() -> str:
-    python = environment("host", "NEURON_TEST_HOST_PYTHON", "scripts/setup-host-env.sh")
-    if python is None:
-        pytest.skip("no Neuron host vLLM environment: set NEURON_TEST_HOST_PYTHON "
-                    "(scripts/run-tests.sh builds one with scripts/setup-host-env.sh)")
-    return python
 
 
 @pytest.fixture(scope="module")

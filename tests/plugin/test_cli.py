@@ -311,7 +311,8 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     assert report["buckets"]["context_encoding"] == [128, 256]
     # on-device sampling: a logits twin of the largest token-generation graph (nxd)
     assert report["graphs"] == {"context_encoding": 2, "token_generation": 2,
-                                "token_generation_logits": 1, "total": 5}
+                                "token_generation_logits": 1, "vision_encoding": 0,
+                                "total": 5}
     assert report["buckets"]["token_generation_logits_shapes"] == [[4, 256]]
     assert report["logits"] == {"vocab_size": 977, "prefill": 4 * 977, "decode": None,
                                 "decode_with_host_rows": 4 * 4 * 977}

@@ -176,6 +176,24 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
     assert "VLLM_NEURON_BACKEND=reference" in str(info.value)
 
 
+@pytest.mark.parametrize("architecture", ["Qwen2VLForConditionalGeneration",
+                                          "MllamaForConditionalGeneration"])
+def test_vision_language_architectures_are_refused_by_name(release, architecture):
+    """NxDI lists them (MODEL_TYPES qwen2_vl ... with an image-encoding application);
+    the nxd backend does not drive image encoding yet, so it says so before any work,
+    and explain-config (describe_architecture) says the same."""
+    from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+
+    for call in (lambda: resolve_model_class(architecture, MODEL_TYPES, []),
+                 lambda: describe_architecture(architecture, [])):
+        with pytest.raises(NeuronConfigError) as info:
+            call()
+        message = str(info.value)
+        assert f"{architecture!r} is a vision-language model" in message
+        assert "does not drive NxDI's image encoding" in message
+        assert "VLLM_NEURON_BACKEND=reference" in message
+
+
 def test_entry_point_registered_contrib_model(release, monkeypatch, tmp_path):
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 

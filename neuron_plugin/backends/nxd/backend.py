@@ -97,6 +97,7 @@ from neuron_plugin.core.instances import (
 from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import ImageInputs
 
 logger = plugin_logger(__name__)
 
@@ -140,6 +141,12 @@ class NxDBackend(InlineCalls):
         self.model_cls = resolve_model_class(
             settings.architecture, self.nxdi.model_types, model_entry_points(), self.nxdi.version
         )
+        if settings.vision_buckets:
+            raise NeuronConfigError(
+                f"vision_buckets={list(settings.vision_buckets)}: the nxd backend serves no "
+                f"vision encoder ({settings.architecture} is served as a text model); "
+                f"remove vision_buckets from override_neuron_config."
+            )
         # A fused draft model: its config and NxDI class (None: the model's own class).
         self.draft_config: dict[str, Any] | None = None
         self.draft_cls: NxDIModelClass | None = None
@@ -366,6 +373,14 @@ class NxDBackend(InlineCalls):
         if self.adapters is None:
             raise ValueError("set_adapter without LoRA slots (settings.max_loras is 0)")
         self.adapters.set(self.model, slot, adapter)
+
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        """Never reached: vision-language architectures are refused at construction
+        (models.refuse_vision_language), text models have no vision buckets."""
+        raise NeuronConfigError(
+            f"{self.settings.architecture}: the nxd backend does not drive NxDI's image "
+            f"encoding; serve vision-language models with VLLM_NEURON_BACKEND=reference."
+        )
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The KV cache as NxDI holds it: on the device each state tensor of the

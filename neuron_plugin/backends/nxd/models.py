@@ -45,6 +45,19 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
 }
+# Vision-language architectures -> their NxDI MODEL_TYPES key (utils/constants.py, 0.9):
+# each but mllama pairs the causal-lm application with an "image-encoding" one, which
+# the backend does not drive yet. NxDI 0.9's Qwen2-VL text model also rotates every
+# M-RoPE axis by the same 1-D position (modeling_qwen2_vl_text.py
+# NeuronQwen2VLRotaryEmbedding.forward expands position_ids to 3 equal rows), where
+# transformers gives image tokens their (t, h, w) positions (get_rope_index).
+VISION_LANGUAGE = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "LlavaForConditionalGeneration": "pixtral",
+    "Llama4ForConditionalGeneration": "llama4",
+    "MllamaForConditionalGeneration": "mllama",
+}
 # MODEL_TYPES keys that are not in every release, -> the first release listing them
 # (utils/constants.py): 0.8 (cd3abf3) ships models/gemma3 but registers neither.
 LISTED_FROM = {"mistral": "0.9.0 (ef2731e, the SDK 2.29 v2 sync)", "gemma3": "0.9"}
@@ -58,12 +71,25 @@ def describe_architecture(
     architecture: str, entry_points: Iterable[importlib.metadata.EntryPoint]
 ) -> str:
     """Which NxDI class would serve `architecture`, without importing NxDI."""
+    refuse_vision_language(architecture)
     for ep in entry_points:
         if ep.name == architecture:
             return f"{ep.value} (entry point {ENTRY_POINT_GROUP}:{ep.name})"
     if architecture in ARCHITECTURES:
         return f"NxDI MODEL_TYPES[{ARCHITECTURES[architecture]!r}][{TASK!r}]"
     raise NeuronConfigError(_unsupported(architecture))
+
+
+def refuse_vision_language(architecture: str) -> None:
+    """A vision-language model is refused by name (see VISION_LANGUAGE)."""
+    if architecture in VISION_LANGUAGE:
+        key = VISION_LANGUAGE[architecture]
+        raise NeuronConfigError(
+            f"architecture {architecture!r} is a vision-language model: NxD Inference "
+            f"serves it as MODEL_TYPES[{key!r}]'s image-encoding and causal-lm "
+            f"applications, and the nxd backend does not drive NxDI's image encoding "
+            f"yet; serve it on the CPU with VLLM_NEURON_BACKEND=reference."
+        )
 
 
 def _unsupported(architecture: str) -> str:
@@ -84,6 +110,7 @@ def resolve_model_class(
 ) -> NxDIModelClass:
     """The NxDI application class for `architecture`; a registered entry point wins
     over the built-in table, so a contrib model can replace a built-in one."""
+    refuse_vision_language(architecture)
     for ep in entry_points:
         if ep.name == architecture:
             cls = ep.load()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from neuron_plugin.core.checkpoint import text_config
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -66,6 +68,10 @@ class Architecture:
     window_flag: bool = False
     windowed: bool = True  # Llama ignores a sliding_window key (transformers has none)
     default_rope_theta: float = 10000.0
+    # A vision-language model (Qwen2-VL family): its text decoder's config is nested in
+    # text_config (transformers 5) or flat (4.57), its RoPE is M-RoPE and a vision tower
+    # (`vision`) turns images into embeddings that replace placeholder tokens.
+    vision: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -90,6 +96,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         gemma=True,
         sliding_layer=_every_nth_full,
         default_rope_theta=1_000_000.0,
+    ),
+    "Qwen2VLForConditionalGeneration": Architecture(
+        "qwen2_vl",
+        attention_bias="qkv",
+        window_flag=True,
+        sliding_layer=_from_max_window_layers,
+        default_rope_theta=1_000_000.0,
+        vision=True,
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(
+        "qwen2_5_vl",
+        attention_bias="qkv",
+        window_flag=True,
+        sliding_layer=_from_max_window_layers,
+        default_rope_theta=1_000_000.0,
+        vision=True,
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -132,6 +154,9 @@ class DecoderSpec:
     swiglu_limit: float = 7.0
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # M-RoPE (vision-language models): how many of the head_dim / 2 rotary frequencies
+    # follow the temporal, height and width position, in that order; empty: plain RoPE.
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
@@ -154,8 +179,13 @@ class DecoderSpec:
         (Gemma3: local layers have their own base, whether or not a window applies)."""
         return self.layer_types[layer] if self.arch.gemma else FULL
 
+    @property
+    def vision(self) -> bool:
+        return self.arch.vision
+
     @classmethod
     def from_hf_config(cls, config: dict) -> DecoderSpec:
+        config = text_config(config)
         archs = config.get("architectures") or []
         name = next((a for a in archs if a in ARCHITECTURES), None)
         if name is None:
@@ -193,8 +223,22 @@ class DecoderSpec:
             windows=layer_windows(arch, config, layers),
             attn_softcap=config.get("attn_logit_softcapping") if arch.gemma else None,
             final_softcap=config.get("final_logit_softcapping") if arch.gemma else None,
+            mrope_section=_mrope_section(arch, config, head_dim),
             **moe,
         )
+
+
+def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
+    if not arch.vision:
+        return ()
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    section = tuple(int(n) for n in params.get("mrope_section") or (16, 24, 24))
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise UnsupportedModelError(
+            f"mrope_section={list(section)} must be three counts (temporal, height, width) "
+            f"summing to head_dim / 2 = {head_dim // 2}"
+        )
+    return section
 
 
 def layer_types(arch: Architecture, config: dict, layers: int) -> tuple[str, ...]:
@@ -258,12 +302,15 @@ def rope_parameters(config: dict, spec: DecoderSpec, layer_type: str) -> dict[st
         params = dict(config.get("rope_scaling") or {})
     params.setdefault("rope_theta", config.get("rope_theta", spec.arch.default_rope_theta))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "mrope":  # M-RoPE's frequencies are the default ones
+        params["rope_type"] = "default"
     return params
 
 
 def rope_tables(config: dict, spec: DecoderSpec) -> dict[str, tuple[torch.Tensor, float]]:
     """Per layer type in use: (inverse frequencies, attention scaling), as transformers
     computes them."""
+    config = text_config(config)
     return {
         kind: _inv_freq(
             config, rope_parameters(config, spec, kind), spec.head_dim, per_type=spec.arch.gemma

@@ -12,6 +12,10 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
 - block layout: slot = block * block_size + offset over vLLM's num_blocks blocks (block 0
   is vLLM's null block and takes padding writes).
 
+A vision-language model (core.vision) adds one vision-tower graph per vision bucket
+(`vision`), whose weights are inputs too; `encode_image` pads an image's patches to its
+bucket and returns only its real embeddings.
+
 With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
 zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
 so adapters come and go without recompiling and a compiled graph never holds one.
@@ -68,6 +72,9 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
+from neuron_plugin.backends.reference.vision import VisionGraph, VisionSpec, patch_inputs
+from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
+from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
 from neuron_plugin.core.inputs import (
@@ -82,6 +89,7 @@ from neuron_plugin.core.prompt_logprobs import PromptLogprobs, scored_positions
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, vision_bucket
 
 logger = plugin_logger(__name__)
 
@@ -132,6 +140,9 @@ class ReferenceBackend(InlineCalls):
             self.quantized,
         )
         self.draft: Draft | None = Draft(settings, self.spec) if settings.draft_model else None
+        self.vision = _vision_spec(settings, self.spec, self.hf_config)
+        self.vision_module = None if self.vision is None else VisionGraph(self.vision)
+        self.vision_weights: list[torch.Tensor] = []
         self.lora_slots: list[torch.Tensor] = []
         self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
@@ -301,19 +312,33 @@ class ReferenceBackend(InlineCalls):
             self.model_dir, self.quantization.checkpoint, self.quantization
         )
 
+    def _export(
+        self, graph: GraphSpec, weights: list[torch.Tensor]
+    ) -> torch.export.ExportedProgram:
+        if graph.phase == VISION_ENCODING:
+            assert self.vision_module is not None  # _vision_spec: no vision buckets otherwise
+            return torch.export.export(
+                self.vision_module, self._vision_example_inputs(graph.shape[0])
+            )
+        batch = 1 if graph.phase == CONTEXT_ENCODING else graph.shape[0]
+        active = graph.shape[0] if graph.phase == CONTEXT_ENCODING else decode_active(self.settings)
+        positions = np.zeros((batch, active), dtype=np.int64)
+        return torch.export.export(
+            self._graph_module(graph),
+            self._example_inputs(graph, weights),
+            kwargs={
+                **self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
+                **self._vision_decoder_inputs(graph.phase, positions, None, None, None),
+            },
+        )
+
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         folder = Path(folder)
         (folder / "graphs").mkdir(parents=True, exist_ok=True)
         weights = self._weight_placeholders()
         self._empty_lora_slots()
         for graph in graph_specs(self.settings):
-            batch = 1 if graph.phase == CONTEXT_ENCODING else graph.shape[0]
-            exported = torch.export.export(
-                self._graph_module(graph),
-                self._example_inputs(graph, weights),
-                kwargs=self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
-            )
-            save_graph(exported, folder / "graphs", graph.name)
+            save_graph(self._export(graph, weights), folder / "graphs", graph.name)
             if progress:
                 progress(graph.name)
         write_artifact_record(folder, self._record())
@@ -325,6 +350,8 @@ class ReferenceBackend(InlineCalls):
             g.key: load_graph(folder / "graphs", g.name) for g in graph_specs(self.settings)
         }
         self.weights = self._load_weights()
+        if self.vision is not None:
+            self.vision_weights = load_vision_weights(self.model_dir, self.vision, self.dtype)
         shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
@@ -404,6 +431,13 @@ class ReferenceBackend(InlineCalls):
                 *(() if targets is None else (t(targets),)),
                 *extra,
                 *self._lora_inputs(self._row_slots(inputs)).values(),
+                *self._vision_decoder_inputs(
+                    inputs.phase,
+                    inputs.position_ids,
+                    inputs.rope_positions,
+                    inputs.vision_embeddings,
+                    inputs.vision_mask,
+                ).values(),
             )
         outputs = list(out) if isinstance(out, tuple) else [out]
         scored = None
@@ -414,6 +448,91 @@ class ReferenceBackend(InlineCalls):
                 ids[0, :n].numpy(), logprobs[0, :n].numpy(), ranks[0, :n].numpy()
             )
         return outputs[0], outputs[1] if len(outputs) > 1 else None, scored
+
+    # -- vision-language models (core.vision) ------------------------------------------
+    def _vision_decoder_inputs(
+        self,
+        phase: str,
+        position_ids: np.ndarray,
+        rope_positions: np.ndarray | None,
+        embeddings: np.ndarray | None,
+        mask: np.ndarray | None,
+    ) -> dict[str, torch.Tensor]:
+        """A vision-language model's extra decoder inputs (none for a text model):
+        M-RoPE positions in both phases (every axis the KV position when the call has
+        none), and in context encoding the image embeddings and their mask (zeros and
+        False in a call without images)."""
+        if self.vision is None:
+            return {}
+        batch, active = position_ids.shape
+        if rope_positions is None:
+            rope_positions = np.broadcast_to(position_ids, (3, batch, active))
+        _check_shape("rope_positions", rope_positions, (3, batch, active))
+        out = {"rope_positions": torch.from_numpy(np.ascontiguousarray(rope_positions, np.int64))}
+        if phase != CONTEXT_ENCODING:
+            return out
+        hidden = self.spec.hidden_size
+        if embeddings is None or mask is None:
+            embeddings = np.zeros((batch, active, hidden), dtype=np.float32)
+            mask = np.zeros((batch, active), dtype=bool)
+        _check_shape("vision_embeddings", embeddings, (batch, active, hidden))
+        _check_shape("vision_mask", mask, (batch, active))
+        out["vision_embeddings"] = torch.from_numpy(np.ascontiguousarray(embeddings, np.float32))
+        out["vision_mask"] = torch.from_numpy(np.ascontiguousarray(mask, bool))
+        return out
+
+    def _vision_example_inputs(self, patches: int) -> tuple:
+        assert self.vision is not None
+        shapes = vision_weight_shapes(self.vision, safetensors_shapes(self.model_dir))
+        return (
+            [torch.zeros(shape, dtype=self.dtype) for shape in shapes],
+            torch.zeros(patches, self.vision.patch_dim),
+            torch.zeros(patches, 2, dtype=torch.int64),
+            torch.zeros(2, patches, dtype=torch.int64),
+        )
+
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        """The image's embeddings [embedding_tokens, hidden] float32 from the graph of
+        its vision bucket: its patches padded to the bucket, the padding's rows dropped
+        (none for a padding image, core.vision.padding_image)."""
+        vision = self.vision
+        if vision is None:
+            raise NeuronConfigError(
+                f"{self.spec.architecture} is a text model: it has no vision encoder for images"
+            )
+        bucket = self._image_bucket(image, vision)
+        padded = np.zeros((bucket, vision.patch_dim), dtype=np.float32)
+        if not image.is_padding:
+            padded[: image.patches] = image.pixel_values
+        merge = vision.spatial_merge_size
+        rotary_ids, groups = patch_inputs(image.grid_thw, merge, bucket, vision.window)
+        graph = self.graphs[(VISION_ENCODING, (bucket,), False)]
+        with torch.inference_mode():
+            merged = graph(
+                self.vision_weights,
+                torch.from_numpy(padded),
+                torch.from_numpy(rotary_ids),
+                torch.from_numpy(groups),
+            )
+        return merged[: image.embedding_tokens(merge)].float().numpy()
+
+    def _image_bucket(self, image: ImageInputs, vision: VisionSpec) -> int:
+        """The vision bucket `image` runs in, its arrays checked."""
+        buckets = self.settings.vision_buckets
+        if image.is_padding:
+            bucket = image.pixel_values.shape[0]
+            if bucket not in buckets:
+                raise ValueError(f"a padding image of {bucket} patches: no vision bucket {buckets}")
+            return bucket
+        t, h, w = (int(n) for n in image.grid_thw)
+        merge = vision.spatial_merge_size
+        if h % merge or w % merge or t < 1:
+            raise ValueError(
+                f"image grid_thw={[t, h, w]}: height and width must be multiples of the "
+                f"spatial merge size {merge} (the model's processor makes them so)"
+            )
+        _check_shape("pixel_values", image.pixel_values, (image.patches, vision.patch_dim))
+        return vision_bucket(buckets, image.patches)
 
     def _row_slots(self, inputs: ForwardInputs) -> torch.Tensor:
         slots = inputs.adapter_slots
@@ -539,6 +658,39 @@ class Draft:
     def load(self, slots: int, dtype: torch.dtype) -> None:
         self.weights = load_weights(self.model_dir, self.spec, dtype)
         self.k_cache, self.v_cache = self.caches(slots, dtype)
+
+
+def _vision_spec(
+    settings: NeuronSettings, spec: DecoderSpec, hf_config: dict[str, Any]
+) -> VisionSpec | None:
+    """A vision-language model's vision tower (None for a text model), its buckets
+    checked against it."""
+    if not spec.vision:
+        if settings.vision_buckets:
+            raise NeuronConfigError(
+                f"vision_buckets={list(settings.vision_buckets)}: {spec.architecture} has no "
+                f"vision encoder; remove vision_buckets from override_neuron_config."
+            )
+        return None
+    if settings.draft_model or settings.speculation_length:
+        raise NeuronConfigError(
+            f"{spec.architecture}: speculative decoding of a vision-language model is not "
+            f"supported by the reference backend; remove --speculative-config."
+        )
+    vision = VisionSpec.from_hf_config(hf_config)
+    odd = [n for n in settings.vision_buckets if n % vision.merge_patches]
+    if odd:
+        raise NeuronConfigError(
+            f"vision_buckets={list(settings.vision_buckets)}: {odd} are not multiples of "
+            f"{vision.merge_patches} patches (spatial_merge_size**2, the patches of one "
+            f"image embedding); round them up to multiples of {vision.merge_patches}."
+        )
+    return vision
+
+
+def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
+    if array.shape != shape:
+        raise ValueError(f"{name} has shape {list(array.shape)}; this call needs {list(shape)}")
 
 
 def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:

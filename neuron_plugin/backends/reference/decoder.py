@@ -34,6 +34,13 @@ every targeted projection adds B[slot] (A[slot] x) to its row, PEFT's
 y = W x + scaling * B(A x) with the scaling already in B (core.adapters). Slot 0 is
 zero, so rows without an adapter compute the base model exactly.
 
+A vision-language model's graphs (Qwen2-VL family, core.vision) also take rope_positions
+[3, batch, active] (M-RoPE: each rotary frequency follows the temporal, height or width
+position, by the config's mrope_section), and in context encoding the image embeddings
+vision_embeddings [batch, active, hidden] and vision_mask [batch, active], which replace
+the token embeddings where the mask is set (zeros and False in a call without images).
+Their vision towers are graphs of their own (`vision`).
+
 Speculative decoding's graphs (`speculative`) are built from the same pieces (`hidden`,
 `head`).
 """
@@ -58,8 +65,8 @@ from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core import mxfp4
 from neuron_plugin.core.checkpoint import safetensors_files
 
-# Bumped whenever what a graph computes changes, so compiled graphs of earlier code are
-# cache misses (2: values of unseen key positions zeroed).
+# Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
+# graphs of earlier code are cache misses (2: values of unseen key positions zeroed).
 COMPUTATION = 2
 
 __all__ = [
@@ -187,7 +194,8 @@ def rms_norm(kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return (weight * normed).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: (-x2, x1) of x's halves."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -218,6 +226,11 @@ class DecoderGraph(nn.Module):
         self.quantized = quantized
         self.names = weight_names(spec, quantized)
         self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
+        # M-RoPE: which rotary position (0 temporal, 1 height, 2 width) each frequency
+        # follows (transformers' mrope_section split of head_dim / 2).
+        self.mrope_axis: torch.Tensor | None
+        axis = [i % 3 for i, n in enumerate(spec.mrope_section) for _ in range(n)]
+        self.register_buffer("mrope_axis", torch.tensor(axis) if axis else None)
         for kind, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
         self.candidates = candidates
@@ -244,6 +257,9 @@ class DecoderGraph(nn.Module):
         uniform: torch.Tensor | None = None,
         lora_weights: list[torch.Tensor] | None = None,
         adapter_slots: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
+        vision_embeddings: torch.Tensor | None = None,
+        vision_mask: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
         prompt_k: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -251,6 +267,9 @@ class DecoderGraph(nn.Module):
         `prompt_targets` [batch, active] also every position's prompt logprobs at
         `prompt_k` (backends.prompt_logprobs), appended to the answer."""
         w = self.named(weights)
+        vision = None
+        if vision_embeddings is not None and vision_mask is not None:
+            vision = (vision_embeddings, vision_mask)
         adapt = None
         if lora_weights is not None and adapter_slots is not None:
             adapt = self.lora_rows(lora_weights, adapter_slots)
@@ -264,6 +283,8 @@ class DecoderGraph(nn.Module):
             k_cache,
             v_cache,
             adapt,
+            rope_positions,
+            vision,
         )
         logits = self.head(w, x[torch.arange(x.shape[0]), last_index])
         scores = (
@@ -334,10 +355,15 @@ class DecoderGraph(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         lora: list[Adapt] | None = None,
+        rope_positions: torch.Tensor | None = None,
+        vision: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [batch, active, hidden] of every input token,
         each token's keys and values written to its cache slot first; `lora`: per layer,
-        the rows' adapter deltas (`lora_rows`)."""
+        the rows' adapter deltas (`lora_rows`). A vision-language model's M-RoPE
+        rotates by `rope_positions` [3, batch, active], and `vision` (embeddings
+        [batch, active, hidden], mask [batch, active]) replaces the token embeddings
+        where the mask is set (transformers' masked_scatter of the image features)."""
         s = self.spec
         batch, active = input_ids.shape
         width = read_slots.shape[1]
@@ -346,10 +372,19 @@ class DecoderGraph(nn.Module):
         dtype = x.dtype
         if s.arch.gemma:
             x = x * self.embed_scale[dtype]
+        if vision is not None:
+            embeddings, mask = vision
+            x = torch.where(mask.unsqueeze(-1), embeddings.to(dtype), x)
 
         rope = {}
         for kind, scaling in self.rope_scaling.items():
-            freqs = positions.unsqueeze(-1).float() * getattr(self, f"inv_freq_{kind}")
+            inv_freq = getattr(self, f"inv_freq_{kind}")
+            if rope_positions is None:
+                freqs = positions.unsqueeze(-1).float() * inv_freq
+            else:  # [3, b, a] -> each frequency's own axis: [b, a, head_dim / 2]
+                assert self.mrope_axis is not None, "rope_positions for a model without M-RoPE"
+                axis_positions = rope_positions[self.mrope_axis].permute(1, 2, 0)
+                freqs = axis_positions.float() * inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
             rope[kind] = (
                 (emb.cos() * scaling).to(dtype).unsqueeze(2),
@@ -383,8 +418,8 @@ class DecoderGraph(nn.Module):
                 q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
                 k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
             cos, sin = rope[s.rope_kind(layer)]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
 
             layer_idx = torch.full_like(flat_write, layer)
             k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))

@@ -79,6 +79,8 @@ ALLOWED_OPS = frozenset(
         "gather",
         "ge",
         "gelu",
+        "layer_norm",
+        "native_layer_norm",
         "gt",
         "index",
         "index_copy",

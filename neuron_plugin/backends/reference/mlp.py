@@ -33,6 +33,8 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return functional.gelu(x, approximate="tanh")
     if name == "gelu":
         return functional.gelu(x)
+    if name == "quick_gelu":  # Qwen2-VL's vision tower
+        return x * torch.sigmoid(1.702 * x)
     raise ValueError(f"activation {name!r} is not implemented by the reference decoder")
 
 

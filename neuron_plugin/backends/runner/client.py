@@ -53,6 +53,7 @@ from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import ImageInputs, VisionGeometry, vision_bucket
 
 logger = plugin_logger(__name__)
 
@@ -362,11 +363,12 @@ class RunnerBackend:
                 int(text_config(read_hf_config(model_dir))["num_hidden_layers"]),
                 settings.lora_target_modules,
             )
+        vision = VisionGeometry.from_hf_config(read_hf_config(model_dir))
         self.runner = RunnerProcess(
             settings.backend_python,
             settings.backend,
-            input_arena_bytes(settings, geometry),
-            output_arena_bytes(settings, vocab_size(model_dir)),
+            input_arena_bytes(settings, geometry, vision),
+            output_arena_bytes(settings, vocab_size(model_dir), vision),
         )
         self.handshake = self.runner.handshake
         # The backend's own time in the last forward/run (the rest was the boundary's).
@@ -471,6 +473,18 @@ class RunnerBackend:
     def _idle(self, op: str) -> None:
         if self._in_flight:  # the runner is computing; its arenas are in use
             raise RunnerError(f"{op} while a submitted call is in flight: collect it first")
+
+    def encode_image(self, image: ImageInputs) -> np.ndarray:
+        """The image's arrays through the input arena (sized for the largest vision
+        bucket: a larger image is refused here, as the backend would); its embeddings
+        copied out."""
+        self._idle("encode_image")
+        if not image.is_padding:
+            vision_bucket(self.settings.vision_buckets, image.patches)
+        arrays = {"pixel_values": image.pixel_values, "grid_thw": image.grid_thw}
+        reply = self.runner.request("encode_image", arrays=self.runner.inputs.put(arrays))
+        self.last_backend_s = reply["backend_s"]
+        return self.runner.outputs.get(reply["arrays"])["embeddings"].copy()
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """The adapter's arrays through the input arena into the runner's slot `slot`."""

@@ -22,6 +22,11 @@ shape, offset]}); the runner answers with the output arena's layout. Operations:
   positions' prompt logprobs ("prompt." names: token_ids and logprobs [positions, k + 1]
   int32 and float32, ranks [positions] int64: 8k + 16 bytes a position).
 - "forward": the same inputs, every row's logits.
+  A vision-language model's calls also carry vision_embeddings [rows, active, hidden]
+  float32 and vision_mask [rows, active] bool (context encoding with images) and
+  rope_positions [3, rows, active] int64 (M-RoPE), ForwardInputs arrays like the others.
+- "encode_image": one image's pixel_values [patches, patch_dim] float32 and grid_thw
+  [3] int64; it answers its embeddings [embedding_tokens, hidden] float32.
 - "set_adapter": a LoRA adapter's A and B arrays (float32, per target module) for a
   slot, between calls.
 - "kv_geometry", "map_kv_arena", "read_kv_blocks", "write_kv_blocks": KV blocks
@@ -59,17 +64,24 @@ import torch
 
 from neuron_plugin.backends.base import graph_specs
 from neuron_plugin.backends.kv_blocks import TORCH_DTYPES
-from neuron_plugin.core.inputs import ForwardInputs, decode_width, padding_inputs
+from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
+    ForwardInputs,
+    decode_width,
+    padding_inputs,
+)
 from neuron_plugin.core.lora import LoraGeometry
 from neuron_plugin.core.prompt_logprobs import PromptLogprobs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.vision import VISION_ENCODING, VisionGeometry
 
 # 3: tokens and draws [rows, positions] (speculative decoding); 4: adapter_slots and
 # "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation);
-# 6: messages on pipes of their own, lengths capped; KVGeometry.computation;
-# 7: prompt_targets and the prompt logprobs of a run's answer
-PROTOCOL_VERSION = 7
+# 6: messages on pipes of their own, lengths capped; KVGeometry.computation; 7: the
+# vision arrays of ForwardInputs and "encode_image" (vision-language models)
+# 8: prompt_targets and the prompt logprobs of a run's answer
+PROTOCOL_VERSION = 8
 # Control messages carry settings, layouts and manifests (arrays go through the arenas).
 MAX_MESSAGE_BYTES = 16 << 20
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
@@ -345,13 +357,25 @@ def decode_inputs(fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     return ForwardInputs(**values)
 
 
-def input_arena_bytes(settings: NeuronSettings, geometry: LoraGeometry | None = None) -> int:
+def input_arena_bytes(
+    settings: NeuronSettings,
+    geometry: LoraGeometry | None = None,
+    vision: VisionGeometry | None = None,
+) -> int:
     """Room for the largest call the settings allow: every graph's padded arrays, plus a
     whole context of token ids (block-layout context encoding sends them); with LoRA
-    (`geometry`) at least one adapter at max_lora_rank (`set_adapter`)."""
+    (`geometry`) at least one adapter at max_lora_rank (`set_adapter`); a
+    vision-language model's (`vision`) vision arrays and its largest image."""
     largest = 0
     for graph in graph_specs(settings):
+        if graph.phase == VISION_ENCODING:
+            assert vision is not None, "vision buckets without the model's vision geometry"
+            image = _aligned(4 * graph.shape[0] * vision.patch_dim) + _aligned(8 * 3)
+            largest = max(largest, image)
+            continue
         inputs = padding_inputs(settings, graph.phase, graph.shape)
+        if vision is not None:
+            inputs = with_vision_arrays(inputs, vision.hidden_size)
         _, arrays = encode_inputs(inputs)
         if graph.prompt_logprobs:  # [1, active] int64, as input_ids
             arrays["prompt_targets"] = inputs.input_ids
@@ -366,14 +390,34 @@ def input_arena_bytes(settings: NeuronSettings, geometry: LoraGeometry | None = 
     return largest + ALIGN
 
 
-def output_arena_bytes(settings: NeuronSettings, vocab_size: int) -> int:
+def with_vision_arrays(inputs: ForwardInputs, hidden_size: int) -> ForwardInputs:
+    """`inputs` with every vision array a call of its phase may carry, zero: the most a
+    vision-language model's call sends."""
+    rows, active = inputs.input_ids.shape
+    inputs = dataclasses.replace(inputs, rope_positions=np.zeros((3, rows, active), dtype=np.int64))
+    if inputs.phase != CONTEXT_ENCODING:
+        return inputs
+    return dataclasses.replace(
+        inputs,
+        vision_embeddings=np.zeros((rows, active, hidden_size), dtype=np.float32),
+        vision_mask=np.zeros((rows, active), dtype=bool),
+    )
+
+
+def output_arena_bytes(
+    settings: NeuronSettings, vocab_size: int, vision: VisionGeometry | None = None
+) -> int:
     """Int32 tokens (a row's emitted tokens with speculation) and float32 logits for the
-    most rows one call returns, and the prompt logprobs of the largest context encoding
-    where the settings compile prompt-logprob graphs."""
+    most rows one call returns; for a vision-language model (`vision`) at least the
+    largest image's float32 embeddings; and the prompt logprobs of the largest context
+    encoding where the settings compile prompt-logprob graphs."""
     rows = max(max(settings.token_generation_batches), settings.ctx_batch_size)
-    size = _aligned(4 * rows * decode_width(settings)) + _aligned(4 * rows * vocab_size) + ALIGN
+    step = _aligned(4 * rows * decode_width(settings)) + _aligned(4 * rows * vocab_size)
+    if vision is not None and settings.vision_buckets:
+        tokens = max(settings.vision_buckets) // vision.spatial_merge_size**2
+        step = max(step, _aligned(4 * tokens * vision.hidden_size))
     if settings.prompt_logprobs is not None:
         positions = max(settings.context_encoding_buckets)
         columns = settings.prompt_logprobs + 1
-        size += 2 * _aligned(4 * positions * columns) + _aligned(8 * positions) + ALIGN
-    return size
+        step += 2 * _aligned(4 * positions * columns) + _aligned(8 * positions) + ALIGN
+    return step + ALIGN

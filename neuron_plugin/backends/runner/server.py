@@ -157,6 +157,17 @@ class Runner:
             arrays |= encode_prompt_logprobs(out.prompt_logprobs)
         return {"arrays": self.outputs.put(arrays), "backend_s": backend_s}
 
+    def encode_image(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One image's embeddings (its arrays are views of the input arena)."""
+        from neuron_plugin.core.vision import ImageInputs
+
+        arrays = self.inputs.get(message["arrays"])
+        image = ImageInputs(arrays["pixel_values"], arrays["grid_thw"])
+        started = time.perf_counter()
+        embeddings = self.backend.encode_image(image)
+        backend_s = time.perf_counter() - started
+        return {"arrays": self.outputs.put({"embeddings": embeddings}), "backend_s": backend_s}
+
     def set_adapter(self, message: dict[str, Any]) -> dict[str, Any]:
         """A LoRA adapter's arrays (views of the input arena, copied by the backend)
         into a slot."""
@@ -239,6 +250,7 @@ OPS = frozenset(
         "quantize",
         "forward",
         "run",
+        "encode_image",
         "set_adapter",
         "ping",
         "kv_geometry",

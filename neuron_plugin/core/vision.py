@@ -1,0 +1,237 @@
+"""Images through a vision encoder: what one encoder call takes, the bucket it runs in,
+and where its embeddings go in the prompt.
+
+A vision-language model (Qwen2-VL family first) has two kinds of graphs: the decoder's
+(context encoding, token generation) and the vision encoder's, one per vision bucket.
+A vision bucket is a number of patches: an image of `grid_thw` (temporal, height, width
+patches, the model's processor's split) runs in the first bucket of at least
+t*h*w patches, padded, as NxDI pads an image to its vision bucket
+(`image_to_text_model_wrapper.py` pads pixel_values). One image per call: the images of a
+prompt run one after another, each once (vLLM's encoder cache keeps their embeddings for
+chunked prefill and prefix-cache misses). The encoder answers one embedding per
+spatial_merge_size**2 patches, and those replace the prompt's image placeholder tokens
+in order (`ForwardInputs.vision_embeddings` / `vision_mask`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bucketing.errors import BucketError
+from bucketing.grids import validate_grid
+from neuron_plugin.core.errors import NeuronConfigError
+
+VISION_ENCODING = "vision_encoding"
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """One image as the model's processor prepared it (Qwen2-VL: its flattened patches,
+    channels x temporal x patch x patch values each, in the processor's order)."""
+
+    pixel_values: np.ndarray  # [patches, patch_dim] float32
+    grid_thw: np.ndarray  # [3] int64: temporal, height, width patches
+
+    @property
+    def patches(self) -> int:
+        return int(np.prod(self.grid_thw))
+
+    def embedding_tokens(self, spatial_merge_size: int) -> int:
+        """Placeholder tokens (and encoder outputs) of this image."""
+        return self.patches // (spatial_merge_size * spatial_merge_size)
+
+    @property
+    def is_padding(self) -> bool:
+        """A call holding only padding (`padding_image`)."""
+        return self.patches == 0
+
+
+def padding_image(bucket: int) -> ImageInputs:
+    """An encoder call of exactly vision bucket `bucket` holding only padding (warm-up,
+    timing), as `core.inputs.padding_inputs` is for the decoder's graphs: no patches
+    (grid_thw zero), pixel_values [bucket, 0]; its answer has no rows."""
+    return ImageInputs(np.zeros((bucket, 0), dtype=np.float32), np.zeros(3, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """The sizes of a vision-language model's image arrays, from its config.json
+    (Qwen2-VL family keys): what crosses a process boundary per image and per call."""
+
+    patch_dim: int  # values per patch: channels x temporal_patch_size x patch_size**2
+    spatial_merge_size: int
+    hidden_size: int  # the text decoder's: one embedding per merged patch group
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> VisionGeometry | None:
+        """None for a text model (no vision_config)."""
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            return None
+        text = config.get("text_config")
+        hidden = (text if isinstance(text, dict) else config)["hidden_size"]
+        # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
+        channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
+        patch = int(vision.get("patch_size", 14))
+        return cls(
+            patch_dim=channels * int(vision.get("temporal_patch_size", 2)) * patch * patch,
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            hidden_size=int(hidden),
+        )
+
+
+def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
+    """The first vision bucket that holds `patches` (buckets ascending)."""
+    for bucket in buckets:
+        if patches <= bucket:
+            return bucket
+    largest = buckets[-1] if buckets else 0
+    raise NeuronConfigError(
+        f"an image of {patches} patches exceeds the largest vision bucket ({largest} "
+        f"patches): lower the processor's max_pixels (mm_processor_kwargs) or add a larger "
+        f"bucket to override_neuron_config.vision_buckets."
+    )
+
+
+# The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
+# family: patches merged spatial_merge_size**2 to one embedding, M-RoPE positions).
+VISION_ARCHITECTURES = frozenset(
+    {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
+VISION_BUCKETS_KEY = "vision_buckets"
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True)
+class VisionLimits:
+    """What the model's processor makes of an image: between `min_patches` and
+    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each."""
+
+    min_patches: int
+    max_patches: int
+    step: int
+
+
+def processor_limits(
+    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any]
+) -> VisionLimits:
+    """A Qwen2-VL image processor's patch range. It resizes an image to a multiple of
+    patch_size * merge_size per side with min_pixels <= height x width <= max_pixels
+    (`smart_resize`), so an image has at most max_pixels / patch_size**2 patches; the
+    pixel bounds come from mm_processor_kwargs where vLLM passes them, else from
+    preprocessor_config.json (`min_pixels`/`max_pixels`, or transformers 5's
+    `size.shortest_edge`/`size.longest_edge`)."""
+    merged = {**preprocessor, **mm_processor_kwargs}
+    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    low = _pixels("min_pixels", merged.get("min_pixels", size.get("shortest_edge")))
+    high = _pixels("max_pixels", merged.get("max_pixels", size.get("longest_edge")))
+    patch, merge = int(merged.get("patch_size", 14)), int(merged.get("merge_size", 2))
+    step = merge * merge
+    area = patch * patch
+    return VisionLimits(
+        min_patches=max(step, -(-low // area) // step * step),
+        max_patches=max(step, high // area // step * step),
+        step=step,
+    )
+
+
+def _pixels(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NeuronConfigError(
+            f"the image processor's {name}={value!r} (mm_processor_kwargs or the "
+            f"checkpoint's preprocessor_config.json) must be a whole number of pixels "
+            f">= 1; set --mm-processor-kwargs '{{\"{name}\": ...}}'."
+        )
+    return value
+
+
+def resolve_vision_buckets(
+    override: Mapping[str, Any], limits: VisionLimits | None
+) -> tuple[int, ...]:
+    """The vision encoder's buckets: the user's `vision_buckets`, or powers of two from
+    the smallest image's patches up to the largest's (appended), as NxDI's default text
+    grids grow; none for a text model."""
+    if limits is None:
+        if VISION_BUCKETS_KEY in override:
+            raise NeuronConfigError(
+                f"override_neuron_config.{VISION_BUCKETS_KEY} sizes a vision encoder's "
+                f"graphs, but this model takes no images; remove it."
+            )
+        return ()
+    name = f"override_neuron_config.{VISION_BUCKETS_KEY}"
+    if VISION_BUCKETS_KEY in override:
+        try:
+            buckets = validate_grid(override[VISION_BUCKETS_KEY], name=name)
+        except BucketError as exc:
+            raise NeuronConfigError(str(exc)) from None
+        odd = [b for b in buckets if b % limits.step]
+        if odd:
+            raise NeuronConfigError(
+                f"{name} has {odd}: an image's patches come in multiples of "
+                f"{limits.step} (spatial_merge_size squared); round them up."
+            )
+        return buckets
+    grown: list[int] = []
+    size = 1 << max(0, (limits.min_patches - 1).bit_length())
+    while size < limits.max_patches:
+        grown.append(size)
+        size *= 2
+    return (*grown, limits.max_patches)
+
+
+def mrope_positions(
+    length: int, images: list[tuple[int, np.ndarray]], spatial_merge_size: int
+) -> tuple[np.ndarray, int]:
+    """M-RoPE rotary positions [3, length] of a prompt whose images (placeholder offset,
+    grid_thw) sit in it, and the shift its later tokens keep (`delta`: the token at KV
+    position p rotates at p + delta), as the Qwen2-VL family numbers them
+    (transformers' `get_rope_index`): text counts on in all three rows from the last
+    position used; an image's tokens take (frame, row, column) of the merged grid,
+    offset by the position the image starts at."""
+    rows, start, cursor = [], 0, 0
+    for offset, grid in sorted(images, key=lambda image: image[0]):
+        text = offset - start
+        rows.append(np.broadcast_to(cursor + np.arange(text), (3, text)))
+        cursor += text
+        t, h, w = (
+            int(grid[0]),
+            int(grid[1]) // spatial_merge_size,
+            int(grid[2]) // spatial_merge_size,
+        )
+        frame, row, column = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        placed = cursor + np.stack([frame.ravel(), row.ravel(), column.ravel()])
+        rows.append(placed)
+        cursor = int(placed.max()) + 1
+        start = offset + t * h * w
+    rows.append(np.broadcast_to(cursor + np.arange(length - start), (3, length - start)))
+    positions = np.concatenate(rows, axis=1).astype(np.int64)
+    return positions, cursor + (length - start) - length
+
+
+def chunk_embeddings(
+    start: int,
+    count: int,
+    active: int,
+    hidden: int,
+    placed: list[tuple[int, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The vision inputs of a context-encoding call of prompt tokens [start, start +
+    count) padded to `active`: embeddings [1, active, hidden] and mask [1, active], from
+    each image's (placeholder offset, embeddings [tokens, hidden]). A chunk may cut an
+    image anywhere (chunked prefill, a prefix-cache hit inside an image): it takes the
+    rows of the image's embeddings its tokens cover, as vLLM's GPU runner gathers them
+    (`_gather_mm_embeddings`)."""
+    embeddings = np.zeros((1, active, hidden), dtype=np.float32)
+    mask = np.zeros((1, active), dtype=bool)
+    end = start + count
+    for offset, rows in placed:
+        first, last = max(start, offset), min(end, offset + rows.shape[0])
+        if first >= last:
+            continue
+        embeddings[0, first - start : last - start] = rows[first - offset : last - offset]
+        mask[0, first - start : last - start] = True
+    return embeddings, mask

@@ -1,0 +1,202 @@
+"""Images on the worker: vLLM's multimodal features -> the vision inputs of each backend
+call (core.vision), beside the text path.
+
+vLLM's scheduler decides when an image is encoded (`scheduled_encoder_inputs`, within
+its encoder-cache budget) and when its embeddings may go (`free_encoder_mm_hashes`);
+this keeps the embeddings in between, keyed by the feature's identifier as vLLM's GPU
+runner keys its encoder cache, so the same image in two requests is encoded once while
+both hold it. A context-encoding call of prompt tokens [start, end) takes the rows of
+each image its tokens cover (`core.vision.chunk_embeddings`), whatever the chunk or
+prefix-cache hit cut. A model with M-RoPE (the Qwen2-VL family) also gets each call's
+rotary positions: the prompt's from `core.vision.mrope_positions`, computed once per
+request, and a decode's from its KV position and the request's shift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from neuron_plugin.core.inputs import ForwardInputs
+from neuron_plugin.core.vision import (
+    ImageInputs,
+    chunk_embeddings,
+    mrope_positions,
+    vision_bucket,
+)
+from neuron_plugin.serving.observers import StepObserver
+
+if TYPE_CHECKING:  # the platform imports this module; backends load in the worker
+    from neuron_plugin.backends.base import LoadedBackend
+
+
+@dataclass
+class _Request:
+    """One request's images (placeholder offset and length, encoder-cache key) and,
+    with M-RoPE, its prompt's rotary positions [3, prompt] and the shift of what
+    follows."""
+
+    images: list[tuple[int, int, str]]
+    rope: np.ndarray | None
+    delta: int
+
+
+def image_inputs(feature: Any) -> ImageInputs:
+    """The encoder input of one vLLM image feature (its processor's output)."""
+    return ImageInputs(
+        pixel_values=feature.data["pixel_values"].data.float().numpy(),
+        grid_thw=image_grid(feature),
+    )
+
+
+def image_grid(feature: Any) -> np.ndarray:
+    """An image feature's grid_thw. vLLM strips an image that a prefix-cache hit covers
+    down to the fields an M-RoPE model keeps on the host (`image_grid_thw`): its pixels
+    are not needed, its grid is."""
+    return feature.data["image_grid_thw"].data.numpy().astype(np.int64)
+
+
+class Images:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        backend: LoadedBackend,
+        hf_config: Any,
+        hidden_size: int,
+        observers: Sequence[StepObserver] = (),
+    ):
+        self.backend = backend
+        self.observers = tuple(observers)
+        vision = getattr(hf_config, "vision_config", None)
+        self.merge = int(getattr(vision, "spatial_merge_size", 2))
+        text = getattr(hf_config, "text_config", hf_config)
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+        self.mrope = bool(rope and rope.get("mrope_section"))
+        self.hidden_size = hidden_size
+        self.requests: dict[str, _Request] = {}
+        self.features: dict[str, list[Any]] = {}
+        self.cache: dict[str, np.ndarray] = {}
+
+    def add(self, req_id: str, prompt_len: int, features: Sequence[Any]) -> None:
+        images = [f for f in features if f.modality == "image"]
+        self.features[req_id] = list(features)
+        rope, delta = None, 0
+        if self.mrope and images:
+            rope, delta = mrope_positions(
+                prompt_len,
+                [(f.mm_position.offset, image_grid(f)) for f in images],
+                self.merge,
+            )
+        placed = [(f.mm_position.offset, f.mm_position.length, f.identifier) for f in images]
+        self.requests[req_id] = _Request(placed, rope, delta)
+
+    def remove(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.features.pop(req_id, None)
+
+    def encode(self, freed: Iterable[str], scheduled: dict[str, list[int]]) -> None:
+        """Drop the embeddings vLLM freed, then encode the images it scheduled (each
+        once: an image already held is not run again), in that order as vLLM's GPU
+        runner does (a freed image can be scheduled again in the same step)."""
+        for identifier in freed:
+            self.cache.pop(identifier, None)
+        for req_id, indexes in scheduled.items():
+            features = self.features[req_id]
+            for index in indexes:
+                feature = features[index]
+                if feature.identifier not in self.cache:
+                    self.cache[feature.identifier] = self._encode(image_inputs(feature))
+
+    def _encode(self, image: ImageInputs) -> np.ndarray:
+        started = time.perf_counter()
+        embeddings = self.backend.encode_image(image)
+        forward_s = time.perf_counter() - started
+        bucket = vision_bucket(self.backend.settings.vision_buckets, image.patches)
+        for observer in self.observers:
+            observer.on_vision_call(bucket, image.patches, forward_s)
+        return embeddings
+
+    def in_images(self, req_ids: Sequence[str], positions: np.ndarray) -> np.ndarray:
+        """[rows] whether the token at each row's position is an image placeholder."""
+        return np.fromiter(
+            (
+                any(o <= p < o + n for o, n, _ in self.requests[r].images)
+                if r in self.requests
+                else False
+                for r, p in zip(req_ids, positions.tolist(), strict=False)
+            ),
+            dtype=bool,
+            count=positions.size,
+        )
+
+    def context(self, req_id: str, inputs: ForwardInputs) -> ForwardInputs:
+        """A context-encoding call with its images' rows and rotary positions."""
+        request = self.requests.get(req_id)
+        if request is None or not request.images:
+            return inputs
+        start = int(inputs.computed_context_lens[0])
+        count = int(inputs.full_context_lens[0]) - start
+        active = inputs.input_ids.shape[1]
+        placed = [  # only the images this chunk covers: vLLM may have freed the others
+            (offset, self._embeddings(identifier))
+            for offset, length, identifier in request.images
+            if offset < start + count and offset + length > start
+        ]
+        embeddings, mask = chunk_embeddings(start, count, active, self.hidden_size, placed)
+        rope = None
+        if request.rope is not None:
+            rope = np.broadcast_to(inputs.position_ids, (3, *inputs.position_ids.shape)).copy()
+            rope[:, 0, :count] = _rotary(
+                request.rope, request.delta, np.arange(start, start + count)
+            )
+        return dataclasses.replace(
+            inputs, vision_embeddings=embeddings, vision_mask=mask, rope_positions=rope
+        )
+
+    def _embeddings(self, identifier: str) -> np.ndarray:
+        embeddings = self.cache.get(identifier)
+        if embeddings is None:  # vLLM schedules an image's encoding before its tokens
+            raise RuntimeError(
+                f"image {identifier} is needed before vLLM scheduled its encoding; report "
+                f"this with the engine log"
+            )
+        return embeddings
+
+    def decode(self, req_ids: Sequence[str], inputs: ForwardInputs) -> ForwardInputs:
+        """A token-generation call's rotary positions: each row's KV positions shifted by
+        its request's delta (None when no row is shifted)."""
+        if not self.mrope:
+            return inputs
+        deltas = np.zeros(inputs.position_ids.shape[0], dtype=np.int64)
+        deltas[: len(req_ids)] = [
+            self.requests[r].delta if r in self.requests else 0 for r in req_ids
+        ]
+        if not deltas.any():
+            return inputs
+        shifted = inputs.position_ids + deltas[:, None]
+        return dataclasses.replace(
+            inputs, rope_positions=np.broadcast_to(shifted, (3, *shifted.shape)).copy()
+        )
+
+
+def _rotary(prompt: np.ndarray, delta: int, positions: np.ndarray) -> np.ndarray:
+    """Rotary positions [3, n] of KV positions `positions`: the prompt's own ([3,
+    prompt length]) where it has them, the shifted KV position past it (tokens generated
+    before a preemption and prefilled again)."""
+    inside = positions < prompt.shape[1]
+    rotary = np.broadcast_to(positions + delta, (3, positions.size)).copy()
+    rotary[:, inside] = prompt[:, positions[inside]]
+    return rotary
+
+
+def image_patches(processed: Mapping[str, Any]) -> list[int]:
+    """Patches of each image of a processed request (vLLM's `mm_kwargs`; an item the
+    processor cache left out was checked when first seen)."""
+    items = (processed.get("mm_kwargs") or {}).get("image") or ()
+    return [int(np.prod(item["image_grid_thw"].data.numpy())) for item in items if item]

@@ -1,0 +1,235 @@
+"""Vision-language models served end to end: `vllm serve TINY_QWEN2_VL --device neuron`
+(the reference backend) answers OpenAI chat requests with images with transformers'
+greedy tokens.
+
+Served from a Neuron host's vLLM environment (NEURON_TEST_HOST_PYTHON, the `vllm` wheel
+with its torch and torchvision): the model's processor needs torchvision, whose only
+wheels are CUDA builds that cannot load beside the test build's CPU torch. The oracle
+runs in the same environment (tests/e2e/vision_oracle.py), so both sides see the same
+processor output. Covered: one image, two images in a prompt, a text-only request to the
+vision model, concurrent requests mixing images and text, streaming, the same image
+again (a prefix-cache hit) and another image under the same text (never a hit), an
+image larger than the largest vision bucket, a corrupt image and too many images (each
+a 400), and a server that still answers right after them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from neuron_plugin.core.checkpoint import read_hf_config, text_config
+from tests.e2e.support import Server
+
+pytestmark = [pytest.mark.server, pytest.mark.deployment]
+
+TOKENS = 10
+ORACLE = Path(__file__).with_name("vision_oracle.py")
+
+
+def image_url(seed: int, height: int, width: int) -> str:
+    """A PNG of random pixels as a data URL (no network: clients send files this way)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat(text: str, *images: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+RED, BLUE, WIDE = image_url(1, 224, 224), image_url(2, 224, 224), image_url(3, 56, 140)
+REQUESTS = {
+    "one": chat("what is in the picture", RED),
+    "other": chat("what is in the picture", BLUE),
+    "two": chat("compare the two pictures", WIDE, RED),
+    "text": [{"role": "user", "content": "the scheduler decides"}],
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def expected(model, host_python) -> dict[str, list[int]]:
+    job = {
+        "model": str(model),
+        "requests": [{"messages": m, "max_tokens": TOKENS} for m in REQUESTS.values()],
+    }
+    done = subprocess.run(
+        [host_python, str(ORACLE)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(REQUESTS, json.loads(done.stdout), strict=True))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    model: str  # the served model's name: its folder
+
+
+@pytest.fixture(scope="module")
+def server(model, host_python, tmp_path_factory):
+    served = Server(
+        model,
+        tmp_path_factory.mktemp("vision") / "server.log",
+        [
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--enable-prefix-caching",
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 2}),
+            # images of up to 1,024 patches, beyond the largest vision bucket (256)
+            "--mm-processor-kwargs",
+            json.dumps({"max_pixels": 448 * 448}),
+            "--additional-config",
+            json.dumps(
+                {
+                    "override_neuron_config": {
+                        "context_encoding_buckets": [64, 128, 256, 512],
+                        "vision_buckets": [64, 256],
+                    }
+                }
+            ),
+        ],
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+        python=host_python,
+    )
+    served.wait_healthy(timeout=420)
+    yield Endpoint(served.url, str(model))
+    served.stop()
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.fixture(scope="module")
+def eos(model) -> int:
+    return int(text_config(read_hf_config(model))["eos_token_id"])
+
+
+def ask(server, messages, **extra) -> requests.Response:
+    return requests.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": server.model,
+            "messages": messages,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        },
+        timeout=300,
+    )
+
+
+def answer(server, messages, eos) -> list[int]:
+    response = ask(server, messages)
+    assert response.status_code == 200, response.text
+    return _until_eos(response.json()["choices"][0]["token_ids"], eos)
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_greedy_tokens_equal_transformers(server, expected, eos, name):
+    assert answer(server, REQUESTS[name], eos) == _until_eos(expected[name], eos)
+
+
+def test_concurrent_image_and_text_requests_equal_transformers(server, expected, eos):
+    names = ["one", "text", "two", "other", "text", "one"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda n: answer(server, REQUESTS[n], eos), names))
+    assert got == [_until_eos(expected[n], eos) for n in names]
+
+
+def test_streamed_answer_equals_transformers(server, expected, eos):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=REQUESTS["two"],
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    # vLLM's extension field, beside the OpenAI schema's
+    ids = [i for chunk in stream for c in chunk.choices
+           for i in (c.model_extra or {}).get("token_ids") or []]
+    assert _until_eos(ids, eos) == _until_eos(expected["two"], eos)
+
+
+def first_logprobs(server, name: str) -> list[float]:
+    """The top-5 log-probabilities of a request's first answer token."""
+    response = ask(server, REQUESTS[name], max_tokens=1, logprobs=True, top_logprobs=5)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"][0]
+    return [t["logprob"] for t in content["top_logprobs"]]
+
+
+def test_same_image_hits_the_prefix_cache_and_another_image_does_not(server):
+    """The same text and image twice: the second is a prefix-cache hit with the same
+    answer. Another image under the same text (the same token ids: only vLLM's image
+    hash tells them apart) must not reuse those blocks: its log-probabilities differ,
+    which also shows the image reaches the decoder (the tiny model's greedy tokens may
+    not change)."""
+    cached = first_logprobs(server, "one")
+    before = _prefix_hits(server)
+    assert first_logprobs(server, "one") == pytest.approx(cached, abs=1e-5)
+    assert _prefix_hits(server) > before
+    other = first_logprobs(server, "other")
+    assert max(abs(a - b) for a, b in zip(cached, other, strict=True)) > 1e-3
+
+
+def _prefix_hits(server) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "says"),
+    [
+        # 1,024 patches, which the server's max_pixels lets through and no vision
+        # bucket holds (the largest: 256)
+        (chat("look", image_url(4, 448, 448)), {}, "exceeds the largest vision bucket"),
+        (chat("look", "data:image/png;base64," + base64.b64encode(b"not a png").decode()), {}, ""),
+        (chat("look", RED, BLUE, WIDE), {}, "image"),
+    ],
+    ids=["larger-than-the-largest-bucket", "corrupt", "too-many"],
+)
+def test_bad_images_get_a_400_and_the_server_keeps_serving(
+    server, expected, eos, messages, extra, says
+):
+    response = ask(server, messages, **extra)
+    assert response.status_code == 400, response.text
+    assert says in response.text
+    assert answer(server, REQUESTS["one"], eos) == _until_eos(expected["one"], eos)
