@@ -18,6 +18,7 @@ from neuron_plugin.core.inputs import context_encoding_inputs
 from neuron_plugin.core.prompt_logprobs import NO_TARGET, prompt_targets
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.vision import VisionLimits
 from tests.e2e.support import float32_model
 
 K = 3
@@ -53,6 +54,7 @@ def test_setting_compiles_one_prompt_graph_per_context_encoding_shape():
     (True, {"max_logprobs": -1}, "reference", "set --max-logprobs to the largest k"),
     (True, {"logprobs_mode": "raw_logits"}, "reference", "--logprobs-mode raw_logits"),
     (True, {}, "nxd", "on the nxd backend"),
+    (True, {"vision": VisionLimits(4, 1024, 4)}, "reference", "with a vision-language model"),
 ])
 def test_what_cannot_be_served_is_refused_naming_the_setting(value, changes, backend, named):
     with pytest.raises(NeuronConfigError, match=named.replace("(", r"\(").replace("[", r"\[")):
