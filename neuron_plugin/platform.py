@@ -20,6 +20,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from neuron_plugin import BACKEND_ENV, plugin_logger
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import package_version, parse_core_list
+from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.sampling import on_device_refusal, sampling_summary
 from neuron_plugin.core.speculation import host_sampling_refusal, speculation_summary
 from neuron_plugin.core.vision import vision_bucket
@@ -283,13 +284,18 @@ class NeuronPlatform(Platform):
         settings = resolved_settings()
         if settings is None:
             return
-        if getattr(params, "prompt_logprobs", None) is not None:
+        if (
+            getattr(params, "prompt_logprobs", None) is not None
+            and settings.prompt_logprobs is None
+        ):
             raise VLLMValidationError(
-                "log-probabilities of prompt tokens are not supported on Neuron: the "
-                "compiled graphs return logits for the last prompt token only. "
-                "prompt_logprobs asks for them, and so does echo=true with logprobs in "
-                "/v1/completions or echo=true in /v1/chat/completions; remove "
-                "prompt_logprobs or drop echo (logprobs of generated tokens work).",
+                "log-probabilities of prompt tokens need the prompt-logprob graphs, which "
+                "this server did not compile. prompt_logprobs asks for them, and so does "
+                "echo=true with logprobs in /v1/completions or echo=true in "
+                "/v1/chat/completions; start the server with --additional-config "
+                f"'{{\"{PROMPT_LOGPROBS_KEY}\": true}}' (they are compiled beside the "
+                "context-encoding graphs), or remove prompt_logprobs or drop echo "
+                "(logprobs of generated tokens work).",
                 parameter="prompt_logprobs",
                 value=params.prompt_logprobs,
             )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,7 @@ from neuron_plugin.core.inputs import (
     ForwardInputs,
     padding_inputs,
 )
+from neuron_plugin.core.prompt_logprobs import NO_TARGET, PromptLogprobs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, padding_image
@@ -57,19 +58,27 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One compiled graph: its phase, the static shape it was compiled for, and whether
-    it is the logits graph of a token-generation shape whose other graph returns tokens
-    alone (`NeuronSettings.token_generation_logits_shapes`)."""
+    """One compiled graph: its phase, the static shape it was compiled for, whether it
+    is the logits graph of a token-generation shape whose other graph returns tokens
+    alone (`NeuronSettings.token_generation_logits_shapes`), and whether it is the
+    context encoding that also returns prompt logprobs (core.prompt_logprobs)."""
 
     phase: str
     shape: tuple[int, ...]
     logits: bool = False
+    prompt_logprobs: bool = False
 
     @property
     def name(self) -> str:
         dims = "x".join(str(d) for d in self.shape)
         kind = {CONTEXT_ENCODING: "cte", VISION_ENCODING: "vision"}.get(self.phase, "tkg")
-        return f"{kind}{'_logits' if self.logits else ''}_{dims}"
+        variant = "_logits" if self.logits else "_plp" if self.prompt_logprobs else ""
+        return f"{kind}{variant}_{dims}"
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], bool]:
+        """What a call selects it by: phase, bucket, and whether it scores the prompt."""
+        return (self.phase, self.shape, self.prompt_logprobs)
 
 
 def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
@@ -80,6 +89,10 @@ def graph_specs(settings: NeuronSettings) -> list[GraphSpec]:
         + [
             GraphSpec(TOKEN_GENERATION, s, logits=True)
             for s in settings.token_generation_logits_shapes()
+        ]
+        + [
+            GraphSpec(CONTEXT_ENCODING, s, prompt_logprobs=True)
+            for s in settings.prompt_logprobs_shapes()
         ]
         + [GraphSpec(VISION_ENCODING, s) for s in settings.vision_shapes()]
     )
@@ -146,6 +159,9 @@ class StepOutput:
     # The backend's own time for the call where it reports it (a runner process does),
     # apart from the process boundary and from what the host did meanwhile.
     backend_s: float | None = None
+    # A call whose inputs carry `prompt_targets`: its scored positions' prompt logprobs
+    # at settings.prompt_logprobs, O(k) per position (core.prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +217,10 @@ class LoadedBackend(Protocol):
         """Logits [inputs.num_real, vocab] for the last real token of each real row."""
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
-        """One serving call with on-device sampling (`sampling` has a row per real row)."""
+        """One serving call with on-device sampling (`sampling` has a row per real row).
+        A context encoding whose inputs carry `prompt_targets` runs the bucket's
+        prompt-logprob graph and answers its prompt logprobs too (with on-device
+        sampling off too: then every row needs its logits)."""
 
     def submit(self, inputs: ForwardInputs, sampling: SamplingInputs) -> None:
         """Start the serving call `run` makes; its answer comes from `collect`."""
@@ -275,14 +294,18 @@ class Backend(LoadedBackend, Protocol):
 def run_graph_once(backend: LoadedBackend, graph: GraphSpec) -> None:
     """One padding-only call of `graph` (warm-up, timing): `forward` runs the graphs
     that return logits, `run` without a host row the token-generation graphs that
-    return tokens alone, `encode_image` a vision graph."""
+    return tokens alone and, with targets that score nothing, the prompt-logprob ones,
+    `encode_image` a vision graph."""
     settings = backend.settings
     if graph.phase == VISION_ENCODING:
         backend.encode_image(padding_image(graph.shape[0]))
         return
     inputs = padding_inputs(settings, graph.phase, graph.shape)
     tokens_only = settings.token_generation_logits_shapes() and not graph.logits
-    if graph.phase == TOKEN_GENERATION and tokens_only:
+    if graph.prompt_logprobs:
+        targets = np.full(inputs.input_ids.shape, NO_TARGET, dtype=np.int64)
+        backend.run(replace(inputs, prompt_targets=targets), SamplingInputs.greedy(inputs.num_real))
+    elif graph.phase == TOKEN_GENERATION and tokens_only:
         backend.run(inputs, SamplingInputs.greedy(inputs.num_real))
     else:
         backend.forward(inputs)

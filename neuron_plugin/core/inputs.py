@@ -70,6 +70,9 @@ class ForwardInputs:
     # height, width); position_ids stays each token's KV position. None: every rotary
     # position is position_ids (text only, nothing shifted by an earlier image).
     rope_positions: np.ndarray | None = None
+    # [1, active] int64, a context encoding that asks for prompt logprobs only: the
+    # prompt token each position scores, core.prompt_logprobs.NO_TARGET where none.
+    prompt_targets: np.ndarray | None = None
 
     @property
     def draft_budget(self) -> np.ndarray:

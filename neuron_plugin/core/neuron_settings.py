@@ -103,6 +103,9 @@ class EngineLimits:
     # A vision-language model's image sizes (its processor's patch range), None for a
     # text model.
     vision: VisionLimits | None = None
+    # vLLM's --max-logprobs (-1: the whole vocabulary) and --logprobs-mode.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,9 @@ class NeuronSettings:
     # Vision-language models (core.vision): the vision encoder's buckets, in patches per
     # image, ascending (empty for a text model).
     vision_buckets: tuple[int, ...] = ()
+    # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
+    # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
+    prompt_logprobs: int | None = None
 
     @property
     def quantization(self) -> Quantization | None:
@@ -277,9 +283,15 @@ class NeuronSettings:
             f"({vllm_tokens:,} tokens)"
         )
 
+    def prompt_logprobs_shapes(self) -> list[tuple[int, ...]]:
+        """The context-encoding shapes compiled a second time to return prompt logprobs
+        (core.prompt_logprobs): all of them where `prompt_logprobs` is set."""
+        return [] if self.prompt_logprobs is None else self.context_encoding_shapes()
+
     def graph_count(self) -> int:
         return (
             len(self.context_encoding_shapes())
+            + len(self.prompt_logprobs_shapes())
             + len(self.token_generation_shapes())
             + len(self.token_generation_logits_shapes())
             + len(self.vision_shapes())

@@ -28,6 +28,7 @@ reference backend) uses them, NxDI draws its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,6 @@ def on_device_refusal(
         (bool(getattr(params, "bad_words", None)), "bad_words"),
         (getattr(params, "logprobs", None) is not None, "logprobs"),
         (getattr(params, "logprob_token_ids", None) is not None, "logprob_token_ids"),
-        (getattr(params, "prompt_logprobs", None) is not None, "prompt_logprobs"),
         (getattr(params, "seed", None) is not None, "seed"),
         (getattr(params, "min_tokens", 0) > 0, "min_tokens"),
         (getattr(params, "structured_outputs", None) is not None, "structured_outputs"),
@@ -137,6 +137,12 @@ class SamplingInputs:
             uniform=np.zeros((rows, draws), dtype=np.float32),
             needs_logits=np.zeros(rows, dtype=bool),
         )
+
+    @classmethod
+    def host_rows(cls, rows: int) -> SamplingInputs:
+        """Rows the host samples from their logits (a serving call with on-device
+        sampling off, e.g. a prompt-logprob call)."""
+        return dataclasses.replace(cls.greedy(rows), needs_logits=np.ones(rows, dtype=bool))
 
     @classmethod
     def for_rows(

@@ -51,6 +51,7 @@ from neuron_plugin.core.override_checks import (
     refuse_what_cannot_work,
     reject_unsupported,
 )
+from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY, resolve_prompt_logprobs
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
@@ -174,6 +175,7 @@ def resolve_settings(
     backend_python: str | None = None,
     on_device_sampling_disabled: str | None = None,
     exact_sampling: object = None,
+    prompt_logprobs: object = None,
     environ: Mapping[str, str] | None = None,
     nxdi_version: str | None = None,
     visible_cores: Sequence[int] | None = None,
@@ -186,7 +188,8 @@ def resolve_settings(
     backend runs, None when unknown; `visible_cores` are the NeuronCore ids this host
     lets the engines use (`cores_source` says where they come from), None where none
     are visible; `budget` is the device memory an engine has for KV cache, None when
-    unknown; `exact_sampling` is `additional_config.exact_sampling` as given."""
+    unknown; `exact_sampling` and `prompt_logprobs` are `additional_config`'s keys as
+    given."""
     override = dict(override or {})
     if backend not in BACKENDS:
         raise NeuronConfigError(
@@ -279,6 +282,26 @@ def resolve_settings(
             f"(fp8 runs on the nxd backend)."
         )
     exact = resolve_exact_sampling(exact_sampling)
+    prompt_k = resolve_prompt_logprobs(prompt_logprobs, limits.max_logprobs, limits.logprobs_mode)
+    if prompt_k is not None and draft_model:
+        raise NeuronConfigError(
+            f"additional_config.{PROMPT_LOGPROBS_KEY}=true with a draft model or EAGLE "
+            f"head ({draft_model}): the prompt-logprob graphs encode the target alone, not "
+            f"the draft's state; serve prompt logprobs without --speculative-config, or with "
+            f"n-gram speculation."
+        )
+    if prompt_k is not None and limits.vision is not None:
+        raise NeuronConfigError(
+            f"additional_config.{PROMPT_LOGPROBS_KEY}=true with a vision-language model: "
+            f"the prompt-logprob graphs take no image embeddings; drop "
+            f"{PROMPT_LOGPROBS_KEY} for this model."
+        )
+    if prompt_k is not None and backend == "nxd":
+        raise NeuronConfigError(
+            f"additional_config.{PROMPT_LOGPROBS_KEY}=true on the nxd backend: its "
+            f"prompt-logprob graphs are not built yet (the reference backend serves them); "
+            f"drop {PROMPT_LOGPROBS_KEY} there."
+        )
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
         ()
@@ -323,6 +346,7 @@ def resolve_settings(
         rank_cores=rank_cores,
         max_num_seqs_reason=max_num_seqs_reason,
         exact_sampling=exact,
+        prompt_logprobs=prompt_k,
         speculation_method=method,
         num_speculative_tokens=drafts,
         draft_model=draft_model,

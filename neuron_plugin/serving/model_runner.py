@@ -54,6 +54,7 @@ steps without scheduled tokens make them too.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -75,14 +76,16 @@ from vllm.v1.outputs import (
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from neuron_plugin import plugin_logger
-from neuron_plugin.backends.base import LoadedBackend
+from neuron_plugin.backends.base import LoadedBackend, StepOutput
 from neuron_plugin.core.adapters import AdapterError, row_slots
 from neuron_plugin.core.inputs import (
+    CONTEXT_ENCODING,
     ForwardInputs,
     context_encoding_inputs,
     decode_width,
     token_generation_inputs,
 )
+from neuron_plugin.core.prompt_logprobs import prompt_targets, scored_positions
 from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
@@ -92,6 +95,7 @@ from neuron_plugin.serving.host_sampling import HostSampler, logprobs_in_step_or
 from neuron_plugin.serving.images import Images
 from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
+from neuron_plugin.serving.prompt_logprobs import PromptScores
 from neuron_plugin.serving.request_errors import RunnerOutput, can_fail_requests
 from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
 
@@ -157,6 +161,8 @@ class NeuronModelRunner:
         self.adapters = adapters
         # vLLM's KV connector (prefill/decode disaggregation), set by the worker.
         self.kv_transfer: KVTransferSteps | None = None
+        # Requests scoring their prompt (prompt_logprobs), until it is encoded.
+        self.prompt_scores = PromptScores()
         # A vision-language model's images (serving.images); None for a text model.
         self.images = (
             Images(backend, model_config.hf_config, self.hf_config.hidden_size, observers)
@@ -186,6 +192,8 @@ class NeuronModelRunner:
             self._refusals[data.req_id] = on_device_refusal(
                 params, self.settings.global_topk, self.settings.exact_sampling
             )
+        if params is not None and params.prompt_logprobs is not None:
+            self.prompt_scores.add(data.req_id, params.prompt_logprobs, len(data.prompt_token_ids))
         generator = None
         if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
             generator = torch.Generator(device="cpu")
@@ -210,6 +218,7 @@ class NeuronModelRunner:
             batch.remove_request(req_id)
             self.host.remove(req_id)
             self._refusals.pop(req_id, None)
+            self.prompt_scores.remove(req_id)
             if self.images is not None:
                 self.images.remove(req_id)
             if state is not None:
@@ -306,13 +315,17 @@ class NeuronModelRunner:
         backend computes it while the engine schedules the next step, and
         `_complete` collects it."""
         forward_start = time.perf_counter()
-        if step.sampling is None:
+        if step.sampling is None and inputs.prompt_targets is None:
             logits = self.backend.forward(inputs)
             forward_s = time.perf_counter() - forward_start
             step.backend_s += forward_s
             self._take(step, rows, rows, None, logits)
         else:
-            sampling = step.sampling.take(rows)
+            sampling = (
+                SamplingInputs.host_rows(rows.size)
+                if step.sampling is None
+                else step.sampling.take(rows)
+            )
             if last and self.async_scheduling:
                 self.backend.submit(inputs, sampling)
                 submit_s = time.perf_counter() - forward_start
@@ -325,6 +338,7 @@ class NeuronModelRunner:
             forward_s = time.perf_counter() - forward_start
             step.backend_s += forward_s
             self._take(step, rows, rows[sampling.needs_logits], out.tokens, out.logits)
+            self._take_prompt(inputs, rows, out)
         accepted = _accepted(step.tokens[rows], inputs, step.host[rows])
         for observer in self.observers:
             observer.on_backend_call(inputs, forward_s, forward_start - host_start, accepted)
@@ -342,6 +356,7 @@ class NeuronModelRunner:
         step.backend_s += waited
         rows = call.rows
         self._take(step, rows, rows[call.sampling.needs_logits], out.tokens, out.logits)
+        self._take_prompt(call.inputs, rows, out)
         forward_s = out.backend_s if out.backend_s is not None else call.submit_s + waited
         accepted = _accepted(step.tokens[rows], call.inputs, step.host[rows])
         for observer in self.observers:
@@ -362,6 +377,34 @@ class NeuronModelRunner:
         if host.size:
             # numpy's copy: torch's threads cost more than a few rows' copy
             step.logits.numpy()[step.host_pos[host]] = logits.numpy()
+
+    def _take_prompt(self, inputs: ForwardInputs, rows: np.ndarray, out: StepOutput) -> None:
+        """A prefill's prompt logprobs into its request's (from the first position the
+        call computed)."""
+        if inputs.prompt_targets is None:
+            return
+        if out.prompt_logprobs is None:
+            raise RuntimeError(
+                f"the {self.backend.name} backend answered a prompt-logprob call without "
+                f"prompt logprobs; report this with the engine log"
+            )
+        req_id = self.input_batch.req_ids[int(rows[0])]
+        start = int(inputs.computed_context_lens[0])
+        self.prompt_scores.take(req_id, start, out.prompt_logprobs)
+
+    def _prompt_targets(self, state: CachedRequestState, inputs: ForwardInputs) -> ForwardInputs:
+        """A prefill of a request that scores its prompt carries the tokens its
+        positions score (none where the call scores nothing, e.g. the last prompt token)."""
+        if not self.prompt_scores.wants(state.req_id) or inputs.phase != CONTEXT_ENCODING:
+            return inputs
+        start = int(inputs.computed_context_lens[0])
+        count = int(inputs.full_context_lens[0]) - start
+        targets = prompt_targets(
+            np.asarray(state.prompt_token_ids), start, count, inputs.input_ids.shape[1]
+        )
+        if not scored_positions(targets):
+            return inputs
+        return dataclasses.replace(inputs, prompt_targets=targets)
 
     def _new_step(self, so: SchedulerOutput, samples: np.ndarray) -> PendingStep:
         """Which rows the host samples (and where they sit in the host batch), and the
@@ -472,6 +515,9 @@ class NeuronModelRunner:
                 state.block_ids[0],
                 adapter_slot=int(slots[index]),
             )
+            inputs = self._prompt_targets(state, inputs)
+            if self.prompt_scores.wants(state.req_id) and start + count >= state.num_prompt_tokens:
+                step.prompt_done.append(state.req_id)
             if self.images is not None:
                 inputs = self.images.context(state.req_id, inputs)
             self._run(inputs, np.array([index]), step, host_start, last=n == prefills.size)
@@ -585,6 +631,7 @@ class NeuronModelRunner:
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=tokens,
             logprobs=logprobs,
+            prompt_logprobs_dict={r: self.prompt_scores.finish(r) for r in step.prompt_done},
             failed_requests=step.failed,
         )
 

@@ -43,6 +43,8 @@ class PendingStep:
     backend_s: float = 0.0  # of which waiting for backend calls
     output: ModelRunnerOutput | None = None  # once complete
     failed: dict[str, str] = field(default_factory=dict)  # requests the step failed: why
+    # requests whose prompt logprobs are complete once the step's calls are
+    prompt_done: list[str] = field(default_factory=list)
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

@@ -36,6 +36,7 @@ from neuron_plugin.core.memory import (
     sequence_budget,
 )
 from neuron_plugin.core.neuron_settings import FUSED_METHODS, KVTransferLimits
+from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
@@ -74,6 +75,7 @@ ADDITIONAL_CONFIG_KEYS = (
     OVERRIDE_ALIAS,
     BACKEND_PYTHON_KEY,
     EXACT_SAMPLING_KEY,
+    PROMPT_LOGPROBS_KEY,
     SETTINGS_KEY,
     TELEMETRY_DIR_KEY,
 )
@@ -114,6 +116,8 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         **lora_limits(vllm_config.lora_config),
         kv_transfer=kv_transfer_limits(vllm_config.kv_transfer_config),
         vision=vision_limits(model),
+        max_logprobs=model.max_logprobs,
+        logprobs_mode=str(model.logprobs_mode),
     )
 
 
@@ -267,7 +271,8 @@ def additional_config(vllm_config: Any) -> dict[str, Any]:
             f"--additional-config has unknown key(s) {', '.join(map(repr, unknown))}; the "
             f"Neuron platform reads {OVERRIDE_KEY!r} (NxDI settings), "
             f"{BACKEND_PYTHON_KEY!r} (the backend's interpreter) and "
-            f"{EXACT_SAMPLING_KEY!r} (true: sample requests without top_k on the host): "
+            f"{EXACT_SAMPLING_KEY!r} (true: sample requests without top_k on the host), "
+            f"{PROMPT_LOGPROBS_KEY!r} (true: serve prompt_logprobs and echo with logprobs): "
             f"fix or remove them."
         )
     return additional
@@ -337,6 +342,7 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
         backend_python=python,
         on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
         exact_sampling=additional_config(vllm_config).get(EXACT_SAMPLING_KEY),
+        prompt_logprobs=additional_config(vllm_config).get(PROMPT_LOGPROBS_KEY),
         environ=vllm_neuron_environment(),
         # A runner's NxDI lives in its own environment: unknown here.
         nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),

@@ -29,11 +29,12 @@ def time_buckets(
 ) -> dict[str, list[tuple[tuple[int, ...], float]]]:
     """Median milliseconds per graph, grouped by cost-table phase. A token-generation
     shape with a separate logits graph is timed on its tokens-only graph, the one a step
-    without host-sampled rows runs (the cost tables price the bucket grid)."""
+    without host-sampled rows runs, and a context-encoding shape on its usual graph, not
+    its prompt-logprob twin (the cost tables price the bucket grid)."""
     settings = backend.settings
     timings: dict[str, list[tuple[tuple[int, ...], float]]] = {}
     for graph in graph_specs(settings):
-        if graph.logits:
+        if graph.logits or graph.prompt_logprobs:
             continue
         for _ in range(warmup):
             run_graph_once(backend, graph)

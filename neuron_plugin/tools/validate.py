@@ -39,6 +39,7 @@ from neuron_plugin.core.instances import (
     host_visible_core_ids,
     package_version,
 )
+from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import host_sampling_refusal
 from neuron_plugin.core.vllm_builds import installed_vllm
@@ -60,7 +61,7 @@ from neuron_plugin.validation.speed import decode_host_share
 
 logger = plugin_logger(__name__)
 
-SCORED = ("greedy", "logprobs", "quantized")
+SCORED = ("greedy", "logprobs", "quantized", "prompt-logprobs")
 NXD_DISTRIBUTIONS = (
     "neuronx-distributed-inference",
     "neuronx-distributed",
@@ -289,8 +290,13 @@ def _refusals(engine_args: Any) -> dict[str, str]:
     (feature -> the plugin's error), by resolving the configuration with each on."""
     from neuron_plugin.tools.cli import error_message
 
+    additional = engine_args.additional_config or {}
+    probes = {
+        **_FEATURE_PROBES,
+        "prompt-logprobs": {"additional_config": {**additional, PROMPT_LOGPROBS_KEY: True}},
+    }
     refused = {}
-    for feature, changes in _FEATURE_PROBES.items():
+    for feature, changes in probes.items():
         if all(getattr(engine_args, k) == v for k, v in changes.items()):
             continue  # already on: the feature's case runs
         try:
@@ -332,6 +338,7 @@ def _limits(settings: NeuronSettings, vllm_config: Any) -> Limits:
         host_refusal=host_sampling_refusal(
             settings, "the cases with log-probabilities or a seed sample on the host"
         ),
+        prompt_logprobs=settings.prompt_logprobs,
     )
 
 
@@ -393,7 +400,7 @@ def _generate(llm: Any, requests: Sequence[Request]) -> list[Served]:
         use_tqdm=False,
     )
     served = []
-    for output in outputs:
+    for request, output in zip(requests, outputs, strict=True):
         completion = output.outputs[0]
         logprobs = None
         if completion.logprobs is not None:
@@ -401,7 +408,20 @@ def _generate(llm: Any, requests: Sequence[Request]) -> list[Served]:
                 {int(t): float(lp.logprob) for t, lp in step.items()}
                 for step in completion.logprobs
             ]
-        served.append(Served(list(completion.token_ids), logprobs))
+        prompt = output.prompt_logprobs  # [None, {id: Logprob} per position 1..] or None
+        k = request.sampling.get("prompt_logprobs") or 0
+        served.append(
+            Served(
+                list(completion.token_ids),
+                logprobs,
+                None
+                if prompt is None
+                else [{int(t): float(lp.logprob) for t, lp in s.items()} for s in prompt[1:]],
+                None
+                if prompt is None
+                else [[int(t) for t, lp in s.items() if lp.rank <= k] for s in prompt[1:]],
+            )
+        )
     return served
 
 
@@ -424,6 +444,9 @@ def _score(
     }
     if case.judge == "logprobs" and served.logprobs is not None:
         ask["of"] = [sorted(step) for step in served.logprobs]
+    if case.judge == "prompt-logprobs" and served.prompt_logprobs is not None:
+        ask["prompt_of"] = [sorted(step) for step in served.prompt_logprobs]
+        ask["prompt_k"] = case.evidence["top_k"]
     return oracle.ask(ask)
 
 

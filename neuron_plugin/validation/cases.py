@@ -55,6 +55,8 @@ class Limits:
     # Why this configuration refuses requests the host samples (logprobs, a seed), if it
     # does (core.speculation.host_sampling_refusal).
     host_refusal: str | None = None
+    # The k of the prompt-logprob graphs (core.prompt_logprobs), None without them.
+    prompt_logprobs: int | None = None
 
     @property
     def tolerance(self) -> float:
@@ -85,6 +87,10 @@ class Served:
 
     tokens: list[int]
     logprobs: list[dict[int, float]] | None = None
+    # prompt positions 1.. (position 0 has none): token id -> logprob, the prompt's own
+    # token and the top k; and the top k's ids (ranks 1..k) per position
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_top: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,16 @@ def plan(
         skipped.append(
             _not_configured("chunked-prefill", "chunked prefill is off", "--enable-chunked-prefill")
         )
+    if limits.prompt_logprobs is not None:
+        cases.append(_prompt_scores(limits, rng, room))
+    else:
+        skipped.append(
+            _not_configured(
+                "prompt-logprobs",
+                "the prompt-logprob graphs are not compiled",
+                """--additional-config '{"prompt_logprobs": true}'""",
+            )
+        )
     if limits.speculation:
         base = _prompt(rng, vocab, 8)
         cases.append(
@@ -320,6 +336,25 @@ def _prefix_hit(limits: Limits, rng: np.random.Generator, new_tokens: int, room:
     )
 
 
+def _prompt_scores(limits: Limits, rng: np.random.Generator, room: int) -> Case:
+    """What lm-evaluation-harness's loglikelihood tasks read: every prompt position's
+    logprob of its token and the top k, a short prompt and a long one (in chunks where
+    chunked prefill is on)."""
+    k = min(TOP_LOGPROBS, limits.prompt_logprobs or 0)
+    long = min(room, 2 * limits.max_num_batched_tokens + 3 if limits.chunked_prefill else 61)
+    return Case(
+        "prompt-logprobs",
+        f"the prompt tokens' log-probabilities and the top {k} at every prompt position "
+        f"(prompts of 9 and {long} tokens), within the {limits.describe_tolerance()}",
+        [
+            Request(_prompt(rng, limits.vocab_size, n), {**greedy(1), "prompt_logprobs": k})
+            for n in (9, long)
+        ],
+        "prompt-logprobs",
+        evidence={"top_k": k},
+    )
+
+
 def _not_configured(name: str, why: str, flag: str) -> CaseResult:
     return CaseResult(
         name=name, status="not-configured", detail=f"{why}; turn it on with {flag} to validate it"
@@ -337,6 +372,7 @@ CASE_NAMES = (
     "speculation",
     "lora",
     "quantized",
+    "prompt-logprobs",
     "kv-transfer",
 )
 
@@ -449,7 +485,38 @@ def _logprobs(answer: Served, score: Mapping[str, Any], tolerance: float) -> str
     return None
 
 
-_REQUEST_JUDGES = {"greedy": _greedy, "logprobs": _logprobs}
+def _prompt_logprobs(answer: Served, score: Mapping[str, Any], tolerance: float) -> str | None:
+    """Every prompt position answered; each served log-probability within `tolerance` of
+    the oracle's, and each served top-k token among the oracle's top k up to a near tie
+    (at least its k-th best less `tolerance`)."""
+    if answer.prompt_logprobs is None or answer.prompt_top is None:
+        return "no prompt log-probabilities came back"
+    oracle_of, kth = score["prompt_of"], score["prompt_kth"]
+    if len(answer.prompt_logprobs) != len(oracle_of):
+        return (
+            f"{len(answer.prompt_logprobs)} prompt positions answered, the prompt has "
+            f"{len(oracle_of)} after its first token"
+        )
+    for position, (served, top, oracle, floor) in enumerate(
+        zip(answer.prompt_logprobs, answer.prompt_top, oracle_of, kth, strict=True), start=1
+    ):
+        for token, value in served.items():
+            expected = oracle[str(token)]
+            if abs(value - expected) > tolerance:
+                return (
+                    f"prompt position {position}: token {token}'s logprob is {value:.4f}, "
+                    f"the oracle's {expected:.4f} (tolerance {tolerance})"
+                )
+        below = [t for t in top if oracle[str(t)] < floor - tolerance]
+        if len(top) != score["prompt_k"] or below:
+            return (
+                f"prompt position {position}: the served top {len(top)} {top} are not the "
+                f"oracle's top {score['prompt_k']} (below its k-th best {floor:.4f}: {below})"
+            )
+    return None
+
+
+_REQUEST_JUDGES = {"greedy": _greedy, "logprobs": _logprobs, "prompt-logprobs": _prompt_logprobs}
 
 
 def _sampled(case: Case, served: Sequence[Served]) -> tuple[bool, str]:

@@ -13,9 +13,12 @@ never copied.
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout.
   {"op": "score", "prompt": [ids], "tokens": [ids], "adapter": folder|null,
-   "of": [[ids] per position] (optional)}
+   "of": [[ids] per position] (optional),
+   "prompt_of": [[ids] per prompt position 1..] and "prompt_k": k (optional)}
     -> {"chosen": [logprob], "best": [logprob], "argmax": [id],
-        "of": [{id: logprob} per position] (with "of")}
+        "of": [{id: logprob} per position] (with "of"),
+        "prompt_of": [{id: logprob}], "prompt_kth": [k-th best logprob], "prompt_k": k
+        per prompt position 1.. (with "prompt_of")}
   {"op": "info"} -> {"vocab_size": n, "transformers": version, "torch": version}
 An error answers {"error": message}; the process keeps serving.
 Run as `python -m neuron_plugin.validation.oracle MODEL_DIR [--dtype float32]`.
@@ -112,6 +115,8 @@ class Oracle:
         tokens: list[int],
         adapter: str | None,
         of: list[list[int]] | None = None,
+        prompt_of: list[list[int]] | None = None,
+        prompt_k: int = 0,
     ) -> dict[str, Any]:
         if not tokens:
             raise ValueError("nothing to score: the request produced no tokens")
@@ -124,6 +129,7 @@ class Oracle:
             with lora.applied(self.model):
                 logits = self._logits(ids)
         logprobs = torch.log_softmax(logits[len(prompt) - 1 :].float(), dim=-1)
+        prompt_logprobs = torch.log_softmax(logits[: len(prompt) - 1].float(), dim=-1)
         served = torch.tensor(tokens)
         best, argmax = logprobs.max(dim=-1)
         answer: dict[str, Any] = {
@@ -136,6 +142,15 @@ class Oracle:
                 {str(token): float(row[token]) for token in ids}
                 for row, ids in zip(logprobs, of, strict=True)
             ]
+        if prompt_of is not None:
+            answer["prompt_of"] = [
+                {str(token): float(row[token]) for token in ids}
+                for row, ids in zip(prompt_logprobs, prompt_of, strict=True)
+            ]
+            answer["prompt_kth"] = (
+                prompt_logprobs.topk(max(prompt_k, 1), dim=-1).values[:, -1].tolist()
+            )
+            answer["prompt_k"] = prompt_k
         return answer
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -151,7 +166,12 @@ def serve(oracle: Oracle, lines: Iterator[str]) -> Iterator[dict[str, Any]]:
                 yield oracle.info()
             elif request["op"] == "score":
                 yield oracle.score(
-                    request["prompt"], request["tokens"], request.get("adapter"), request.get("of")
+                    request["prompt"],
+                    request["tokens"],
+                    request.get("adapter"),
+                    request.get("of"),
+                    request.get("prompt_of"),
+                    request.get("prompt_k", 0),
                 )
             else:
                 yield {"error": f"unknown op {request['op']!r}"}

@@ -43,7 +43,7 @@ def _of(kind: Callable[[Command], bool]) -> list[Command]:
 def test_the_docs_show_commands_of_every_kind_checked_here():
     kinds = {program(c) for c in DOCUMENTED}
     checked = PARSED | {"python", "python3", "curl", "vllm-router", "docker", "kubectl",
-                        "head"} | {k for k in kinds if k.endswith(".sh")}
+                        "head", "lm_eval"} | {k for k in kinds if k.endswith(".sh")}
     assert sorted(kinds - checked) == [], "add a check for these documented commands"
     assert {"vllm", "neuron-plugin", "curl"} <= kinds
 
@@ -82,6 +82,19 @@ def test_documented_router_flags_exist():
     for command in routed:
         for flag in (w.split("=")[0] for w in command.argv if w.startswith("--")):
             assert re.search(rf"(^|\s){re.escape(flag)}\b", known), (str(command), flag)
+
+
+def test_documented_lm_eval_commands_parse_with_lm_eval():
+    """lm-eval's own parser, its `run` command (what a bare `lm_eval --model ...` runs),
+    and its model name registered."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.api.registry import get_model
+
+    commands = _of(lambda c: program(c) == "lm_eval")
+    assert commands
+    for command in commands:
+        args = HarnessCLI()._parser.parse_args(["run", *command.argv[1:]])
+        assert get_model(args.model), str(command)
 
 
 # vLLM's OpenAI-compatible routes the docs send requests to, plus the LoRA ones

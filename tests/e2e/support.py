@@ -159,6 +159,25 @@ class Server(LoopbackProcess):
                           "--dtype", "float32", *args], port, log_path, env)
 
 
+class PlainVllmServer(LoopbackProcess):
+    """`vllm serve` on vLLM's own CPU platform, with no plugin loaded (VLLM_PLUGINS names
+    none): what a user compares the Neuron platform's answers with."""
+
+    name = "plain vllm serve"
+
+    def __init__(self, model: Path, log_path: Path, args: list[str]):
+        import os
+        import sys
+
+        port = free_port()
+        vllm = Path(sys.executable).with_name("vllm")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NEURON")}
+        env["VLLM_PLUGINS"] = ""
+        super().__init__([str(vllm), "serve", str(model), "--host", "127.0.0.1",
+                          "--port", str(port), "--dtype", "float32", *args], port, log_path,
+                         env)
+
+
 class PeftOracle:
     """Greedy continuations from transformers + PEFT (float32): the base model and each
     adapter (by name) as PEFT itself applies it, one prompt at a time."""

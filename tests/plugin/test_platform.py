@@ -95,7 +95,8 @@ def test_validate_request_names_limit_and_fix(model_dirs):
     message = str(info.value)
     # /v1/completions turns echo=true with logprobs into prompt_logprobs: the message
     # names both causes and both fixes.
-    assert "log-probabilities of prompt tokens are not supported" in message
+    assert "need the prompt-logprob graphs, which this server did not compile" in message
+    assert "--additional-config '{\"prompt_logprobs\": true}'" in message
     assert "echo=true with logprobs" in message
     assert "remove prompt_logprobs or drop echo" in message
 

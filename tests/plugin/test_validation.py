@@ -13,6 +13,7 @@ import pytest
 from neuron_plugin.validation.cases import (
     CASE_NAMES,
     Limits,
+    Request,
     Served,
     judge,
     plan,
@@ -39,7 +40,7 @@ def test_every_feature_is_a_case_or_listed_with_the_flag_that_turns_it_on():
                      "mixed-step", "device-sampling"]
     assert rest == {"prefix-cache-hit": "not-configured", "chunked-prefill": "not-configured",
                     "speculation": "not-configured", "lora": "not-configured",
-                    "quantized": "not-configured"}
+                    "quantized": "not-configured", "prompt-logprobs": "not-configured"}
     assert set(names) | set(rest) | {"kv-transfer"} == set(CASE_NAMES)
     assert "--enable-prefix-caching" in next(r.detail for r in skipped
                                              if r.name == "prefix-cache-hit")
@@ -53,7 +54,8 @@ def test_every_feature_is_a_case_or_listed_with_the_flag_that_turns_it_on():
 def test_a_full_configuration_gets_every_case():
     limits = Limits(**{**LIMITS.__dict__, "block_layout": True, "prefix_caching": True,
                        "chunked_prefill": True, "max_num_batched_tokens": 64,
-                       "speculation": "ngram", "lora": True, "quantized": True})
+                       "speculation": "ngram", "lora": True, "quantized": True,
+                       "prompt_logprobs": 20})
     cases, skipped = plan(limits, new_tokens=8, quick=True, adapter="/adapters/a")
     assert not skipped
     lora = next(c for c in cases if c.name == "lora")
@@ -276,6 +278,40 @@ def test_validate_never_writes_through_a_link_in_its_out_folder(tmp_path):
     assert ValidationReport.model_validate_json((mine / "report.json").read_text()) == report
 
 
+def test_prompt_logprobs_are_judged_position_by_position_and_by_top_k():
+    """Every prompt position answered, its values within the tolerance, its top k the
+    oracle's up to a near tie; and where the graphs are not compiled, the case is listed
+    with the setting that compiles them."""
+    _, skipped = plan(LIMITS, new_tokens=2, quick=True, adapter=None)
+    assert """'{"prompt_logprobs": true}'""" in next(
+        r.detail for r in skipped if r.name == "prompt-logprobs")
+    limits = Limits(**{**LIMITS.__dict__, "chunked_prefill": True, "max_num_batched_tokens": 32,
+                       "prompt_logprobs": 20})
+    cases, _ = plan(limits, new_tokens=2, quick=True, adapter=None)
+    case = next(c for c in cases if c.name == "prompt-logprobs")
+    assert [len(r.prompt) for r in case.requests] == [9, 67]  # 67: three 32-token chunks
+    assert all(r.sampling["prompt_logprobs"] == 5 for r in case.requests)
+    one = case.__class__(case.name, "", [Request([1, 2, 3], {"prompt_logprobs": 1})],
+                         "prompt-logprobs")
+    served = Served([4], None, [{2: -1.0, 7: -0.5}, {3: -0.2}], [[7], [3]])
+    oracle = {"argmax": [4], "best": [-0.1], "chosen": [-0.1], "prompt_k": 1,
+              "prompt_of": [{"2": -1.05, "7": -0.45}, {"3": -0.25}], "prompt_kth": [-0.45, -0.25]}
+    assert judge(one, [served], [oracle], 0.3, {}).status == "pass"
+    far = {**oracle, "prompt_of": [{"2": -1.5, "7": -0.45}, {"3": -0.25}]}
+    result = judge(one, [served], [far], 0.3, {})
+    assert result.status == "fail"
+    assert "prompt position 1: token 2's logprob is -1.0000, the oracle's -1.5000" in result.detail
+    # 7 is served as the most likely, the oracle's best is 0.6 nats above it
+    wrong_top = {**oracle, "prompt_kth": [0.15, -0.25]}
+    result = judge(one, [served], [wrong_top], 0.3, {})
+    assert result.status == "fail" and "are not the oracle's top 1" in result.detail
+    short = Served([4], None, [{2: -1.0, 7: -0.5}], [[7]])
+    assert "1 prompt positions answered, the prompt has 2" in judge(
+        one, [short], [oracle], 0.3, {}).detail
+    assert judge(one, [Served([4])], [oracle], 0.3, {}).detail.endswith(
+        "no prompt log-probabilities came back")
+
+
 @pytest.fixture(scope="module")
 def oracle(model_dirs, sdk_python, tmp_path_factory):
     from neuron_plugin.validation.oracle_client import OracleProcess
@@ -299,6 +335,20 @@ def test_the_oracle_in_the_sdk_environment_scores_transformers_greedy_tokens(
     assert [row[str(t)] for row, t in zip(score["of"], tokens, strict=True)] == \
         pytest.approx(score["chosen"])
     assert "transformers" in oracle.ask({"op": "info"})
+    # a prompt's own positions, as prompt_logprobs scores them
+    scored = oracle.ask({"op": "score", "prompt": prompt, "tokens": tokens[:1], "adapter": None,
+                         "prompt_of": [[t] for t in prompt[1:]], "prompt_k": 2})
+    assert len(scored["prompt_of"]) == len(scored["prompt_kth"]) == len(prompt) - 1
+    import torch
+
+    with torch.no_grad():
+        reference = GreedyOracle(model_dirs["llama"]).model(torch.tensor([prompt])).logits[0]
+    reference = reference.log_softmax(-1)
+    assert [row[str(t)] for row, t in zip(scored["prompt_of"], prompt[1:], strict=True)] == \
+        pytest.approx([float(reference[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-4)
+    assert scored["prompt_kth"] == pytest.approx(
+        reference[:-1].topk(2, dim=-1).values[:, -1].tolist(), abs=1e-4)
+    assert scored["prompt_k"] == 2
     assert oracle.ask({"op": "score", "prompt": prompt, "tokens": []})["error"].startswith(
         "ValueError: nothing to score")
 

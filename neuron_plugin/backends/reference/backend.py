@@ -65,6 +65,7 @@ from neuron_plugin.backends.reference.eagle import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
     placeholders,
@@ -89,8 +90,10 @@ from neuron_plugin.core.inputs import (
     decode_width,
 )
 from neuron_plugin.core.lora import LoraGeometry
+from neuron_plugin.core.prompt_logprobs import PromptLogprobs, scored_positions
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, vision_bucket
 
 logger = plugin_logger(__name__)
@@ -151,7 +154,7 @@ class ReferenceBackend(InlineCalls):
         self.vision_module = None if self.vision is None else VisionGraph(self.vision)
         self.vision_weights: list[torch.Tensor] = []
         self.lora_slots: list[torch.Tensor] = []
-        self.graphs: dict[tuple[str, tuple[int, ...]], LoadedGraph] = {}
+        self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -232,7 +235,10 @@ class ReferenceBackend(InlineCalls):
         """What a bucket's graph computes: a step of the target, or with speculation a
         verification (n-gram) or a fused draft-and-verify; with a draft model every
         context encoding also encodes the prompt with the draft (with an EAGLE head,
-        `eagle`)."""
+        `eagle`); a context encoding's prompt-logprobs twin its top-k per position."""
+        if graph.prompt_logprobs:  # settings refuse them with a draft model or head
+            assert self.settings.prompt_logprobs is not None
+            return PromptLogprobsGraph(self.module, self.settings.prompt_logprobs)
         if isinstance(self.draft, EagleState):
             if graph.phase == CONTEXT_ENCODING:
                 return EaglePrefillGraph(self.draft.module)
@@ -273,6 +279,7 @@ class ReferenceBackend(InlineCalls):
         )
         draft = () if self.draft is None else (self.draft.placeholders(self.dtype),)
         draft_caches = () if self.draft is None else self.draft.caches(self.num_slots, self.dtype)
+        targets = (zeros(batch, active),) if graph.prompt_logprobs else ()
         return (
             weights,
             *draft,
@@ -285,6 +292,7 @@ class ReferenceBackend(InlineCalls):
             cache,
             cache.clone(),
             *draft_caches,
+            *targets,
             *sampling,
         )
 
@@ -354,8 +362,7 @@ class ReferenceBackend(InlineCalls):
         folder = Path(folder)
         check_artifact_record(folder, self._record())
         self.graphs = {
-            (g.phase, g.shape): load_graph(folder / "graphs", g.name)
-            for g in graph_specs(self.settings)
+            g.key: load_graph(folder / "graphs", g.name) for g in graph_specs(self.settings)
         }
         self.weights = self._load_weights()
         if self.vision is not None:
@@ -403,8 +410,12 @@ class ReferenceBackend(InlineCalls):
         read = base + np.minimum(key_pos, s.max_model_len - 1)[None, :]
         return write, read
 
-    def _call(self, inputs: ForwardInputs, sampling: SamplingInputs | None):
-        """The bucket's graph on `inputs`: logits, or (logits, tokens) with a sampler."""
+    def _call(
+        self, inputs: ForwardInputs, sampling: SamplingInputs | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobs | None]:
+        """The bucket's graph on `inputs` (its prompt-logprob graph where the inputs
+        carry prompt targets): logits, tokens where it samples, prompt logprobs where
+        asked (their scored positions only)."""
         write, read = self._slots(inputs)
         last = np.maximum(inputs.full_context_lens - inputs.computed_context_lens - 1, 0)
         t = torch.from_numpy
@@ -417,9 +428,10 @@ class ReferenceBackend(InlineCalls):
             uniform[:, :given] = padded.uniform[:, :given]
             extra = _sampling_tensors(dataclasses.replace(padded, uniform=uniform))
         draft = self.draft
-        graph = self.graphs[(inputs.phase, inputs.bucket)]
+        targets = inputs.prompt_targets
+        graph = self.graphs[(inputs.phase, inputs.bucket, targets is not None)]
         with torch.inference_mode():
-            return graph(
+            out = graph(
                 self.weights,
                 *(() if draft is None else (draft.weights,)),
                 t(inputs.input_ids),
@@ -431,6 +443,7 @@ class ReferenceBackend(InlineCalls):
                 self.k_cache,
                 self.v_cache,
                 *(() if draft is None else draft.state),
+                *(() if targets is None else (t(targets),)),
                 *extra,
                 *self._lora_inputs(self._row_slots(inputs)).values(),
                 *self._vision_decoder_inputs(
@@ -441,6 +454,15 @@ class ReferenceBackend(InlineCalls):
                     inputs.vision_mask,
                 ).values(),
             )
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        scored = None
+        if targets is not None:
+            ranks, logprobs, ids = outputs.pop(), outputs.pop(), outputs.pop()
+            n = scored_positions(targets)
+            scored = PromptLogprobs(
+                ids[0, :n].numpy(), logprobs[0, :n].numpy(), ranks[0, :n].numpy()
+            )
+        return outputs[0], outputs[1] if len(outputs) > 1 else None, scored
 
     # -- vision-language models (core.vision) ------------------------------------------
     def _vision_decoder_inputs(
@@ -499,7 +521,7 @@ class ReferenceBackend(InlineCalls):
             padded[: image.patches] = image.pixel_values
         merge = vision.spatial_merge_size
         rotary_ids, groups = patch_inputs(image.grid_thw, merge, bucket, vision.window)
-        graph = self.graphs[(VISION_ENCODING, (bucket,))]
+        graph = self.graphs[(VISION_ENCODING, (bucket,), False)]
         with torch.inference_mode():
             merged = graph(
                 self.vision_weights,
@@ -555,20 +577,26 @@ class ReferenceBackend(InlineCalls):
                         b_slots[slot, :, :rank] = torch.from_numpy(adapter.b[module][layer])
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        if self.module.candidates is None:
-            return self._call(inputs, None)[: inputs.num_real]
-        logits, _ = self._call(inputs, SamplingInputs.greedy(inputs.num_real))
-        return logits[: inputs.num_real]
+        sampling = (
+            None if self.module.candidates is None else SamplingInputs.greedy(inputs.num_real)
+        )
+        return self._call(inputs, sampling)[0][: inputs.num_real]
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
         """Tokens from the compiled sampler (a row's emitted tokens, padded with
-        NO_TOKEN, with speculation); logits only of the rows that need them."""
-        logits, tokens = self._call(inputs, sampling)
+        NO_TOKEN, with speculation); logits only of the rows that need them. Without
+        on-device sampling (a prompt-logprob call) no token: every row needs logits."""
+        on_device = self.module.candidates is not None
+        logits, tokens, scored = self._call(inputs, sampling if on_device else None)
         wanted = torch.from_numpy(np.flatnonzero(sampling.needs_logits))
-        rows = tokens.shape[0]
+        if tokens is None:
+            emitted = np.full((inputs.num_real, 1), NO_TOKEN, dtype=np.int32)
+        else:
+            emitted = tokens.reshape(tokens.shape[0], -1)[: inputs.num_real].numpy()
         return StepOutput(
-            tokens=tokens.reshape(rows, -1)[: inputs.num_real].numpy().astype(np.int32),
+            tokens=emitted.astype(np.int32),
             logits=logits.index_select(0, wanted),
+            prompt_logprobs=scored,
         )
 
     # -- KV blocks (backends.kv_blocks) ----------------------------------------------

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from neuron_plugin.backends.prompt_logprobs import top_logprobs
 from neuron_plugin.backends.reference.architectures import (
     FAMILIES,
     DecoderSpec,
@@ -259,7 +260,12 @@ class DecoderGraph(nn.Module):
         rope_positions: torch.Tensor | None = None,
         vision_embeddings: torch.Tensor | None = None,
         vision_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        prompt_targets: torch.Tensor | None = None,
+        prompt_k: int = 0,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The last real token's logits (and with a sampler its token); with
+        `prompt_targets` [batch, active] also every position's prompt logprobs at
+        `prompt_k` (backends.prompt_logprobs), appended to the answer."""
         w = self.named(weights)
         vision = None
         if vision_embeddings is not None and vision_mask is not None:
@@ -281,11 +287,17 @@ class DecoderGraph(nn.Module):
             vision,
         )
         logits = self.head(w, x[torch.arange(x.shape[0]), last_index])
+        scores = (
+            ()
+            if prompt_targets is None
+            else top_logprobs(self.head(w, x), prompt_targets, prompt_k)
+        )
         if self.candidates is None:
-            return logits
+            return (logits, *scores) if scores else logits
         assert top_k is not None and top_p is not None
         assert temperature is not None and uniform is not None
-        return logits, sample(logits, top_k, top_p, temperature, uniform[:, 0], self.candidates)
+        tokens = sample(logits, top_k, top_p, temperature, uniform[:, 0], self.candidates)
+        return logits, tokens, *scores
 
     def named(self, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, weights, strict=True))

@@ -36,6 +36,7 @@ from neuron_plugin.backends.runner.protocol import (
     Channel,
     ChannelTimeout,
     KVArena,
+    decode_prompt_logprobs,
     encode_inputs,
     encode_sampling,
     input_arena_bytes,
@@ -466,6 +467,7 @@ class RunnerBackend:
             tokens=out["tokens"].copy(),
             logits=torch.from_numpy(out["logits"]),
             backend_s=self.last_backend_s,
+            prompt_logprobs=decode_prompt_logprobs(out),
         )
 
     def _idle(self, op: str) -> None:

@@ -17,7 +17,10 @@ shape, offset]}); the runner answers with the output arena's layout. Operations:
   names: top_k, top_p, temperature, needs_logits [rows] and uniform [rows, draws]
   float32, 17 bytes a row and 4 more per extra draw with speculation); it answers the
   rows' tokens [rows, width] int32 (width 1, or speculation_length with speculation,
-  padded with -1) plus logits only for the rows whose sampling needs the host.
+  padded with -1) plus logits only for the rows whose sampling needs the host, and, for a
+  context encoding whose inputs carry `prompt_targets` [1, active] int64, its scored
+  positions' prompt logprobs ("prompt." names: token_ids and logprobs [positions, k + 1]
+  int32 and float32, ranks [positions] int64: 8k + 16 bytes a position).
 - "forward": the same inputs, every row's logits.
   A vision-language model's calls also carry vision_embeddings [rows, active, hidden]
   float32 and vision_mask [rows, active] bool (context encoding with images) and
@@ -68,6 +71,7 @@ from neuron_plugin.core.inputs import (
     padding_inputs,
 )
 from neuron_plugin.core.lora import LoraGeometry
+from neuron_plugin.core.prompt_logprobs import PromptLogprobs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.vision import VISION_ENCODING, VisionGeometry
@@ -76,11 +80,14 @@ from neuron_plugin.core.vision import VISION_ENCODING, VisionGeometry
 # "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation);
 # 6: messages on pipes of their own, lengths capped; KVGeometry.computation; 7: the
 # vision arrays of ForwardInputs and "encode_image" (vision-language models)
-PROTOCOL_VERSION = 7
+# 8: prompt_targets and the prompt logprobs of a run's answer
+PROTOCOL_VERSION = 8
 # Control messages carry settings, layouts and manifests (arrays go through the arenas).
 MAX_MESSAGE_BYTES = 16 << 20
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
 SAMPLING_PREFIX = "sampling."
+# Array names of a run's prompt logprobs in its answer.
+PROMPT_PREFIX = "prompt."
 ALIGN = 64
 _LENGTH = struct.Struct("<I")
 # Allowed array dtypes (a layout naming anything else is refused).
@@ -323,6 +330,21 @@ def decode_sampling(arrays: Mapping[str, np.ndarray]) -> SamplingInputs:
     return SamplingInputs(*(arrays[SAMPLING_PREFIX + n] for n in names))
 
 
+def encode_prompt_logprobs(scored: PromptLogprobs) -> dict[str, np.ndarray]:
+    return {PROMPT_PREFIX + name: array for name, array in scored.arrays().items()}
+
+
+def decode_prompt_logprobs(arrays: Mapping[str, np.ndarray]) -> PromptLogprobs | None:
+    """A run answer's prompt logprobs (copied out of the arena), None where it has none."""
+    names = PromptLogprobs.ARRAYS
+    present = [n for n in names if PROMPT_PREFIX + n in arrays]
+    if not present:
+        return None
+    if len(present) != len(names):
+        raise ProtocolError(f"a run answer carries the prompt arrays {present} of {names}")
+    return PromptLogprobs(*(arrays[PROMPT_PREFIX + n].copy() for n in names))
+
+
 def decode_inputs(fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> ForwardInputs:
     arrays = {k: v for k, v in arrays.items() if not k.startswith(SAMPLING_PREFIX)}
     known = {f.name for f in dataclasses.fields(ForwardInputs)}
@@ -355,6 +377,8 @@ def input_arena_bytes(
         if vision is not None:
             inputs = with_vision_arrays(inputs, vision.hidden_size)
         _, arrays = encode_inputs(inputs)
+        if graph.prompt_logprobs:  # [1, active] int64, as input_ids
+            arrays["prompt_targets"] = inputs.input_ids
         draws = decode_width(settings)
         arrays.update(encode_sampling(SamplingInputs.greedy(inputs.input_ids.shape[0], draws)))
         largest = max(largest, sum(_aligned(a.nbytes) for a in arrays.values()))
@@ -385,10 +409,15 @@ def output_arena_bytes(
 ) -> int:
     """Int32 tokens (a row's emitted tokens with speculation) and float32 logits for the
     most rows one call returns; for a vision-language model (`vision`) at least the
-    largest image's float32 embeddings."""
+    largest image's float32 embeddings; and the prompt logprobs of the largest context
+    encoding where the settings compile prompt-logprob graphs."""
     rows = max(max(settings.token_generation_batches), settings.ctx_batch_size)
     step = _aligned(4 * rows * decode_width(settings)) + _aligned(4 * rows * vocab_size)
     if vision is not None and settings.vision_buckets:
         tokens = max(settings.vision_buckets) // vision.spatial_merge_size**2
         step = max(step, _aligned(4 * tokens * vision.hidden_size))
+    if settings.prompt_logprobs is not None:
+        positions = max(settings.context_encoding_buckets)
+        columns = settings.prompt_logprobs + 1
+        step += 2 * _aligned(4 * positions * columns) + _aligned(8 * positions) + ALIGN
     return step + ALIGN

@@ -31,6 +31,7 @@ from neuron_plugin.backends.runner.protocol import (
     ProtocolError,
     decode_inputs,
     decode_sampling,
+    encode_prompt_logprobs,
 )
 from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.settings import NeuronSettings
@@ -151,10 +152,10 @@ class Runner:
         started = time.perf_counter()
         out = self.backend.run(inputs, sampling)
         backend_s = time.perf_counter() - started
-        return {
-            "arrays": self.outputs.put({"tokens": out.tokens, "logits": out.logits.numpy()}),
-            "backend_s": backend_s,
-        }
+        arrays = {"tokens": out.tokens, "logits": out.logits.numpy()}
+        if out.prompt_logprobs is not None:
+            arrays |= encode_prompt_logprobs(out.prompt_logprobs)
+        return {"arrays": self.outputs.put(arrays), "backend_s": backend_s}
 
     def encode_image(self, message: dict[str, Any]) -> dict[str, Any]:
         """One image's embeddings (its arrays are views of the input arena)."""
