@@ -236,7 +236,7 @@ def test_loaded_graphs_compute_exactly_what_the_decoder_computes(model_dirs, tmp
         args[5] = torch.full(args[5].shape, 3 if graph.phase == CONTEXT_ENCODING else width)
         caches = [torch.randn(args[7].shape, generator=generator) for _ in range(2)]
         outputs = []
-        for run in (backend.module, backend.graphs[(graph.phase, graph.shape)]):
+        for run in (backend.module, backend.graphs[graph.key]):
             call = [*args[:7], caches[0].clone(), caches[1].clone(), *args[9:]]
             with torch.inference_mode():
                 result = run(*call)  # logits, or (logits, tokens) with on-device sampling
