@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.vision import (
     ImageInputs,
+    VisionGeometry,
     chunk_embeddings,
     mrope_positions,
     vision_bucket,
@@ -67,18 +69,18 @@ class Images:
     def __init__(
         self,
         backend: LoadedBackend,
-        hf_config: Any,
-        hidden_size: int,
+        hf_config: dict[str, Any],
         observers: Sequence[StepObserver] = (),
     ):
         self.backend = backend
         self.observers = tuple(observers)
-        vision = getattr(hf_config, "vision_config", None)
-        self.merge = int(getattr(vision, "spatial_merge_size", 2))
-        text = getattr(hf_config, "text_config", hf_config)
-        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-        self.mrope = bool(rope and rope.get("mrope_section"))
-        self.hidden_size = hidden_size
+        geometry = VisionGeometry.from_hf_config(hf_config)
+        if geometry is None:  # the settings give vision buckets to vision models only
+            raise RuntimeError("vision buckets for a model without a vision_config")
+        self.merge, self.hidden_size = geometry.spatial_merge_size, geometry.hidden_size
+        text = text_config(hf_config)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        self.mrope = bool(rope.get("mrope_section"))
         self.requests: dict[str, _Request] = {}
         self.features: dict[str, list[Any]] = {}
         self.cache: dict[str, np.ndarray] = {}

@@ -165,7 +165,7 @@ class NeuronModelRunner:
         self.prompt_scores = PromptScores()
         # A vision-language model's images (serving.images); None for a text model.
         self.images = (
-            Images(backend, model_config.hf_config, self.hf_config.hidden_size, observers)
+            Images(backend, model_config.hf_config.to_dict(), observers)
             if settings.vision_buckets
             else None
         )
