@@ -11,8 +11,7 @@ import logging
 import pytest
 import torch
 
-from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
-from tests.plugin.test_gemma3_patches import hypothetically_fixed as gemma3_fixed
+from neuron_plugin.backends.nxd.work_dir import compile_work_dir
 from neuron_plugin.patches import (
     DISABLE_ENV,
     PATCHES,
@@ -26,6 +25,8 @@ from neuron_plugin.patches import (
     sampler_top_p,
 )
 from neuron_plugin.patches.base import code_mentions, replace_method, unpatched
+from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
+from tests.plugin.test_gemma3_patches import hypothetically_fixed as gemma3_fixed
 
 VOCAB = 977  # the tiny checkpoints' vocabulary
 NAMES = [p.name for p in PATCHES]
@@ -65,7 +66,10 @@ def build_model(nxdi, model_dir, folder, **overrides):
         NeuronConfig(**kwargs),
         load_config=nxdi.hf_adapter.load_pretrained_config(str(model_dir)))
     model = NeuronLlamaForCausalLM(str(model_dir), config)
-    model.compile(str(folder))
+    # NxD's default work folder is one per host: a test on the other worker compiling at
+    # the same time would overwrite its graphs (what the backend's own compile avoids)
+    with compile_work_dir():
+        model.compile(str(folder))
     model.load(str(folder))
     return model
 
