@@ -41,7 +41,7 @@ export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
 "$venv/bin/mypy"
 # The documentation site: a broken link or anchor fails the build (mkdocs.yml, strict).
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$logs/site"
-# Two workers (NEURON_TEST_WORKERS), each file's tests on one (tests/conftest.py), so
-# e2e files' engine start-ups overlap: pytest took 30.5 min instead of 35.1 min from a
+# Two workers (NEURON_TEST_WORKERS), each file's tests on one (tests/xdist_schedule.py),
+# so e2e files' engine start-ups overlap: pytest took 30.5 min instead of 35.1 min from a
 # fresh clone on a 2-core machine (2026-11-27).
-"$venv/bin/python" -m pytest -n "${NEURON_TEST_WORKERS:-2}" --dist loadgroup "$@"
+"$venv/bin/python" -m pytest -n "${NEURON_TEST_WORKERS:-2}" "$@"

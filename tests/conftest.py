@@ -12,21 +12,16 @@ from pathlib import Path
 import pytest
 
 from tests.environments import environment
+from tests.xdist_schedule import pytest_xdist_make_scheduler  # noqa: F401  (the hook)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """scripts/run-tests.sh runs two pytest-xdist workers (--dist loadgroup): a file's
-    tests stay on one worker, so they share its module-scoped engines; files that share
-    the session's server (tests/e2e/conftest.py) are one group, by their own marker.
-    The deployment build's tests last: their environment installs in the background
-    while the others run."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """The deployment build's tests last: their environment installs in the background
+    while the others run (scripts/run-tests.sh; the workers take whole files in this
+    order, tests/xdist_schedule.py)."""
     items.sort(key=lambda item: item.get_closest_marker("deployment") is not None)
 
 

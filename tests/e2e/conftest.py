@@ -103,9 +103,9 @@ def oracles(model_dirs):
 @pytest.fixture(scope="session")
 def server(model_dirs, tmp_path_factory):
     """One `vllm serve models/tiny-llama --device neuron` for the whole run (each start
-    costs about a minute here), shared by the files in its xdist group "session-server"
-    (tests/conftest.py). The platform
-    must be chosen by `--device neuron` alone, so VLLM_NEURON_BACKEND is dropped."""
+    costs about a minute here), shared by the files that tests/xdist_schedule.py runs on
+    one worker. The platform must be chosen by `--device neuron` alone, so
+    VLLM_NEURON_BACKEND is dropped."""
     from tests.e2e.support import Server
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_BACKEND"}

@@ -15,7 +15,6 @@ import pytest
 from build_tiny_model import CHAT_TEMPLATE
 from jinja2 import TemplateError
 
-pytestmark = pytest.mark.xdist_group("session-server")  # the session's server (conftest.py)
 
 MESSAGES = [{"role": "system", "content": "Answer in one line."},
             {"role": "user", "content": "What does the scheduler do with a request?"}]

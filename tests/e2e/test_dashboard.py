@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.server, pytest.mark.xdist_group("session-server")]  # the session's server (conftest.py)
+pytestmark = pytest.mark.server  # the session's server (conftest.py; tests/xdist_schedule.py)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "vllm-neuron.json"
 METRIC = re.compile(r"\b(?:neuron|vllm):[a-zA-Z0-9_]+")

@@ -16,7 +16,7 @@ import concurrent.futures
 import pytest
 from tests.e2e.support import corpus_token_ids, make_llm, shutdown_llm
 
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("session-server")]  # the session's server (conftest.py)
+pytestmark = pytest.mark.engine  # the session's server (conftest.py; tests/xdist_schedule.py)
 
 NEW_TOKENS = 10
 PENALTY = 1.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from tests.e2e.support import corpus_token_ids
 
-pytestmark = [pytest.mark.server, pytest.mark.xdist_group("session-server")]  # the session's server (conftest.py)
+pytestmark = pytest.mark.server  # the session's server (conftest.py; tests/xdist_schedule.py)
 
 LARGEST_BUCKET = 256
 
