@@ -92,3 +92,24 @@ def test_vllm_bench_serve_openai_chat_completes_every_request(server, model_dirs
     data = json.loads((tmp_path / "chat.json").read_text())
     assert (data["completed"], data["failed"]) == (4, 0)
     assert data["total_output_tokens"] == 4 * 8
+
+
+@pytest.mark.server
+def test_an_image_for_a_text_only_model_gets_a_400_and_the_server_keeps_serving(
+        server, client, model_dirs):
+    """vLLM's own check of a text-only model's inputs answers; nothing reaches the engine."""
+    import base64
+
+    import requests
+
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+        {"type": "text", "text": "what is in the picture"}]}]
+    response = requests.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": str(model_dirs["llama"]), "messages": messages, "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert "is not a multimodal model" in response.json()["error"]["message"]
+    reply = client.chat.completions.create(model=str(model_dirs["llama"]), messages=MESSAGES,
+                                           max_tokens=4, temperature=0.0)
+    assert reply.usage.completion_tokens == 4

@@ -10,7 +10,8 @@ processor output. Covered: one image, two images in a prompt, a text-only reques
 vision model, concurrent requests mixing images and text, streaming, the same image
 again (a prefix-cache hit) and another image under the same text (never a hit), an
 image larger than the largest vision bucket, a corrupt image and too many images (each
-a 400), and a server that still answers right after them.
+a 400), a server that still answers right after them, and the offline API
+(`LLM.generate` with `multi_modal_data`, `LLM.chat`; tests/e2e/vision_offline.py).
 """
 
 from __future__ import annotations
@@ -182,6 +183,42 @@ def test_streamed_answer_equals_transformers(server, expected, eos):
     ids = [i for chunk in stream for c in chunk.choices
            for i in (c.model_extra or {}).get("token_ids") or []]
     assert _until_eos(ids, eos) == _until_eos(expected["two"], eos)
+
+
+def test_offline_generate_and_chat_with_images_equal_transformers(model, host_python, expected,
+                                                                 eos):
+    """vLLM's offline API on the plugin: `LLM.generate` with `multi_modal_data` for every
+    request in one batch (images and text mixed), and `LLM.chat` with image parts."""
+    job = {
+        "model": str(model),
+        "requests": [{"messages": m, "max_tokens": TOKENS} for m in REQUESTS.values()],
+        "engine": {
+            "max_model_len": 512,
+            "max_num_seqs": 4,
+            "limit_mm_per_prompt": {"image": 2},
+            "additional_config": {
+                "override_neuron_config": {
+                    "context_encoding_buckets": [64, 128, 256, 512],
+                    "vision_buckets": [64, 256],
+                }
+            },
+        },
+    }
+    done = subprocess.run(
+        [host_python, str(ORACLE.with_name("vision_offline.py"))],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    got = json.loads(result.removeprefix("RESULT "))
+    want = [_until_eos(expected[name], eos) for name in REQUESTS]
+    assert [_until_eos(ids, eos) for ids in got["generate"]] == want
+    assert _until_eos(got["chat"], eos) == want[0]
 
 
 def first_logprobs(server, name: str) -> list[float]:

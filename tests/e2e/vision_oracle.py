@@ -12,7 +12,7 @@ import json
 import sys
 
 
-def _hf_messages(messages: list[dict]) -> tuple[list[dict], list]:
+def hf_messages(messages: list[dict]) -> tuple[list[dict], list]:
     """The messages with image parts as transformers' chat templates take them, and the
     images in order."""
     from PIL import Image
@@ -45,7 +45,7 @@ def main() -> None:
     model.eval()
     answers = []
     for request in job["requests"]:
-        messages, images = _hf_messages(request["messages"])
+        messages, images = hf_messages(request["messages"])
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         with torch.no_grad():
