@@ -48,6 +48,7 @@ from neuron_plugin.tools.validate_backend import speed_report
 from neuron_plugin.validation.cases import (
     CASE_NAMES,
     Case,
+    ImageLimits,
     Limits,
     Request,
     Served,
@@ -55,6 +56,7 @@ from neuron_plugin.validation.cases import (
     plan,
     selected,
 )
+from neuron_plugin.validation.images import encode_arrays, image_pixels, placeholder_ids
 from neuron_plugin.validation.oracle_client import OracleProcess
 from neuron_plugin.validation.report import CaseResult, ValidationReport
 from neuron_plugin.validation.speed import decode_host_share
@@ -163,12 +165,12 @@ def run(args: argparse.Namespace) -> int:
                 rank=min(8, settings.max_lora_rank),
             )
         )
-    limits = _limits(settings, vllm_config)
+    limits = _limits(settings, vllm_config, llm)
     cases, results = plan(limits, options.new_tokens, options.quick, adapter)
     cases = [c for c in cases if c.name in chosen]
     results = [_refused(r, refusals) for r in results if r.name in chosen]
     try:
-        results += _run_cases(llm, cases, oracle, limits.tolerance)
+        results += _run_cases(llm, cases, oracle, limits.tolerance, _ImageProcessor(vllm_config))
         share = _decode_host_share(llm, limits, out)
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -319,7 +321,7 @@ def _refused(result: CaseResult, refusals: dict[str, str]) -> CaseResult:
     )
 
 
-def _limits(settings: NeuronSettings, vllm_config: Any) -> Limits:
+def _limits(settings: NeuronSettings, vllm_config: Any, llm: Any) -> Limits:
     return Limits(
         vocab_size=vllm_config.model_config.get_vocab_size(),
         dtype=settings.dtype,
@@ -339,11 +341,70 @@ def _limits(settings: NeuronSettings, vllm_config: Any) -> Limits:
             settings, "the cases with log-probabilities or a seed sample on the host"
         ),
         prompt_logprobs=settings.prompt_logprobs,
+        images=_image_limits(settings, vllm_config, llm),
     )
 
 
+def _image_limits(settings: NeuronSettings, vllm_config: Any, llm: Any) -> ImageLimits | None:
+    """A vision-language model's: its vision buckets, how its images grow (patch_size x
+    spatial_merge_size pixels a side), the processor's patch range, the images a prompt
+    may hold, and its tokenizer's added tokens (random prompts leave them out)."""
+    from neuron_plugin.serving.vllm_settings import vision_limits
+
+    model = vllm_config.model_config
+    found = vision_limits(model)
+    if found is None or not settings.vision_buckets:
+        return None
+    hf_config = model.hf_config.to_dict()
+    vision = hf_config["vision_config"]
+    merge = int(vision.get("spatial_merge_size", 1))
+    return ImageLimits(
+        buckets=settings.vision_buckets,
+        unit=int(vision["patch_size"]) * merge,
+        unit_patches=merge * merge,
+        patch_range=(found.min_patches, found.max_patches),
+        per_prompt=model.multimodal_config.get_limit_per_prompt("image"),
+        placeholder=placeholder_ids(hf_config),
+        reserved=frozenset(llm.get_tokenizer().get_added_vocab().values()),
+    )
+
+
+class _ImageProcessor:
+    """The model's image processor, under --mm-processor-kwargs as vLLM runs it: what
+    the oracle gets for a request's images (loaded on first use)."""
+
+    def __init__(self, vllm_config: Any):
+        model = vllm_config.model_config
+        self.model = model.model
+        self.kwargs = (
+            dict(model.multimodal_config.mm_processor_kwargs or {})
+            if (model.is_multimodal_model)
+            else {}
+        )
+        self._processor: Any = None
+
+    def arrays(self, request: Request) -> dict[str, np.ndarray]:
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.model).image_processor
+        out = self._processor(images=_pictures(request), return_tensors="np", **self.kwargs)
+        return {name: np.asarray(value) for name, value in out.items()}
+
+
+def _pictures(request: Request) -> list[Any]:
+    """The request's images as vLLM takes them (PIL)."""
+    from PIL import Image
+
+    return [Image.fromarray(image_pixels(*image)) for image in request.images]
+
+
 def _run_cases(
-    llm: Any, cases: Sequence[Case], oracle: OracleProcess, tolerance: float
+    llm: Any,
+    cases: Sequence[Case],
+    oracle: OracleProcess,
+    tolerance: float,
+    processor: _ImageProcessor,
 ) -> list[CaseResult]:
     from tqdm import tqdm
 
@@ -354,7 +415,8 @@ def _run_cases(
             observed: dict[str, Any] = {}
             served = _serve(llm, case, observed)
             scores = [
-                _score(oracle, case, r, s) for r, s in zip(case.requests, served, strict=True)
+                _score(oracle, case, r, s, processor)
+                for r, s in zip(case.requests, served, strict=True)
             ]
             result = judge(case, served, scores, tolerance, observed)
         except Exception as exc:  # one case's failure is reported; the others still run
@@ -394,7 +456,7 @@ def _generate(llm: Any, requests: Sequence[Request]) -> list[Served]:
         ident = adapters.setdefault(request.adapter, len(adapters) + 1)
         loras.append(LoRARequest(f"validate-{ident}", ident, request.adapter))
     outputs = llm.generate(
-        [{"prompt_token_ids": r.prompt} for r in requests],
+        [_prompt(r) for r in requests],
         [SamplingParams(**r.sampling) for r in requests],
         lora_request=loras,
         use_tqdm=False,
@@ -420,9 +482,18 @@ def _generate(llm: Any, requests: Sequence[Request]) -> list[Served]:
                 None
                 if prompt is None
                 else [[int(t) for t, lp in s.items() if lp.rank <= k] for s in prompt[1:]],
+                list(output.prompt_token_ids) if request.images else None,
             )
         )
     return served
+
+
+def _prompt(request: Request) -> dict[str, Any]:
+    """vLLM's prompt: the token ids and, with images, the pictures its placeholders
+    stand for (vLLM's processor expands each placeholder to one token per embedding)."""
+    if not request.images:
+        return {"prompt_token_ids": request.prompt}
+    return {"prompt_token_ids": request.prompt, "multi_modal_data": {"image": _pictures(request)}}
 
 
 def _prefix_hits(llm: Any) -> float:
@@ -432,16 +503,22 @@ def _prefix_hits(llm: Any) -> float:
 
 
 def _score(
-    oracle: OracleProcess, case: Case, request: Request, served: Served
+    oracle: OracleProcess,
+    case: Case,
+    request: Request,
+    served: Served,
+    processor: _ImageProcessor,
 ) -> dict[str, Any] | None:
     if case.judge not in SCORED:
         return None
     ask: dict[str, Any] = {
         "op": "score",
-        "prompt": request.prompt,
+        "prompt": served.prompt_ids or request.prompt,
         "tokens": served.tokens,
         "adapter": request.adapter,
     }
+    if request.images:
+        ask["images"] = encode_arrays(processor.arrays(request))
     if case.judge == "logprobs" and served.logprobs is not None:
         ask["of"] = [sorted(step) for step in served.logprobs]
     if case.judge == "prompt-logprobs" and served.prompt_logprobs is not None:

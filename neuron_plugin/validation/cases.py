@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from neuron_plugin.validation.images import image_sizes
 from neuron_plugin.validation.report import CaseResult
 from neuron_plugin.validation.statistics import homogeneity
 
@@ -32,6 +33,21 @@ QUANTIZED_LOGPROB_NATS = 0.3
 TOP_LOGPROBS = 5
 # The sampled path's distribution: draws of one position at these settings.
 SAMPLED = {"temperature": 1.0, "top_k": 20, "top_p": 0.95}
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What a vision-language model's configuration fixes for the `images` case."""
+
+    buckets: tuple[int, ...]  # the vision buckets, patches per image
+    unit: int  # images grow in squares of this many pixels a side (images.image_sizes)
+    unit_patches: int  # patches per such square
+    patch_range: tuple[int, int]  # the processor's (min, max) patches per image
+    per_prompt: int  # the most images a prompt may hold (--limit-mm-per-prompt)
+    placeholder: tuple[int, ...]  # the token ids that stand for one image
+    # ids random prompts leave out: the tokenizer's added tokens (the image token among
+    # them, which vLLM would take for an image)
+    reserved: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,8 @@ class Limits:
     host_refusal: str | None = None
     # The k of the prompt-logprob graphs (core.prompt_logprobs), None without them.
     prompt_logprobs: int | None = None
+    # A vision-language model's images, None for a text model.
+    images: ImageLimits | None = None
 
     @property
     def tolerance(self) -> float:
@@ -75,9 +93,13 @@ class Request:
     prompt: list[int]
     sampling: Mapping[str, Any]
     adapter: str | None = None  # a LoRA adapter's folder
+    # (seed, height, width) per image (images.image_pixels), in the order of the
+    # prompt's placeholders
+    images: tuple[tuple[int, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt": self.prompt, "sampling": dict(self.sampling), "adapter": self.adapter}
+        described = {"prompt": self.prompt, "sampling": dict(self.sampling)}
+        return {**described, "adapter": self.adapter, "images": [list(i) for i in self.images]}
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,9 @@ class Served:
     # token and the top k; and the top k's ids (ranks 1..k) per position
     prompt_logprobs: list[dict[int, float]] | None = None
     prompt_top: list[list[int]] | None = None
+    # the prompt as the engine ran it, where it differs from the request's (each image
+    # placeholder expanded to one token per embedding)
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +131,12 @@ class Case:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:
-    return rng.integers(0, vocab, size=length).tolist()
+def _prompt(rng: np.random.Generator, limits: Limits, length: int) -> list[int]:
+    """Random token ids, none of them a vision-language model's reserved ones."""
+    if limits.images is None or not limits.images.reserved:
+        return rng.integers(0, limits.vocab_size, size=length).tolist()
+    allowed = np.setdiff1d(np.arange(limits.vocab_size), sorted(limits.images.reserved))
+    return rng.choice(allowed, size=length).tolist()
 
 
 def greedy(tokens: int) -> dict[str, Any]:
@@ -124,7 +153,6 @@ def plan(
 ) -> tuple[list[Case], list[CaseResult]]:
     """The cases this configuration gets, and the features it does not turn on."""
     rng = np.random.default_rng(seed)
-    vocab = limits.vocab_size
     room = limits.max_model_len - new_tokens  # the longest prompt that fits
     cases = [
         _bucket_boundaries(limits, rng, new_tokens, room, quick),
@@ -133,7 +161,7 @@ def plan(
             f"the top-{TOP_LOGPROBS} log-probabilities of the first steps, within the "
             f"{limits.describe_tolerance()}",
             [
-                Request(_prompt(rng, vocab, n), {**greedy(new_tokens), "logprobs": TOP_LOGPROBS})
+                Request(_prompt(rng, limits, n), {**greedy(new_tokens), "logprobs": TOP_LOGPROBS})
                 for n in (7, min(room, 61))
             ],
             "logprobs",
@@ -144,7 +172,7 @@ def plan(
             f"{limits.max_num_seqs} sequence slots: requests join as others leave",
             [
                 Request(
-                    _prompt(rng, vocab, 5 + 9 * i % max(1, room - 5)),
+                    _prompt(rng, limits, 5 + 9 * i % max(1, room - 5)),
                     greedy(1 + (i * 5) % (2 * new_tokens)),
                 )
                 for i in range(3 * limits.max_num_seqs)
@@ -157,7 +185,7 @@ def plan(
             "the same steps",
             [
                 Request(
-                    _prompt(rng, vocab, 12 + 3 * i),
+                    _prompt(rng, limits, 12 + 3 * i),
                     {**greedy(new_tokens), **({"logprobs": 1} if i % 2 else {})},
                 )
                 for i in range(limits.max_num_seqs)
@@ -168,7 +196,7 @@ def plan(
     skipped: list[CaseResult] = []
     draws = sample_draws * 3 // 10 if quick else sample_draws
     if limits.on_device_sampling:
-        prompt = _prompt(rng, vocab, 16)
+        prompt = _prompt(rng, limits, 16)
         device = [Request(prompt, {**SAMPLED, "max_tokens": 1}) for _ in range(draws)]
         host = [Request(prompt, {**SAMPLED, "max_tokens": 1, "seed": i}) for i in range(draws)]
         cases.append(
@@ -203,7 +231,7 @@ def plan(
                 "chunked-prefill",
                 f"a {length}-token prompt encoded in chunks of at most "
                 f"{limits.max_num_batched_tokens} tokens",
-                [Request(_prompt(rng, vocab, length), greedy(new_tokens))],
+                [Request(_prompt(rng, limits, length), greedy(new_tokens))],
                 "greedy",
             )
         )
@@ -222,7 +250,7 @@ def plan(
             )
         )
     if limits.speculation:
-        base = _prompt(rng, vocab, 8)
+        base = _prompt(rng, limits, 8)
         cases.append(
             Case(
                 "speculation",
@@ -230,7 +258,7 @@ def plan(
                 f"that repeat themselves so drafts are proposed and accepted",
                 [
                     Request(base * 4, greedy(2 * new_tokens)),
-                    Request(_prompt(rng, vocab, 20), greedy(new_tokens)),
+                    Request(_prompt(rng, limits, 20), greedy(new_tokens)),
                 ],
                 "greedy",
             )
@@ -248,7 +276,7 @@ def plan(
                 f"an adapter ({adapter}) and the base model in the same steps",
                 [
                     Request(
-                        _prompt(rng, vocab, 10 + i),
+                        _prompt(rng, limits, 10 + i),
                         greedy(new_tokens),
                         adapter if i % 2 == 0 else None,
                     )
@@ -268,7 +296,7 @@ def plan(
                 f"nats",
                 [
                     Request(
-                        _prompt(rng, vocab, 12 + 5 * i), {**greedy(3 * new_tokens), "logprobs": 0}
+                        _prompt(rng, limits, 12 + 5 * i), {**greedy(3 * new_tokens), "logprobs": 0}
                     )
                     for i in range(4)
                 ],
@@ -281,6 +309,14 @@ def plan(
                 "quantized",
                 "the weights are not quantized",
                 'override_neuron_config {"quantized": true, ...}',
+            )
+        )
+    if limits.images is not None:
+        cases.append(_images(limits, limits.images, rng, new_tokens, room, quick))
+    else:
+        skipped.append(
+            CaseResult(
+                name="images", status="not-configured", detail="a text model: it takes no images"
             )
         )
     if limits.host_refusal is None:
@@ -311,7 +347,7 @@ def _bucket_boundaries(
         "bucket-boundaries",
         f"greedy tokens for prompts at and around each context-encoding bucket "
         f"{buckets}, of one token and of the longest that fits: lengths {lengths}",
-        [Request(_prompt(rng, limits.vocab_size, n), greedy(new_tokens)) for n in lengths],
+        [Request(_prompt(rng, limits, n), greedy(new_tokens)) for n in lengths],
         "greedy",
     )
 
@@ -322,9 +358,9 @@ def _prefix_hit(limits: Limits, rng: np.random.Generator, new_tokens: int, room:
         (min(room, 4 * limits.block_size) // limits.block_size - 1) * limits.block_size,
     )
     tail = max(1, min(room - shared, limits.block_size // 2 + 3))
-    prefix = _prompt(rng, limits.vocab_size, shared)
-    first = Request(prefix + _prompt(rng, limits.vocab_size, tail), greedy(new_tokens))
-    second = Request(prefix + _prompt(rng, limits.vocab_size, tail), greedy(new_tokens))
+    prefix = _prompt(rng, limits, shared)
+    first = Request(prefix + _prompt(rng, limits, tail), greedy(new_tokens))
+    second = Request(prefix + _prompt(rng, limits, tail), greedy(new_tokens))
     return Case(
         "prefix-cache-hit",
         f"a prompt sharing its first {shared} tokens ({shared // limits.block_size} "
@@ -346,12 +382,50 @@ def _prompt_scores(limits: Limits, rng: np.random.Generator, room: int) -> Case:
         "prompt-logprobs",
         f"the prompt tokens' log-probabilities and the top {k} at every prompt position "
         f"(prompts of 9 and {long} tokens), within the {limits.describe_tolerance()}",
-        [
-            Request(_prompt(rng, limits.vocab_size, n), {**greedy(1), "prompt_logprobs": k})
-            for n in (9, long)
-        ],
+        [Request(_prompt(rng, limits, n), {**greedy(1), "prompt_logprobs": k}) for n in (9, long)],
         "prompt-logprobs",
         evidence={"top_k": k},
+    )
+
+
+def _images(
+    limits: Limits,
+    images: ImageLimits,
+    rng: np.random.Generator,
+    new_tokens: int,
+    room: int,
+    quick: bool,
+) -> Case:
+    """An image filling each vision bucket (quick: the smallest and the largest), two
+    images in one prompt, and a text-only request, served together."""
+    sizes = image_sizes(images.buckets, images.unit, images.unit_patches, images.patch_range)
+    if quick and len(sizes) > 2:
+        sizes = [sizes[0], sizes[-1]]
+
+    def placed(*shapes: tuple[int, int]) -> Request | None:
+        """Text, then each image between text; None if it does not fit the model."""
+        prompt, shown = _prompt(rng, limits, 5), []
+        tokens = len(prompt)
+        for height, width in shapes:
+            prompt += [*images.placeholder, *_prompt(rng, limits, 4)]
+            shown.append((int(rng.integers(2**31)), height, width))
+            # one embedding per unit square, in place of the image token
+            tokens += 4 + len(images.placeholder) - 1 + height * width // images.unit**2
+        return Request(prompt, greedy(new_tokens), images=tuple(shown)) if tokens <= room else None
+
+    shapes: list[tuple[tuple[int, int], ...]] = [(size,) for size in sizes]
+    if images.per_prompt >= 2 and sizes:
+        shapes.append((sizes[0], sizes[len(sizes) // 2]))
+    requests = [r for r in (placed(*s) for s in shapes) if r is not None]
+    requests.append(Request(_prompt(rng, limits, 9), greedy(new_tokens)))
+    return Case(
+        "images",
+        f"greedy tokens for prompts with images of {sorted(set(sizes))} pixels (height, "
+        f"width), one per vision bucket {list(images.buckets)} they fill, two images in "
+        f"one prompt and a text-only prompt in the same steps",
+        requests,
+        "greedy",
+        evidence={"image_sizes": [list(i[1:]) for r in requests for i in r.images]},
     )
 
 
@@ -373,6 +447,7 @@ CASE_NAMES = (
     "lora",
     "quantized",
     "prompt-logprobs",
+    "images",
     "kv-transfer",
 )
 

@@ -14,7 +14,10 @@ never copied.
 Protocol: one JSON object per line on stdin, one answer per line on stdout.
   {"op": "score", "prompt": [ids], "tokens": [ids], "adapter": folder|null,
    "of": [[ids] per position] (optional),
-   "prompt_of": [[ids] per prompt position 1..] and "prompt_k": k (optional)}
+   "prompt_of": [[ids] per prompt position 1..] and "prompt_k": k (optional),
+   "images": {name: array} (optional: what the model's image processor returned for
+   the prompt's images, validation/images.py encode_arrays; the prompt holds each
+   image's placeholder tokens as vLLM expanded them)}
     -> {"chosen": [logprob], "best": [logprob], "argmax": [id],
         "of": [{id: logprob} per position] (with "of"),
         "prompt_of": [{id: logprob}], "prompt_kth": [k-th best logprob], "prompt_k": k
@@ -27,6 +30,7 @@ Run as `python -m neuron_plugin.validation.oracle MODEL_DIR [--dtype float32]`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -36,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from neuron_plugin.validation.images import decode_arrays
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -93,11 +99,12 @@ class LoraAdapter:
 
 class Oracle:
     def __init__(self, model_dir: Path, dtype: str):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype)
-        ).eval()
+        config = json.loads((model_dir / "config.json").read_text())
+        # a vision-language model: its language model and its vision tower
+        auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.adapters: dict[str, LoraAdapter] = {}
 
     def info(self) -> dict[str, Any]:
@@ -117,17 +124,19 @@ class Oracle:
         of: list[list[int]] | None = None,
         prompt_of: list[list[int]] | None = None,
         prompt_k: int = 0,
+        images: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not tokens:
             raise ValueError("nothing to score: the request produced no tokens")
         ids = torch.tensor([prompt + tokens[:-1]])
+        inputs = {name: torch.from_numpy(a) for name, a in decode_arrays(images or {}).items()}
         if adapter is None:
-            logits = self._logits(ids)
+            logits = self._logits(ids, inputs)
         else:
             lora = self.adapters.get(adapter) or LoraAdapter(Path(adapter))
             self.adapters[adapter] = lora
             with lora.applied(self.model):
-                logits = self._logits(ids)
+                logits = self._logits(ids, inputs)
         logprobs = torch.log_softmax(logits[len(prompt) - 1 :].float(), dim=-1)
         prompt_logprobs = torch.log_softmax(logits[: len(prompt) - 1].float(), dim=-1)
         served = torch.tensor(tokens)
@@ -153,9 +162,21 @@ class Oracle:
             answer["prompt_k"] = prompt_k
         return answer
 
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every position's logits; `images` the image processor's tensors (pixel values
+        in the model's dtype). transformers 5 reads the image tokens' places from
+        `mm_token_type_ids` (1 at an image token, what its processors return beside
+        input_ids), 4.57 from the ids themselves."""
+        dtype = self.model.dtype
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+        if inputs and "mm_token_type_ids" in inspect.signature(self.model.forward).parameters:
+            config = self.model.config
+            image_token = getattr(config, "image_token_id", None)
+            if image_token is None:
+                image_token = config.image_token_index
+            inputs["mm_token_type_ids"] = (ids == image_token).long()
         with torch.no_grad():
-            return self.model(input_ids=ids).logits[0]
+            return self.model(input_ids=ids, **inputs).logits[0]
 
 
 def serve(oracle: Oracle, lines: Iterator[str]) -> Iterator[dict[str, Any]]:
@@ -172,6 +193,7 @@ def serve(oracle: Oracle, lines: Iterator[str]) -> Iterator[dict[str, Any]]:
                     request.get("of"),
                     request.get("prompt_of"),
                     request.get("prompt_k", 0),
+                    request.get("images"),
                 )
             else:
                 yield {"error": f"unknown op {request['op']!r}"}

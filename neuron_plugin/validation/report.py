@@ -33,7 +33,9 @@ class BucketLatency(_Strict):
     """One compiled graph's forward time, beside what reading HBM alone would take."""
 
     phase: str
-    shape: list[int] = Field(description="[batch, seq] or [active, prefix] as compiled")
+    shape: list[int] = Field(
+        description="[batch, seq] or [active, prefix] as compiled; [patches] of a vision bucket"
+    )
     p50_ms: float
     roofline_ms: float | None = Field(
         default=None,

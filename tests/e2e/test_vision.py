@@ -295,3 +295,31 @@ def test_explain_config_plans_the_vision_graphs(model, host_python):
     assert report["buckets"]["vision"] == [16, 32, 64, 128, 256]
     assert report["graphs"]["vision_encoding"] == 5
     assert report["graphs"]["total"] == 11
+
+
+def test_validate_judges_images_against_the_oracle_and_times_each_vision_bucket(
+    model, host_python, tmp_path
+):
+    """`neuron-plugin validate` on the vision model: its images case (an image filling
+    each vision bucket, two in a prompt, a text-only row) passes against transformers,
+    and the speed table has every vision bucket beside the text graphs."""
+    out = tmp_path / "validate"
+    config = {"override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512],
+                                         "vision_buckets": [64, 256]}}
+    done = subprocess.run(
+        [str(Path(host_python).with_name("neuron-plugin")), "validate", str(model),
+         "--device", "neuron", "--dtype", "float32", "--max-model-len", "512",
+         "--max-num-seqs", "4", "--quick", "--cases", "images", "--out", str(out),
+         "--limit-mm-per-prompt", json.dumps({"image": 2}),
+         "--additional-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    images = next(case for case in report["cases"] if case["name"] == "images")
+    assert images["status"] == "pass", images
+    assert images["evidence"]["image_sizes"] == [[112, 112], [224, 224], [112, 112], [224, 224]]
+    timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
+             if row["phase"] == "vision_encoding"}
+    assert timed == {(64,), (256,)}

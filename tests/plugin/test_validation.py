@@ -12,6 +12,7 @@ import pytest
 
 from neuron_plugin.validation.cases import (
     CASE_NAMES,
+    ImageLimits,
     Limits,
     Request,
     Served,
@@ -29,6 +30,12 @@ LIMITS = Limits(vocab_size=1000, dtype="bfloat16", max_model_len=256, max_num_se
                 max_num_batched_tokens=256, on_device_sampling=True)
 
 
+# tiny-qwen2_vl's: images grow in 28-pixel squares of 2x2 patches, 16 to 256 patches
+IMAGES = ImageLimits(buckets=(16, 64, 256), unit=28, unit_patches=4, patch_range=(16, 256),
+                     per_prompt=2, placeholder=(977, 979, 978),
+                     reserved=frozenset(range(970, 1000)))
+
+
 def _names(cases, skipped) -> tuple[list[str], dict[str, str]]:
     return [c.name for c in cases], {r.name: r.status for r in skipped}
 
@@ -40,7 +47,8 @@ def test_every_feature_is_a_case_or_listed_with_the_flag_that_turns_it_on():
                      "mixed-step", "device-sampling"]
     assert rest == {"prefix-cache-hit": "not-configured", "chunked-prefill": "not-configured",
                     "speculation": "not-configured", "lora": "not-configured",
-                    "quantized": "not-configured", "prompt-logprobs": "not-configured"}
+                    "quantized": "not-configured", "prompt-logprobs": "not-configured",
+                    "images": "not-configured"}
     assert set(names) | set(rest) | {"kv-transfer"} == set(CASE_NAMES)
     assert "--enable-prefix-caching" in next(r.detail for r in skipped
                                              if r.name == "prefix-cache-hit")
@@ -55,7 +63,7 @@ def test_a_full_configuration_gets_every_case():
     limits = Limits(**{**LIMITS.__dict__, "block_layout": True, "prefix_caching": True,
                        "chunked_prefill": True, "max_num_batched_tokens": 64,
                        "speculation": "ngram", "lora": True, "quantized": True,
-                       "prompt_logprobs": 20})
+                       "prompt_logprobs": 20, "images": IMAGES})
     cases, skipped = plan(limits, new_tokens=8, quick=True, adapter="/adapters/a")
     assert not skipped
     lora = next(c for c in cases if c.name == "lora")
@@ -380,3 +388,99 @@ def test_the_oracles_lora_hooks_compute_what_peft_does(oracle, model_dirs, lora_
                           "adapter": str(lora_adapters["lora-b"])})
     assert "rank_pattern / alpha_pattern" in refused["error"]
     assert Path(kit, "adapter_config.json").exists()
+
+
+def test_a_vision_language_model_gets_an_image_filling_each_vision_bucket():
+    """One image per vision bucket, filling it (patches = height x width / 14**2), two
+    images in one prompt, a text-only prompt beside them; no random prompt of any case
+    holds a reserved id (vLLM would take the image token for an image)."""
+    limits = Limits(**{**LIMITS.__dict__, "images": IMAGES})
+    cases, skipped = plan(limits, new_tokens=8, quick=False, adapter=None)
+    assert "images" not in {r.name for r in skipped}
+    images = next(c for c in cases if c.name == "images")
+    shown = [[image[1:] for image in r.images] for r in images.requests]
+    assert shown == [[(56, 56)], [(112, 112)], [(224, 224)], [(56, 56), (112, 112)], []]
+    assert [h * w // 14**2 for h, w in (s[0] for s in shown[:3])] == [16, 64, 256]
+    for request in images.requests:
+        opened = [i for i, t in enumerate(request.prompt) if t == 977]
+        assert len(opened) == len(request.images)
+        assert all(request.prompt[i:i + 3] == [977, 979, 978] for i in opened)
+        assert request.sampling["temperature"] == 0
+    seeds = [image[0] for r in images.requests for image in r.images]
+    assert len(set(seeds)) == len(seeds)
+    for case in cases:
+        for request in case.requests:
+            text = [t for t in request.prompt if t not in IMAGES.placeholder]
+            assert not set(text) & IMAGES.reserved, case.name
+    # quick: the smallest and largest bucket; a model too short for the largest image,
+    # and one image a prompt, leave those requests out
+    quick, _ = plan(limits, new_tokens=8, quick=True, adapter=None)
+    quick_images = next(c for c in quick if c.name == "images").requests
+    assert [[i[1:] for i in r.images] for r in quick_images] == \
+        [[(56, 56)], [(224, 224)], [(56, 56), (224, 224)], []]
+    short = Limits(**{**limits.__dict__, "max_model_len": 64,
+                      "images": ImageLimits(**{**IMAGES.__dict__, "per_prompt": 1})})
+    cases, _ = plan(short, new_tokens=8, quick=False, adapter=None)
+    kept = [[i[1:] for i in r.images] for r in next(c for c in cases if c.name == "images").requests]
+    assert kept == [[(56, 56)], [(112, 112)], []]
+
+
+def test_image_placeholders_and_arrays_for_the_oracle():
+    from neuron_plugin.core.errors import NeuronConfigError
+    from neuron_plugin.validation.images import (
+        decode_arrays,
+        encode_arrays,
+        image_sizes,
+        placeholder_ids,
+    )
+
+    qwen = {"vision_start_token_id": 5, "image_token_id": 6, "vision_end_token_id": 7}
+    assert placeholder_ids(qwen) == (5, 6, 7)
+    assert placeholder_ids({"image_token_index": 10}) == (10,)
+    with pytest.raises(NeuronConfigError, match="does not know how .*Foo.* mark an image"):
+        placeholder_ids({"architectures": ["Foo"]})
+    # 48 patches: 12 squares, 3 x 4; buckets outside the processor's range are left out
+    assert image_sizes((48, 8, 1024), 28, 4, (16, 256)) == [(84, 112)]
+    arrays = {"pixel_values": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+              "image_grid_thw": np.array([[1, 2, 6]], dtype=np.int64)}
+    back = decode_arrays(json.loads(json.dumps(encode_arrays(arrays))))
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and np.array_equal(back[name], array)
+
+
+def test_the_oracle_scores_a_prompt_with_images_as_transformers_does(
+        tiny_model, sdk_python, tmp_path):
+    """The oracle (transformers 4.57 in the SDK environment) with the image processor's
+    arrays gives this environment's transformers' log-probabilities; without the images
+    the same prompt scores differently, so they reach the model."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from neuron_plugin.validation.images import encode_arrays, image_pixels
+    from neuron_plugin.validation.oracle_client import OracleProcess
+
+    model = tiny_model("qwen2_vl")
+    processor = Qwen2VLImageProcessor.from_pretrained(model)
+    arrays = dict(processor(images=[image_pixels(3, 56, 112)], return_tensors="np"))
+    tokens = arrays["image_grid_thw"].prod() // 4
+    prompt = [11, 12, 13, 977, *[979] * int(tokens), 978, 14, 15]
+    served = [21, 22, 23]
+    process = OracleProcess(sdk_python, str(model), "float32", tmp_path / "oracle.log")
+    try:
+        ask = {"op": "score", "prompt": prompt, "tokens": served, "adapter": None}
+        score = process.ask({**ask, "images": encode_arrays(arrays)})
+        blind = process.ask(ask)
+    finally:
+        process.close()
+    reference = Qwen2VLForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
+    ids = torch.tensor([prompt + served[:-1]])
+    with torch.no_grad():
+        logits = reference.eval()(
+            input_ids=ids, mm_token_type_ids=(ids == 979).long(),
+            **{k: torch.from_numpy(v) for k, v in arrays.items()}).logits[0]
+    logprobs = logits[len(prompt) - 1:].log_softmax(-1)
+    assert score["argmax"] == logprobs.argmax(-1).tolist()
+    assert score["best"] == pytest.approx(logprobs.max(-1).values.tolist(), abs=1e-4)
+    assert score["chosen"] == pytest.approx(
+        [float(logprobs[i, t]) for i, t in enumerate(served)], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(score["best"], blind["best"], strict=True)) > 1e-3
