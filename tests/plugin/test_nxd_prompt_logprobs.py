@@ -223,3 +223,51 @@ def test_prompt_logprobs_above_max_logprobs_keep_vllms_refusal(model_dirs, monke
     NeuronPlatform.validate_request(prompt, at_bound)
     with pytest.raises(VLLMValidationError, match=f"greater than max allowed: {K}"):
         SamplingParams(prompt_logprobs=K + 1)._validate_logprobs(config.model_config)
+
+
+def test_vocabulary_sharded_across_ranks_equals_the_whole_log_softmax():
+    """With TP the lm_head is column-parallel: each rank holds a slice of the vocabulary
+    (the last one padded, at the float minimum as NxDI's mask_padded_logits leaves it).
+    Four ranks, each in its own thread with an all-gather along the last dimension,
+    answer what the whole vocabulary's log-softmax gives (ranks gathered only their
+    statistics and top-k candidates)."""
+    import threading
+
+    from neuron_plugin.backends.prompt_logprobs import sharded_top_logprobs
+
+    world, shard, vocab = 4, 10, 37
+    torch.manual_seed(0)
+    logits = torch.full((2, 6, world * shard), torch.finfo(torch.float32).min)
+    logits[..., :vocab] = torch.randn(2, 6, vocab) * 3
+    targets = torch.randint(0, vocab, (2, 6))
+    targets[0, 0], targets[1, 5] = vocab - 1, 0  # the last rank's last real id, the first's
+    want = logits[..., :vocab].log_softmax(-1)
+    barrier, slots, answers = threading.Barrier(world), [None] * world, [None] * world
+
+    def all_gather(rank):
+        def gather(tensor):
+            slots[rank] = tensor
+            barrier.wait()
+            whole = torch.cat(list(slots), dim=-1)
+            barrier.wait()
+            return whole
+        return gather
+
+    def run(rank):
+        local = logits[..., rank * shard:(rank + 1) * shard]
+        answers[rank] = sharded_top_logprobs(local, targets, K, torch.tensor([rank]),
+                                             all_gather(rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    top = want.topk(K, dim=-1)
+    target_logprobs = want.gather(-1, targets[..., None])
+    for ids, logprobs, ranks in answers:  # every rank holds the same answer
+        assert torch.equal(ids[..., 0], targets.to(torch.int32))
+        assert torch.equal(ids[..., 1:], top.indices.to(torch.int32))
+        torch.testing.assert_close(logprobs[..., 1:], top.values, rtol=0, atol=1e-5)
+        torch.testing.assert_close(logprobs[..., :1], target_logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(ranks, (want >= target_logprobs).sum(-1))
