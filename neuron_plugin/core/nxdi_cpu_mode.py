@@ -47,6 +47,15 @@ def refuse_what_the_cpu_mode_cannot_run(settings: NeuronSettings) -> None:
             f"--speculative-config for the CPU mode, or remove on_cpu to speculate on "
             f"NeuronCores"
         )
+    continuous = settings.passthrough.get("is_continuous_batching", settings.max_num_seqs > 1)
+    if settings.prompt_logprobs is not None and not continuous:
+        problems.append(
+            "additional_config.prompt_logprobs=true without continuous batching: to_cpu() "
+            "then builds one module, of the first submodel's class, for every submodel "
+            "(application_base.py to_cpu), so the prompt-logprob submodel would run the "
+            "plain context encoding; use --max-num-seqs 2 or more (or "
+            "is_continuous_batching: true)"
+        )
     if problems:
         raise NeuronConfigError(
             "override_neuron_config.on_cpu=true (NxDI's CPU mode) "

@@ -17,6 +17,7 @@ bound on a request's k, 20 by default) is their k. Pure numpy: no vLLM, no torch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,31 @@ def resolve_prompt_logprobs(value: object, max_logprobs: int, logprobs_mode: str
             f"--logprobs-mode {' or '.join(LOGPROB_MODES)}, or drop {PROMPT_LOGPROBS_KEY}."
         )
     return max_logprobs
+
+
+# NxDI NeuronConfig keys whose context encoding keeps the last position's hidden state
+# only, before the lm_head the nxd prompt-logprob graphs read every position from.
+LAST_TOKEN_ONLY = {
+    # get_model_output slices it (seq_parallel_slice_last_token, NxDI 0.9 model_base.py
+    # line 1453, 0.8 line 1480)
+    "sequence_parallel_enabled": "its hidden states are sliced to the last token inside "
+    "NxDI's get_model_output",
+    # forward keeps each window's last hidden state (NxDI 0.9 model_base.py lines
+    # 876-919, `prev_max_hidden_states`)
+    "windowed_context_encoding_size": "NxDI's forward keeps each window's last hidden state only",
+}
+
+
+def refuse_last_token_only(override: Mapping[str, object]) -> None:
+    """On nxd: refuse the NxDI keys whose context encoding has no per-position hidden
+    states for the prompt-logprob graphs (`LAST_TOKEN_ONLY`)."""
+    for key, why in LAST_TOKEN_ONLY.items():
+        if override.get(key):
+            raise NeuronConfigError(
+                f"additional_config.{PROMPT_LOGPROBS_KEY}=true with override_neuron_config."
+                f"{key}={override[key]!r} on the nxd backend: {why}, so no graph can score "
+                f"every prompt position; remove {key} or drop {PROMPT_LOGPROBS_KEY}."
+            )
 
 
 def prompt_targets(prompt_ids: np.ndarray, start: int, count: int, active: int) -> np.ndarray:

@@ -51,7 +51,11 @@ from neuron_plugin.core.override_checks import (
     refuse_what_cannot_work,
     reject_unsupported,
 )
-from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY, resolve_prompt_logprobs
+from neuron_plugin.core.prompt_logprobs import (
+    PROMPT_LOGPROBS_KEY,
+    refuse_last_token_only,
+    resolve_prompt_logprobs,
+)
 from neuron_plugin.core.quantization import Quantization
 from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
 from neuron_plugin.core.speculation import resolve_speculation
@@ -297,11 +301,7 @@ def resolve_settings(
             f"{PROMPT_LOGPROBS_KEY} for this model."
         )
     if prompt_k is not None and backend == "nxd":
-        raise NeuronConfigError(
-            f"additional_config.{PROMPT_LOGPROBS_KEY}=true on the nxd backend: its "
-            f"prompt-logprob graphs are not built yet (the reference backend serves them); "
-            f"drop {PROMPT_LOGPROBS_KEY} there."
-        )
+        refuse_last_token_only(override)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
         ()

@@ -1,8 +1,9 @@
 """The nxd backend on real NxD Inference, in NxDI's own CPU mode, through the runner:
 `VLLM_NEURON_BACKEND=nxd vllm serve --device neuron` with `"on_cpu": true` gives
 transformers' greedy tokens in both KV layouts, a prefix-cache hit in a (128, 128)
-context-encoding graph included (NxDI's unmasked prefix prefill, patched), and with a
-logprobs request (sampled on the host) decoding beside device-sampled ones. The backend
+context-encoding graph included (NxDI's unmasked prefix prefill, patched), with a
+logprobs request (sampled on the host) decoding beside device-sampled ones, and
+transformers' prompt logprobs (the server compiles the prompt-logprob graphs). The backend
 driven directly (nxdi_logits_probe.py): a decode step whose rows are all sampled on the
 device gets no logits from NxDI's graphs, a step with a host-sampled row gets them from
 the logits graph and hands that row's alone across the seam, and both graphs sample the
@@ -37,7 +38,7 @@ def server(request, nxdi_python, model_dirs, tmp_path_factory):
     env = {**os.environ, "VLLM_NEURON_BACKEND": "nxd",
            "VLLM_NEURON_BACKEND_PYTHON": nxdi_python}
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--additional-config",
-            f'{{"override_neuron_config": {{{OVERRIDE}}}}}',
+            f'{{"prompt_logprobs": true, "override_neuron_config": {{{OVERRIDE}}}}}',
             *(["--enable-prefix-caching", "--block-size", "32"] if block else [])]
     model = model_dirs["llama"]
     process = Server(model,
@@ -92,6 +93,42 @@ def test_real_nxdi_logprobs_request_beside_device_sampled_ones(server, model_dir
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(complete, range(4)))
     assert got == [oracles("llama").generate(p, NEW_TOKENS) for p in prompts]
+
+
+def test_real_nxdi_prompt_logprobs_through_vllm(server, model_dirs, oracles):
+    """prompt_logprobs through `vllm serve` on real NxDI (the prompt-logprob submodel,
+    backends/nxd/prompt_graphs.py): each position's top 5 and the prompt token's
+    logprob as transformers' log-softmax gives them; one above --max-logprobs (vLLM's
+    default 20) gets vLLM's own 400 and the server keeps serving."""
+    import math
+
+    import requests
+    import torch
+
+    _, model, process = server
+    prompt = corpus_token_ids(model_dirs["llama"], 70, offset=13)
+
+    def ask(k: int) -> requests.Response:
+        return requests.post(f"{process.url}/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": k})
+
+    too_many = ask(21)
+    assert too_many.status_code == 400
+    assert "greater than max allowed: 20" in too_many.json()["error"]["message"]
+    reply = ask(5)
+    assert reply.status_code == 200, reply.text
+    scored = reply.json()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    with torch.no_grad():
+        want = oracles("llama").model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for position, entries in enumerate(scored[1:]):
+        top = want[position].topk(5)
+        ranked = {e["rank"]: int(t) for t, e in entries.items() if e["rank"] <= 5}
+        assert [ranked[r] for r in range(1, 6)] == top.indices.tolist(), position
+        target = prompt[position + 1]
+        assert math.isclose(entries[str(target)]["logprob"], float(want[position, target]),
+                            abs_tol=1e-4), position
 
 
 # -- the backend on real NxDI, the logits each call returns ---------------------------------

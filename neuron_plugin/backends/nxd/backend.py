@@ -56,7 +56,7 @@ from neuron_plugin.backends.base import (
     write_artifact_record,
 )
 from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
-from neuron_plugin.backends.nxd import compat, cpu_mode, graphs
+from neuron_plugin.backends.nxd import compat, cpu_mode, graphs, prompt_graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters, start_adapters_fingerprint
@@ -97,6 +97,7 @@ from neuron_plugin.core.instances import (
 from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.core.vision import ImageInputs
 
 logger = plugin_logger(__name__)
@@ -263,6 +264,7 @@ class NxDBackend(InlineCalls):
             config.fused_spec_config = self._fused_spec_config(neuron_config)
         model = self.model_cls(str(self.model_dir), config)
         graphs.add_logits_graphs(model, self.settings)
+        prompt_graphs.add_prompt_logprobs_graphs(model, self.settings, self.nxdi.model_base)
         return model
 
     def _fused_spec_config(self, neuron_config: Any) -> Any:
@@ -441,28 +443,50 @@ class NxDBackend(InlineCalls):
         """One serving call: NxDI's on-device sampler draws every real row's token with
         the row's values (NxDI draws its own random numbers, `sampling.uniform` is not
         used); the logits come back for the rows that need the host only, and a decode
-        without such rows runs a graph that returns none (`graphs`)."""
-        if not self.settings.on_device_sampling:
+        without such rows runs a graph that returns none (`graphs`). A context encoding
+        with `prompt_targets` runs the prompt-logprob submodel (`prompt_graphs`), with
+        on-device sampling off too (its row then needs its logits)."""
+        targets = inputs.prompt_targets
+        on_device = self.settings.on_device_sampling
+        if not on_device and targets is None:
             raise ValueError(
                 "run() needs on-device sampling compiled in "
                 "(settings.on_device_sampling); call forward() instead"
             )
+        prompt = targets is not None
         no_logits = torch.zeros((0, self.vocab_size))
         if inputs.num_real == 0:
-            self._padding_call(inputs, logits=False)
+            self._padding_call(inputs, logits=False, prompt=prompt)
             return StepOutput(tokens=np.zeros((0, 1), dtype=np.int32), logits=no_logits)
         needs = bool(sampling.needs_logits.any())
         args, answer = model_arguments(self.settings, inputs, needs)
-        output = self._call(args, inputs.phase, needs, sampling, answer)
-        budget = call_budget(inputs, answer, int(args["seq_ids"].shape[0]))
-        tokens = emitted_tokens(self.settings, inputs, args, output, budget)
+        output = self._call(
+            args, inputs.phase, needs, sampling if on_device else None, answer, prompt
+        )
+        scored = None
+        if targets is not None:
+            start = int(inputs.computed_context_lens[0])
+            scored = prompt_graphs.scored_answer(
+                prompt_graphs.prompt_answer(self.model),
+                targets,
+                start,
+                int(inputs.full_context_lens[0]),
+                self._logits(output, answer)[0],
+            )
+        if on_device:
+            budget = call_budget(inputs, answer, int(args["seq_ids"].shape[0]))
+            tokens = emitted_tokens(self.settings, inputs, args, output, budget)[answer]
+        else:
+            tokens = np.full((inputs.num_real, 1), NO_TOKEN, dtype=np.int32)
         return StepOutput(
-            tokens=tokens[answer],
+            tokens=tokens,
             logits=self._logits(output, answer[sampling.needs_logits]) if needs else no_logits,
+            prompt_logprobs=scored,
         )
 
-    def _padding_call(self, inputs: ForwardInputs, logits: bool) -> None:
-        self._call(padding_arguments(self.settings, inputs, logits), inputs.phase, logits)
+    def _padding_call(self, inputs: ForwardInputs, logits: bool, prompt: bool = False) -> None:
+        args = padding_arguments(self.settings, inputs, logits)
+        self._call(args, inputs.phase, logits, prompt=prompt)
 
     def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
         """The logits of NxDI output `rows` at their first computed position (the only
@@ -477,8 +501,10 @@ class NxDBackend(InlineCalls):
         logits: bool,
         sampling: SamplingInputs | None = None,
         answer: np.ndarray | None = None,
+        prompt: bool = False,
     ) -> Any:
-        """The model call of `phase` (`logits`: a decode runs the logits variant) with
+        """The model call of `phase` (`logits`: a decode runs the logits variant;
+        `prompt`: a context encoding runs the prompt-logprob submodel) with
         `sampling_params` of exactly the call's rows: `sampling`'s values at the
         `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
         width = int(args["seq_ids"].shape[0])
@@ -497,7 +523,7 @@ class NxDBackend(InlineCalls):
         tensors["sampling_params"] = self.nxdi.prepare_sampling_params(
             width, *(column.tolist() for column in columns)
         )
-        with graphs.selected(self.model, phase, logits), torch.inference_mode():
+        with graphs.selected(self.model, phase, logits, prompt), torch.inference_mode():
             return self.model(
                 tensors.pop("input_ids"),
                 attention_mask=tensors.pop("attention_mask", None),

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from neuron_plugin.backends.nxd import graphs
+from neuron_plugin.backends.nxd.prompt_graphs import prompt_variant
 from neuron_plugin.core.nxdi_cpu_mode import refuse_what_the_cpu_mode_cannot_run
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -156,9 +157,10 @@ def _inputs(self: torch.nn.Module, *args: Any) -> Any:
 def load(model: Any, markers: ModuleType) -> None:
     """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes, with
     NxD's layer-boundary markers as the identity (`identity_markers`). The
-    token-generation logits submodel (`graphs`) reads the KV cache of the submodel it
-    stands in for: NxDI copies each call's cache into token_generation_model and
-    context_encoding_model only (model_base.py `_copy_past_key_values`).
+    token-generation logits submodel (`graphs`) and the prompt-logprob one
+    (`prompt_graphs`) read the KV cache of the submodel they stand in for: NxDI copies
+    each call's cache into token_generation_model and context_encoding_model only
+    (model_base.py `_copy_past_key_values`).
 
     to_cpu() starts a gloo process group of one on MASTER_PORT, 29500 unless set
     (application_base.py to_cpu, ef2731e lines 579-586): a second engine on the host (data
@@ -170,10 +172,14 @@ def load(model: Any, markers: ModuleType) -> None:
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     identity_markers(markers)
     model.to_cpu()
-    variant = graphs.logits_variant(model)
     plain = model.token_generation_model
-    if variant is not None and variant.model is not plain.model:
-        variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
+    prompt = prompt_variant(model)
+    # The prompt-logprob submodel stands in for context_encoding_model during its calls,
+    # so NxDI's copy would miss the context encoder's own cache then: it shares it too.
+    sharing = (graphs.logits_variant(model), prompt, prompt and model.context_encoding_model)
+    for variant in sharing:
+        if variant is not None and variant.model is not plain.model:
+            variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
     by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
     for wrapper in model.models:
         by_module.setdefault(id(wrapper.model), (wrapper.model, []))[1].append(wrapper)

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from neuron_plugin.backends.nxd.prompt_graphs import prompt_variant
 from neuron_plugin.core.inputs import CONTEXT_ENCODING
 from neuron_plugin.core.settings import NeuronSettings
 
@@ -134,9 +135,10 @@ class TaggedGraphs:
 
 def route_by_tag(model: Any) -> None:
     """After `load()` on the device: every submodel calls its own graphs (TaggedGraphs),
-    where a logits variant shares shapes with the token-generation submodel; without one
+    where a logits variant shares shapes with the token-generation submodel or the
+    prompt-logprob submodel with the context encoding (`prompt_graphs`); without either
     (no host-row logits split, or speculation) NxD's router tells the graphs apart."""
-    if logits_variant(model) is None:
+    if logits_variant(model) is None and prompt_variant(model) is None:
         return
     nxd_model = model.traced_model.nxd_model
     for wrapper in model.models:
@@ -144,27 +146,47 @@ def route_by_tag(model: Any) -> None:
 
 
 @contextmanager
-def selected(model: Any, phase: str, logits: bool) -> Iterator[Any]:
+def selected(model: Any, phase: str, logits: bool, prompt: bool = False) -> Iterator[Any]:
     """For one call of NxDI's forward: the submodel it runs for `phase` (a decode with
-    `logits` runs the logits variant where there is one) and the application's
-    output_logits of that submodel, both restored after. Yields the submodel (None
-    without a logits variant: NxDI's own choice, e.g. its fused speculation model)."""
+    `logits` runs the logits variant where there is one, a context encoding with
+    `prompt` the prompt-logprob submodel) and the application's output_logits of that
+    submodel, both restored after. Yields the submodel (None without a variant: NxDI's
+    own choice, e.g. its fused speculation model)."""
+    if phase == CONTEXT_ENCODING and prompt:
+        chosen = prompt_variant(model)
+        if chosen is None:
+            raise ValueError(
+                "a prompt-logprob call without the prompt-logprob submodel (settings."
+                "prompt_logprobs unset); this is a plugin bug, please report it."
+            )
+        with _standing_in(model, "context_encoding_model", chosen):
+            yield chosen
+        return
     variant = logits_variant(model)
     if variant is None:
         yield None
         return
     name = _PLAIN[variant.tag]
-    plain = getattr(model, name)
     if phase == CONTEXT_ENCODING:
         chosen = model.context_encoding_model
     else:
-        chosen = variant if logits else plain
+        chosen = variant if logits else getattr(model, name)
+    with _standing_in(model, name if chosen is variant else "", chosen):
+        yield chosen
+
+
+@contextmanager
+def _standing_in(model: Any, name: str, chosen: Any) -> Iterator[None]:
+    """`chosen` as the application's submodel `name` (none: as it is) and its
+    output_logits as the application's, both restored after."""
+    plain = getattr(model, name) if name else None
     saved = model.neuron_config.output_logits
-    if chosen is not model.context_encoding_model:
+    if name:
         setattr(model, name, chosen)
     model.neuron_config.output_logits = chosen.neuron_config.output_logits
     try:
-        yield chosen
+        yield
     finally:
-        setattr(model, name, plain)
+        if name:
+            setattr(model, name, plain)
         model.neuron_config.output_logits = saved

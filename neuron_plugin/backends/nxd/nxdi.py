@@ -35,6 +35,9 @@ class NxDI:
     patch_status: Mapping[str, str]
     # models/layer_boundary_marker.py: NxD's module markers (the CPU mode's identity).
     layer_boundary_marker: ModuleType
+    # models/model_base.py: the helpers its forward uses (mask_padded_logits,
+    # get_tp_group, _gather_along_dim), for the prompt-logprob submodel's.
+    model_base: ModuleType
 
     def patches_for(self, architecture: str) -> tuple[str, ...]:
         """The patches in effect that change `architecture`'s graphs (the cache key's)."""
@@ -90,6 +93,7 @@ def import_nxdi() -> NxDI:
         NxDILora.probe(LoraServingConfig, LoraModelManager),
         {o.name: o.status for o in outcomes},
         layer_boundary_marker,
+        model_base,
     )
 
 

@@ -66,8 +66,9 @@ from neuron_plugin.core import mxfp4
 from neuron_plugin.core.checkpoint import safetensors_files
 
 # Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
-# graphs of earlier code are cache misses (2: values of unseen key positions zeroed).
-COMPUTATION = 2
+# graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
+# 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs).
+COMPUTATION = 3
 
 __all__ = [
     "FAMILIES",

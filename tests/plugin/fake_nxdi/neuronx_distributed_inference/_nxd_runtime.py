@@ -301,6 +301,9 @@ class NxDModel:
         self.packer = Packer(self._output_count(next(iter(graphs))))
         # prefixes of the decoders with a garbled quantized layer (set at load)
         self.garbled = set()
+        # tag -> the module NxD traced for it where its class overrides forward (set at
+        # load, see models/model_base.py NeuronBaseModel)
+        self.traced_modules = {}
         self.attention = NeuronAttentionBase()
         # the device weights NxDI reaches (application_base.load_weights initialises them
         # per rank); the double holds only the LoRA weights there
@@ -373,19 +376,24 @@ class NxDModel:
             return torch.argmax(logits, dim=2).to(torch.int32)
         return sampler(logits[:, -1, :], sampling_params).to(torch.int32)
 
-    def _decoder(self, inputs, prefix, config, peak, recompute_slots=True, lora_values=None):
+    def _decoder(self, inputs, prefix, config, peak, recompute_slots=True, lora_values=None,
+                 every_query=False):
         """One decoder graph over `inputs` (ids, mask, positions, seq_ids, then the
         block layout's slot mapping and block table), on the KV cache whose state keys
         start with `prefix`: logits [rows, queries, vocab], each row's peak moved by its
-        LoRA value (`lora_values`, none without LoRA)."""
+        LoRA value (`lora_values`, none without LoRA). A context encoding answers its
+        one query a row, or with `every_query` the logits of every position (what the
+        lm_head makes of get_model_output's hidden states, which NeuronBaseModel.forward
+        has before it keeps the last position's, ef2731e lines 935-976)."""
         ids, mask, positions, seq_ids = inputs[:4]
         cte = self._is_context_encoding(ids, config)
         if self.block:
             contexts = self._block(ids, mask, positions, inputs[4], inputs[5], prefix, cte,
-                                   recompute_slots)
+                                   recompute_slots, every_query)
         else:
             memory = self.graph_state[0][f"{prefix}kv_mgr.past_key_values.0"]
-            contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte)
+            contexts = self._contiguous(ids, mask, positions, seq_ids, memory, cte,
+                                        every_query)
         return self._logits(contexts, peak, lora_values)
 
     def _plain(self, tag, inputs):
@@ -397,15 +405,34 @@ class NxDModel:
         if self.window and inputs[0].shape[-1] == c.speculation_length:
             raise NotImplementedError("the NxDI double does not reproduce NxDI's "
                                       "speculation model over sliding-window attention")
+        module = self.traced_modules.get(tag)
+        every = module is not None and self._is_context_encoding(inputs[0], c)
         logits = self._decoder(layout, self.target_prefix, c,
                                self._peak(self.target_prefix, target_peak),
-                               lora_values=self._lora_values(tag, inputs))
+                               lora_values=self._lora_values(tag, inputs), every_query=every)
+        hidden = logits
+        if every:  # the position NxDI answers for, as _context_query finds it
+            rows = torch.arange(logits.shape[0])
+            query = torch.tensor([self._context_query(p) for p in inputs[2]])
+            logits = logits[rows, query].unsqueeze(1)
         if self.sampler is None:
-            return {"logits": logits}
-        outputs = {"tokens": self._sample_on_device(self.sampler, c, logits, inputs[4])}
-        if self.output_logits[tag]:
-            outputs["logits"] = logits
-        return outputs
+            outputs = {"logits": logits}
+        else:
+            outputs = {"tokens": self._sample_on_device(self.sampler, c, logits, inputs[4])}
+            if self.output_logits[tag]:
+                outputs["logits"] = logits
+        return outputs if module is None else self._traced(module, inputs, outputs, hidden)
+
+    @staticmethod
+    def _traced(module, inputs, outputs, hidden):
+        """The graph of a submodel whose NeuronBaseModel class overrides forward: that
+        forward traced on the call's inputs, NxDI's parts computed as above (see
+        models/model_base.py NeuronBaseModel); what it appends to NxDI's outputs is named
+        `appended_<i>`."""
+        module.graph_hidden, module.graph_outputs = hidden, list(outputs.values())
+        result = module.forward(*inputs)
+        appended = {f"appended_{i}": t for i, t in enumerate(result[len(outputs):])}
+        return {**outputs, **appended}
 
     def _peak(self, prefix, peak):
         return garbled_peak if prefix in self.garbled else peak
@@ -464,21 +491,23 @@ class NxDModel:
                 query = start + int(torch.argmax(window))
         return query
 
-    def _contiguous(self, input_ids, mask, positions, seq_ids, memory, cte):
+    def _contiguous(self, input_ids, mask, positions, seq_ids, memory, cte, every_query=False):
         memory = memory[:, 0, :, 0]
         rows = input_ids.shape[0]
         if cte:
             contexts = []
             for r in range(rows):
                 line = int(seq_ids[r]) if self.config.is_continuous_batching else r
-                query = self._context_query(positions[r])
+                queries = (range(input_ids.shape[1]) if every_query
+                           else [self._context_query(positions[r])])
                 if self.window:
                     contexts.append([self._window_context(memory[line], input_ids[r],
-                                                          int(mask[r].sum()), query)])
+                                                          int(mask[r].sum()), query)
+                                     for query in queries])
                     continue
                 memory[line, : input_ids.shape[1]] = input_ids[r].float() + 1
-                keys = [j for j in range(query + 1) if mask[r, j] == 1 or j == query]
-                contexts.append([[int(input_ids[r, j]) + 1 for j in keys]])
+                contexts.append([[int(input_ids[r, j]) + 1 for j in range(query + 1)
+                                  if mask[r, j] == 1 or j == query] for query in queries])
             return contexts
         lines = (seq_ids if rows < self.config.kv_cache_batch_size
                  else torch.arange(rows)).tolist()
@@ -515,12 +544,13 @@ class NxDModel:
         line[position % size] = float(token) + 1
         return context + [token + 1]
 
-    def _prefix_prefill_sum(self, stored, visible, active):
-        """The sum of the values the last active query attends, through the model's
+    def _prefix_prefill_sums(self, stored, visible, active):
+        """For each active query, the sum of the values it attends, through the model's
         perform_prefix_prefill (so a patch of it takes effect): every key scores 0 and
         carries the value [v, 0]; one more prior key, always visible, carries [0, 1], so
-        the output [sum / (n + 1), 1 / (n + 1)] gives back the sum over the n keys
-        attended, counted as often as they are attended (NxDI's float32 scores keep the
+        query i's output [sum / (n + 1), 1 / (n + 1)] gives back the sum over the n keys
+        it attends (the prior ones, and the active ones up to i under the causal active
+        mask), counted as often as they are attended (NxDI's float32 scores keep the
         ratio exact to well under one)."""
         dtype = torch.float64
         prior = torch.tensor([[v, 0.0] for v in stored] + [[0.0, 1.0]], dtype=dtype)
@@ -532,8 +562,7 @@ class NxDModel:
             values[None, None], q, 1, mask,
             (torch.zeros_like(prior)[None, None], prior[None, None]),
             torch.ones(q, q, dtype=torch.bool).tril()[None, None])
-        total, null_share = (float(x) for x in out[0, 0, -1])
-        return round(total / null_share)
+        return [round(float(total) / float(null_share)) for total, null_share in out[0, 0]]
 
     def _tokengen_slots(self, positions, slot_mapping, block_table):
         """Token generation recomputes its write slots inside the graph from the
@@ -547,7 +576,7 @@ class NxDModel:
         return torch.where(slot_mapping >= 0, slots, torch.full_like(slots, -1))
 
     def _block(self, input_ids, mask, positions, slot_mapping, block_table, prefix, cte,
-               recompute_slots):
+               recompute_slots, every_query=False):
         if self.window and cte:
             # attention_base.py windowed_attention_forward keeps the last window - 1 keys
             # of a prefill (get_last_kv_window), which BlockKVCacheManager.update_cache
@@ -570,13 +599,15 @@ class NxDModel:
                 active = [int(t) + 1 for t in input_ids[r]]
                 contexts.append([prior + active[: q + 1] for q in range(len(active))])
                 continue
-            last = int(torch.argmax(positions[r]))
-            active = [int(t) + 1 for t in input_ids[r, : last + 1]]
+            queries = (range(input_ids.shape[1]) if every_query
+                       else [int(torch.argmax(positions[r]))])
+            visible = [j < width and int(mask[r, j]) == 1 for j in range(readable)]
+            active = [int(t) + 1 for t in input_ids[r, : max(queries) + 1]]
             if readable and input_ids.shape[1] >= PREFIX_PREFILL_MIN_WIDTH:
-                visible = [j < width and int(mask[r, j]) == 1 for j in range(readable)]
-                contexts.append([[self._prefix_prefill_sum(stored, visible, active)]])
+                sums = self._prefix_prefill_sums(stored, visible, active)
+                contexts.append([[sums[query]] for query in queries])
             else:
-                contexts.append([prior + active])
+                contexts.append([prior + active[: query + 1] for query in queries])
         if not cte and recompute_slots:
             slot_mapping = self._tokengen_slots(positions, slot_mapping, block_table)
         for slots, tokens in zip(slot_mapping.tolist(), input_ids.tolist()):

@@ -184,6 +184,11 @@ class NeuronApplicationBase(torch.nn.Module):
         self.traced_model = TracedModel(NxDModel(self.neuron_config, text, graphs, draft))
         self.load_weights(compiled_model_path)
         self.traced_model.nxd_model.garbled = set(getattr(self, "garbled", ()))
+        # NxD traced each submodel's module (model_cls(config)); the double runs those
+        # whose class overrides forward (model_base.NeuronBaseModel)
+        self.traced_model.nxd_model.traced_modules = {
+            model.tag: model.model_cls(model.config) for model in self.models
+            if model.model_cls is not None and "forward" in vars(model.model_cls)}
         self._load_lora_weights()
         for model_wrapper in self.models:
             model_wrapper.model = self.traced_model

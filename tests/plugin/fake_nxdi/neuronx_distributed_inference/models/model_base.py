@@ -52,7 +52,42 @@ from neuronx_distributed_inference.modules.generation.sampling import (
 
 class NeuronBaseModel(torch.nn.Module):
     """model_base.py NeuronBaseModel: the traced decoder a ModelWrapper compiles per
-    bucket (an application's `_model_cls`); what its graphs compute is _nxd_runtime's."""
+    bucket (an application's `_model_cls`), built from the submodel's config
+    (model_wrapper.py DecoderModelInstance.load_module: `model_cls(config)`); what its
+    graphs compute is _nxd_runtime's. NxD traces the module's forward on the example
+    inputs, so a subclass that overrides forward is traced through it: _nxd_runtime
+    builds such a module at load and runs its forward on each call, with NxDI's own
+    parts as NxDI computes them:
+    - get_model_output: every position's hidden state, final norm applied (ef2731e lines
+      1216-1462); the double's hidden states are every position's logits, which its
+      lm_head (the whole vocabulary, `gather_output`, no padding of its own) passes on;
+    - forward: NeuronBaseModel.forward's outputs for the call (tokens and/or logits,
+      lines 656-1045; the KV caches are aliased state), having called
+      get_model_output once, as NxDI's does (line 935)."""
+
+    def __init__(self, config, optimize_inference=True):
+        super().__init__()
+        self.config = config
+        self.neuron_config = config.neuron_config
+        self.lm_head = _WholeVocabularyHead()
+        self.graph_hidden = None  # set by _nxd_runtime for each call
+        self.graph_outputs = None
+
+    def get_model_output(self, *args, **kwargs):
+        return self.graph_hidden, []
+
+    def forward(self, *args):
+        self.get_model_output(*args)
+        return list(self.graph_outputs)
+
+
+class _WholeVocabularyHead(torch.nn.Module):
+    """The double's lm_head: its hidden states are logits already (NeuronBaseModel)."""
+
+    gather_output = True
+
+    def forward(self, hidden_states):
+        return hidden_states
 
 
 class NeuronFusedSpecModel(torch.nn.Module):
