@@ -171,9 +171,10 @@ def load(model: Any, markers: ModuleType) -> None:
     identity_markers(markers)
     model.to_cpu()
     variant = graphs.logits_variant(model)
-    plain = model.token_generation_model
-    if variant is not None and variant.model is not plain.model:
-        variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
+    if variant is not None:
+        plain = model.token_generation_model  # a fused application has none
+        if variant.model is not plain.model:
+            variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
     by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
     for wrapper in model.models:
         by_module.setdefault(id(wrapper.model), (wrapper.model, []))[1].append(wrapper)
