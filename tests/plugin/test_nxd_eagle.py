@@ -229,6 +229,7 @@ def test_neuron_config_and_the_head_folder(release, target, deep_target, tmp_pat
         kwargs = neuron_config_kwargs(eagle_settings(method, head, model))
         assert kwargs["enable_eagle_speculation"] is True
         assert kwargs["is_eagle3"] is (method == "eagle3")
+        assert kwargs.get("sequence_parallel_enabled", False) is (method == "eagle3")
         assert kwargs["enable_fused_speculation"] is True and kwargs["speculation_length"] == K
         assert unknown_kwargs(NeuronConfig(**dict(kwargs)), kwargs) == []
         backend = NxDBackend(eagle_settings(method, head, model), model)
@@ -362,3 +363,24 @@ def test_pad_rows_leave_a_longer_request_alone(release, target, tmp_path):
     plain = decode(plain_settings, loaded(plain_settings, target, tmp_path / "plain"), 6)
     s = eagle_settings("eagle", head, target)
     assert decode(s, loaded(s, target, tmp_path / "spec"), 6) == plain
+
+
+def test_the_double_fails_eagle3_prefill_without_sequence_parallelism(
+    release, deep_target, tmp_path
+):
+    """NxDI's EAGLE-3 target gathers one of its four hidden sizes for a prefill's last
+    position unless sequence parallelism sliced it (measured on real NxDI 0.8 and 0.9,
+    tests/e2e/test_nxdi_eagle.py): the plugin compiles EAGLE-3 with it."""
+    head = write_head(tmp_path / "eagle3", "eagle3", 8)
+    s = eagle_settings("eagle3", head, deep_target, override={"sequence_parallel_enabled": False})
+    with pytest.raises(
+        NeuronConfigError,
+        match=r"sequence_parallel_enabled=False but the nxd "
+        r"backend needs True",
+    ):
+        neuron_config_kwargs(s)
+    s = eagle_settings("eagle3", head, deep_target)
+    backend = loaded(s, deep_target, tmp_path / "g")
+    backend.model.neuron_config.sequence_parallel_enabled = False
+    with pytest.raises(RuntimeError, match="einsum"):
+        prefill(backend, s, {0: [5, 6, 7]})

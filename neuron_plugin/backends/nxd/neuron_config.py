@@ -16,7 +16,8 @@ Speculative decoding (core.speculation) with N = num_speculative_tokens drafts:
 - eagle / eagle3: the same with `enable_eagle_speculation` (and `is_eagle3`), the head's
   NeuronConfig `is_eagle_draft` keeping the speculation length, as NxDI's own
   inference_demo.py builds it ("eagle requires the draft model to have speculation
-  enabled for the last draft run"); the head's folder as NxDI loads it (nxd.eagle).
+  enabled for the last draft run"); the head's folder as NxDI loads it (nxd.eagle);
+  EAGLE-3 with `sequence_parallel_enabled` (see neuron_config_kwargs).
 The on-device sampler stays dynamic without do_sample: NxDI then verifies every position
 with the target's argmax (model_base.py `_sample_on_device`, lines 1163-1173).
 """
@@ -75,6 +76,14 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         if s.is_eagle:
             derived["enable_eagle_speculation"] = True
             derived["is_eagle3"] = s.speculation_method == EAGLE3
+        if s.speculation_method == EAGLE3:
+            # NxDI's EAGLE-3 target answers a prefill from its last position only through
+            # sequence parallelism (seq_parallel_slice_last_token over the 4 fused hidden
+            # sizes, model_base.py NeuronBaseModel.get_model_output); otherwise it gathers
+            # one hidden size of the four (NeuronBaseModel.forward, `expand(batch_size, 1,
+            # self.hidden_size)`) and its lm_head gets an empty slice: measured on 0.8 and
+            # 0.9 (tests/e2e/test_nxdi_eagle.py)
+            derived["sequence_parallel_enabled"] = True
     if s.on_device_sampling:
         derived["on_device_sampling_config"] = on_device_sampling_config(
             s.passthrough.get("on_device_sampling_config") or {}, s.global_topk

@@ -634,6 +634,13 @@ class NxDModel:
         """`_context_encoding_forward` (target, then draft, on the same inputs) and
         `_cte_postprocessor` (ef2731e lines 1750-1810, 2756-2797)."""
         c = self.config
+        if c.is_eagle3 and not getattr(c, "sequence_parallel_enabled", False):
+            # NeuronBaseModel.forward gathers the last position with expand(batch, 1,
+            # self.hidden_size) from the EAGLE-3 target's 4 fused hidden sizes unless
+            # sequence parallelism sliced it already (`sliced_hidden`, ef2731e lines
+            # 963-976, 1449-1463), then slices [3H:4H] of that for the lm_head: empty
+            raise RuntimeError("einsum(): subscript m has size 64 for operand 1 which does "
+                               "not broadcast with previously seen size 0")
         ids, mask, positions, seq_ids, sampling_params = inputs[:5]
         layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
         target_logits = self._decoder(layout, self.target_prefix, c,
