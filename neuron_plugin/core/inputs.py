@@ -296,9 +296,23 @@ def token_generation_inputs(
     width, active = decode_width(settings), decode_active(settings)
     spans = np.zeros(real, dtype=np.int64) if budget is None else np.asarray(budget)
     rows_needed = real if settings.is_block_layout else int(seq_ids.max()) + 1
-    bucket = token_generation_bucket(
-        settings, rows_needed, int(positions.max()) + 1 + settings.speculation_length, logits
-    )
+    need = int(positions.max()) + 1 + settings.speculation_length
+    bucket = token_generation_bucket(settings, rows_needed, need, logits)
+    if (
+        settings.backend == "nxd"
+        and settings.is_eagle
+        and not settings.is_block_layout
+        and (bucket[0] > real)
+    ):
+        # NxDI's EAGLE decode clips every position to the bucket's length less
+        # speculation_length (model_base.py NeuronFusedSpecModel.forward, `torch.clamp(
+        # position_ids, ..., max=bucket_size - generation_length)`), which would move a
+        # pad row's writes from the last position (nxd/arguments) into cache positions
+        # a request outside the batch holds: with pad rows, the largest length, where
+        # the last position stays unclipped.
+        bucket = token_generation_bucket(
+            settings, rows_needed, settings.token_generation_buckets[-1], logits
+        )
     rows = bucket[0]
     ids = np.zeros((rows, active), dtype=np.int64)
     ids[:real, 0] = token_ids

@@ -115,13 +115,6 @@ def resolve_speculation(
         if method in (EAGLE, EAGLE3) and limits.target_shape is not None:
             read_head(method, draft, TargetShape(*limits.target_shape))  # refuses a misfit
     if backend == "nxd":
-        if method in (EAGLE, EAGLE3):
-            raise NeuronConfigError(
-                f"{flag} on the nxd backend: the plugin does not yet drive NxDI's EAGLE "
-                f"speculation (enable_eagle_speculation, is_eagle3); serve the head on the "
-                f"reference backend (VLLM_NEURON_BACKEND=reference), or use a draft model "
-                f"or n-gram speculation on nxd."
-            )
         if method == NGRAM and kv_layout == BLOCK:
             raise NeuronConfigError(
                 f"{flag} with the block KV layout (prefix caching or chunked prefill) on "

@@ -73,10 +73,10 @@ def test_eagle_heads_are_fused_drafters(method, eagle_heads):
     assert settings.is_fused_speculation and settings.is_eagle
     assert settings.speculation_length == 4 and settings.draft_model == str(head.resolve())
     assert settings.token_generation_buckets == (128, 256, 259)  # the lookahead, as for drafts
-    with pytest.raises(NeuronConfigError, match=r"nxd backend: the plugin does not yet drive "
-                                                r"NxDI's EAGLE speculation"):
-        resolve(dict(speculative_method=method, num_speculative_tokens=3,
-                     draft_model=str(head), target_shape=TARGET_SHAPE), backend="nxd")
+    # the nxd backend drives NxDI's fused EAGLE speculation (tests/plugin/test_nxd_eagle.py)
+    nxd = resolve(dict(speculative_method=method, num_speculative_tokens=3,
+                       draft_model=str(head), target_shape=TARGET_SHAPE), backend="nxd")
+    assert nxd.is_eagle and nxd.speculation_length == 4
 
 
 def _head_copy(tmp_path, head, **config):

@@ -38,6 +38,9 @@ Choices that follow from NxDI's code (NxDI 0.7-0.9, neuronx-distributed's router
   full/computed context lengths p + 1 / p, as vllm-neuron passes them: NxDI's fused
   graph counts one query per row and picks the bucket with prefix > p +
   speculation_length (model_wrapper.get_target_2d_bucket_for_prefix_caching).
+  EAGLE decodes clip positions to the bucket less speculation_length (model_base.py
+  NeuronFusedSpecModel.forward), so a contiguous call with pad rows runs the largest
+  length (core.inputs), its mask as wide as that length less speculation_length + 1.
 """
 
 from __future__ import annotations
@@ -172,6 +175,10 @@ def _decode_arguments(
     args["computed_context_lens"][pad] = last
     positions = np.where(pad, 0, args["position_ids"][:, 0])
     width = int(positions.max()) + extra
+    if settings.is_eagle:
+        # the length core.inputs chose (the largest where pad rows would be clipped),
+        # which NxDI picks from the mask: the first bucket > width + speculation_length
+        width = max(width, inputs.bucket[1] - settings.speculation_length - 1)
     args["attention_mask"] = (np.arange(width)[None, :] < positions[:, None]).astype(np.int64)
     return args, np.argsort(order)[:real]
 

@@ -21,7 +21,8 @@ the model with the contract's arguments (`arguments`).
 - Speculative decoding (core.speculation): the NeuronConfig keys and the fused draft
   model's config (`neuron_config`), the speculative calls' arguments (`arguments`) and
   their answers (`outputs`). A fused draft's config is in the cache key, and its weights'
-  fingerprint where the artifacts embed weights.
+  fingerprint where the artifacts embed weights. An EAGLE head is NxDI's fused EAGLE
+  draft, checked and written in NxDI's layout first (`eagle`).
 - Quantized weights (core.quantization): `quantize()` writes NxDI's quantized checkpoint
   through NxDI's own `save_quantized_state_dict` (`neuron-plugin quantize`), into an
   existing folder so NxDI writes safetensors (application_base.py 756-770; a path that
@@ -36,6 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -58,6 +62,7 @@ from neuron_plugin.backends.base import (
 from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
 from neuron_plugin.backends.nxd import compat, cpu_mode, graphs, prompt_graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
+from neuron_plugin.backends.nxd.eagle import check_eagle, write_nxdi_head
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters, start_adapters_fingerprint
 from neuron_plugin.backends.nxd.models import (
@@ -153,8 +158,12 @@ class NxDBackend(InlineCalls):
         self.draft_cls: NxDIModelClass | None = None
         if settings.draft_model:
             self.draft_config = read_hf_config(settings.draft_model)
-            self.draft_cls = self._draft_class(self.draft_config)
+            # an EAGLE head is built with the model's own class (nxd.eagle)
+            if not settings.is_eagle:
+                self.draft_cls = self._draft_class(self.draft_config)
         check_speculation_models(settings, self.hf_config, self.draft_config)
+        self.eagle_head = check_eagle(settings, self.hf_config)
+        self._head_dir: Path | None = None  # the head in NxDI's layout (_draft_dir)
         refuse_quantized_draft(settings)
         found = compat.problems(settings, self.hf_config, self.nxdi.version, self.nxdi.patch_status)
         if found:
@@ -272,12 +281,7 @@ class NxDBackend(InlineCalls):
         (`_init_fused_spec_config`): the draft's config from its folder around a copy of
         the model's NeuronConfig (`draft_neuron_config`), the model's NeuronBaseModel
         class as NxDI's worker class, the draft's folder for its weights."""
-        draft_dir = self.settings.draft_model
-        if draft_dir is None:
-            raise ValueError(
-                "speculation_method 'draft_model' with settings.draft_model None: a plugin "
-                "bug, please report it with your --speculative-config."
-            )
+        draft_dir = self._draft_dir()
         worker_cls = getattr(self.model_cls, "_model_cls", None)
         if worker_cls is None:
             raise NeuronConfigError(
@@ -297,6 +301,26 @@ class NxDBackend(InlineCalls):
             draft_model_path=draft_dir,
             draft_model_cls=self.draft_cls,
         )
+
+    def _draft_dir(self) -> str:
+        """The folder NxDI loads the fused drafter from: the draft model's, or an EAGLE
+        head written in NxDI's layout (nxd.eagle.write_nxdi_head) into a temporary folder
+        of this backend, once."""
+        draft_dir = self.settings.draft_model
+        if draft_dir is None:
+            raise ValueError(
+                "fused speculation with settings.draft_model None: a plugin bug, please "
+                "report it with your --speculative-config."
+            )
+        if self.eagle_head is None:
+            return draft_dir
+        if self._head_dir is None:
+            folder = Path(tempfile.mkdtemp(prefix="nxdi-eagle-head-"))
+            weakref.finalize(self, shutil.rmtree, folder, True)
+            self._head_dir = write_nxdi_head(
+                self.eagle_head, draft_dir, str(self.model_dir), folder
+            )
+        return str(self._head_dir)
 
     def compile(self, folder: Path, progress: Progress | None = None) -> None:
         if self.on_cpu:

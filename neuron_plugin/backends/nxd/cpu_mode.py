@@ -172,13 +172,16 @@ def load(model: Any, markers: ModuleType) -> None:
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     identity_markers(markers)
     model.to_cpu()
-    plain = model.token_generation_model
     prompt = prompt_variant(model)
     # The prompt-logprob submodel stands in for context_encoding_model during its calls,
     # so NxDI's copy would miss the context encoder's own cache then: it shares it too.
     sharing = (graphs.logits_variant(model), prompt, prompt and model.context_encoding_model)
-    for variant in sharing:
-        if variant is not None and variant.model is not plain.model:
+    variants = [variant for variant in sharing if variant is not None]
+    # a fused application (a draft model, EAGLE) has no token_generation_model, and none
+    # of these variants (core.settings refuses prompt logprobs with one)
+    for variant in variants:
+        plain = model.token_generation_model
+        if variant.model is not plain.model:
             variant.model.kv_mgr.past_key_values = plain.model.kv_mgr.past_key_values
     by_module: dict[int, tuple[torch.nn.Module, list[Any]]] = {}
     for wrapper in model.models:

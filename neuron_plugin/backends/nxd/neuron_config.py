@@ -12,7 +12,12 @@ Speculative decoding (core.speculation) with N = num_speculative_tokens drafts:
   3057-3068), contiguous layout only (refused otherwise in core.speculation);
 - draft_model: `enable_fused_speculation` with `speculation_length` N + 1, and the
   InferenceConfig's `fused_spec_config` built as vllm-neuron's `_init_fused_spec_config`
-  builds it (`draft_neuron_config`; the backend assembles it).
+  builds it (`draft_neuron_config`; the backend assembles it);
+- eagle / eagle3: the same with `enable_eagle_speculation` (and `is_eagle3`), the head's
+  NeuronConfig `is_eagle_draft` keeping the speculation length, as NxDI's own
+  inference_demo.py builds it ("eagle requires the draft model to have speculation
+  enabled for the last draft run"); the head's folder as NxDI loads it (nxd.eagle);
+  EAGLE-3 with `sequence_parallel_enabled` (see neuron_config_kwargs).
 The on-device sampler stays dynamic without do_sample: NxDI then verifies every position
 with the target's argmax (model_base.py `_sample_on_device`, lines 1163-1173).
 """
@@ -25,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuron_plugin.core.checkpoint import text_config
+from neuron_plugin.core.neuron_settings import EAGLE3
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
 # Passed-through NeuronConfig keys the backend completes rather than replaces.
@@ -67,6 +73,17 @@ def neuron_config_kwargs(settings: NeuronSettings) -> dict[str, Any]:
         check_speculation_settings(s)
         derived["speculation_length"] = s.speculation_length
         derived["enable_fused_speculation"] = s.is_fused_speculation
+        if s.is_eagle:
+            derived["enable_eagle_speculation"] = True
+            derived["is_eagle3"] = s.speculation_method == EAGLE3
+        if s.speculation_method == EAGLE3:
+            # NxDI's EAGLE-3 target answers a prefill from its last position only through
+            # sequence parallelism (seq_parallel_slice_last_token over the 4 fused hidden
+            # sizes, model_base.py NeuronBaseModel.get_model_output); otherwise it gathers
+            # one hidden size of the four (NeuronBaseModel.forward, `expand(batch_size, 1,
+            # self.hidden_size)`) and its lm_head gets an empty slice: measured on 0.8 and
+            # 0.9 (tests/e2e/test_nxdi_eagle.py)
+            derived["sequence_parallel_enabled"] = True
     if s.on_device_sampling:
         derived["on_device_sampling_config"] = on_device_sampling_config(
             s.passthrough.get("on_device_sampling_config") or {}, s.global_topk
@@ -213,13 +230,18 @@ def check_speculation_models(
 def draft_neuron_config(target: Any) -> Any:
     """A fused draft model's NeuronConfig as vllm-neuron builds it
     (neuronx_distributed_model_loader.py `_init_fused_spec_config`): a copy of the
-    target's without speculation of its own (NxDI would otherwise nest fused
-    speculation), with `draft_model_modules_to_not_convert` as its
-    modules_to_not_convert where given. Its buckets, batch sizes and sampler are the
-    target's, as NxDI expects (model_base.py enable_fused_spec sets the draft's batch)."""
+    target's without fused speculation of its own (NxDI would otherwise nest it), with
+    `draft_model_modules_to_not_convert` as its modules_to_not_convert where given. A
+    draft model has no speculation length; an EAGLE head keeps it and is
+    `is_eagle_draft` (NxDI inference_demo.py run_inference). Its buckets, batch sizes
+    and sampler are the target's, as NxDI expects (model_base.py enable_fused_spec sets
+    the draft's batch)."""
     draft = copy.deepcopy(target)
-    draft.speculation_length = 0
+    eagle = bool(getattr(target, "enable_eagle_speculation", False))
+    if not eagle:
+        draft.speculation_length = 0
     draft.enable_fused_speculation = False
+    draft.is_eagle_draft = eagle
     modules = getattr(target, "draft_model_modules_to_not_convert", None)
     if modules:
         draft.modules_to_not_convert = modules

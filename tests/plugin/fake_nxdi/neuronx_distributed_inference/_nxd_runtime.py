@@ -96,6 +96,14 @@ token, see _release):
   output_logits lists the draft's and target's logits twice before the caches
   (lines 1800-1809), so its aliasing indices (2 * 3 + i) fall one entry early there;
   the double returns the six leading outputs as the token-generation graph does.
+EAGLE (enable_eagle_speculation, NeuronFusedSpecModel.forward lines 2878-2967): the same
+contract, with the head as the draft decoder and its state handed over inside the graph
+(the target's hidden states, the rolling buffer), so the double computes its drafts as
+a fused draft's; a token generation clips positions to the bucket less
+speculation_length (_eagle_clamped), the draft's mask takes each row's own column
+(a per-row scatter, not index_fill_ over the batch), and a head NxDI would not build as
+an EAGLE draft
+drafts wrong (application_base._eagle_misfit).
 The draft's logits peak where the target's do, except one token id higher when the
 query attends a multiple of DRAFT_MISS_EVERY keys: with a draft cache that mirrors the
 target's, the draft for position q (from the query at q - 1, attending q keys) is
@@ -621,7 +629,7 @@ class NxDModel:
 
     # -- what a NeuronFusedSpecModel graph computes ---------------------------------------
     def _fused(self, tag, inputs):
-        """NeuronFusedSpecModel.forward (ef2731e lines 2857-3021), non-EAGLE: context
+        """NeuronFusedSpecModel.forward (ef2731e lines 2857-3021): context
         encoding iff more than one input token and not speculation_length of them.
         Outputs by name: accepted (padded), next_input_ids, next_attention_mask,
         next_position_ids, then draft_logits and target_logits with submodel `tag`'s
@@ -636,6 +644,8 @@ class NxDModel:
         ids = inputs[0]
         if ids.shape[-1] > 1 and ids.shape[-1] != c.speculation_length:
             outputs = self._fused_context_encoding(inputs)
+        elif c.enable_eagle_speculation:
+            outputs = self._fused_token_generation(self._eagle_clamped(inputs))
         else:
             outputs = self._fused_token_generation(inputs)
         names = ["accepted", "next_input_ids", "next_attention_mask", "next_position_ids"]
@@ -643,10 +653,25 @@ class NxDModel:
             names += ["draft_logits", "target_logits"]
         return dict(zip(names, outputs[: len(names)], strict=True))
 
+    def _eagle_clamped(self, inputs):
+        """EAGLE token generation clips each row's position to the bucket's width less
+        speculation_length (NeuronFusedSpecModel.forward, ef2731e lines 2915-2918,
+        `torch.clamp(position_ids, min=0, max=bucket_size - generation_length)`)."""
+        positions = torch.clamp(inputs[2], min=0,
+                                max=inputs[1].shape[-1] - self.config.speculation_length)
+        return (*inputs[:2], positions, *inputs[3:])
+
     def _fused_context_encoding(self, inputs):
         """`_context_encoding_forward` (target, then draft, on the same inputs) and
         `_cte_postprocessor` (ef2731e lines 1750-1810, 2756-2797)."""
         c = self.config
+        if c.is_eagle3 and not getattr(c, "sequence_parallel_enabled", False):
+            # NeuronBaseModel.forward gathers the last position with expand(batch, 1,
+            # self.hidden_size) from the EAGLE-3 target's 4 fused hidden sizes unless
+            # sequence parallelism sliced it already (`sliced_hidden`, ef2731e lines
+            # 963-976, 1449-1463), then slices [3H:4H] of that for the lm_head: empty
+            raise RuntimeError("einsum(): subscript m has size 64 for operand 1 which does "
+                               "not broadcast with previously seen size 0")
         ids, mask, positions, seq_ids, sampling_params = inputs[:5]
         layout = (ids, mask, positions, seq_ids, *(inputs[7:9] if self.block else ()))
         target_logits = self._decoder(layout, self.target_prefix, c,
@@ -693,8 +718,14 @@ class NxDModel:
             token = self._sample_on_device(self.draft_sampler, self.draft_config, logits,
                                            sampling_params)
             columns = position.to(torch.int64).reshape(-1)
-            # index_fill_ on the device: an HLO scatter, out-of-bounds columns skipped
-            draft_mask[:, columns[columns < draft_mask.shape[1]]] = 1
+            inside = columns < draft_mask.shape[1]
+            if c.enable_eagle_speculation:
+                # each row's own column (`_eagle_token_gen_forward`, ef2731e lines
+                # 2601-2606: torch.scatter(draft_attention_mask, 1, draft_position_id, 1))
+                draft_mask[torch.arange(rows)[inside], columns[inside]] = 1
+            else:
+                # index_fill_ on the device: an HLO scatter, out-of-bounds columns skipped
+                draft_mask[:, columns[inside]] = 1
             candidates = torch.cat((candidates, token.view(rows, -1)), dim=-1)
         target_positions = positions + torch.arange(k).view(1, -1)
         layout = (candidates[:, :-1], mask, target_positions, seq_ids)

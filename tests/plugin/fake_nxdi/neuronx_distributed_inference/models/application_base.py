@@ -6,7 +6,8 @@ will accept) and whether its graphs return logits (its config's output_logits); 
 builds the traced model of _nxd_runtime and hands it to every ModelWrapper (with fused
 speculation, the draft's NeuronConfig and depth too; its weights are loaded beside the
 target's under "draft_model." / "target_model.", application_base.py
-checkpoint_loader_fn, ef2731e lines 660-673). to_cpu()
+checkpoint_loader_fn, ef2731e lines 660-673; an EAGLE draft drafts right only as NxDI's
+EAGLE draft, see _eagle_misfit). to_cpu()
 builds NxDI's eager submodels only as far as the CPU mode's set-up goes (which module
 each wrapper gets, the config and size attributes it starts with, its KV cache
 parameters); their forward records those attributes rather than computing (see
@@ -133,6 +134,7 @@ class NeuronApplicationBase(torch.nn.Module):
 
     def compile(self, compiled_model_path, debug=False, pre_shard_weights_hook=None, dry_run=False):
         compiled_model_path = normalize_path(compiled_model_path)
+        self._check_fused_spec_model()
         self.config.save(compiled_model_path)
         if dry_run:
             return
@@ -176,6 +178,7 @@ class NeuronApplicationBase(torch.nn.Module):
             graphs = json.load(f)
         if graphs != self._graphs():
             raise RuntimeError(f"compiled graphs {graphs} differ from {self._graphs()}")
+        self._check_fused_spec_model()
         text = self.config.get_text_config()
         draft = None
         if self.neuron_config.enable_fused_speculation:
@@ -183,7 +186,7 @@ class NeuronApplicationBase(torch.nn.Module):
             draft = (draft_config.neuron_config, draft_config.get_text_config())
         self.traced_model = TracedModel(NxDModel(self.neuron_config, text, graphs, draft))
         self.load_weights(compiled_model_path)
-        self.traced_model.nxd_model.garbled = set(getattr(self, "garbled", ()))
+        self.traced_model.nxd_model.garbled = set(getattr(self, "garbled", ())) | self._eagle_misfit()
         # NxD traced each submodel's module (model_cls(config)); the double runs those
         # whose class overrides forward (model_base.NeuronBaseModel)
         self.traced_model.nxd_model.traced_modules = {
@@ -218,6 +221,34 @@ class NeuronApplicationBase(torch.nn.Module):
         if lora.dynamic_multi_lora:
             self.lora_model_manager.init_dynamic_multi_lora(
                 None, None if presharded else self.context_encoding_model)
+
+    def _check_fused_spec_model(self):
+        """What NeuronFusedSpecModel.__init__ asserts, when compile and load build it."""
+        if self.neuron_config.enable_fused_speculation:
+            from neuronx_distributed_inference.models.model_base import NeuronFusedSpecModel
+
+            NeuronFusedSpecModel.check(self.config)
+
+    # An EAGLE draft's own tensors, loaded from its folder: the embedding and lm_head of
+    # NxDI's Llama model and, under is_eagle_draft, the fc over [embedding; hidden state]
+    # (modeling_llama.py NeuronLlamaModel.init_model, ef2731e lines 1155-1168).
+    EAGLE_DRAFT_TENSORS = ("embed_tokens.weight", "lm_head.weight", "fc.weight")
+
+    def _eagle_misfit(self):
+        """{"draft_model."} when an EAGLE application's draft would not draft from the
+        target's hidden states as EAGLE defines: its NeuronConfig is not is_eagle_draft
+        (the model is then a plain decoder without fc, fed its embeddings alone:
+        model_base.py NeuronBaseModel.get_model_output calls
+        process_eagle_draft_hidden_states only under is_eagle_draft), or its folder
+        lacks a tensor of EAGLE_DRAFT_TENSORS (NxDI loads the draft state dict
+        non-strictly, leaving it as initialised). Its drafts are then wrong (the double's
+        garbled peak) while the target still decides every token."""
+        if not self.neuron_config.enable_eagle_speculation:
+            return set()
+        draft = self.fused_spec_config.draft_config.neuron_config
+        names = set(self.loaded_weights[0])
+        missing = [n for n in self.EAGLE_DRAFT_TENSORS if f"draft_model.{n}" not in names]
+        return {"draft_model."} if missing or not draft.is_eagle_draft else set()
 
     def _trace(self, workdir):
         """ModelBuilder.trace's use of its work folder (neuronx-distributed 0.18

@@ -154,6 +154,13 @@ class NeuronConfig:
         self.enable_eagle_speculation = kwargs.pop("enable_eagle_speculation", False)
         if self.enable_eagle_speculation:
             self.enable_fused_speculation = True
+        # ef2731e config.py 247-250 (cd3abf3 alike)
+        self.is_eagle3 = kwargs.pop("is_eagle3", False)
+        self.is_eagle_draft = kwargs.pop("is_eagle_draft", False)
+        self.enable_eagle_draft_input_norm = kwargs.pop("enable_eagle_draft_input_norm", False)
+        # line 265: token_tree_config, which the double does not reproduce (the plugin
+        # never sets one), turns the token tree on
+        self.enable_token_tree = kwargs.get("token_tree_config") is not None
         self.is_medusa = kwargs.pop("is_medusa", False)
         self.is_block_kv_layout = kwargs.pop("is_block_kv_layout", False)
         self.pa_num_blocks = kwargs.pop("pa_num_blocks", self.batch_size)

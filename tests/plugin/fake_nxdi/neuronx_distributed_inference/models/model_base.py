@@ -99,6 +99,16 @@ class NeuronFusedSpecModel(torch.nn.Module):
 
     acceptance_padding_token = ACCEPTANCE_PADDING_TOKEN
 
+    @staticmethod
+    def check(config):
+        """NeuronFusedSpecModel.__init__'s EAGLE-3 checks (ef2731e lines 1655-1658, cd3abf3
+        alike), run wherever NxDI builds the model (compile, load, to_cpu)."""
+        if config.neuron_config.is_eagle3:
+            assert not config.neuron_config.enable_token_tree, \
+                "We do not yet support integration of EAGLE3 and token tree"
+            assert not config.neuron_config.is_prefix_caching, \
+                "We do not yet support integration of EAGLE3 and prefix caching"
+
 
 class NeuronBaseForCausalLM(NeuronApplicationBase):
     _model_cls = None
