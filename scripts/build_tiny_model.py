@@ -606,7 +606,8 @@ def _write_vlm(
 ) -> None:
     """A vision-language checkpoint: the tiny tokenizer with the vision special tokens
     (the config's token ids point at them), random weights saved with save_pretrained
-    (the Hub's tensor names: model.layers.*, visual.*, lm_head), and the processor's
+    (the Hub's tensor names: model.layers.*, visual.*, lm_head; Qwen3-VL's
+    model.language_model.*, model.visual.*, lm_head), and the processor's
     files as the Hub's Qwen2-VL ships them (preprocessor_config.json, chat_template.json),
     written from their documented keys: transformers 5 builds a Qwen2VLProcessor only
     with torchvision (its video processor), which the CPU test environment lacks."""

@@ -295,8 +295,9 @@ def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(
 ):
     """Qwen3-VL through the same server flags: one image and two images (one wide, its
     DeepStack levels at every image token) with transformers' greedy tokens; an image
-    beyond the largest vision bucket (784 of its 16-pixel patches) and a video get a
-    400, and the server answers right after."""
+    beyond the largest vision bucket (784 of its 16-pixel patches), more images than
+    --limit-mm-per-prompt allows and a video get a 400, and the server answers right
+    after."""
     names = ["one", "two"]
     expected = oracle(qwen3_vl, host_python, names)
     eos = int(text_config(read_hf_config(qwen3_vl))["eos_token_id"])
@@ -304,6 +305,7 @@ def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(
         assert answer(qwen3_server, REQUESTS[name], eos) == _until_eos(expected[name], eos)
     for messages, says in (
         (BIGGER_THAN_THE_BUCKETS, "784 patches exceeds the largest vision bucket"),
+        (chat("look", RED, BLUE, WIDE), "At most 2 image(s)"),
         (VIDEO, "At most 0 video(s)"),
     ):
         response = ask(qwen3_server, messages)

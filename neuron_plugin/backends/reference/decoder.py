@@ -364,8 +364,9 @@ class DecoderGraph(nn.Module):
         each token's keys and values written to its cache slot first; `lora`: per layer,
         the rows' adapter deltas (`lora_rows`). A vision-language model's M-RoPE
         rotates by `rope_positions` [3, batch, active], and `vision` (embeddings
-        [batch, active, hidden], mask [batch, active]) replaces the token embeddings
-        where the mask is set (transformers' masked_scatter of the image features)."""
+        [batch, active, hidden x (1 + DeepStack levels)], mask [batch, active]) replaces
+        the token embeddings where the mask is set (transformers' masked_scatter of the
+        image features), its DeepStack levels added after the first layers there."""
         return self.hidden_states(
             w,
             input_ids,
