@@ -28,7 +28,7 @@ multiples of 128); gpt_oss_float is one with float experts and a 16-token window
 variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
 need (see ARCHITECTURES).
 
-Vision-language checkpoints (qwen2_vl, qwen2_5_vl) carry their processor too: the tiny
+Vision-language checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl) carry their processor too: the tiny
 tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image
 parts as Qwen2-VL's placeholder run, and preprocessor_config.json / chat_template.json
 as the Hub's Qwen2-VL ships them, with pixel limits that keep images tiny (16 to 256
@@ -361,6 +361,39 @@ VISION_LANGUAGE["qwen2_5_vl"] = {
     },
     "processor_class": "Qwen2_5_VLProcessor",
 }
+# Qwen3-VL: a Qwen3 decoder (QK-norm) whose M-RoPE interleaves its three axes over head_dim
+# 32, and a three-block vision tower with 16-pixel patches, a learned 8x8 position grid
+# interpolated to each image, and DeepStack mergers after blocks 0 and 1 whose outputs
+# join decoder layers 0 and 1. Its processor's pixel limits are the Hub's `size` keys:
+# 16 to 256 patches again.
+VISION_LANGUAGE["qwen3_vl"] = {
+    "text_config": {
+        **VISION_LANGUAGE["qwen2_vl"]["text_config"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+            "rope_theta": 5000000.0,
+        },
+    },
+    "vision_config": {
+        "depth": 3,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,  # the text decoder's
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "processor": {"size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}},
+    "processor_class": "Qwen3VLProcessor",
+    "image_mean": [0.5, 0.5, 0.5],  # the Hub's Qwen3-VL preprocessor_config.json
+    "image_std": [0.5, 0.5, 0.5],
+}
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # CLIP's normalisation, as Qwen2-VL's preprocessor_config.json has it
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -573,7 +606,8 @@ def _write_vlm(
 ) -> None:
     """A vision-language checkpoint: the tiny tokenizer with the vision special tokens
     (the config's token ids point at them), random weights saved with save_pretrained
-    (the Hub's tensor names: model.layers.*, visual.*, lm_head), and the processor's
+    (the Hub's tensor names: model.layers.*, visual.*, lm_head; Qwen3-VL's
+    model.language_model.*, model.visual.*, lm_head), and the processor's
     files as the Hub's Qwen2-VL ships them (preprocessor_config.json, chat_template.json),
     written from their documented keys: transformers 5 builds a Qwen2VLProcessor only
     with torchvision (its video processor), which the CPU test environment lacks."""
@@ -622,13 +656,15 @@ def _write_vlm(
         model.save_pretrained(staging)
         saved = json.loads((staging / "config.json").read_text())
         # transformers 4.57 reads RoPE from rope_theta / rope_scaling ("mrope" is its
-        # name for M-RoPE's default frequencies)
+        # name for M-RoPE's default frequencies; Qwen3-VL's Hub configs say "default"
+        # and mrope_interleaved)
         rope = text["rope_parameters"]
         saved["text_config"]["rope_theta"] = rope["rope_theta"]
-        saved["text_config"]["rope_scaling"] = {
-            "type": "mrope",
-            "mrope_section": rope["mrope_section"],
-        }
+        saved["text_config"]["rope_scaling"] = (
+            {k: v for k, v in rope.items() if k != "rope_theta"}
+            if rope.get("mrope_interleaved")
+            else {"type": "mrope", "mrope_section": rope["mrope_section"]}
+        )
         (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         preprocessor = {
@@ -638,8 +674,8 @@ def _write_vlm(
             "patch_size": vision["patch_size"],
             "temporal_patch_size": vision["temporal_patch_size"],
             "merge_size": vision["spatial_merge_size"],
-            "image_mean": IMAGE_MEAN,
-            "image_std": IMAGE_STD,
+            "image_mean": recipe_fields.get("image_mean", IMAGE_MEAN),
+            "image_std": recipe_fields.get("image_std", IMAGE_STD),
         }
         (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
         (staging / "chat_template.json").write_text(

@@ -1,7 +1,7 @@
 """Images through a vision encoder: what one encoder call takes, the bucket it runs in,
 and where its embeddings go in the prompt.
 
-A vision-language model (Qwen2-VL family first) has two kinds of graphs: the decoder's
+A vision-language model (the Qwen2-VL family and Qwen3-VL) has two kinds of graphs: the decoder's
 (context encoding, token generation) and the vision encoder's, one per vision bucket.
 A vision bucket is a number of patches: an image of `grid_thw` (temporal, height, width
 patches, the model's processor's split) runs in the first bucket of at least
@@ -10,7 +10,10 @@ t*h*w patches, padded, as NxDI pads an image to its vision bucket
 prompt run one after another, each once (vLLM's encoder cache keeps their embeddings for
 chunked prefill and prefix-cache misses). The encoder answers one embedding per
 spatial_merge_size**2 patches, and those replace the prompt's image placeholder tokens
-in order (`ForwardInputs.vision_embeddings` / `vision_mask`).
+in order (`ForwardInputs.vision_embeddings` / `vision_mask`). Qwen3-VL's embedding of a
+merged group also carries its DeepStack features, concatenated after it as vLLM's
+Qwen3-VL hands them on ([tokens, hidden x (1 + deepstack levels)]): the decoder adds
+level i to its hidden states after layer i at the image's tokens.
 """
 
 from __future__ import annotations
@@ -60,11 +63,19 @@ def padding_image(bucket: int) -> ImageInputs:
 @dataclass(frozen=True)
 class VisionGeometry:
     """The sizes of a vision-language model's image arrays, from its config.json
-    (Qwen2-VL family keys): what crosses a process boundary per image and per call."""
+    (Qwen2-VL family and Qwen3-VL keys): what crosses a process boundary per image and
+    per call."""
 
     patch_dim: int  # values per patch: channels x temporal_patch_size x patch_size**2
     spatial_merge_size: int
     hidden_size: int  # the text decoder's: one embedding per merged patch group
+    deepstack: int = 0  # Qwen3-VL's DeepStack levels (deepstack_visual_indexes)
+
+    @property
+    def embedding_width(self) -> int:
+        """Values per merged patch group the encoder answers: the embedding and its
+        DeepStack features, concatenated."""
+        return self.hidden_size * (1 + self.deepstack)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionGeometry | None:
@@ -81,6 +92,7 @@ class VisionGeometry:
             patch_dim=channels * int(vision.get("temporal_patch_size", 2)) * patch * patch,
             spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
             hidden_size=int(hidden),
+            deepstack=len(vision.get("deepstack_visual_indexes") or ()),
         )
 
 
@@ -98,9 +110,14 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
 
 
 # The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
-# family: patches merged spatial_merge_size**2 to one embedding, M-RoPE positions).
+# family and Qwen3-VL: patches merged spatial_merge_size**2 to one embedding, M-RoPE
+# positions).
 VISION_ARCHITECTURES = frozenset(
-    {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+    {
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+    }
 )
 VISION_BUCKETS_KEY = "vision_buckets"
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -191,7 +208,9 @@ def mrope_positions(
     position p rotates at p + delta), as the Qwen2-VL family numbers them
     (transformers' `get_rope_index`): text counts on in all three rows from the last
     position used; an image's tokens take (frame, row, column) of the merged grid,
-    offset by the position the image starts at."""
+    offset by the position the image starts at. Qwen3-VL's get_rope_index numbers an
+    image alike (its text resumes max(height, width) merged rows on, the same for an
+    image's single frame)."""
     rows, start, cursor = [], 0, 0
     for offset, grid in sorted(images, key=lambda image: image[0]):
         text = offset - start
@@ -216,16 +235,17 @@ def chunk_embeddings(
     start: int,
     count: int,
     active: int,
-    hidden: int,
+    width: int,
     placed: list[tuple[int, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """The vision inputs of a context-encoding call of prompt tokens [start, start +
-    count) padded to `active`: embeddings [1, active, hidden] and mask [1, active], from
-    each image's (placeholder offset, embeddings [tokens, hidden]). A chunk may cut an
+    count) padded to `active`: embeddings [1, active, width] and mask [1, active], from
+    each image's (placeholder offset, embeddings [tokens, width]; width:
+    `VisionGeometry.embedding_width`). A chunk may cut an
     image anywhere (chunked prefill, a prefix-cache hit inside an image): it takes the
     rows of the image's embeddings its tokens cover, as vLLM's GPU runner gathers them
     (`_gather_mm_embeddings`)."""
-    embeddings = np.zeros((1, active, hidden), dtype=np.float32)
+    embeddings = np.zeros((1, active, width), dtype=np.float32)
     mask = np.zeros((1, active), dtype=bool)
     end = start + count
     for offset, rows in placed:

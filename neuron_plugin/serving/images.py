@@ -77,7 +77,7 @@ class Images:
         geometry = VisionGeometry.from_hf_config(hf_config)
         if geometry is None:  # the settings give vision buckets to vision models only
             raise RuntimeError("vision buckets for a model without a vision_config")
-        self.merge, self.hidden_size = geometry.spatial_merge_size, geometry.hidden_size
+        self.merge, self.width = geometry.spatial_merge_size, geometry.embedding_width
         text = text_config(hf_config)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         self.mrope = bool(rope.get("mrope_section"))
@@ -150,7 +150,7 @@ class Images:
             for offset, length, identifier in request.images
             if offset < start + count and offset + length > start
         ]
-        embeddings, mask = chunk_embeddings(start, count, active, self.hidden_size, placed)
+        embeddings, mask = chunk_embeddings(start, count, active, self.width, placed)
         rope = None
         if request.rope is not None:
             rope = np.broadcast_to(inputs.position_ids, (3, *inputs.position_ids.shape)).copy()
