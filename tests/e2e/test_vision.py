@@ -68,9 +68,16 @@ def model(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model, host_python) -> dict[str, list[int]]:
+    return transformers_answers(model, host_python, REQUESTS)
+
+
+def transformers_answers(
+    model: Path, host_python: str, requests: dict[str, list[dict]]
+) -> dict[str, list[int]]:
+    """Each request's greedy tokens from transformers (tests/e2e/vision_oracle.py)."""
     job = {
         "model": str(model),
-        "requests": [{"messages": m, "max_tokens": TOKENS} for m in REQUESTS.values()],
+        "requests": [{"messages": m, "max_tokens": TOKENS} for m in requests.values()],
     }
     done = subprocess.run(
         [host_python, str(ORACLE)],
@@ -81,7 +88,7 @@ def expected(model, host_python) -> dict[str, list[int]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(REQUESTS, json.loads(done.stdout), strict=True))
+    return dict(zip(requests, json.loads(done.stdout), strict=True))
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,10 @@ class Architecture:
     # text_config (transformers 5) or flat (4.57), its RoPE is M-RoPE and a vision tower
     # (`vision`) turns images into embeddings that replace placeholder tokens.
     vision: bool = False
+    # A vision model's decoder with M-RoPE (the Qwen2-VL family) or plain 1-D RoPE (Pixtral)
+    mrope: bool = True
+    # Where the decoder's tensors sit in the checkpoint: Llava's under language_model.
+    checkpoint_prefix: str = ""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -112,6 +116,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         sliding_layer=_from_max_window_layers,
         default_rope_theta=1_000_000.0,
         vision=True,
+    ),
+    # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
+    # reference/pixtral.py)
+    "LlavaForConditionalGeneration": Architecture(
+        "llava",
+        attention_bias="none",
+        reads_layer_types=False,
+        vision=True,
+        mrope=False,
+        checkpoint_prefix="language_model.",
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -229,7 +243,7 @@ class DecoderSpec:
 
 
 def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
-    if not arch.vision:
+    if not (arch.vision and arch.mrope):
         return ()
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     section = tuple(int(n) for n in params.get("mrope_section") or (16, 24, 24))

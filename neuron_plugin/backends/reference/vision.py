@@ -40,6 +40,8 @@ from torch.nn import functional
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
 from neuron_plugin.backends.reference.decoder import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import activation
+from neuron_plugin.backends.reference.pixtral import PixtralGraph, PixtralSpec, is_pixtral
+from neuron_plugin.backends.reference.pixtral import weight_names as pixtral_weight_names
 from neuron_plugin.core.checkpoint import safetensors_files
 from neuron_plugin.core.vision import VisionGeometry
 
@@ -118,8 +120,28 @@ class VisionSpec:
         )
 
 
-def weight_names(spec: VisionSpec) -> list[str]:
+def vision_tower(config: dict[str, Any]) -> VisionSpec | PixtralSpec:
+    """The spec of the config's vision tower: Pixtral's (Llava format) or the Qwen2-VL
+    family's."""
+    if is_pixtral(config):
+        return PixtralSpec.from_hf_config(config)
+    if "LlavaForConditionalGeneration" in (config.get("architectures") or []):
+        kind = (config.get("vision_config") or {}).get("model_type")
+        raise UnsupportedModelError(
+            f"LlavaForConditionalGeneration with a {kind!r} vision tower: the reference "
+            f"backend runs Llava with Pixtral's (vision_config model_type 'pixtral') only"
+        )
+    return VisionSpec.from_hf_config(config)
+
+
+def vision_graph(spec: VisionSpec | PixtralSpec) -> VisionGraph | PixtralGraph:
+    return PixtralGraph(spec) if isinstance(spec, PixtralSpec) else VisionGraph(spec)
+
+
+def weight_names(spec: VisionSpec | PixtralSpec) -> list[str]:
     """The vision graph's weight inputs, in order (the checkpoint's names)."""
+    if isinstance(spec, PixtralSpec):
+        return pixtral_weight_names(spec)
     norm_bias = () if spec.qwen2_5 else (".bias",)  # RMSNorm or LayerNorm
     mlp = MLP_QWEN2_5 if spec.qwen2_5 else MLP_QWEN2
     names = [PREFIX + "patch_embed.proj.weight"]
@@ -163,7 +185,9 @@ def patch_inputs(
     return rotary_ids, groups
 
 
-def load_weights(model_dir: str | Path, spec: VisionSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+def load_weights(
+    model_dir: str | Path, spec: VisionSpec | PixtralSpec, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The vision tower's tensors of the checkpoint, in `weight_names` order."""
     from safetensors import safe_open
 
@@ -176,12 +200,14 @@ def load_weights(model_dir: str | Path, spec: VisionSpec, dtype: torch.dtype) ->
     return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
 
 
-def weight_shapes(spec: VisionSpec, shapes: Mapping[str, list[int]]) -> list[list[int]]:
+def weight_shapes(
+    spec: VisionSpec | PixtralSpec, shapes: Mapping[str, list[int]]
+) -> list[list[int]]:
     """The vision graph's weight shapes from the checkpoint's (safetensors headers)."""
     return [list(shapes[name]) for name in checked_names(spec, shapes)]
 
 
-def checked_names(spec: VisionSpec, present: Mapping[str, object]) -> list[str]:
+def checked_names(spec: VisionSpec | PixtralSpec, present: Mapping[str, object]) -> list[str]:
     names = weight_names(spec)
     missing = [n for n in names if n not in present]
     if missing:
