@@ -21,7 +21,7 @@ from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.backends.reference.vision import vision_tower
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
-from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.settings import EngineLimits, resolve_settings
 from neuron_plugin.core.vision import (
     VisionGeometry,
     chunk_embeddings,
@@ -241,24 +241,29 @@ def test_a_chunk_that_cuts_an_image_takes_its_rows(processed):
         spread_embeddings(rows[:3], embed)
 
 
-@pytest.mark.parametrize(("architecture", "says"), [
-    ("LlavaForConditionalGeneration", "to_cpu.*serve it with VLLM_NEURON_BACKEND=reference"),
-    ("MllamaForConditionalGeneration",
-     "supported until vLLM 0.10.2.*the reference backend does not serve it either"),
-    ("Llama4ForConditionalGeneration",
-     "not checked on real NxDI.*the reference backend does not serve it either"),
-])
-def test_the_nxd_refusal_says_which_backend_serves_it(architecture, says):
-    from neuron_plugin.backends.nxd.models import refuse_vision_language
-
-    with pytest.raises(NeuronConfigError, match=says):
-        refuse_vision_language(architecture)
-
-
 def test_vllm_no_longer_serves_mllama():
     """The fact the refusal above quotes, from the vLLM this runs on."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     assert "MllamaForConditionalGeneration" not in ModelRegistry.get_supported_archs()
-    with pytest.raises(ValueError, match="supported in vLLM until v0.10.2"):
+    with pytest.raises(ValueError, match=r"supported in vLLM until v0\.10\.2"):
         ModelRegistry._raise_for_unsupported(["MllamaForConditionalGeneration"])
+
+
+def test_pixtral_crosses_the_runner_boundary(backend, model, sdk_python, tmp_path):
+    """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
+    compiles Pixtral's graphs and answers encode_image as the in-process backend does."""
+    from neuron_plugin.backends.loader import open_backend
+    from neuron_plugin.backends.runner.client import RunnerBackend
+
+    settings = dataclasses.replace(backend.settings, backend_python=sdk_python)
+    remote = open_backend(settings, model, str(tmp_path))
+    try:
+        assert isinstance(remote, RunnerBackend)
+        for image in (pixels(3, 5, seed=5), pixels(8, 6, seed=6)):
+            patches = pixtral_patches(image, 16)
+            np.testing.assert_allclose(remote.encode_image(patches),
+                                       backend.encode_image(patches), atol=1e-5, rtol=1e-5)
+    finally:
+        remote.close()
+    assert remote.runner.process.returncode == 0
