@@ -77,7 +77,7 @@ class PixtralSpec:
             embed_dim=embed,
             num_heads=heads,
             head_dim=int(vision.get("head_dim") or embed // heads),
-            activation=vision.get("hidden_act", "silu"),
+            activation=vision.get("hidden_act", "gelu"),  # PixtralVisionConfig's default
             patch_dim=int(vision.get("num_channels", 3)) * patch * patch,
             rope_theta=float(params.get("rope_theta", vision.get("rope_theta", 10000.0))),
             projector_activation=config.get("projector_hidden_act", "gelu"),
