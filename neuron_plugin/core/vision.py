@@ -148,14 +148,25 @@ def processor_limits(
 
 
 def pixtral_limits(
-    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any]
+    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any], image_size: int
 ) -> VisionLimits:
     """A Pixtral image processor's patch range: it scales an image down so its longest
     side is at most size.longest_edge pixels and rounds each side up to whole patches
     (transformers' PixtralImageProcessor resize / get_resize_output_image_size), so an
-    image has 1 to ceil(longest_edge / patch)**2 patches, one embedding each."""
+    image has 1 to ceil(longest_edge / patch)**2 patches, one embedding each. vLLM counts
+    an image's [IMG] placeholders as if longest_edge were the vision config's
+    `image_size` (PixtralHFEncoderInfo.get_patch_grid_size), so another edge would give
+    an image more or fewer embeddings than placeholders: refused."""
     size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
     edge = _pixels("size.longest_edge", size.get("longest_edge"))
+    if edge != image_size:
+        raise NeuronConfigError(
+            f"Pixtral's image processor size.longest_edge={edge} (mm_processor_kwargs or "
+            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"vLLM places an image's [IMG] tokens for image_size (PixtralHFEncoderInfo), "
+            f"the processor scales it to longest_edge, and the two would not match; set "
+            f"size.longest_edge to {image_size} or remove it from --mm-processor-kwargs."
+        )
     patch_size = {**(preprocessor.get("patch_size") or {})}
     side = -(-edge // int(patch_size.get("height", 16)))
     return VisionLimits(min_patches=1, max_patches=side * side, step=1)

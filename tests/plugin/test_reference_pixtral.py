@@ -21,9 +21,10 @@ from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.backends.reference.vision import vision_tower
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
-from neuron_plugin.core.settings import EngineLimits, resolve_settings
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 from neuron_plugin.core.vision import (
     VisionGeometry,
+    VisionLimits,
     chunk_embeddings,
     pixtral_limits,
     pixtral_patches,
@@ -119,8 +120,13 @@ def test_geometry_and_limits_are_pixtrals(model):
     config = read_hf_config(model)
     assert VisionGeometry.from_hf_config(config) == VisionGeometry(768, 1, 128)
     preprocessor = {"size": {"longest_edge": 128}, "patch_size": {"height": 16, "width": 16}}
-    assert pixtral_limits(preprocessor, {}).max_patches == 64
-    assert pixtral_limits(preprocessor, {"size": {"longest_edge": 200}}).max_patches == 13 * 13
+    assert pixtral_limits(preprocessor, {}, 128) == VisionLimits(1, 64, 1)
+    big = {"size": {"longest_edge": 200}}
+    assert pixtral_limits({**preprocessor, **big}, {}, 200).max_patches == 13 * 13
+    # vLLM's placeholders follow vision_config.image_size, the pixels longest_edge
+    for kwargs in (big, {"size": {"longest_edge": 96}}):
+        with pytest.raises(NeuronConfigError, match=r"differs from vision_config\.image_size=128"):
+            pixtral_limits(preprocessor, kwargs, 128)
 
 
 def test_a_llava_without_pixtrals_tower_is_refused(model):
