@@ -36,6 +36,9 @@ patches):
 
     python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
 
+pixtral is Pixtral in transformers' Llava format (as mistral-community/pixtral-12b) with
+a PixtralProcessor's files: images up to 128 pixels a side (8 x 8 patches of 16).
+
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
 rows) and one layer, for measurements where the vocabulary's size matters (sampling,

@@ -9,7 +9,10 @@ both hold it. A context-encoding call of prompt tokens [start, end) takes the ro
 each image its tokens cover (`core.vision.chunk_embeddings`), whatever the chunk or
 prefix-cache hit cut. A model with M-RoPE (the Qwen2-VL family) also gets each call's
 rotary positions: the prompt's from `core.vision.mrope_positions`, computed once per
-request, and a decode's from its KV position and the request's shift.
+request, and a decode's from its KV position and the request's shift. Pixtral's
+processor hands whole images (core.vision.pixtral_patches cuts them), and only its
+[IMG] placeholders take embeddings (vLLM's is_embed; [IMG_BREAK] and [IMG_END] keep
+their own).
 """
 
 from __future__ import annotations
