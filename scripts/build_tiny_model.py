@@ -36,6 +36,9 @@ patches):
 
     python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
 
+pixtral is Pixtral in transformers' Llava format (as mistral-community/pixtral-12b) with
+a PixtralProcessor's files: images up to 128 pixels a side (8 x 8 patches of 16).
+
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
 rows) and one layer, for measurements where the vocabulary's size matters (sampling,
@@ -394,6 +397,34 @@ VISION_LANGUAGE["qwen3_vl"] = {
     "image_mean": [0.5, 0.5, 0.5],  # the Hub's Qwen3-VL preprocessor_config.json
     "image_std": [0.5, 0.5, 0.5],
 }
+# Pixtral as mistral-community/pixtral-12b ships it (transformers' Llava format): a Mistral
+# decoder, a two-layer Pixtral vision tower of 16-pixel patches with 2-D RoPE, and a
+# processor that scales an image's longest edge to at most 128 pixels (8 x 8 patches).
+PIXTRAL: dict[str, Any] = {
+    "text_config": {
+        "model_type": "mistral",
+        **{k: v for k, v in _SMALL.items() if k != "perturb"},
+        "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "initializer_range": 0.08,
+    },
+    "vision_config": {
+        "model_type": "pixtral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "patch_size": 16,
+        "image_size": 128,  # the processor's longest_edge: RoPE's rows and columns
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        "initializer_range": 0.08,
+    },
+}
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Pixtral's chat template: an image part is one [IMG], which the processor expands to
+# the image's rows of [IMG] each closed by [IMG_BREAK] ([IMG_END] after the last).
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # CLIP's normalisation, as Qwen2-VL's preprocessor_config.json has it
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -419,6 +450,9 @@ VLM_CHAT_TEMPLATE = (
     "{{- eos_token ~ '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- 'assistant\\n' }}{%- endif %}"
+)
+PIXTRAL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "[IMG]"
 )
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
@@ -496,13 +530,15 @@ def build(
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
     size) the embedding and output rows; `layers` overrides the architecture's depth;
     `train_steps` trains the weights on the corpus (see `train_on_corpus`)."""
-    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE:
-        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE])
+    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE and arch != "pixtral":
+        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"])
         raise ValueError(f"--arch {arch!r} is not known; choose one of {known}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
     with building(out, "tiny_model_recipe.json", wanted) as stale:
         if stale and arch in VISION_LANGUAGE:
             _write_vlm(arch, out, wanted, seed, vocab_size, max_positions)
+        elif stale and arch == "pixtral":
+            _write_pixtral(out, wanted, seed, vocab_size, max_positions)
         elif stale:
             _write(
                 arch, out, wanted, seed, vocab_size, max_positions, layers, model_vocab, train_steps
@@ -684,6 +720,81 @@ def _write_vlm(
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
 
 
+def _write_pixtral(
+    out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """Pixtral in transformers' Llava format (LlavaForConditionalGeneration, a pixtral
+    vision_config; saved with the Hub's names: language_model.*, vision_tower.*,
+    multi_modal_projector.*) and the files of a PixtralProcessor: the tiny tokenizer with
+    Pixtral's image tokens, preprocessor_config.json saved by PixtralImageProcessor's PIL
+    variant, processor_config.json and chat_template.json from their documented keys
+    (transformers 5 builds a PixtralProcessor only with torchvision, as for Qwen2-VL)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers.models.pixtral import PixtralImageProcessorPil
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=PIXTRAL_CHAT_TEMPLATE,
+        additional_special_tokens=list(PIXTRAL_TOKENS),
+    )
+    text = {
+        **PIXTRAL["text_config"],
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": max_positions,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    vision = PIXTRAL["vision_config"]
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=text,
+        vision_config=dict(vision),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    _perturb_constants(model, seed)
+    patch = {"height": vision["patch_size"], "width": vision["patch_size"]}
+    images = PixtralImageProcessorPil(size={"longest_edge": vision["image_size"]}, patch_size=patch)
+    with replacing_folder(out) as staging:
+        model.save_pretrained(staging)
+        saved = json.loads((staging / "config.json").read_text())
+        for part in ("text_config", "vision_config"):  # transformers 4.57's RoPE key
+            saved[part]["rope_theta"] = PIXTRAL[part]["rope_parameters"]["rope_theta"]
+        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+        tokenizer.save_pretrained(staging, save_jinja_files=False)
+        images.save_pretrained(staging)
+        preprocessor = json.loads((staging / "preprocessor_config.json").read_text())
+        preprocessor["processor_class"] = "PixtralProcessor"
+        (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+        processor = {
+            "processor_class": "PixtralProcessor",
+            "patch_size": vision["patch_size"],
+            "spatial_merge_size": 1,
+            "image_token": PIXTRAL_TOKENS[0],
+            "image_break_token": PIXTRAL_TOKENS[1],
+            "image_end_token": PIXTRAL_TOKENS[2],
+        }
+        (staging / "processor_config.json").write_text(json.dumps(processor, indent=2))
+        (staging / "chat_template.json").write_text(
+            json.dumps({"chat_template": PIXTRAL_CHAT_TEMPLATE}, indent=2)
+        )
+        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+
+
 def mxfp4_experts(folder: Path) -> None:
     """Replace the float expert weights in `folder`'s model.safetensors by openai's MXFP4
     `*_blocks` / `*_scales` (biases stay float), as gpt-oss checkpoints ship."""
@@ -735,7 +846,7 @@ def build_speculation_models(models: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE]), default="llama"
+        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"]), default="llama"
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)

@@ -64,9 +64,16 @@ def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
     }
 
 
-# Qwen3-VL's checkpoints nest the decoder in model.language_model. and the vision tower
-# in model.visual.; the reference graphs name them as Qwen2-VL's do (model., visual.).
-NESTED_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# Vision-language checkpoints nest the decoder: Qwen3-VL's in model.language_model. (and
+# the vision tower in model.visual.), transformers 4's Llava (Pixtral) in
+# language_model.model. and language_model.lm_head.; the reference graphs name them as a
+# text model's (model., lm_head.) and Qwen2-VL's tower (visual.).
+NESTED_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 
 
 def canonical_tensor_name(name: str) -> str:

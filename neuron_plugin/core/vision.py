@@ -84,14 +84,17 @@ class VisionGeometry:
         if not isinstance(vision, dict):
             return None
         text = config.get("text_config")
-        hidden = (text if isinstance(text, dict) else config)["hidden_size"]
+        hidden = int((text if isinstance(text, dict) else config)["hidden_size"])
+        patch = int(vision.get("patch_size", 14))
+        if vision.get("model_type") == "pixtral":  # one embedding per 2-D patch
+            channels = int(vision.get("num_channels", 3))
+            return cls(patch_dim=channels * patch * patch, spatial_merge_size=1, hidden_size=hidden)
         # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
         channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
-        patch = int(vision.get("patch_size", 14))
         return cls(
             patch_dim=channels * int(vision.get("temporal_patch_size", 2)) * patch * patch,
             spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
-            hidden_size=int(hidden),
+            hidden_size=hidden,
             deepstack=len(vision.get("deepstack_visual_indexes") or ()),
         )
 
@@ -111,12 +114,13 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
 
 # The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
 # family and Qwen3-VL: patches merged spatial_merge_size**2 to one embedding, M-RoPE
-# positions).
+# positions; Llava: Pixtral's tower, one embedding per patch, 1-D positions).
 VISION_ARCHITECTURES = frozenset(
     {
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
+        "LlavaForConditionalGeneration",
     }
 )
 VISION_BUCKETS_KEY = "vision_buckets"
@@ -153,6 +157,49 @@ def processor_limits(
         min_patches=max(step, -(-low // area) // step * step),
         max_patches=max(step, high // area // step * step),
         step=step,
+    )
+
+
+def pixtral_limits(
+    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any], image_size: int
+) -> VisionLimits:
+    """A Pixtral image processor's patch range: it scales an image down so its longest
+    side is at most size.longest_edge pixels and rounds each side up to whole patches
+    (transformers' PixtralImageProcessor resize / get_resize_output_image_size), so an
+    image has 1 to ceil(longest_edge / patch)**2 patches, one embedding each. vLLM counts
+    an image's [IMG] placeholders as if longest_edge were the vision config's
+    `image_size` (PixtralHFEncoderInfo.get_patch_grid_size), so another edge would give
+    an image more or fewer embeddings than placeholders: refused."""
+    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    edge = _pixels("size.longest_edge", size.get("longest_edge"))
+    if edge != image_size:
+        raise NeuronConfigError(
+            f"Pixtral's image processor size.longest_edge={edge} (mm_processor_kwargs or "
+            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"vLLM places an image's [IMG] tokens for image_size (PixtralHFEncoderInfo), "
+            f"the processor scales it to longest_edge, and the two would not match; set "
+            f"size.longest_edge to {image_size} or remove it from --mm-processor-kwargs."
+        )
+    patch_size = {**(preprocessor.get("patch_size") or {})}
+    side = -(-edge // int(patch_size.get("height", 16)))
+    return VisionLimits(min_patches=1, max_patches=side * side, step=1)
+
+
+def pixtral_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
+    """One image of Pixtral's processor ([channels, height, width], sides whole patches)
+    as its patches row by row, each channels x patch x patch values in patch_conv's
+    kernel order; grid_thw (1, rows, columns)."""
+    channels, height, width = pixel_values.shape
+    rows, columns = height // patch, width // patch
+    if rows * patch != height or columns * patch != width:
+        raise ValueError(
+            f"an image of {height}x{width} pixels is not whole {patch}-pixel patches (the "
+            f"model's processor makes it so)"
+        )
+    blocks = pixel_values.reshape(channels, rows, patch, columns, patch)
+    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(rows * columns, channels * patch * patch)
+    return ImageInputs(
+        np.ascontiguousarray(flat, dtype=np.float32), np.array([1, rows, columns], np.int64)
     )
 
 
@@ -237,6 +284,7 @@ def chunk_embeddings(
     active: int,
     width: int,
     placed: list[tuple[int, np.ndarray]],
+    embeds: list[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The vision inputs of a context-encoding call of prompt tokens [start, start +
     count) padded to `active`: embeddings [1, active, width] and mask [1, active], from
@@ -244,14 +292,32 @@ def chunk_embeddings(
     `VisionGeometry.embedding_width`). A chunk may cut an
     image anywhere (chunked prefill, a prefix-cache hit inside an image): it takes the
     rows of the image's embeddings its tokens cover, as vLLM's GPU runner gathers them
-    (`_gather_mm_embeddings`)."""
+    (`_gather_mm_embeddings`). `embeds` (per image; None: every token) marks the
+    placeholder tokens an embedding replaces, the others keep their own (Pixtral's
+    [IMG_BREAK] and [IMG_END], vLLM's PlaceholderRange.is_embed); such an image's rows
+    are one per placeholder token (`spread_embeddings`)."""
     embeddings = np.zeros((1, active, width), dtype=np.float32)
     mask = np.zeros((1, active), dtype=bool)
     end = start + count
-    for offset, rows in placed:
+    for (offset, rows), embed in zip(placed, embeds or [None] * len(placed), strict=True):
         first, last = max(start, offset), min(end, offset + rows.shape[0])
         if first >= last:
             continue
         embeddings[0, first - start : last - start] = rows[first - offset : last - offset]
-        mask[0, first - start : last - start] = True
+        mask[0, first - start : last - start] = (
+            True if embed is None else embed[first - offset : last - offset]
+        )
     return embeddings, mask
+
+
+def spread_embeddings(rows: np.ndarray, embed: np.ndarray) -> np.ndarray:
+    """An image's embeddings [embedded tokens, hidden] laid over its placeholder run
+    [len(embed), hidden]: in order at the tokens `embed` marks, zero elsewhere."""
+    if int(embed.sum()) != rows.shape[0]:
+        raise ValueError(
+            f"an image of {rows.shape[0]} embeddings for {int(embed.sum())} placeholder "
+            f"tokens; the processor and the model disagree"
+        )
+    spread = np.zeros((embed.size, rows.shape[1]), dtype=rows.dtype)
+    spread[embed] = rows
+    return spread

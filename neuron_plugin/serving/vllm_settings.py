@@ -51,6 +51,7 @@ from neuron_plugin.core.vision import (
     PREPROCESSOR_FILE,
     VISION_ARCHITECTURES,
     VisionLimits,
+    pixtral_limits,
     processor_limits,
 )
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
@@ -139,6 +140,9 @@ def vision_limits(model: Any) -> VisionLimits | None:
 
     preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
     kwargs = model.multimodal_config.mm_processor_kwargs or {}
+    if preprocessor.get("image_processor_type", "").startswith("Pixtral"):
+        image_size = int(model.hf_config.vision_config.image_size)
+        return pixtral_limits(preprocessor, kwargs, image_size)
     return processor_limits(preprocessor, kwargs)
 
 

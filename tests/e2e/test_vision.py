@@ -68,11 +68,18 @@ def model(tiny_model) -> Path:
     return tiny_model("qwen2_vl")
 
 
-def oracle(model: Path, host_python: str, names: list[str]) -> dict[str, list[int]]:
-    """transformers' greedy answers to the requests `names` (tests/e2e/vision_oracle.py)."""
+@pytest.fixture(scope="module")
+def expected(model, host_python) -> dict[str, list[int]]:
+    return transformers_answers(model, host_python, REQUESTS)
+
+
+def transformers_answers(
+    model: Path, host_python: str, requests: dict[str, list[dict]]
+) -> dict[str, list[int]]:
+    """Each request's greedy tokens from transformers (tests/e2e/vision_oracle.py)."""
     job = {
         "model": str(model),
-        "requests": [{"messages": REQUESTS[n], "max_tokens": TOKENS} for n in names],
+        "requests": [{"messages": m, "max_tokens": TOKENS} for m in requests.values()],
     }
     done = subprocess.run(
         [host_python, str(ORACLE)],
@@ -83,12 +90,7 @@ def oracle(model: Path, host_python: str, names: list[str]) -> dict[str, list[in
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(names, json.loads(done.stdout), strict=True))
-
-
-@pytest.fixture(scope="module")
-def expected(model, host_python) -> dict[str, list[int]]:
-    return oracle(model, host_python, list(REQUESTS))
+    return dict(zip(requests, json.loads(done.stdout), strict=True))
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(
     --limit-mm-per-prompt allows and a video get a 400, and the server answers right
     after."""
     names = ["one", "two"]
-    expected = oracle(qwen3_vl, host_python, names)
+    expected = transformers_answers(qwen3_vl, host_python, {n: REQUESTS[n] for n in names})
     eos = int(text_config(read_hf_config(qwen3_vl))["eos_token_id"])
     for name in names:
         assert answer(qwen3_server, REQUESTS[name], eos) == _until_eos(expected[name], eos)

@@ -21,7 +21,7 @@ import torch
 from neuron_plugin.backends.loader import cache_manifest, open_backend
 from neuron_plugin.backends.reference.architectures import DecoderSpec, UnsupportedModelError
 from neuron_plugin.backends.reference.backend import ReferenceBackend
-from neuron_plugin.backends.reference.vision import patch_inputs, position_taps
+from neuron_plugin.backends.reference.patch_layout import patch_inputs, position_taps
 from neuron_plugin.backends.runner.client import RunnerBackend
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings

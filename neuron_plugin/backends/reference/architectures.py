@@ -75,6 +75,8 @@ class Architecture:
     # Qwen3-VL: M-RoPE's frequencies take the temporal, height and width positions in
     # turn (mrope_section interleaved) rather than in three runs.
     mrope_interleaved: bool = False
+    # A vision model's decoder with M-RoPE (the Qwen2-VL family) or plain 1-D RoPE (Pixtral)
+    mrope: bool = True
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -122,6 +124,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         default_rope_theta=500_000.0,
         vision=True,
         mrope_interleaved=True,
+    ),
+    # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
+    # reference/pixtral.py)
+    "LlavaForConditionalGeneration": Architecture(
+        "llava",
+        attention_bias="none",
+        reads_layer_types=False,
+        vision=True,
+        mrope=False,
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -239,7 +250,7 @@ class DecoderSpec:
 
 
 def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
-    if not arch.vision:
+    if not (arch.vision and arch.mrope):
         return ()
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     default = (24, 20, 20) if arch.mrope_interleaved else (16, 24, 24)  # transformers'

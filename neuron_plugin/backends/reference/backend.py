@@ -65,6 +65,7 @@ from neuron_plugin.backends.reference.eagle import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.pixtral import PixtralSpec
 from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
@@ -77,7 +78,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
-from neuron_plugin.backends.reference.vision import VisionGraph, VisionSpec
+from neuron_plugin.backends.reference.vision import VisionSpec, vision_graph, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
@@ -151,7 +152,7 @@ class ReferenceBackend(InlineCalls):
         elif settings.draft_model:
             self.draft = Draft(settings, self.spec)
         self.vision = _vision_spec(settings, self.spec, self.hf_config)
-        self.vision_module = None if self.vision is None else VisionGraph(self.vision)
+        self.vision_module = None if self.vision is None else vision_graph(self.vision)
         self.vision_weights: list[torch.Tensor] = []
         self.lora_slots: list[torch.Tensor] = []
         self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
@@ -529,7 +530,7 @@ class ReferenceBackend(InlineCalls):
             )
         return merged[: image.embedding_tokens(vision.spatial_merge_size)].float().numpy()
 
-    def _image_bucket(self, image: ImageInputs, vision: VisionSpec) -> int:
+    def _image_bucket(self, image: ImageInputs, vision: VisionSpec | PixtralSpec) -> int:
         """The vision bucket `image` runs in, its arrays checked."""
         buckets = self.settings.vision_buckets
         if image.is_padding:
@@ -676,7 +677,7 @@ class Draft:
 
 def _vision_spec(
     settings: NeuronSettings, spec: DecoderSpec, hf_config: dict[str, Any]
-) -> VisionSpec | None:
+) -> VisionSpec | PixtralSpec | None:
     """A vision-language model's vision tower (None for a text model), its buckets
     checked against it."""
     if not spec.vision:
@@ -691,7 +692,7 @@ def _vision_spec(
             f"{spec.architecture}: speculative decoding of a vision-language model is not "
             f"supported by the reference backend; remove --speculative-config."
         )
-    vision = VisionSpec.from_hf_config(hf_config)
+    vision = vision_tower(hf_config)
     odd = [n for n in settings.vision_buckets if n % vision.merge_patches]
     if odd:
         raise NeuronConfigError(

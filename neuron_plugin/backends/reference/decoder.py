@@ -147,7 +147,7 @@ def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[
             f"needs, e.g. {missing[:3]}"
         )
     return [
-        [len(sources), *shapes[sources[0]]] if "*" in name else list(shapes[name])
+        [len(sources), *shapes[sources[0]]] if "*" in name else list(shapes[sources[0]])
         for name, sources in wanted
     ]
 
@@ -178,7 +178,7 @@ def load_weights(
             f"{spec.architecture} graph needs, e.g. {missing[:3]}"
         )
     return [
-        (torch.stack([found[n] for n in sources]) if "*" in name else found[name])
+        (torch.stack([found[n] for n in sources]) if "*" in name else found[sources[0]])
         .to(dtype)
         .contiguous()
         for name, sources in wanted
@@ -419,10 +419,11 @@ class DecoderGraph(nn.Module):
         rope = {}
         for kind, scaling in self.rope_scaling.items():
             inv_freq = getattr(self, f"inv_freq_{kind}")
-            if rope_positions is None:
+            # a vision model with 1-D RoPE (Pixtral's Mistral) has the vision graphs'
+            # rope_positions input too, each axis its KV position: it rotates by those
+            if rope_positions is None or self.mrope_axis is None:
                 freqs = positions.unsqueeze(-1).float() * inv_freq
             else:  # [3, b, a] -> each frequency's own axis: [b, a, head_dim / 2]
-                assert self.mrope_axis is not None, "rope_positions for a model without M-RoPE"
                 axis_positions = rope_positions[self.mrope_axis].permute(1, 2, 0)
                 freqs = axis_positions.float() * inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)

@@ -4,7 +4,7 @@
 An image arrives as its processor's flattened patches (channels x temporal x patch x
 patch values each), already in merge-block order: every spatial_merge_size**2
 consecutive patches form one merged embedding. What depends on the image's grid is
-computed on the host (`patch_inputs`, numpy) and enters the graph as inputs, so one graph
+computed on the host (`patch_layout`, numpy) and enters the graph as inputs, so one graph
 serves every grid of at most its bucket's patches:
   pixel_values: [patches, patch_dim]   the image's patches, zero rows after the real ones
   rotary_ids:   [patches, 2]           each patch's (row, column) in the grid
@@ -49,6 +49,9 @@ from torch.nn import functional
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
 from neuron_plugin.backends.reference.decoder import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import activation
+from neuron_plugin.backends.reference.patch_layout import patch_inputs, position_taps
+from neuron_plugin.backends.reference.pixtral import PixtralGraph, PixtralSpec, is_pixtral
+from neuron_plugin.backends.reference.pixtral import weight_names as pixtral_weight_names
 from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_files
 from neuron_plugin.core.vision import VisionGeometry
 
@@ -161,9 +164,29 @@ class VisionSpec:
         )
 
 
-def weight_names(spec: VisionSpec) -> list[str]:
+def vision_tower(config: dict[str, Any]) -> VisionSpec | PixtralSpec:
+    """The spec of the config's vision tower: Pixtral's (Llava format) or the Qwen2-VL
+    family's and Qwen3-VL's."""
+    if is_pixtral(config):
+        return PixtralSpec.from_hf_config(config)
+    if "LlavaForConditionalGeneration" in (config.get("architectures") or []):
+        kind = (config.get("vision_config") or {}).get("model_type")
+        raise UnsupportedModelError(
+            f"LlavaForConditionalGeneration with a {kind!r} vision tower: the reference "
+            f"backend runs Llava with Pixtral's (vision_config model_type 'pixtral') only"
+        )
+    return VisionSpec.from_hf_config(config)
+
+
+def vision_graph(spec: VisionSpec | PixtralSpec) -> VisionGraph | PixtralGraph:
+    return PixtralGraph(spec) if isinstance(spec, PixtralSpec) else VisionGraph(spec)
+
+
+def weight_names(spec: VisionSpec | PixtralSpec) -> list[str]:
     """The vision graph's weight inputs, in order (the checkpoint's names; Qwen3-VL's
     as core.checkpoint.canonical_tensor_name reads them)."""
+    if isinstance(spec, PixtralSpec):
+        return pixtral_weight_names(spec)
     norm_bias = () if spec.qwen2_5 else (".bias",)  # RMSNorm or LayerNorm
     mlp = MLP_QWEN3 if spec.qwen3 else MLP_QWEN2_5 if spec.qwen2_5 else MLP_QWEN2
     names = [PREFIX + "patch_embed.proj.weight"]
@@ -193,75 +216,9 @@ def _merger_modules(spec: VisionSpec) -> tuple[str, tuple[str, str]]:
     return "ln_q", ("mlp.0", "mlp.2")
 
 
-def patch_inputs(
-    grid_thw: np.ndarray, merge: int, patches: int, window: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rotary_ids [patches, 2], groups [2, patches]) of an image of `grid_thw` padded to
-    `patches`: each patch's (row, column) in merge-block order, as transformers'
-    get_vision_position_ids lays them out, its frame and its window of `window` merge
-    groups a side (get_vision_window_index's; 0: its frame), -1 for padding."""
-    t, h, w = (int(n) for n in grid_thw)
-    rows, cols = _block_order(h, w, merge)
-    real = t * h * w
-    rotary_ids = np.zeros((patches, 2), dtype=np.int64)
-    rotary_ids[:real] = np.tile(np.stack([rows, cols], axis=-1), (t, 1))
-    groups = np.full((2, patches), -1, dtype=np.int64)
-    frames = np.repeat(np.arange(t), h * w)
-    groups[0, :real] = frames
-    if window:  # the window of each patch's merge group, numbered within the image
-        across = -(-(w // merge) // window)  # windows a row
-        down = -(-(h // merge) // window)
-        row, col = rows // merge // window, cols // merge // window
-        groups[1, :real] = (frames * down + np.tile(row, t)) * across + np.tile(col, t)
-    else:
-        groups[1, :real] = frames
-    return rotary_ids, groups
-
-
-def position_taps(
-    grid_thw: np.ndarray, merge: int, side: int, patches: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(taps [patches, 4], weights [patches, 4]) of an image of `grid_thw` padded to
-    `patches`: the rows of a `side` x `side` learned position grid each patch blends and
-    their weights, bilinear with corners aligned, patches in merge-block order, as
-    transformers' get_vision_interpolation_indices_and_weights computes them (float32);
-    padding takes row 0 at weight 0."""
-    t, h, w = (int(n) for n in grid_thw)
-    rows, cols = _block_order(h, w, merge)
-    taps = np.zeros((patches, 4), dtype=np.int64)
-    weights = np.zeros((patches, 4), dtype=np.float32)
-    (row_taps, row_weights), (col_taps, col_weights) = (
-        _axis_taps(index, size, side) for index, size in ((rows, h), (cols, w))
-    )
-    # the 2-D taps: (row, column) pairs, row-major, and their weights' products
-    frame_taps = row_taps[:, :, None] * side + col_taps[:, None, :]
-    frame_weights = row_weights[:, :, None] * col_weights[:, None, :]
-    real = t * h * w
-    taps[:real] = np.tile(frame_taps.reshape(-1, 4), (t, 1))
-    weights[:real] = np.tile(frame_weights.reshape(-1, 4), (t, 1))
-    return taps, weights
-
-
-def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """One axis's two taps into `side` rows and their weights for positions `index` of
-    an axis `size` long (F.interpolate bilinear, align_corners=True)."""
-    source = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
-    floor = np.floor(source)
-    fraction = source - floor
-    taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
-    return taps, np.stack([np.float32(1) - fraction, fraction], axis=-1).astype(np.float32)
-
-
-def _block_order(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each patch's (row, column) of an h x w frame, in merge-block order."""
-    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    blocks = (h // merge, merge, w // merge, merge)
-    rows = rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
-    cols = cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
-    return rows, cols
-
-
-def load_weights(model_dir: str | Path, spec: VisionSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+def load_weights(
+    model_dir: str | Path, spec: VisionSpec | PixtralSpec, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The vision tower's tensors of the checkpoint, in `weight_names` order."""
     from safetensors import safe_open
 
@@ -276,12 +233,14 @@ def load_weights(model_dir: str | Path, spec: VisionSpec, dtype: torch.dtype) ->
     return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
 
 
-def weight_shapes(spec: VisionSpec, shapes: Mapping[str, list[int]]) -> list[list[int]]:
+def weight_shapes(
+    spec: VisionSpec | PixtralSpec, shapes: Mapping[str, list[int]]
+) -> list[list[int]]:
     """The vision graph's weight shapes from the checkpoint's (safetensors headers)."""
     return [list(shapes[name]) for name in checked_names(spec, shapes)]
 
 
-def checked_names(spec: VisionSpec, present: Mapping[str, object]) -> list[str]:
+def checked_names(spec: VisionSpec | PixtralSpec, present: Mapping[str, object]) -> list[str]:
     names = weight_names(spec)
     missing = [n for n in names if n not in present]
     if missing:
