@@ -154,7 +154,7 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     geometry = VisionGeometry.from_hf_config(config)
     if geometry is None:
         raise SystemExit(f"--model {model}: not a vision-language model (no vision_config)")
-    hidden = geometry.hidden_size
+    width = geometry.embedding_width  # Qwen3-VL: with its DeepStack levels
     image_token = int(config["image_token_id"])
     rows = []
     for bucket in settings.vision_buckets:
@@ -168,7 +168,7 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
             inputs = context_encoding_inputs(settings, prompt, 0, 0, None)
             rope, _ = mrope_positions(prompt.size, [(8, image.grid_thw)], MERGE)
             vision, mask = chunk_embeddings(
-                0, prompt.size, inputs.input_ids.shape[1], hidden, [(8, embeddings)]
+                0, prompt.size, inputs.input_ids.shape[1], width, [(8, embeddings)]
             )
             rotary = np.zeros((3, 1, inputs.input_ids.shape[1]), dtype=np.int64)
             rotary[:, 0, : prompt.size] = rope

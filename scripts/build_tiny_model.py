@@ -28,13 +28,16 @@ multiples of 128); gpt_oss_float is one with float experts and a 16-token window
 variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
 need (see ARCHITECTURES).
 
-Vision-language checkpoints (qwen2_vl, qwen2_5_vl) carry their processor too: the tiny
+Vision-language checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl) carry their processor too: the tiny
 tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image
 parts as Qwen2-VL's placeholder run, and preprocessor_config.json / chat_template.json
 as the Hub's Qwen2-VL ships them, with pixel limits that keep images tiny (16 to 256
 patches):
 
     python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
+
+pixtral is Pixtral in transformers' Llava format (as mistral-community/pixtral-12b) with
+a PixtralProcessor's files: images up to 128 pixels a side (8 x 8 patches of 16).
 
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
@@ -361,6 +364,67 @@ VISION_LANGUAGE["qwen2_5_vl"] = {
     },
     "processor_class": "Qwen2_5_VLProcessor",
 }
+# Qwen3-VL: a Qwen3 decoder (QK-norm) whose M-RoPE interleaves its three axes over head_dim
+# 32, and a three-block vision tower with 16-pixel patches, a learned 8x8 position grid
+# interpolated to each image, and DeepStack mergers after blocks 0 and 1 whose outputs
+# join decoder layers 0 and 1. Its processor's pixel limits are the Hub's `size` keys:
+# 16 to 256 patches again.
+VISION_LANGUAGE["qwen3_vl"] = {
+    "text_config": {
+        **VISION_LANGUAGE["qwen2_vl"]["text_config"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+            "rope_theta": 5000000.0,
+        },
+    },
+    "vision_config": {
+        "depth": 3,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,  # the text decoder's
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "processor": {"size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}},
+    "processor_class": "Qwen3VLProcessor",
+    "image_mean": [0.5, 0.5, 0.5],  # the Hub's Qwen3-VL preprocessor_config.json
+    "image_std": [0.5, 0.5, 0.5],
+}
+# Pixtral as mistral-community/pixtral-12b ships it (transformers' Llava format): a Mistral
+# decoder, a two-layer Pixtral vision tower of 16-pixel patches with 2-D RoPE, and a
+# processor that scales an image's longest edge to at most 128 pixels (8 x 8 patches).
+PIXTRAL: dict[str, Any] = {
+    "text_config": {
+        "model_type": "mistral",
+        **{k: v for k, v in _SMALL.items() if k != "perturb"},
+        "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "initializer_range": 0.08,
+    },
+    "vision_config": {
+        "model_type": "pixtral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "patch_size": 16,
+        "image_size": 128,  # the processor's longest_edge: RoPE's rows and columns
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        "initializer_range": 0.08,
+    },
+}
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Pixtral's chat template: an image part is one [IMG], which the processor expands to
+# the image's rows of [IMG] each closed by [IMG_BREAK] ([IMG_END] after the last).
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # CLIP's normalisation, as Qwen2-VL's preprocessor_config.json has it
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -386,6 +450,9 @@ VLM_CHAT_TEMPLATE = (
     "{{- eos_token ~ '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- 'assistant\\n' }}{%- endif %}"
+)
+PIXTRAL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "[IMG]"
 )
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
@@ -463,13 +530,15 @@ def build(
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
     size) the embedding and output rows; `layers` overrides the architecture's depth;
     `train_steps` trains the weights on the corpus (see `train_on_corpus`)."""
-    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE:
-        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE])
+    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE and arch != "pixtral":
+        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"])
         raise ValueError(f"--arch {arch!r} is not known; choose one of {known}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
     with building(out, "tiny_model_recipe.json", wanted) as stale:
         if stale and arch in VISION_LANGUAGE:
             _write_vlm(arch, out, wanted, seed, vocab_size, max_positions)
+        elif stale and arch == "pixtral":
+            _write_pixtral(out, wanted, seed, vocab_size, max_positions)
         elif stale:
             _write(
                 arch, out, wanted, seed, vocab_size, max_positions, layers, model_vocab, train_steps
@@ -573,7 +642,8 @@ def _write_vlm(
 ) -> None:
     """A vision-language checkpoint: the tiny tokenizer with the vision special tokens
     (the config's token ids point at them), random weights saved with save_pretrained
-    (the Hub's tensor names: model.layers.*, visual.*, lm_head), and the processor's
+    (the Hub's tensor names: model.layers.*, visual.*, lm_head; Qwen3-VL's
+    model.language_model.*, model.visual.*, lm_head), and the processor's
     files as the Hub's Qwen2-VL ships them (preprocessor_config.json, chat_template.json),
     written from their documented keys: transformers 5 builds a Qwen2VLProcessor only
     with torchvision (its video processor), which the CPU test environment lacks."""
@@ -622,13 +692,15 @@ def _write_vlm(
         model.save_pretrained(staging)
         saved = json.loads((staging / "config.json").read_text())
         # transformers 4.57 reads RoPE from rope_theta / rope_scaling ("mrope" is its
-        # name for M-RoPE's default frequencies)
+        # name for M-RoPE's default frequencies; Qwen3-VL's Hub configs say "default"
+        # and mrope_interleaved)
         rope = text["rope_parameters"]
         saved["text_config"]["rope_theta"] = rope["rope_theta"]
-        saved["text_config"]["rope_scaling"] = {
-            "type": "mrope",
-            "mrope_section": rope["mrope_section"],
-        }
+        saved["text_config"]["rope_scaling"] = (
+            {k: v for k, v in rope.items() if k != "rope_theta"}
+            if rope.get("mrope_interleaved")
+            else {"type": "mrope", "mrope_section": rope["mrope_section"]}
+        )
         (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
         tokenizer.save_pretrained(staging, save_jinja_files=False)
         preprocessor = {
@@ -638,12 +710,87 @@ def _write_vlm(
             "patch_size": vision["patch_size"],
             "temporal_patch_size": vision["temporal_patch_size"],
             "merge_size": vision["spatial_merge_size"],
-            "image_mean": IMAGE_MEAN,
-            "image_std": IMAGE_STD,
+            "image_mean": recipe_fields.get("image_mean", IMAGE_MEAN),
+            "image_std": recipe_fields.get("image_std", IMAGE_STD),
         }
         (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
         (staging / "chat_template.json").write_text(
             json.dumps({"chat_template": VLM_CHAT_TEMPLATE}, indent=2)
+        )
+        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+
+
+def _write_pixtral(
+    out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """Pixtral in transformers' Llava format (LlavaForConditionalGeneration, a pixtral
+    vision_config; saved with the Hub's names: language_model.*, vision_tower.*,
+    multi_modal_projector.*) and the files of a PixtralProcessor: the tiny tokenizer with
+    Pixtral's image tokens, preprocessor_config.json saved by PixtralImageProcessor's PIL
+    variant, processor_config.json and chat_template.json from their documented keys
+    (transformers 5 builds a PixtralProcessor only with torchvision, as for Qwen2-VL)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers.models.pixtral import PixtralImageProcessorPil
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=PIXTRAL_CHAT_TEMPLATE,
+        additional_special_tokens=list(PIXTRAL_TOKENS),
+    )
+    text = {
+        **PIXTRAL["text_config"],
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": max_positions,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    vision = PIXTRAL["vision_config"]
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=text,
+        vision_config=dict(vision),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    _perturb_constants(model, seed)
+    patch = {"height": vision["patch_size"], "width": vision["patch_size"]}
+    images = PixtralImageProcessorPil(size={"longest_edge": vision["image_size"]}, patch_size=patch)
+    with replacing_folder(out) as staging:
+        model.save_pretrained(staging)
+        saved = json.loads((staging / "config.json").read_text())
+        for part in ("text_config", "vision_config"):  # transformers 4.57's RoPE key
+            saved[part]["rope_theta"] = PIXTRAL[part]["rope_parameters"]["rope_theta"]
+        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+        tokenizer.save_pretrained(staging, save_jinja_files=False)
+        images.save_pretrained(staging)
+        preprocessor = json.loads((staging / "preprocessor_config.json").read_text())
+        preprocessor["processor_class"] = "PixtralProcessor"
+        (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+        processor = {
+            "processor_class": "PixtralProcessor",
+            "patch_size": vision["patch_size"],
+            "spatial_merge_size": 1,
+            "image_token": PIXTRAL_TOKENS[0],
+            "image_break_token": PIXTRAL_TOKENS[1],
+            "image_end_token": PIXTRAL_TOKENS[2],
+        }
+        (staging / "processor_config.json").write_text(json.dumps(processor, indent=2))
+        (staging / "chat_template.json").write_text(
+            json.dumps({"chat_template": PIXTRAL_CHAT_TEMPLATE}, indent=2)
         )
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
 
@@ -699,7 +846,7 @@ def build_speculation_models(models: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE]), default="llama"
+        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"]), default="llama"
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)

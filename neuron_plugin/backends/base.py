@@ -230,8 +230,9 @@ class LoadedBackend(Protocol):
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
         """A vision-language model's embeddings of one image, [image.embedding_tokens,
-        hidden] float32, from the vision graph of its bucket (core.vision); never while a
-        submitted call is in flight."""
+        embedding_width] float32 (Qwen3-VL's DeepStack features after the embedding),
+        from the vision graph of its bucket (core.vision); never while a submitted call
+        is in flight."""
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
         """Write a LoRA adapter into slot `slot` (1..settings.max_loras), replacing the

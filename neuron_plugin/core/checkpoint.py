@@ -56,8 +56,32 @@ def safetensors_header(model_dir: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
-    """Tensor name -> shape over every *.safetensors file (`safetensors_header`)."""
-    return {name: list(entry["shape"]) for name, entry in safetensors_header(model_dir).items()}
+    """Tensor name (`canonical_tensor_name`) -> shape over every *.safetensors file
+    (`safetensors_header`)."""
+    return {
+        canonical_tensor_name(name): list(entry["shape"])
+        for name, entry in safetensors_header(model_dir).items()
+    }
+
+
+# Vision-language checkpoints nest the decoder: Qwen3-VL's in model.language_model. (and
+# the vision tower in model.visual.), transformers 4's Llava (Pixtral) in
+# language_model.model. and language_model.lm_head.; the reference graphs name them as a
+# text model's (model., lm_head.) and Qwen2-VL's tower (visual.).
+NESTED_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def canonical_tensor_name(name: str) -> str:
+    """A checkpoint tensor's name as the reference graphs know it."""
+    for nested, flat in NESTED_PREFIXES:
+        if name.startswith(nested):
+            return flat + name.removeprefix(nested)
+    return name
 
 
 # Files whose loading unpickles (torch.load), which can run code: never read.

@@ -1,7 +1,7 @@
 """Images through a vision encoder: what one encoder call takes, the bucket it runs in,
 and where its embeddings go in the prompt.
 
-A vision-language model (Qwen2-VL family first) has two kinds of graphs: the decoder's
+A vision-language model (the Qwen2-VL family and Qwen3-VL) has two kinds of graphs: the decoder's
 (context encoding, token generation) and the vision encoder's, one per vision bucket.
 A vision bucket is a number of patches: an image of `grid_thw` (temporal, height, width
 patches, the model's processor's split) runs in the first bucket of at least
@@ -10,7 +10,10 @@ t*h*w patches, padded, as NxDI pads an image to its vision bucket
 prompt run one after another, each once (vLLM's encoder cache keeps their embeddings for
 chunked prefill and prefix-cache misses). The encoder answers one embedding per
 spatial_merge_size**2 patches, and those replace the prompt's image placeholder tokens
-in order (`ForwardInputs.vision_embeddings` / `vision_mask`).
+in order (`ForwardInputs.vision_embeddings` / `vision_mask`). Qwen3-VL's embedding of a
+merged group also carries its DeepStack features, concatenated after it as vLLM's
+Qwen3-VL hands them on ([tokens, hidden x (1 + deepstack levels)]): the decoder adds
+level i to its hidden states after layer i at the image's tokens.
 """
 
 from __future__ import annotations
@@ -60,11 +63,19 @@ def padding_image(bucket: int) -> ImageInputs:
 @dataclass(frozen=True)
 class VisionGeometry:
     """The sizes of a vision-language model's image arrays, from its config.json
-    (Qwen2-VL family keys): what crosses a process boundary per image and per call."""
+    (Qwen2-VL family and Qwen3-VL keys): what crosses a process boundary per image and
+    per call."""
 
     patch_dim: int  # values per patch: channels x temporal_patch_size x patch_size**2
     spatial_merge_size: int
     hidden_size: int  # the text decoder's: one embedding per merged patch group
+    deepstack: int = 0  # Qwen3-VL's DeepStack levels (deepstack_visual_indexes)
+
+    @property
+    def embedding_width(self) -> int:
+        """Values per merged patch group the encoder answers: the embedding and its
+        DeepStack features, concatenated."""
+        return self.hidden_size * (1 + self.deepstack)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionGeometry | None:
@@ -73,14 +84,18 @@ class VisionGeometry:
         if not isinstance(vision, dict):
             return None
         text = config.get("text_config")
-        hidden = (text if isinstance(text, dict) else config)["hidden_size"]
+        hidden = int((text if isinstance(text, dict) else config)["hidden_size"])
+        patch = int(vision.get("patch_size", 14))
+        if vision.get("model_type") == "pixtral":  # one embedding per 2-D patch
+            channels = int(vision.get("num_channels", 3))
+            return cls(patch_dim=channels * patch * patch, spatial_merge_size=1, hidden_size=hidden)
         # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
         channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
-        patch = int(vision.get("patch_size", 14))
         return cls(
             patch_dim=channels * int(vision.get("temporal_patch_size", 2)) * patch * patch,
             spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
-            hidden_size=int(hidden),
+            hidden_size=hidden,
+            deepstack=len(vision.get("deepstack_visual_indexes") or ()),
         )
 
 
@@ -98,9 +113,15 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
 
 
 # The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
-# family: patches merged spatial_merge_size**2 to one embedding, M-RoPE positions).
+# family and Qwen3-VL: patches merged spatial_merge_size**2 to one embedding, M-RoPE
+# positions; Llava: Pixtral's tower, one embedding per patch, 1-D positions).
 VISION_ARCHITECTURES = frozenset(
-    {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+    {
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "LlavaForConditionalGeneration",
+    }
 )
 VISION_BUCKETS_KEY = "vision_buckets"
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -136,6 +157,49 @@ def processor_limits(
         min_patches=max(step, -(-low // area) // step * step),
         max_patches=max(step, high // area // step * step),
         step=step,
+    )
+
+
+def pixtral_limits(
+    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any], image_size: int
+) -> VisionLimits:
+    """A Pixtral image processor's patch range: it scales an image down so its longest
+    side is at most size.longest_edge pixels and rounds each side up to whole patches
+    (transformers' PixtralImageProcessor resize / get_resize_output_image_size), so an
+    image has 1 to ceil(longest_edge / patch)**2 patches, one embedding each. vLLM counts
+    an image's [IMG] placeholders as if longest_edge were the vision config's
+    `image_size` (PixtralHFEncoderInfo.get_patch_grid_size), so another edge would give
+    an image more or fewer embeddings than placeholders: refused."""
+    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    edge = _pixels("size.longest_edge", size.get("longest_edge"))
+    if edge != image_size:
+        raise NeuronConfigError(
+            f"Pixtral's image processor size.longest_edge={edge} (mm_processor_kwargs or "
+            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"vLLM places an image's [IMG] tokens for image_size (PixtralHFEncoderInfo), "
+            f"the processor scales it to longest_edge, and the two would not match; set "
+            f"size.longest_edge to {image_size} or remove it from --mm-processor-kwargs."
+        )
+    patch_size = {**(preprocessor.get("patch_size") or {})}
+    side = -(-edge // int(patch_size.get("height", 16)))
+    return VisionLimits(min_patches=1, max_patches=side * side, step=1)
+
+
+def pixtral_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
+    """One image of Pixtral's processor ([channels, height, width], sides whole patches)
+    as its patches row by row, each channels x patch x patch values in patch_conv's
+    kernel order; grid_thw (1, rows, columns)."""
+    channels, height, width = pixel_values.shape
+    rows, columns = height // patch, width // patch
+    if rows * patch != height or columns * patch != width:
+        raise ValueError(
+            f"an image of {height}x{width} pixels is not whole {patch}-pixel patches (the "
+            f"model's processor makes it so)"
+        )
+    blocks = pixel_values.reshape(channels, rows, patch, columns, patch)
+    flat = blocks.transpose(1, 3, 0, 2, 4).reshape(rows * columns, channels * patch * patch)
+    return ImageInputs(
+        np.ascontiguousarray(flat, dtype=np.float32), np.array([1, rows, columns], np.int64)
     )
 
 
@@ -191,7 +255,9 @@ def mrope_positions(
     position p rotates at p + delta), as the Qwen2-VL family numbers them
     (transformers' `get_rope_index`): text counts on in all three rows from the last
     position used; an image's tokens take (frame, row, column) of the merged grid,
-    offset by the position the image starts at."""
+    offset by the position the image starts at. Qwen3-VL's get_rope_index numbers an
+    image alike (its text resumes max(height, width) merged rows on, the same for an
+    image's single frame)."""
     rows, start, cursor = [], 0, 0
     for offset, grid in sorted(images, key=lambda image: image[0]):
         text = offset - start
@@ -216,22 +282,42 @@ def chunk_embeddings(
     start: int,
     count: int,
     active: int,
-    hidden: int,
+    width: int,
     placed: list[tuple[int, np.ndarray]],
+    embeds: list[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The vision inputs of a context-encoding call of prompt tokens [start, start +
-    count) padded to `active`: embeddings [1, active, hidden] and mask [1, active], from
-    each image's (placeholder offset, embeddings [tokens, hidden]). A chunk may cut an
+    count) padded to `active`: embeddings [1, active, width] and mask [1, active], from
+    each image's (placeholder offset, embeddings [tokens, width]; width:
+    `VisionGeometry.embedding_width`). A chunk may cut an
     image anywhere (chunked prefill, a prefix-cache hit inside an image): it takes the
     rows of the image's embeddings its tokens cover, as vLLM's GPU runner gathers them
-    (`_gather_mm_embeddings`)."""
-    embeddings = np.zeros((1, active, hidden), dtype=np.float32)
+    (`_gather_mm_embeddings`). `embeds` (per image; None: every token) marks the
+    placeholder tokens an embedding replaces, the others keep their own (Pixtral's
+    [IMG_BREAK] and [IMG_END], vLLM's PlaceholderRange.is_embed); such an image's rows
+    are one per placeholder token (`spread_embeddings`)."""
+    embeddings = np.zeros((1, active, width), dtype=np.float32)
     mask = np.zeros((1, active), dtype=bool)
     end = start + count
-    for offset, rows in placed:
+    for (offset, rows), embed in zip(placed, embeds or [None] * len(placed), strict=True):
         first, last = max(start, offset), min(end, offset + rows.shape[0])
         if first >= last:
             continue
         embeddings[0, first - start : last - start] = rows[first - offset : last - offset]
-        mask[0, first - start : last - start] = True
+        mask[0, first - start : last - start] = (
+            True if embed is None else embed[first - offset : last - offset]
+        )
     return embeddings, mask
+
+
+def spread_embeddings(rows: np.ndarray, embed: np.ndarray) -> np.ndarray:
+    """An image's embeddings [embedded tokens, hidden] laid over its placeholder run
+    [len(embed), hidden]: in order at the tokens `embed` marks, zero elsewhere."""
+    if int(embed.sum()) != rows.shape[0]:
+        raise ValueError(
+            f"an image of {rows.shape[0]} embeddings for {int(embed.sum())} placeholder "
+            f"tokens; the processor and the model disagree"
+        )
+    spread = np.zeros((embed.size, rows.shape[1]), dtype=rows.dtype)
+    spread[embed] = rows
+    return spread

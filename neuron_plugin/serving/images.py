@@ -9,7 +9,10 @@ both hold it. A context-encoding call of prompt tokens [start, end) takes the ro
 each image its tokens cover (`core.vision.chunk_embeddings`), whatever the chunk or
 prefix-cache hit cut. A model with M-RoPE (the Qwen2-VL family) also gets each call's
 rotary positions: the prompt's from `core.vision.mrope_positions`, computed once per
-request, and a decode's from its KV position and the request's shift.
+request, and a decode's from its KV position and the request's shift. Pixtral's
+processor hands whole images (core.vision.pixtral_patches cuts them), and only its
+[IMG] placeholders take embeddings (vLLM's is_embed; [IMG_BREAK] and [IMG_END] keep
+their own).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from neuron_plugin.core.vision import (
     VisionGeometry,
     chunk_embeddings,
     mrope_positions,
+    pixtral_patches,
+    spread_embeddings,
     vision_bucket,
 )
 from neuron_plugin.serving.observers import StepObserver
@@ -46,6 +51,8 @@ class _Request:
     images: list[tuple[int, int, str]]
     rope: np.ndarray | None
     delta: int
+    # per image: which placeholder tokens take an embedding (None: all)
+    embeds: list[np.ndarray | None] = dataclasses.field(default_factory=list)
 
 
 def image_inputs(feature: Any) -> ImageInputs:
@@ -54,6 +61,13 @@ def image_inputs(feature: Any) -> ImageInputs:
         pixel_values=feature.data["pixel_values"].data.float().numpy(),
         grid_thw=image_grid(feature),
     )
+
+
+def is_embed(feature: Any) -> np.ndarray | None:
+    """Which of an image feature's placeholder tokens take its embeddings (vLLM's
+    PlaceholderRange.is_embed; None: all of them)."""
+    embed = feature.mm_position.is_embed
+    return None if embed is None else embed.numpy().astype(bool)
 
 
 def image_grid(feature: Any) -> np.ndarray:
@@ -77,7 +91,12 @@ class Images:
         geometry = VisionGeometry.from_hf_config(hf_config)
         if geometry is None:  # the settings give vision buckets to vision models only
             raise RuntimeError("vision buckets for a model without a vision_config")
-        self.merge, self.hidden_size = geometry.spatial_merge_size, geometry.hidden_size
+        self.merge, self.width = geometry.spatial_merge_size, geometry.embedding_width
+        vision = hf_config["vision_config"]
+        # Pixtral's processor hands whole images; the Qwen2-VL family's, their patches
+        self.pixtral_patch = (
+            int(vision["patch_size"]) if vision.get("model_type") == "pixtral" else None
+        )
         text = text_config(hf_config)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         self.mrope = bool(rope.get("mrope_section"))
@@ -96,7 +115,7 @@ class Images:
                 self.merge,
             )
         placed = [(f.mm_position.offset, f.mm_position.length, f.identifier) for f in images]
-        self.requests[req_id] = _Request(placed, rope, delta)
+        self.requests[req_id] = _Request(placed, rope, delta, [is_embed(f) for f in images])
 
     def remove(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -113,7 +132,19 @@ class Images:
             for index in indexes:
                 feature = features[index]
                 if feature.identifier not in self.cache:
-                    self.cache[feature.identifier] = self._encode(image_inputs(feature))
+                    self.cache[feature.identifier] = self._encoded(feature)
+
+    def _encoded(self, feature: Any) -> np.ndarray:
+        """A feature's embeddings, one row per placeholder token (zero rows at those
+        that keep their own embedding)."""
+        if self.pixtral_patch is None:
+            image = image_inputs(feature)
+        else:
+            pixels = feature.data["pixel_values"].data.float().numpy()
+            image = pixtral_patches(pixels, self.pixtral_patch)
+        embeddings = self._encode(image)
+        embed = is_embed(feature)
+        return embeddings if embed is None else spread_embeddings(embeddings, embed)
 
     def _encode(self, image: ImageInputs) -> np.ndarray:
         started = time.perf_counter()
@@ -145,12 +176,16 @@ class Images:
         start = int(inputs.computed_context_lens[0])
         count = int(inputs.full_context_lens[0]) - start
         active = inputs.input_ids.shape[1]
-        placed = [  # only the images this chunk covers: vLLM may have freed the others
-            (offset, self._embeddings(identifier))
-            for offset, length, identifier in request.images
+        covered = [  # only the images this chunk covers: vLLM may have freed the others
+            (offset, identifier, embed)
+            for (offset, length, identifier), embed in zip(
+                request.images, request.embeds, strict=True
+            )
             if offset < start + count and offset + length > start
         ]
-        embeddings, mask = chunk_embeddings(start, count, active, self.hidden_size, placed)
+        placed = [(offset, self._embeddings(identifier)) for offset, identifier, _ in covered]
+        embeds = [embed for _, _, embed in covered]
+        embeddings, mask = chunk_embeddings(start, count, active, self.width, placed, embeds)
         rope = None
         if request.rope is not None:
             rope = np.broadcast_to(inputs.position_ids, (3, *inputs.position_ids.shape)).copy()
@@ -199,6 +234,10 @@ def _rotary(prompt: np.ndarray, delta: int, positions: np.ndarray) -> np.ndarray
 
 def image_patches(processed: Mapping[str, Any]) -> list[int]:
     """Patches of each image of a processed request (vLLM's `mm_kwargs`; an item the
-    processor cache left out was checked when first seen)."""
+    processor cache left out was checked when first seen). A model without grids
+    (Pixtral: one embedding per patch) has as many patches as embedded placeholders."""
     items = (processed.get("mm_kwargs") or {}).get("image") or ()
+    if any(item and "image_grid_thw" not in item for item in items):
+        ranges = (processed.get("mm_placeholders") or {}).get("image") or ()
+        return [int(r.get_num_embeds()) for r in ranges]
     return [int(np.prod(item["image_grid_thw"].data.numpy())) for item in items if item]

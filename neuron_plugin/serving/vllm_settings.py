@@ -51,6 +51,7 @@ from neuron_plugin.core.vision import (
     PREPROCESSOR_FILE,
     VISION_ARCHITECTURES,
     VisionLimits,
+    pixtral_limits,
     processor_limits,
 )
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
@@ -139,6 +140,9 @@ def vision_limits(model: Any) -> VisionLimits | None:
 
     preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
     kwargs = model.multimodal_config.mm_processor_kwargs or {}
+    if preprocessor.get("image_processor_type", "").startswith("Pixtral"):
+        image_size = int(model.hf_config.vision_config.image_size)
+        return pixtral_limits(preprocessor, kwargs, image_size)
     return processor_limits(preprocessor, kwargs)
 
 
@@ -369,6 +373,7 @@ def apply(settings: NeuronSettings, vllm_config: Any) -> None:
             logger.info("neuron platform: %s=%s (%s)", name, value, reason)
     if settings.vision_buckets:
         host_normalized_pixels(vllm_config.model_config.multimodal_config)
+        images_only(vllm_config.model_config.multimodal_config)
     scheduler = vllm_config.scheduler_config
     if settings.max_loras and scheduler.scheduler_cls is None:
         from neuron_plugin.serving.request_errors import scheduler_class
@@ -405,6 +410,30 @@ def host_normalized_pixels(multimodal: Any) -> None:
         logger.info(
             "neuron platform: mm_device_do_normalize True -> False (the vision encoder's "
             "graphs take the pixels the processor normalized)"
+        )
+
+
+def images_only(multimodal: Any) -> None:
+    """The vision graphs encode images, not videos: vLLM refuses a video item with a
+    400 before processing it (its limit per prompt 0: "At most 0 video(s) may be
+    provided in one prompt") instead of serving its placeholders without embeddings. A
+    video limit the user asked for is an error."""
+    from vllm.config.multimodal import VideoDummyOptions
+
+    video = multimodal.limit_per_prompt.get("video")
+    if video is not None and video.count > 0:
+        raise NeuronConfigError(
+            f"--limit-mm-per-prompt video={video.count}: the neuron platform runs this "
+            f"model's vision encoder on images only (video is not supported); set video "
+            f"to 0 or leave it out of --limit-mm-per-prompt."
+        )
+    if video is None:
+        multimodal.limit_per_prompt["video"] = VideoDummyOptions(
+            count=0, num_frames=None, width=None, height=None
+        )
+        logger.info(
+            "neuron platform: limit_mm_per_prompt video -> 0 (the vision encoder's graphs "
+            "take images only)"
         )
 
 

@@ -1,6 +1,7 @@
 """Vision-language models served end to end: `vllm serve TINY_QWEN2_VL --device neuron`
 (the reference backend) answers OpenAI chat requests with images with transformers'
-greedy tokens.
+greedy tokens, and so does a tiny Qwen3-VL (its DeepStack features and interleaved
+M-RoPE; one more server, for its one-image and two-image requests and its refusals).
 
 Served from a Neuron host's vLLM environment (NEURON_TEST_HOST_PYTHON, the `vllm` wheel
 with its torch and torchvision): the model's processor needs torchvision, whose only
@@ -9,8 +10,8 @@ runs in the same environment (tests/e2e/vision_oracle.py), so both sides see the
 processor output. Covered: one image, two images in a prompt, a text-only request to the
 vision model, concurrent requests mixing images and text, streaming, the same image
 again (a prefix-cache hit) and another image under the same text (never a hit), an
-image larger than the largest vision bucket, a corrupt image and too many images (each
-a 400), a server that still answers right after them, and the offline API
+image larger than the largest vision bucket, a corrupt image, too many images and a
+video (each a 400), a server that still answers right after them, and the offline API
 (`LLM.generate` with `multi_modal_data`, `LLM.chat`; tests/e2e/vision_offline.py).
 """
 
@@ -69,9 +70,16 @@ def model(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model, host_python) -> dict[str, list[int]]:
+    return transformers_answers(model, host_python, REQUESTS)
+
+
+def transformers_answers(
+    model: Path, host_python: str, requests: dict[str, list[dict]]
+) -> dict[str, list[int]]:
+    """Each request's greedy tokens from transformers (tests/e2e/vision_oracle.py)."""
     job = {
         "model": str(model),
-        "requests": [{"messages": m, "max_tokens": TOKENS} for m in REQUESTS.values()],
+        "requests": [{"messages": m, "max_tokens": TOKENS} for m in requests.values()],
     }
     done = subprocess.run(
         [host_python, str(ORACLE)],
@@ -82,7 +90,7 @@ def expected(model, host_python) -> dict[str, list[int]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(REQUESTS, json.loads(done.stdout), strict=True))
+    return dict(zip(requests, json.loads(done.stdout), strict=True))
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,11 @@ class Endpoint:
 
 @pytest.fixture(scope="module")
 def server(model, host_python, tmp_path_factory):
+    yield from serve(model, host_python, tmp_path_factory)
+
+
+def serve(model: Path, host_python: str, tmp_path_factory):
+    """A server of the vision model `model` on the reference backend (module-scoped)."""
     served = Server(
         model,
         tmp_path_factory.mktemp("vision") / "server.log",
@@ -132,6 +145,14 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 @pytest.fixture(scope="module")
 def eos(model) -> int:
     return int(text_config(read_hf_config(model))["eos_token_id"])
+
+
+# A video part: refused before its bytes are read (the limit per prompt the platform
+# sets), so a placeholder payload is enough.
+VIDEO = [{"role": "user", "content": [
+    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    {"type": "text", "text": "what happens"}]}]
+BIGGER_THAN_THE_BUCKETS = chat("look", image_url(4, 448, 448))
 
 
 def ask(server, messages, **extra) -> requests.Response:
@@ -257,11 +278,12 @@ def _prefix_hits(server) -> float:
     [
         # 1,024 patches, which the server's max_pixels lets through and no vision
         # bucket holds (the largest: 256)
-        (chat("look", image_url(4, 448, 448)), {}, "exceeds the largest vision bucket"),
+        (BIGGER_THAN_THE_BUCKETS, {}, "exceeds the largest vision bucket"),
         (chat("look", "data:image/png;base64," + base64.b64encode(b"not a png").decode()), {}, ""),
         (chat("look", RED, BLUE, WIDE), {}, "image"),
+        (VIDEO, {}, "At most 0 video(s)"),
     ],
-    ids=["larger-than-the-largest-bucket", "corrupt", "too-many"],
+    ids=["larger-than-the-largest-bucket", "corrupt", "too-many", "video"],
 )
 def test_bad_images_get_a_400_and_the_server_keeps_serving(
     server, expected, eos, messages, extra, says
@@ -323,3 +345,36 @@ def test_validate_judges_images_against_the_oracle_and_times_each_vision_bucket(
     timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
              if row["phase"] == "vision_encoding"}
     assert timed == {(64,), (256,)}
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tiny_model) -> Path:
+    return tiny_model("qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_vl, host_python, tmp_path_factory):
+    yield from serve(qwen3_vl, host_python, tmp_path_factory)
+
+
+def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(
+    qwen3_vl, qwen3_server, host_python
+):
+    """Qwen3-VL through the same server flags: one image and two images (one wide, its
+    DeepStack levels at every image token) with transformers' greedy tokens; an image
+    beyond the largest vision bucket (784 of its 16-pixel patches), more images than
+    --limit-mm-per-prompt allows and a video get a 400, and the server answers right
+    after."""
+    names = ["one", "two"]
+    expected = transformers_answers(qwen3_vl, host_python, {n: REQUESTS[n] for n in names})
+    eos = int(text_config(read_hf_config(qwen3_vl))["eos_token_id"])
+    for name in names:
+        assert answer(qwen3_server, REQUESTS[name], eos) == _until_eos(expected[name], eos)
+    for messages, says in (
+        (BIGGER_THAN_THE_BUCKETS, "784 patches exceeds the largest vision bucket"),
+        (chat("look", RED, BLUE, WIDE), "At most 2 image(s)"),
+        (VIDEO, "At most 0 video(s)"),
+    ):
+        response = ask(qwen3_server, messages)
+        assert response.status_code == 400 and says in response.text, response.text
+    assert answer(qwen3_server, REQUESTS["one"], eos) == _until_eos(expected["one"], eos)

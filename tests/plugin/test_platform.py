@@ -3,7 +3,9 @@ EngineArgs -> VllmConfig path (no engine is started)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 
 import pytest
 
@@ -159,3 +161,49 @@ def test_host_sampled_requests_are_refused_with_a_fused_draft_on_nxd(model_dirs,
     monkeypatch.setenv("VLLM_NEURON_BACKEND", "reference")
     keep = engine_config(model_dirs, speculative_config=draft)  # noqa: F841
     NeuronPlatform.validate_request(prompt, SamplingParams(logprobs=2))
+
+
+
+# Run in the host's vLLM environment: vLLM inspects Qwen3-VL's model class, which imports
+# transformers' Qwen2-VL image processor, which needs torchvision.
+IMAGES_ONLY_SCRIPT = """
+import json
+import sys
+
+from vllm.engine.arg_utils import EngineArgs
+
+from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
+
+
+def config(**kwargs):
+    return EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=512,
+                      max_num_seqs=4, **kwargs).create_engine_config()
+
+
+mm = config().model_config.multimodal_config
+out = {"video": mm.get_limit_per_prompt("video"), "image": mm.get_limit_per_prompt("image"),
+       "buckets": list(settings_from_vllm_config(config()).vision_buckets)}
+try:
+    config(limit_mm_per_prompt={"video": 1})
+except ValueError as exc:
+    out["refusal"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_a_vision_model_takes_images_only(tiny_model, host_python):
+    """The vision graphs encode images: vLLM's video limit becomes 0 (vLLM then answers
+    a video with a 400 before reading it), and asking for videos is refused at start-up.
+    The vision buckets come from Qwen3-VL's processor (its `size` keys, 16-pixel
+    patches): 16 to 256 patches."""
+    done = subprocess.run(
+        [host_python, "-c", IMAGES_ONLY_SCRIPT, str(tiny_model("qwen3_vl"))],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["video"], out["image"] > 0) == (0, True)
+    assert out["buckets"] == [16, 32, 64, 128, 256]
+    assert "--limit-mm-per-prompt video=1: the neuron platform runs this model's vision " \
+           "encoder on images only" in out.get("refusal", "")

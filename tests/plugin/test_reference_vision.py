@@ -1,10 +1,12 @@
-"""Qwen2-VL and Qwen2.5-VL on the reference backend against transformers: the vision
-tower's graphs (one per vision bucket, an image padded into a larger bucket, non-square
-grids, Qwen2.5-VL's windows), the decoder's M-RoPE and the merge of image embeddings at
-the placeholders, and greedy decoding of a prompt with images equal to transformers'
-generate, on synthetic pixel_values of the processor's shape [patches, 3 * 2 * 14 * 14]
-and on what the tiny model's processor makes of real images (run in the host's vLLM
-environment: transformers 5 builds Qwen2-VL's processor only with torchvision)."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL on the reference backend against transformers: the
+vision tower's graphs (one per vision bucket, an image padded into a larger bucket,
+non-square grids, Qwen2.5-VL's windows, Qwen3-VL's interpolated position grid and its
+DeepStack features), the decoder's M-RoPE (interleaved for Qwen3-VL) and the merge of
+image embeddings at the placeholders (plus Qwen3-VL's DeepStack levels in its first
+layers), and greedy decoding of a prompt with images equal to transformers' generate, on
+synthetic pixel_values of the processor's shape [patches, 3 * 2 * patch * patch] and on
+what the tiny model's processor makes of real images (run in the host's vLLM
+environment: transformers 5 builds these processors only with torchvision)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,16 @@ import torch
 from neuron_plugin.backends.loader import cache_manifest, open_backend
 from neuron_plugin.backends.reference.architectures import DecoderSpec, UnsupportedModelError
 from neuron_plugin.backends.reference.backend import ReferenceBackend
-from neuron_plugin.backends.reference.vision import patch_inputs
+from neuron_plugin.backends.reference.patch_layout import patch_inputs, position_taps
 from neuron_plugin.backends.runner.client import RunnerBackend
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 from neuron_plugin.core.vision import ImageInputs, padding_image
 
 ARCHS = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
-         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-BOTH = pytest.mark.parametrize("arch", list(ARCHS), indirect=True)
+         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+         "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+EACH = pytest.mark.parametrize("arch", list(ARCHS), indirect=True)
 LIMITS = EngineLimits(max_model_len=128, max_num_seqs=2, block_size=None,
                       enable_prefix_caching=False, enable_chunked_prefill=False,
                       max_num_batched_tokens=128, dtype="float32")
@@ -43,7 +46,7 @@ def vlm_settings(vision_buckets=VISION_BUCKETS, buckets=BUCKETS, arch="qwen2_vl"
 
 @pytest.fixture(scope="module")
 def arch(request) -> str:
-    """The architecture (BOTH: each in turn; otherwise Qwen2-VL)."""
+    """The architecture (EACH: each in turn; otherwise Qwen2-VL)."""
     return getattr(request, "param", "qwen2_vl")
 
 
@@ -71,24 +74,54 @@ def backend(vlm, arch, tmp_path_factory):
     return compiled(vlm_settings(arch=arch), vlm, tmp_path_factory.mktemp(f"{arch}-graphs"))
 
 
-def image(grid, seed=0) -> ImageInputs:
+def image(grid, seed=0, patch=14) -> ImageInputs:
     patches = int(np.prod(grid))
-    pixels = np.random.default_rng(seed).standard_normal((patches, 3 * 2 * 14 * 14))
+    pixels = np.random.default_rng(seed).standard_normal((patches, 3 * 2 * patch * patch))
     return ImageInputs(pixels.astype(np.float32), np.array(grid, dtype=np.int64))
 
 
-@BOTH
+def model_image(backend, grid, seed=0) -> ImageInputs:
+    """An image of the backend's model's patch size (Qwen3-VL's patches are 16 pixels)."""
+    return image(grid, seed, patch=int((backend.vision.patch_dim // 6) ** 0.5))
+
+
+def transformers_visual(hf_model, pixel_values, grid_thw) -> np.ndarray:
+    """transformers' vision tower: its merged embeddings, and Qwen3-VL's DeepStack
+    features concatenated after them (as vLLM's Qwen3-VL hands them on)."""
+    with torch.no_grad():
+        out = hf_model.model.visual(torch.as_tensor(pixel_values),
+                                    grid_thw=torch.as_tensor(grid_thw))
+    deepstack = getattr(out, "deepstack_features", None) or []
+    return torch.cat([out.pooler_output, *deepstack], dim=-1).numpy()
+
+
+@EACH
 @pytest.mark.parametrize("grid", [(1, 4, 6), (1, 6, 4), (1, 4, 4), (1, 6, 10), (2, 2, 4)],
                          ids=["wide", "tall", "padded-in-24", "padded-in-64", "two-frames"])
-def test_vision_graph_equals_transformers_visual(backend, hf_model, grid):
-    img = image(grid)
-    with torch.no_grad():
-        expected = hf_model.model.visual(torch.from_numpy(img.pixel_values),
-                                         grid_thw=torch.tensor([grid])).pooler_output
+def test_vision_graph_equals_transformers_visual(backend, hf_model, arch, grid):
+    img = model_image(backend, grid)
+    expected = transformers_visual(hf_model, img.pixel_values, [grid])
     got = backend.encode_image(img)
-    assert got.shape == (img.embedding_tokens(2), 128) == tuple(expected.shape)
+    # Qwen3-VL: the embedding and two DeepStack levels of 128 each
+    width = 3 * 128 if arch == "qwen3_vl" else 128
+    assert got.shape == (img.embedding_tokens(2), width) == expected.shape
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, expected.numpy(), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_qwen3_position_taps_are_transformers_interpolation():
+    """Qwen3-VL's learned position grid resampled to an image's grid: the rows and
+    weights transformers blends, patches in merge-block order, zero for padding."""
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    grid = np.array([2, 6, 10])
+    taps, weights = position_taps(grid, 2, 8, 128)
+    expected_taps, expected_weights = get_vision_interpolation_indices_and_weights(
+        torch.from_numpy(grid[None]), num_grid_per_side=8, mode="bilinear",
+        align_corners=True, spatial_merge_size=2)
+    np.testing.assert_array_equal(taps[:120], expected_taps.numpy())
+    np.testing.assert_array_equal(weights[:120], expected_weights.numpy())
+    assert not weights[120:].any() and not taps[120:].any()
 
 
 def test_qwen2_5_windows_are_transformers_windows():
@@ -172,7 +205,7 @@ def prefill_with_images(backend, image_token, ids, images, rope):
     active = inputs.input_ids.shape[1]
     mask = np.zeros((1, active), dtype=bool)
     mask[0, : len(ids)] = np.array(ids) == image_token
-    embeddings = np.zeros((1, active, 128), dtype=np.float32)
+    embeddings = np.zeros((1, active, backend.vision.embedding_width), dtype=np.float32)
     embeddings[0, mask[0]] = np.concatenate([backend.encode_image(i) for i in images])
     rope_positions = np.zeros((3, 1, active), dtype=np.int64)
     rope_positions[:, 0, : len(ids)] = rope
@@ -193,20 +226,25 @@ def backend_greedy(backend, first_logits, prompt_len, delta) -> list[int]:
     return tokens
 
 
-@BOTH
-def test_greedy_with_images_equals_transformers_generate(backend, hf_model):
+@EACH
+def test_greedy_with_images_equals_transformers_generate(backend, hf_model, arch):
     grids = [(1, 4, 6), (1, 6, 10)]  # the second one padded into the 64-patch bucket
-    images = [image(g, seed=i) for i, g in enumerate(grids)]
+    images = [model_image(backend, g, seed=i) for i, g in enumerate(grids)]
     ids = prompt(hf_model, grids)
     expected, expected_logits, rope, delta = transformers_greedy(
         hf_model, ids, np.concatenate([i.pixel_values for i in images]), np.array(grids))
     inputs = prefill_with_images(backend, hf_model.config.image_token_id, ids, images, rope)
     logits = backend.forward(inputs)[0]
     np.testing.assert_allclose(logits.numpy(), expected_logits.numpy(), atol=1e-4, rtol=1e-4)
-    # both matter: without the images' embeddings, or without M-RoPE, the logits differ
-    # by ten times the tolerance above or more
+    # each matters: without the images' embeddings, without M-RoPE, or (Qwen3-VL)
+    # without the DeepStack levels, the logits differ by ten times the tolerance or more
     no_image = np.zeros_like(inputs.vision_mask)
-    for missing in ({"vision_mask": no_image}, {"rope_positions": None}):
+    missings: list[dict] = [{"vision_mask": no_image}, {"rope_positions": None}]
+    if arch == "qwen3_vl":
+        flat = inputs.vision_embeddings.copy()
+        flat[..., 128:] = 0
+        missings.append({"vision_embeddings": flat})
+    for missing in missings:
         other = backend.forward(dataclasses.replace(inputs, **missing))[0]
         assert (other - logits).abs().max() > 1e-3, missing
     assert backend_greedy(backend, logits, len(ids), delta) == expected
@@ -236,13 +274,15 @@ np.savez(sys.argv[2], text=np.array(text), input_ids=out["input_ids"][0],
 """
 
 
-@BOTH
+@EACH
 def test_the_processors_images_equal_transformers(vlm, hf_model, host_python, tmp_path,
                                                   backend):
     """The builder's processor files (written from their documented keys) load with
     AutoProcessor; its chat template puts a placeholder run per image part, its pixel
     limits keep a large image within 256 patches, and what it makes of two images
-    (non-square, one downscaled) serves as transformers' generate answers."""
+    (non-square, one downscaled) serves as transformers' generate answers (Qwen3-VL's
+    16-pixel patches make the same grids: its tiny processor's limits are 4x4 to 16x16
+    of its patches' merge groups too)."""
     out = tmp_path / "processed.npz"
     subprocess.run([host_python, "-c", PROCESSOR_SCRIPT, str(vlm), str(out)], check=True,
                    capture_output=True, text=True)
@@ -314,14 +354,17 @@ def test_vision_buckets_are_checked(vlm, model_dirs):
         ReferenceBackend(dataclasses.replace(text, vision_buckets=(16,)), model_dirs["llama"])
 
 
-def test_images_cross_the_runner_boundary(backend, hf_model, vlm, sdk_python, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"], indirect=True)
+def test_images_cross_the_runner_boundary(backend, hf_model, vlm, arch, sdk_python, tmp_path):
     """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
     compiles, warms up every graph (the vision ones with a padding image) and answers
-    encode_image and a context encoding with images as the in-process backend does."""
-    remote = open_backend(vlm_settings(backend_python=sdk_python), vlm, str(tmp_path))
+    encode_image and a context encoding with images as the in-process backend does
+    (Qwen3-VL: embeddings three times the hidden size wide, its DeepStack levels)."""
+    settings = vlm_settings(arch=arch, backend_python=sdk_python)
+    remote = open_backend(settings, vlm, str(tmp_path))
     try:
         assert isinstance(remote, RunnerBackend)
-        images = [image((1, 4, 6), seed=3), image((1, 6, 8), seed=4)]
+        images = [model_image(backend, (1, 4, 6), seed=3), model_image(backend, (1, 6, 8), 4)]
         for img in images:
             np.testing.assert_allclose(remote.encode_image(img), backend.encode_image(img),
                                        atol=1e-5, rtol=1e-5)
@@ -330,7 +373,7 @@ def test_images_cross_the_runner_boundary(backend, hf_model, vlm, sdk_python, tm
         active = inputs.input_ids.shape[1]
         mask = np.zeros((1, active), dtype=bool)
         mask[0, : len(ids)] = np.array(ids) == hf_model.config.image_token_id
-        embeddings = np.zeros((1, active, 128), dtype=np.float32)
+        embeddings = np.zeros((1, active, backend.vision.embedding_width), dtype=np.float32)
         embeddings[0, mask[0]] = backend.encode_image(images[0])
         rope = np.random.default_rng(0).integers(0, 40, (3, 1, active))
         inputs = dataclasses.replace(inputs, vision_embeddings=embeddings, vision_mask=mask,
@@ -338,7 +381,7 @@ def test_images_cross_the_runner_boundary(backend, hf_model, vlm, sdk_python, tm
         np.testing.assert_allclose(remote.forward(inputs).numpy(),
                                    backend.forward(inputs).numpy(), atol=1e-5, rtol=1e-5)
         with pytest.raises(NeuronConfigError, match="exceeds the largest vision bucket"):
-            remote.encode_image(image((1, 16, 18)))
+            remote.encode_image(model_image(backend, (1, 16, 18)))
     finally:
         remote.close()
     assert remote.runner.process.returncode == 0

@@ -1,5 +1,5 @@
 """core.vision: the vision inputs' pure arithmetic, against transformers where it has
-an answer (Qwen2-VL's M-RoPE numbering)."""
+an answer (the M-RoPE numbering of Qwen2-VL and of Qwen3-VL, which agree for images)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,45 @@ from neuron_plugin.core.vision import (
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl():
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def vl_model(request):
+    """A tiny Qwen2-VL or Qwen3-VL base model: what get_rope_index needs."""
+    if request.param == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+        return Qwen3VLModel(
+            Qwen3VLConfig(
+                text_config={
+                    "hidden_size": 64,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "head_dim": 32,
+                    "intermediate_size": 64,
+                    "vocab_size": 100,
+                    "rope_parameters": {
+                        "rope_type": "default",
+                        "mrope_section": [6, 5, 5],
+                        "mrope_interleaved": True,
+                        "rope_theta": 10000.0,
+                    },
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 32,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": 64,
+                    "num_position_embeddings": 16,
+                    "deepstack_visual_indexes": [],
+                },
+                image_token_id=IMAGE,
+                video_token_id=VIDEO,
+                vision_start_token_id=START,
+                vision_end_token_id=END,
+            )
+        )
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
@@ -74,10 +111,10 @@ def _prompt(layout: list[object]) -> tuple[list[int], list[tuple[int, np.ndarray
     ],
     ids=["one-image", "image-first", "two-images", "ends-in-image"],
 )
-def test_mrope_positions_equal_transformers_get_rope_index(qwen2_vl, layout):
+def test_mrope_positions_equal_transformers_get_rope_index(vl_model, layout):
     ids, images = _prompt(layout)
     positions, delta = mrope_positions(len(ids), images, spatial_merge_size=2)
-    expected, expected_delta = qwen2_vl.get_rope_index(
+    expected, expected_delta = vl_model.get_rope_index(
         torch.tensor([ids]),
         torch.tensor([[int(i == IMAGE) for i in ids]]),
         image_grid_thw=torch.tensor(np.stack([g for _, g in images])),
@@ -98,7 +135,7 @@ def test_chunk_takes_the_rows_of_the_images_it_covers():
     second = 100 + np.arange(4 * 2, dtype=np.float32).reshape(4, 2)
     placed = [(2, first), (10, second)]
     # tokens [4, 12): the last four rows of the first image, text, two of the second
-    embeddings, mask = chunk_embeddings(4, 8, active=16, hidden=2, placed=placed)
+    embeddings, mask = chunk_embeddings(4, 8, active=16, width=2, placed=placed)
     assert mask[0].tolist() == [True] * 4 + [False] * 2 + [True] * 2 + [False] * 8
     assert np.array_equal(embeddings[0, :4], first[2:])
     assert np.array_equal(embeddings[0, 6:8], second[:2])

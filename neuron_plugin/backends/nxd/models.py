@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from neuron_plugin import plugin_logger
 from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.core.vision import VISION_ARCHITECTURES
 
 logger = plugin_logger(__name__)
 
@@ -66,7 +67,12 @@ VISION_LANGUAGE = {
         "NxDI's CPU mode does not implement it (to_cpu), so nothing about it is checked",
     ),
     "Llama4ForConditionalGeneration": ("llama4", "it is not checked on real NxDI"),
-    "MllamaForConditionalGeneration": ("mllama", "it is not checked on real NxDI"),
+    "MllamaForConditionalGeneration": (
+        "mllama",
+        "vLLM itself no longer serves it: it was supported until vLLM 0.10.2 "
+        "(vllm/model_executor/models/registry.py _PREVIOUSLY_SUPPORTED_MODELS: the "
+        "encoder-decoder models went with vLLM's V0 engine)",
+    ),
 }
 # MODEL_TYPES keys that are not in every release, -> the first release listing them
 # (utils/constants.py): 0.8 (cd3abf3) ships models/gemma3 but registers neither.
@@ -94,10 +100,15 @@ def refuse_vision_language(architecture: str) -> None:
     """A vision-language model is refused by name (see VISION_LANGUAGE)."""
     if architecture in VISION_LANGUAGE:
         key, why = VISION_LANGUAGE[architecture]
+        fix = (
+            "serve it with VLLM_NEURON_BACKEND=reference"
+            if architecture in VISION_ARCHITECTURES
+            else "the reference backend does not serve it either"
+        )
         raise NeuronConfigError(
             f"architecture {architecture!r} is a vision-language model the nxd backend "
             f"does not serve: NxDI's MODEL_TYPES[{key!r}] is refused because {why} "
-            f"(docs/serving/vision.md); serve it with VLLM_NEURON_BACKEND=reference."
+            f"(docs/serving/vision.md); {fix}."
         )
 
 

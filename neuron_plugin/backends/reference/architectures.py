@@ -72,6 +72,11 @@ class Architecture:
     # text_config (transformers 5) or flat (4.57), its RoPE is M-RoPE and a vision tower
     # (`vision`) turns images into embeddings that replace placeholder tokens.
     vision: bool = False
+    # Qwen3-VL: M-RoPE's frequencies take the temporal, height and width positions in
+    # turn (mrope_section interleaved) rather than in three runs.
+    mrope_interleaved: bool = False
+    # A vision model's decoder with M-RoPE (the Qwen2-VL family) or plain 1-D RoPE (Pixtral)
+    mrope: bool = True
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -112,6 +117,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         sliding_layer=_from_max_window_layers,
         default_rope_theta=1_000_000.0,
         vision=True,
+    ),
+    "Qwen3VLForConditionalGeneration": Architecture(
+        "qwen3_vl",
+        qk_norm=True,
+        default_rope_theta=500_000.0,
+        vision=True,
+        mrope_interleaved=True,
+    ),
+    # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
+    # reference/pixtral.py)
+    "LlavaForConditionalGeneration": Architecture(
+        "llava",
+        attention_bias="none",
+        reads_layer_types=False,
+        vision=True,
+        mrope=False,
     ),
     "GptOssForCausalLM": Architecture(
         "gpt_oss",
@@ -229,10 +250,11 @@ class DecoderSpec:
 
 
 def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
-    if not arch.vision:
+    if not (arch.vision and arch.mrope):
         return ()
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    section = tuple(int(n) for n in params.get("mrope_section") or (16, 24, 24))
+    default = (24, 20, 20) if arch.mrope_interleaved else (16, 24, 24)  # transformers'
+    section = tuple(int(n) for n in params.get("mrope_section") or default)
     if len(section) != 3 or sum(section) != head_dim // 2:
         raise UnsupportedModelError(
             f"mrope_section={list(section)} must be three counts (temporal, height, width) "

@@ -65,6 +65,7 @@ from neuron_plugin.backends.reference.eagle import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.pixtral import PixtralSpec
 from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
@@ -77,7 +78,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
-from neuron_plugin.backends.reference.vision import VisionGraph, VisionSpec, patch_inputs
+from neuron_plugin.backends.reference.vision import VisionSpec, vision_graph, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
@@ -151,7 +152,7 @@ class ReferenceBackend(InlineCalls):
         elif settings.draft_model:
             self.draft = Draft(settings, self.spec)
         self.vision = _vision_spec(settings, self.spec, self.hf_config)
-        self.vision_module = None if self.vision is None else VisionGraph(self.vision)
+        self.vision_module = None if self.vision is None else vision_graph(self.vision)
         self.vision_weights: list[torch.Tensor] = []
         self.lora_slots: list[torch.Tensor] = []
         self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
@@ -486,11 +487,11 @@ class ReferenceBackend(InlineCalls):
         out = {"rope_positions": torch.from_numpy(np.ascontiguousarray(rope_positions, np.int64))}
         if phase != CONTEXT_ENCODING:
             return out
-        hidden = self.spec.hidden_size
+        width = self.vision.embedding_width
         if embeddings is None or mask is None:
-            embeddings = np.zeros((batch, active, hidden), dtype=np.float32)
+            embeddings = np.zeros((batch, active, width), dtype=np.float32)
             mask = np.zeros((batch, active), dtype=bool)
-        _check_shape("vision_embeddings", embeddings, (batch, active, hidden))
+        _check_shape("vision_embeddings", embeddings, (batch, active, width))
         _check_shape("vision_mask", mask, (batch, active))
         out["vision_embeddings"] = torch.from_numpy(np.ascontiguousarray(embeddings, np.float32))
         out["vision_mask"] = torch.from_numpy(np.ascontiguousarray(mask, bool))
@@ -499,17 +500,17 @@ class ReferenceBackend(InlineCalls):
     def _vision_example_inputs(self, patches: int) -> tuple:
         assert self.vision is not None
         shapes = vision_weight_shapes(self.vision, safetensors_shapes(self.model_dir))
+        arrays = self.vision.image_inputs(np.zeros(3, dtype=np.int64), patches)
         return (
             [torch.zeros(shape, dtype=self.dtype) for shape in shapes],
             torch.zeros(patches, self.vision.patch_dim),
-            torch.zeros(patches, 2, dtype=torch.int64),
-            torch.zeros(2, patches, dtype=torch.int64),
+            *(torch.from_numpy(a) for a in arrays),
         )
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
-        """The image's embeddings [embedding_tokens, hidden] float32 from the graph of
-        its vision bucket: its patches padded to the bucket, the padding's rows dropped
-        (none for a padding image, core.vision.padding_image)."""
+        """The image's embeddings [embedding_tokens, embedding_width] float32 from the
+        graph of its vision bucket: its patches padded to the bucket, the padding's rows
+        dropped (none for a padding image, core.vision.padding_image)."""
         vision = self.vision
         if vision is None:
             raise NeuronConfigError(
@@ -519,19 +520,17 @@ class ReferenceBackend(InlineCalls):
         padded = np.zeros((bucket, vision.patch_dim), dtype=np.float32)
         if not image.is_padding:
             padded[: image.patches] = image.pixel_values
-        merge = vision.spatial_merge_size
-        rotary_ids, groups = patch_inputs(image.grid_thw, merge, bucket, vision.window)
+        arrays = vision.image_inputs(image.grid_thw, bucket)
         graph = self.graphs[(VISION_ENCODING, (bucket,), False)]
         with torch.inference_mode():
             merged = graph(
                 self.vision_weights,
                 torch.from_numpy(padded),
-                torch.from_numpy(rotary_ids),
-                torch.from_numpy(groups),
+                *(torch.from_numpy(a) for a in arrays),
             )
-        return merged[: image.embedding_tokens(merge)].float().numpy()
+        return merged[: image.embedding_tokens(vision.spatial_merge_size)].float().numpy()
 
-    def _image_bucket(self, image: ImageInputs, vision: VisionSpec) -> int:
+    def _image_bucket(self, image: ImageInputs, vision: VisionSpec | PixtralSpec) -> int:
         """The vision bucket `image` runs in, its arrays checked."""
         buckets = self.settings.vision_buckets
         if image.is_padding:
@@ -678,7 +677,7 @@ class Draft:
 
 def _vision_spec(
     settings: NeuronSettings, spec: DecoderSpec, hf_config: dict[str, Any]
-) -> VisionSpec | None:
+) -> VisionSpec | PixtralSpec | None:
     """A vision-language model's vision tower (None for a text model), its buckets
     checked against it."""
     if not spec.vision:
@@ -693,7 +692,7 @@ def _vision_spec(
             f"{spec.architecture}: speculative decoding of a vision-language model is not "
             f"supported by the reference backend; remove --speculative-config."
         )
-    vision = VisionSpec.from_hf_config(hf_config)
+    vision = vision_tower(hf_config)
     odd = [n for n in settings.vision_buckets if n % vision.merge_patches]
     if odd:
         raise NeuronConfigError(

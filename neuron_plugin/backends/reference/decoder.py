@@ -34,11 +34,13 @@ every targeted projection adds B[slot] (A[slot] x) to its row, PEFT's
 y = W x + scaling * B(A x) with the scaling already in B (core.adapters). Slot 0 is
 zero, so rows without an adapter compute the base model exactly.
 
-A vision-language model's graphs (Qwen2-VL family, core.vision) also take rope_positions
-[3, batch, active] (M-RoPE: each rotary frequency follows the temporal, height or width
-position, by the config's mrope_section), and in context encoding the image embeddings
-vision_embeddings [batch, active, hidden] and vision_mask [batch, active], which replace
-the token embeddings where the mask is set (zeros and False in a call without images).
+A vision-language model's graphs (Qwen2-VL family and Qwen3-VL, core.vision) also take
+rope_positions [3, batch, active] (M-RoPE: each rotary frequency follows the temporal,
+height or width position, by the config's mrope_section, interleaved for Qwen3-VL), and
+in context encoding the image embeddings vision_embeddings [batch, active, width] and
+vision_mask [batch, active]: the first hidden values replace the token embeddings where
+the mask is set (zeros and False in a call without images); Qwen3-VL's further hidden
+values per DeepStack level are added to the output of layer 0, 1, ... there.
 Their vision towers are graphs of their own (`vision`).
 
 Speculative decoding's graphs (`speculative`) are built from the same pieces (`hidden`,
@@ -63,12 +65,13 @@ from neuron_plugin.backends.reference.architectures import (
 from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core import mxfp4
-from neuron_plugin.core.checkpoint import safetensors_files
+from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_files
 
 # Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
 # graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
-# 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs).
-COMPUTATION = 3
+# 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
+# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3).
+COMPUTATION = 4
 
 __all__ = [
     "FAMILIES",
@@ -146,7 +149,7 @@ def weight_shapes(spec: DecoderSpec, shapes: dict[str, list[int]]) -> list[list[
             f"needs, e.g. {missing[:3]}"
         )
     return [
-        [len(sources), *shapes[sources[0]]] if "*" in name else list(shapes[name])
+        [len(sources), *shapes[sources[0]]] if "*" in name else list(shapes[sources[0]])
         for name, sources in wanted
     ]
 
@@ -167,7 +170,7 @@ def load_weights(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                found[name] = f.get_tensor(name)
+                found[canonical_tensor_name(name)] = f.get_tensor(name)
     mxfp4.dequantize_pairs(found)  # gpt-oss's experts as openai ships them
     wanted = weight_sources(spec)
     missing = [n for _, sources in wanted for n in sources if n not in found]
@@ -177,7 +180,7 @@ def load_weights(
             f"{spec.architecture} graph needs, e.g. {missing[:3]}"
         )
     return [
-        (torch.stack([found[n] for n in sources]) if "*" in name else found[name])
+        (torch.stack([found[n] for n in sources]) if "*" in name else found[sources[0]])
         .to(dtype)
         .contiguous()
         for name, sources in wanted
@@ -228,9 +231,9 @@ class DecoderGraph(nn.Module):
         self.names = weight_names(spec, quantized)
         self.rope_scaling = {kind: scaling for kind, (_, scaling) in rope.items()}
         # M-RoPE: which rotary position (0 temporal, 1 height, 2 width) each frequency
-        # follows (transformers' mrope_section split of head_dim / 2).
+        # follows (`mrope_axes`).
         self.mrope_axis: torch.Tensor | None
-        axis = [i % 3 for i, n in enumerate(spec.mrope_section) for _ in range(n)]
+        axis = mrope_axes(spec.mrope_section, spec.arch.mrope_interleaved)
         self.register_buffer("mrope_axis", torch.tensor(axis) if axis else None)
         for kind, (inv_freq, _) in rope.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq.float(), persistent=True)
@@ -363,8 +366,9 @@ class DecoderGraph(nn.Module):
         each token's keys and values written to its cache slot first; `lora`: per layer,
         the rows' adapter deltas (`lora_rows`). A vision-language model's M-RoPE
         rotates by `rope_positions` [3, batch, active], and `vision` (embeddings
-        [batch, active, hidden], mask [batch, active]) replaces the token embeddings
-        where the mask is set (transformers' masked_scatter of the image features)."""
+        [batch, active, hidden x (1 + DeepStack levels)], mask [batch, active]) replaces
+        the token embeddings where the mask is set (transformers' masked_scatter of the
+        image features), its DeepStack levels added after the first layers there."""
         return self.hidden_states(
             w,
             input_ids,
@@ -406,17 +410,22 @@ class DecoderGraph(nn.Module):
         dtype = x.dtype
         if s.arch.gemma:
             x = x * self.embed_scale[dtype]
+        deepstack: list[torch.Tensor] = []
         if vision is not None:
             embeddings, mask = vision
-            x = torch.where(mask.unsqueeze(-1), embeddings.to(dtype), x)
+            # Qwen3-VL: the embedding, then one DeepStack level per early layer
+            embedding, *deepstack = embeddings.to(dtype).split(s.hidden_size, dim=-1)
+            x = torch.where(mask.unsqueeze(-1), embedding, x)
+            deepstack = [torch.where(mask.unsqueeze(-1), d, 0) for d in deepstack]
 
         rope = {}
         for kind, scaling in self.rope_scaling.items():
             inv_freq = getattr(self, f"inv_freq_{kind}")
-            if rope_positions is None:
+            # a vision model with 1-D RoPE (Pixtral's Mistral) has the vision graphs'
+            # rope_positions input too, each axis its KV position: it rotates by those
+            if rope_positions is None or self.mrope_axis is None:
                 freqs = positions.unsqueeze(-1).float() * inv_freq
             else:  # [3, b, a] -> each frequency's own axis: [b, a, head_dim / 2]
-                assert self.mrope_axis is not None, "rope_positions for a model without M-RoPE"
                 axis_positions = rope_positions[self.mrope_axis].permute(1, 2, 0)
                 freqs = axis_positions.float() * inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -481,9 +490,22 @@ class DecoderGraph(nn.Module):
                     norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
                 )
             x = x + out
+            if layer < len(deepstack):  # transformers' _deepstack_process
+                x = x + deepstack[layer]
         captured[s.num_layers] = x
         normed = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
         return normed, [captured[i] for i in capture]
+
+
+def mrope_axes(section: tuple[int, ...], interleaved: bool) -> list[int]:
+    """Which M-RoPE position (0 temporal, 1 height, 2 width) each of the head_dim / 2
+    rotary frequencies follows: three runs of mrope_section's lengths (Qwen2-VL's
+    split), or, interleaved (Qwen3-VL's recomposition_frequencies), frequency i takes
+    height where i % 3 == 1 and i < 3 x section[1], width where i % 3 == 2 and
+    i < 3 x section[2], temporal elsewhere."""
+    if not interleaved:
+        return [i % 3 for i, n in enumerate(section) for _ in range(n)]
+    return [i % 3 if i % 3 and i < 3 * section[i % 3] else 0 for i in range(sum(section))]
 
 
 def _lora_delta(rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Adapt:

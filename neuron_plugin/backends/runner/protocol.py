@@ -22,11 +22,12 @@ shape, offset]}); the runner answers with the output arena's layout. Operations:
   positions' prompt logprobs ("prompt." names: token_ids and logprobs [positions, k + 1]
   int32 and float32, ranks [positions] int64: 8k + 16 bytes a position).
 - "forward": the same inputs, every row's logits.
-  A vision-language model's calls also carry vision_embeddings [rows, active, hidden]
-  float32 and vision_mask [rows, active] bool (context encoding with images) and
+  A vision-language model's calls also carry vision_embeddings [rows, active, width]
+  float32 (width: VisionGeometry.embedding_width, the hidden size times 1 + Qwen3-VL's
+  DeepStack levels) and vision_mask [rows, active] bool (context encoding with images) and
   rope_positions [3, rows, active] int64 (M-RoPE), ForwardInputs arrays like the others.
 - "encode_image": one image's pixel_values [patches, patch_dim] float32 and grid_thw
-  [3] int64; it answers its embeddings [embedding_tokens, hidden] float32.
+  [3] int64; it answers its embeddings [embedding_tokens, width] float32.
 - "set_adapter": a LoRA adapter's A and B arrays (float32, per target module) for a
   slot, between calls.
 - "kv_geometry", "map_kv_arena", "read_kv_blocks", "write_kv_blocks": KV blocks
@@ -375,7 +376,7 @@ def input_arena_bytes(
             continue
         inputs = padding_inputs(settings, graph.phase, graph.shape)
         if vision is not None:
-            inputs = with_vision_arrays(inputs, vision.hidden_size)
+            inputs = with_vision_arrays(inputs, vision.embedding_width)
         _, arrays = encode_inputs(inputs)
         if graph.prompt_logprobs:  # [1, active] int64, as input_ids
             arrays["prompt_targets"] = inputs.input_ids
@@ -390,7 +391,7 @@ def input_arena_bytes(
     return largest + ALIGN
 
 
-def with_vision_arrays(inputs: ForwardInputs, hidden_size: int) -> ForwardInputs:
+def with_vision_arrays(inputs: ForwardInputs, width: int) -> ForwardInputs:
     """`inputs` with every vision array a call of its phase may carry, zero: the most a
     vision-language model's call sends."""
     rows, active = inputs.input_ids.shape
@@ -399,7 +400,7 @@ def with_vision_arrays(inputs: ForwardInputs, hidden_size: int) -> ForwardInputs
         return inputs
     return dataclasses.replace(
         inputs,
-        vision_embeddings=np.zeros((rows, active, hidden_size), dtype=np.float32),
+        vision_embeddings=np.zeros((rows, active, width), dtype=np.float32),
         vision_mask=np.zeros((rows, active), dtype=bool),
     )
 
@@ -415,7 +416,7 @@ def output_arena_bytes(
     step = _aligned(4 * rows * decode_width(settings)) + _aligned(4 * rows * vocab_size)
     if vision is not None and settings.vision_buckets:
         tokens = max(settings.vision_buckets) // vision.spatial_merge_size**2
-        step = max(step, _aligned(4 * tokens * vision.hidden_size))
+        step = max(step, _aligned(4 * tokens * vision.embedding_width))
     if settings.prompt_logprobs is not None:
         positions = max(settings.context_encoding_buckets)
         columns = settings.prompt_logprobs + 1
