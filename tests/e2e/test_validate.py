@@ -76,7 +76,7 @@ def test_every_case_passes_on_the_reference_backend(model_dirs, sdk_python, tmp_
         "continuous-batching": "pass", "mixed-step": "pass", "device-sampling": "pass",
         "prefix-cache-hit": "pass", "chunked-prefill": "pass", "lora": "pass",
         "kv-transfer": "pass", "speculation": "refused", "quantized": "not-configured",
-        "prompt-logprobs": "not-configured"}
+        "prompt-logprobs": "not-configured", "images": "not-configured"}
     cases = {case["name"]: case for case in report["cases"]}
     # not turned on, and this configuration could not have it: its LoRA excludes it
     assert "but this backend refuses it" in cases["speculation"]["detail"]

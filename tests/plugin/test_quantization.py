@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -180,6 +181,10 @@ def test_explain_config_shows_the_memory_quantization_saves(model_dirs, monkeypa
     from neuron_plugin.tools import cli
 
     monkeypatch.setenv("VLLM_NEURON_BACKEND", "reference")
+    # explain-config would send vLLM's log lines to stderr for the rest of this process
+    # (test_cli.py backend_env)
+    monkeypatch.setenv("VLLM_LOGGING_STREAM",
+                       os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.__stdout__"))
     extra = {"override_neuron_config": {**BUCKETS, "quantized": True,
                                         "quantized_checkpoints_path": "/q",
                                         "quantization_type": "per_channel_symmetric"}}

@@ -137,7 +137,11 @@ names = [type(c).__name__ for c in REGISTRY._collector_to_names]
 after = set(glob.glob(tempfile.gettempdir() + "/vllm-neuron-telemetry-*"))
 print("STATUS", status, "NEURON", any("Neuron" in n for n in names), "NEWDIRS", len(after - before))
 """
-    env = dict(os.environ, VLLM_NEURON_BACKEND="reference")
+    # a temporary folder of its own: engines elsewhere on the host make telemetry
+    # directories in the shared one meanwhile
+    private = tmp_path / "tmp"
+    private.mkdir()
+    env = dict(os.environ, VLLM_NEURON_BACKEND="reference", TMPDIR=str(private))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, timeout=300)
     assert "STATUS 0 NEURON False NEWDIRS 0" in result.stdout, result.stdout + result.stderr[-3000:]
