@@ -53,7 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -647,27 +647,12 @@ def _write_vlm(
     files as the Hub's Qwen2-VL ships them (preprocessor_config.json, chat_template.json),
     written from their documented keys: transformers 5 builds a Qwen2VLProcessor only
     with torchvision (its video processor), which the CPU test environment lacks."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers import AutoConfig
 
     recipe_fields = VISION_LANGUAGE[arch]
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab_size),
-        bos_token="<|bos|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        chat_template=VLM_CHAT_TEMPLATE,
-        additional_special_tokens=list(VISION_TOKENS),
-    )
+    tokenizer = _vlm_tokenizer(vocab_size, VLM_CHAT_TEMPLATE, VISION_TOKENS)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
-    text = {
-        **recipe_fields["text_config"],
-        "vocab_size": len(tokenizer),
-        "max_position_embeddings": max_positions,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    text = _vlm_text_config(recipe_fields["text_config"], tokenizer, max_positions)
     config = AutoConfig.for_model(
         arch,
         text_config=text,
@@ -683,17 +668,12 @@ def _write_vlm(
         dtype="float32",
         initializer_range=0.08,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.eval()
-    _perturb_constants(model, seed)
     vision = recipe_fields["vision_config"]
-    with replacing_folder(out) as staging:
-        model.save_pretrained(staging)
-        saved = json.loads((staging / "config.json").read_text())
-        # transformers 4.57 reads RoPE from rope_theta / rope_scaling ("mrope" is its
-        # name for M-RoPE's default frequencies; Qwen3-VL's Hub configs say "default"
-        # and mrope_interleaved)
+
+    def rope_for_4_57(saved: dict[str, Any]) -> None:
+        """transformers 4.57 reads RoPE from rope_theta / rope_scaling ("mrope" is its
+        name for M-RoPE's default frequencies; Qwen3-VL's Hub configs say "default" and
+        mrope_interleaved)."""
         rope = text["rope_parameters"]
         saved["text_config"]["rope_theta"] = rope["rope_theta"]
         saved["text_config"]["rope_scaling"] = (
@@ -701,8 +681,8 @@ def _write_vlm(
             if rope.get("mrope_interleaved")
             else {"type": "mrope", "mrope_section": rope["mrope_section"]}
         )
-        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
-        tokenizer.save_pretrained(staging, save_jinja_files=False)
+
+    with _saving_vlm(out, config, seed, tokenizer, rope_for_4_57) as staging:
         preprocessor = {
             "image_processor_type": "Qwen2VLImageProcessor",
             "processor_class": recipe_fields["processor_class"],
@@ -714,10 +694,7 @@ def _write_vlm(
             "image_std": recipe_fields.get("image_std", IMAGE_STD),
         }
         (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-        (staging / "chat_template.json").write_text(
-            json.dumps({"chat_template": VLM_CHAT_TEMPLATE}, indent=2)
-        )
-        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+        _write_chat_template_and_recipe(staging, VLM_CHAT_TEMPLATE, wanted)
 
 
 def _write_pixtral(
@@ -729,25 +706,12 @@ def _write_pixtral(
     Pixtral's image tokens, preprocessor_config.json saved by PixtralImageProcessor's PIL
     variant, processor_config.json and chat_template.json from their documented keys
     (transformers 5 builds a PixtralProcessor only with torchvision, as for Qwen2-VL)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers import AutoConfig
     from transformers.models.pixtral import PixtralImageProcessorPil
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab_size),
-        bos_token="<|bos|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        chat_template=PIXTRAL_CHAT_TEMPLATE,
-        additional_special_tokens=list(PIXTRAL_TOKENS),
-    )
+    tokenizer = _vlm_tokenizer(vocab_size, PIXTRAL_CHAT_TEMPLATE, PIXTRAL_TOKENS)
     text = {
-        **PIXTRAL["text_config"],
-        "vocab_size": len(tokenizer),
-        "max_position_embeddings": max_positions,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        **_vlm_text_config(PIXTRAL["text_config"], tokenizer, max_positions),
         "tie_word_embeddings": False,
     }
     vision = PIXTRAL["vision_config"]
@@ -764,18 +728,14 @@ def _write_pixtral(
         dtype="float32",
         initializer_range=0.08,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    _perturb_constants(model, seed)
     patch = {"height": vision["patch_size"], "width": vision["patch_size"]}
     images = PixtralImageProcessorPil(size={"longest_edge": vision["image_size"]}, patch_size=patch)
-    with replacing_folder(out) as staging:
-        model.save_pretrained(staging)
-        saved = json.loads((staging / "config.json").read_text())
+
+    def rope_for_4_57(saved: dict[str, Any]) -> None:
         for part in ("text_config", "vision_config"):  # transformers 4.57's RoPE key
             saved[part]["rope_theta"] = PIXTRAL[part]["rope_parameters"]["rope_theta"]
-        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
-        tokenizer.save_pretrained(staging, save_jinja_files=False)
+
+    with _saving_vlm(out, config, seed, tokenizer, rope_for_4_57) as staging:
         images.save_pretrained(staging)
         preprocessor = json.loads((staging / "preprocessor_config.json").read_text())
         preprocessor["processor_class"] = "PixtralProcessor"
@@ -789,10 +749,69 @@ def _write_pixtral(
             "image_end_token": PIXTRAL_TOKENS[2],
         }
         (staging / "processor_config.json").write_text(json.dumps(processor, indent=2))
-        (staging / "chat_template.json").write_text(
-            json.dumps({"chat_template": PIXTRAL_CHAT_TEMPLATE}, indent=2)
-        )
-        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+        _write_chat_template_and_recipe(staging, PIXTRAL_CHAT_TEMPLATE, wanted)
+
+
+def _vlm_tokenizer(vocab_size: int, chat_template: str, special_tokens: Sequence[str]) -> Any:
+    """The tiny tokenizer with a vision-language model's chat template and image tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template,
+        additional_special_tokens=list(special_tokens),
+    )
+
+
+def _vlm_text_config(base: dict[str, Any], tokenizer: Any, max_positions: int) -> dict[str, Any]:
+    """The language model's config: the recipe's, sized and tokened for `tokenizer`."""
+    return {
+        **base,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": max_positions,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+@contextmanager
+def _saving_vlm(
+    out: Path,
+    config: Any,
+    seed: int,
+    tokenizer: Any,
+    patch_config: Callable[[dict[str, Any]], None],
+) -> Iterator[Path]:
+    """Random weights of `config` (seeded, constants perturbed) saved with
+    save_pretrained into `out`'s staging folder, config.json patched for transformers
+    4.57 (the SDK environment's) by `patch_config`, and the tokenizer; the caller adds
+    the processor's files before the folder replaces `out`."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    _perturb_constants(model, seed)
+    with replacing_folder(out) as staging:
+        model.save_pretrained(staging)
+        saved = json.loads((staging / "config.json").read_text())
+        patch_config(saved)
+        (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+        tokenizer.save_pretrained(staging, save_jinja_files=False)
+        yield staging
+
+
+def _write_chat_template_and_recipe(
+    staging: Path, chat_template: str, wanted: dict[str, Any]
+) -> None:
+    (staging / "chat_template.json").write_text(
+        json.dumps({"chat_template": chat_template}, indent=2)
+    )
+    (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
 
 
 def mxfp4_experts(folder: Path) -> None:

@@ -8,8 +8,8 @@
 #              release from the package index, pip's machine-local settings off, as a host
 #              installs it; scripts/setup-host-env.sh), which tests/e2e/test_deployment_build.py
 #              serves from.
-# Tests that need one wait for its set-up (tests/conftest.py `environment`); pytest runs
-# the deployment build's tests last. Extra arguments go to pytest, e.g.
+# Tests that need one wait for its set-up (tests/environments.py). Extra arguments go to
+# pytest, e.g.
 # scripts/run-tests.sh -k bucketing
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

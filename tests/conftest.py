@@ -20,8 +20,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The deployment build's tests last: their environment installs in the background
-    while the others run (scripts/run-tests.sh; the workers take whole files in this
-    order, tests/xdist_schedule.py)."""
+    while the others run (scripts/run-tests.sh). Under xdist this only breaks ties:
+    the workers take whole files, those with the most tests first (tests/xdist_schedule.py),
+    and a deployment test waits for the environment (tests/environments.py)."""
     items.sort(key=lambda item: item.get_closest_marker("deployment") is not None)
 
 

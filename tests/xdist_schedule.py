@@ -31,8 +31,8 @@ def work_unit(nodeid: str) -> str:
 
 
 class FileScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling (whole units, in collection order, to the next free
-    worker), with work_unit as the scope."""
+    """xdist's scope scheduling (whole units to the next free worker, the units with the
+    most tests first: its default `--loadscope-reorder`), with work_unit as the scope."""
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit(nodeid)

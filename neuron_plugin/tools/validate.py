@@ -433,13 +433,14 @@ def _run_cases(
 
 def _serve(llm: Any, case: Case, observed: dict[str, Any]) -> list[Served]:
     """The case's requests through the engine, in `case.batches` rounds (a later round
-    finds what an earlier one cached); prefix-cache hits counted around them."""
+    finds what an earlier one cached); prefix-cache hits and drafts counted around them."""
     rounds = np.array_split(np.arange(len(case.requests)), case.batches)
-    before = _prefix_hits(llm)
+    before = _counters(llm)
     served: list[Served] = []
     for indices in rounds:
         served += _generate(llm, [case.requests[i] for i in indices])
-    observed["prefix_hit_tokens"] = _prefix_hits(llm) - before
+    after = _counters(llm)
+    observed.update({key: after[key] - before[key] for key in _COUNTERS})
     return served
 
 
@@ -496,10 +497,20 @@ def _prompt(request: Request) -> dict[str, Any]:
     return {"prompt_token_ids": request.prompt, "multi_modal_data": {"image": _pictures(request)}}
 
 
-def _prefix_hits(llm: Any) -> float:
-    return sum(
-        getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"
-    )
+# What `judge` reads from the engine -> vLLM's counter (summed over its engines).
+_COUNTERS = {
+    "prefix_hit_tokens": "vllm:prefix_cache_hits",
+    "drafted_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    metrics = llm.get_metrics()
+    return {
+        key: sum(getattr(m, "value", 0) for m in metrics if m.name == name)
+        for key, name in _COUNTERS.items()
+    }
 
 
 def _score(

@@ -261,6 +261,7 @@ def plan(
                     Request(_prompt(rng, limits, 20), greedy(new_tokens)),
                 ],
                 "greedy",
+                evidence={"method": limits.speculation},
             )
         )
     else:
@@ -476,8 +477,9 @@ def judge(
     observed: Mapping[str, Any],
 ) -> CaseResult:
     """The case's result from what was served, the oracle's scores (one per request;
-    None where the judge needs none) and what the engine observed (`prefix_hit_tokens`:
-    tokens read from the prefix cache while the case ran); `tolerance`: `Limits.tolerance`."""
+    None where the judge needs none) and what the engine observed while the case ran
+    (`prefix_hit_tokens`: tokens read from the prefix cache; `drafted_tokens` and
+    `accepted_tokens`: speculation's, as vLLM counts them); `tolerance`: `Limits.tolerance`."""
     problems: list[str] = []
     failing: list[int] = []
     for index, (answer, score) in enumerate(zip(served, scores, strict=True)):
@@ -507,6 +509,20 @@ def judge(
             f"{hits:.0f} tokens came from the prefix cache, not the {shared} shared with "
             f"the earlier prompt"
         )
+    detail = case.feature
+    if "method" in case.evidence:
+        drafted = observed.get("drafted_tokens", 0)
+        accepted = observed.get("accepted_tokens", 0)
+        if not drafted:
+            problems.append(
+                f"no draft token was proposed: the {case.evidence['method']} drafts never "
+                f"ran, so the tokens were checked without speculation"
+            )
+        else:
+            detail = (
+                f"{detail}; {accepted:.0f} of {drafted:.0f} draft tokens accepted "
+                f"({accepted / drafted:.0%})"
+            )
     if case.judge == "sampled":
         ok, why = _sampled(case, served)
         evidence["test"] = why
@@ -527,7 +543,7 @@ def judge(
             evidence=evidence,
             inputs=[case.requests[i].to_dict() for i in failing[:3]] or None,
         )
-    return CaseResult(name=case.name, status="pass", detail=case.feature, evidence=evidence)
+    return CaseResult(name=case.name, status="pass", detail=detail, evidence=evidence)
 
 
 def _greedy(answer: Served, score: Mapping[str, Any], tolerance: float) -> str | None:

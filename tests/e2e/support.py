@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,19 +59,41 @@ def corpus_token_ids(model_dir: Path, count: int, offset: int = 0) -> list[int]:
 
 
 def make_llm(model_dir: Path, **kwargs):
-    from vllm import LLM
+    """vLLM's `LLM` with its engine core in this process (vLLM's InprocClient,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0): a spawned engine core imports vLLM and torch
+    afresh, ~13 of the ~25 s an engine takes to start here, and the suite starts dozens.
+    The engine process users get is still tested: every `vllm serve` test runs one, and
+    so does tests/e2e/test_offline_script.py."""
+    from vllm import LLM, envs
 
     defaults = dict(model=str(model_dir), dtype="float32", max_model_len=256,
                     max_num_seqs=4, seed=0, enable_prefix_caching=False,
                     enable_chunked_prefill=False,
                     gpu_memory_utilization=0.1)
     defaults.update(kwargs)
-    return LLM(**defaults)
+    before = os.environ.get(IN_PROCESS)
+    os.environ[IN_PROCESS] = "0"
+    try:
+        return LLM(**defaults)
+    finally:
+        if before is None:
+            del os.environ[IN_PROCESS]
+        else:
+            os.environ[IN_PROCESS] = before
+        # the engine core caches vLLM's environment variables for the process once
+        # started (vllm.envs.enable_envs_cache): later tests' settings must still count
+        envs.disable_envs_cache()
+
+
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def shutdown_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
+    # an engine core freezes the objects alive when it started (vLLM's freeze_gc_heap),
+    # its own among them: unfrozen, the collector can free them with the engine
+    gc.unfreeze()
     gc.collect()
 
 

@@ -2,7 +2,8 @@
 backend: greedy tokens equal transformers' greedy tokens (so equal those without
 speculation) at batch 1 and beside sampled and host-sampled rows, in both KV layouts,
 in-process and through the backend runner (the SDK's environment), with the heads'
-drafts accepted (vLLM's spec-decode counters).
+drafts accepted (vLLM's spec-decode counters); `neuron-plugin validate` judges such a
+configuration's speculation case and reports the head's acceptance.
 
 The target is the corpus-trained tiny Mistral of tests/e2e/test_speculative_decoding.py;
 the heads are trained on its hidden states (scripts/build_eagle_heads.py), so their
@@ -10,6 +11,8 @@ drafts get accepted as a real head's are.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -101,3 +104,20 @@ def test_sampled_and_host_sampled_rows_beside_greedy_ones(engine, eagle_heads, o
     assert list(logprobs.token_ids) == oracle.generate(requests[1][0]["prompt_token_ids"], 16)
     assert len(logprobs.logprobs) == 16
     assert all(len(o.token_ids) == 16 for o in outputs[2].outputs)
+
+
+def test_validate_judges_the_speculation_case_with_the_head(eagle_heads, tmp_path):
+    """`neuron-plugin validate` with an EAGLE-3 head turned on: its speculation case
+    passes against the oracle and reports how many of the head's drafts were accepted."""
+    from tests.e2e.test_validate import _validate
+
+    target, _, eagle3 = eagle_heads
+    spec = {"method": "eagle3", "model": str(eagle3), "num_speculative_tokens": DRAFTS}
+    done, report = _validate(target, tmp_path / "eagle3",
+                             ["--speculative-config", json.dumps(spec), "--cases", "speculation"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    case = next(c for c in report["cases"] if c["name"] == "speculation")
+    drafted, accepted = (case["evidence"][k] for k in ("drafted_tokens", "accepted_tokens"))
+    assert case["status"] == "pass" and drafted > 0 and accepted > 0, case
+    assert f"{accepted:.0f} of {drafted:.0f} draft tokens accepted" in case["detail"]
+    assert "eagle3 speculation" in case["detail"]

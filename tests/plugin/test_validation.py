@@ -146,6 +146,18 @@ def test_a_prefix_hit_must_come_from_the_cache():
     assert missed.status == "fail" and f"not the {shared} shared" in missed.detail
 
 
+def test_speculation_must_have_drafted_and_reports_how_many_were_accepted():
+    limits = Limits(**{**LIMITS.__dict__, "speculation": "eagle3"})
+    cases, _ = plan(limits, new_tokens=2, quick=True, adapter=None)
+    case = next(c for c in cases if c.name == "speculation")
+    served = [Served([1, 2]), Served([3, 4])]
+    scores = [_score([1, 2], [0, 0], [0, 0]), _score([3, 4], [0, 0], [0, 0])]
+    drafted = judge(case, served, scores, 0.3, {"drafted_tokens": 12, "accepted_tokens": 9})
+    assert drafted.status == "pass" and "9 of 12 draft tokens accepted (75%)" in drafted.detail
+    idle = judge(case, served, scores, 0.3, {"drafted_tokens": 0, "accepted_tokens": 0})
+    assert idle.status == "fail" and "the eagle3 drafts never ran" in idle.detail
+
+
 def test_device_draws_must_follow_the_host_samplers_distribution():
     cases, _ = plan(LIMITS, new_tokens=2, quick=True, adapter=None, sample_draws=1000)
     case = next(c for c in cases if c.name == "device-sampling")

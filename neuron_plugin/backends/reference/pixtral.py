@@ -27,8 +27,9 @@ from torch import nn
 from torch.nn import functional
 
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
-from neuron_plugin.backends.reference.decoder import rms_norm, rotate_half
+from neuron_plugin.backends.reference.decoder import rms_norm
 from neuron_plugin.backends.reference.mlp import activation
+from neuron_plugin.backends.reference.patch_attention import patch_attention
 from neuron_plugin.backends.reference.patch_layout import patch_inputs
 
 TOWER = "vision_tower."
@@ -168,13 +169,7 @@ class PixtralGraph(nn.Module):
             self._linear(w, f"{p}{name}_proj", x).reshape(n, s.num_heads, s.head_dim)
             for name in "qkv"
         )
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        scores = (q.transpose(0, 1) @ k.permute(1, 2, 0)) * s.head_dim**-0.5  # [heads, n, n]
-        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        out = (probs @ v.transpose(0, 1)).transpose(0, 1).reshape(n, s.num_heads * s.head_dim)
-        return self._linear(w, p + "o_proj", out)
+        return self._linear(w, p + "o_proj", patch_attention(q, k, v, cos, sin, visible))
 
     @staticmethod
     def _linear(w: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ from torch import nn
 from torch.nn import functional
 
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
-from neuron_plugin.backends.reference.decoder import rms_norm, rotate_half
+from neuron_plugin.backends.reference.decoder import rms_norm
 from neuron_plugin.backends.reference.mlp import activation
+from neuron_plugin.backends.reference.patch_attention import patch_attention
 from neuron_plugin.backends.reference.patch_layout import patch_inputs, position_taps
 from neuron_plugin.backends.reference.pixtral import PixtralGraph, PixtralSpec, is_pixtral
 from neuron_plugin.backends.reference.pixtral import weight_names as pixtral_weight_names
@@ -339,13 +340,7 @@ class VisionGraph(nn.Module):
         s = self.spec
         n = x.shape[0]
         q, k, v = self._linear(w, p + "qkv", x).reshape(n, 3, s.num_heads, s.head_dim).unbind(1)
-        # the rotary in float32, as transformers' apply_rotary_pos_emb_vision
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        scores = (q.transpose(0, 1) @ k.permute(1, 2, 0)) * s.head_dim**-0.5  # [heads, n, n]
-        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        out = (probs @ v.transpose(0, 1)).transpose(0, 1).reshape(n, s.embed_dim)
+        out = patch_attention(q, k, v, cos, sin, visible, rotary_dtype=torch.float32)
         return self._linear(w, p + "proj", out)
 
     @staticmethod
