@@ -19,7 +19,7 @@ from typing import Any
 
 from neuron_plugin.core.checkpoint import safetensors_shapes
 from neuron_plugin.core.kv_heads import head_dim, model_head_sharding
-from neuron_plugin.core.neuron_settings import NeuronSettings
+from neuron_plugin.core.neuron_settings import EAGLE3, NeuronSettings
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -44,6 +44,21 @@ def kv_cache_slots(settings: NeuronSettings) -> int:
     return settings.max_num_seqs * max(
         settings.max_model_len, settings.token_generation_buckets[-1]
     )
+
+
+def eagle_hidden_states(settings: NeuronSettings, hf_config: Mapping[str, Any]) -> int:
+    """The bytes of NxDI's EAGLE hidden-state rolling buffer on each core (0 without an
+    EAGLE head): max_batch_size x 2 speculation_length positions x the target's hidden
+    size, three of them for EAGLE-3's fused layers, in the model dtype (NxDI 0.9
+    models/model_base.py NeuronFusedSpecModel.__init__, HiddenStateRollingBuffer in
+    modules/eagle/hidden_state.py; every core holds the whole buffer)."""
+    if not settings.is_eagle:
+        return 0
+    text = hf_config.get("text_config") or hf_config
+    fused = 3 if settings.speculation_method == EAGLE3 else 1
+    positions = 2 * settings.speculation_length
+    per_row = positions * fused * int(text["hidden_size"]) * DTYPE_BYTES[settings.dtype]
+    return settings.max_num_seqs * per_row
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int) -> int:
@@ -119,6 +134,8 @@ class MemoryEstimate:
     # A fused draft model's share (speculative decoding), included in the total.
     draft_weights_per_core_bytes: int | None = 0
     draft_kv_cache_per_core_bytes: int = 0
+    # An EAGLE head's input: the target's hidden states kept per row (eagle_hidden_states).
+    eagle_hidden_states_per_core_bytes: int = 0
     # A quantized checkpoint (core.quantization): the weights at the model dtype, and
     # what quantization saves of them per core (weights_per_core_bytes is quantized).
     unquantized_weights_per_core_bytes: int | None = None
@@ -154,8 +171,9 @@ def estimate(
     if draft is not None:
         draft_weights = weights_per_core(draft[1], settings.dtype, settings.tp_degree)
         draft_kv = kv_bytes_per_token(draft[0], settings.dtype, settings.tp_degree) * slots
+    eagle_states = eagle_hidden_states(settings, hf_config)
     total = None if weights is None or draft_weights is None else weights + kv + draft_weights
-    total = None if total is None else total + draft_kv
+    total = None if total is None else total + draft_kv + eagle_states
     return MemoryEstimate(
         parameters=parameters,
         weights_per_core_bytes=weights,
@@ -166,6 +184,7 @@ def estimate(
         fraction_of_core_memory=None if total is None else total / memory_per_core,
         draft_weights_per_core_bytes=draft_weights,
         draft_kv_cache_per_core_bytes=draft_kv,
+        eagle_hidden_states_per_core_bytes=eagle_states,
         unquantized_weights_per_core_bytes=unquantized,
         quantization_saves_per_core_bytes=(unquantized or 0) - (weights or 0) if unquantized else 0,
     )

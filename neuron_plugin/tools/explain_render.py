@@ -29,6 +29,11 @@ def _speculation_line(spec: dict[str, Any], mem: dict[str, Any]) -> str:
             f"{human_size(mem['draft_weights_per_core_bytes'])} + KV cache "
             f"{human_size(mem['draft_kv_cache_per_core_bytes'])} per NeuronCore"
         )
+        if mem["eagle_hidden_states_per_core_bytes"]:
+            line += (
+                f", and the hidden states it reads "
+                f"{human_size(mem['eagle_hidden_states_per_core_bytes'])}"
+            )
     return line
 
 

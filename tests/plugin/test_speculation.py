@@ -131,8 +131,13 @@ def test_explain_config_names_the_eagle_graphs_and_counts_the_head(eagle_heads):
     assert spec["enable_eagle_speculation"] and spec["is_eagle3"]
     assert "an eagle3 head on the target's hidden states" in spec["summary"]
     assert report["memory"]["draft_kv_cache_per_core_bytes"] > 0  # the head's one layer
+    # NxDI's rolling buffer: max_num_seqs x 2 speculation_length x 3 hidden sizes (EAGLE-3)
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    states = settings.max_num_seqs * 2 * 4 * 3 * hidden * 4
+    assert report["memory"]["eagle_hidden_states_per_core_bytes"] == states
     line = next(x for x in explain.render(report).splitlines() if x.startswith("speculation"))
     assert "enable_eagle_speculation true, is_eagle3 true); head " in line
+    assert "and the hidden states it reads " in line
 
 
 def test_vllms_eagle_config_reaches_the_settings_with_the_targets_shape(eagle_heads):
