@@ -27,7 +27,7 @@ to num_speculative_tokens + 1 with it). Each figure is the median of --repeats r
 writes speculation.json and speculation.md; the EAGLE figures of the docs:
 
     python scripts/bench_speculation.py --methods none,eagle,eagle3 --batches 1,4,16 \
-        --batch-graphs --requests 8 --repeats 1 --out bench-results/speculation-eagle
+        --batch-graphs --requests 8 --repeats 3 --out bench-results/speculation-eagle
  On an inf2/trn host: VLLM_NEURON_BACKEND=nxd,
 --python the Neuron SDK's interpreter, --target/--draft real checkpoints.
 """
