@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from neuron_plugin.core.neuron_settings import FUSED_METHODS
 from neuron_plugin.validation.images import image_sizes
 from neuron_plugin.validation.report import CaseResult
 from neuron_plugin.validation.statistics import homogeneity
@@ -469,6 +470,28 @@ def selected(names: str | None) -> frozenset[str]:
 
 
 # -- judging -------------------------------------------------------------------------
+def _drafts(method: str, detail: str, observed: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The speculation case's detail with the drafts vLLM counted, and its problem if a
+    drafter that proposes every step (a draft model or an EAGLE head: the fused methods)
+    proposed nothing. N-gram drafts only where the text repeats the context, which a
+    model's own continuation may never do, so none is no fault of the host's."""
+    drafted = observed.get("drafted_tokens", 0)
+    accepted = observed.get("accepted_tokens", 0)
+    if drafted:
+        share = f"{accepted:.0f} of {drafted:.0f} draft tokens accepted ({accepted / drafted:.0%})"
+        return f"{detail}; {share}", []
+    if method in FUSED_METHODS:
+        return detail, [
+            f"no draft token was proposed: the {method} drafts never ran, so the tokens "
+            f"were checked without speculation"
+        ]
+    return (
+        f"{detail}; no n-gram draft was proposed (this model's continuations never repeated "
+        f"the context), so the tokens were checked without speculation",
+        [],
+    )
+
+
 def judge(
     case: Case,
     served: Sequence[Served],
@@ -511,18 +534,8 @@ def judge(
         )
     detail = case.feature
     if "method" in case.evidence:
-        drafted = observed.get("drafted_tokens", 0)
-        accepted = observed.get("accepted_tokens", 0)
-        if not drafted:
-            problems.append(
-                f"no draft token was proposed: the {case.evidence['method']} drafts never "
-                f"ran, so the tokens were checked without speculation"
-            )
-        else:
-            detail = (
-                f"{detail}; {accepted:.0f} of {drafted:.0f} draft tokens accepted "
-                f"({accepted / drafted:.0%})"
-            )
+        detail, missing = _drafts(case.evidence["method"], detail, observed)
+        problems += missing
     if case.judge == "sampled":
         ok, why = _sampled(case, served)
         evidence["test"] = why

@@ -156,6 +156,12 @@ def test_speculation_must_have_drafted_and_reports_how_many_were_accepted():
     assert drafted.status == "pass" and "9 of 12 draft tokens accepted (75%)" in drafted.detail
     idle = judge(case, served, scores, 0.3, {"drafted_tokens": 0, "accepted_tokens": 0})
     assert idle.status == "fail" and "the eagle3 drafts never ran" in idle.detail
+    # n-gram drafts only where the continuation repeats the context: none is no fault
+    ngram = next(c for c in plan(Limits(**{**LIMITS.__dict__, "speculation": "ngram"}),
+                                 new_tokens=2, quick=True, adapter=None)[0]
+                 if c.name == "speculation")
+    quiet = judge(ngram, served, scores, 0.3, {"drafted_tokens": 0, "accepted_tokens": 0})
+    assert quiet.status == "pass" and "no n-gram draft was proposed" in quiet.detail
 
 
 def test_device_draws_must_follow_the_host_samplers_distribution():
