@@ -256,7 +256,7 @@ def plan(
             Case(
                 "speculation",
                 f"greedy tokens with {limits.speculation} speculation, prompts "
-                f"that repeat themselves so drafts are proposed and accepted",
+                f"that repeat themselves (where n-gram looks for its drafts)",
                 [
                     Request(base * 4, greedy(2 * new_tokens)),
                     Request(_prompt(rng, limits, 20), greedy(new_tokens)),

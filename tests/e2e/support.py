@@ -58,6 +58,10 @@ def corpus_token_ids(model_dir: Path, count: int, offset: int = 0) -> list[int]:
     return [ids[(offset + i) % len(ids)] for i in range(count)]
 
 
+# vLLM's switch between an engine-core process and an engine core in the caller's.
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 def make_llm(model_dir: Path, **kwargs):
     """vLLM's `LLM` with its engine core in this process (vLLM's InprocClient,
     VLLM_ENABLE_V1_MULTIPROCESSING=0): a spawned engine core imports vLLM and torch
@@ -83,9 +87,6 @@ def make_llm(model_dir: Path, **kwargs):
         # the engine core caches vLLM's environment variables for the process once
         # started (vllm.envs.enable_envs_cache): later tests' settings must still count
         envs.disable_envs_cache()
-
-
-IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def shutdown_llm(llm) -> None:
