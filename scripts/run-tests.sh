@@ -8,6 +8,8 @@
 #              release from the package index, pip's machine-local settings off, as a host
 #              installs it; scripts/setup-host-env.sh), which tests/e2e/test_deployment_build.py
 #              serves from.
+# All three install with pip's --no-cache-dir: a wheel cache would keep a second copy of
+# the index's CUDA builds of torch (several GB each), and with it CI once ran out of disk.
 # Tests that need one wait for its set-up (tests/environments.py). Extra arguments go to
 # pytest, e.g.
 # scripts/run-tests.sh -k bucketing

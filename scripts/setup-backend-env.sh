@@ -19,7 +19,7 @@ fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 "${pip[@]}" "${pins[@]}"
 "${pip[@]}" -e "$root[backend]"
 "$venv/bin/python" - <<'PY'

