@@ -10,7 +10,10 @@ t*h*w patches, padded, as NxDI pads an image to its vision bucket
 prompt run one after another, each once (vLLM's encoder cache keeps their embeddings for
 chunked prefill and prefix-cache misses). The encoder answers one embedding per
 spatial_merge_size**2 patches, and those replace the prompt's image placeholder tokens
-in order (`ForwardInputs.vision_embeddings` / `vision_mask`). Qwen3-VL's embedding of a
+in order (`ForwardInputs.vision_embeddings` / `vision_mask`). Llama 4's processor cuts an
+image into tiles of a fixed size: its grid_thw is (tiles, patches a side, patches a
+side), a vision bucket holds whole tiles, and its pixel shuffle merges 2 x 2 patches to
+one embedding (spatial_merge_size 2). Qwen3-VL's embedding of a
 merged group also carries its DeepStack features, concatenated after it as vLLM's
 Qwen3-VL hands them on ([tokens, hidden x (1 + deepstack levels)]): the decoder adds
 level i to its hidden states after layer i at the image's tokens.
@@ -89,6 +92,13 @@ class VisionGeometry:
         if vision.get("model_type") == "pixtral":  # one embedding per 2-D patch
             channels = int(vision.get("num_channels", 3))
             return cls(patch_dim=channels * patch * patch, spatial_merge_size=1, hidden_size=hidden)
+        if vision.get("model_type") == LLAMA4_VISION:  # pixel_shuffle merges patches
+            channels = int(vision.get("num_channels", 3))
+            return cls(
+                patch_dim=channels * patch * patch,
+                spatial_merge_size=llama4_merge(vision),
+                hidden_size=hidden,
+            )
         # the Hub's Qwen2-VL configs say in_chans, transformers in_channels
         channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
         return cls(
@@ -99,6 +109,24 @@ class VisionGeometry:
         )
 
 
+LLAMA4_VISION = "llama4_vision_model"  # Llama 4's vision_config model_type
+LLAMA4_MERGE = 2  # 1 / pixel_shuffle_ratio
+
+
+def llama4_merge(vision: Mapping[str, Any]) -> int:
+    """Llama 4's patches a side per embedding: 1 / pixel_shuffle_ratio. Every Llama 4
+    checkpoint has 0.5 (transformers' default), and vLLM's API server counts an image's
+    patches from its placeholders with it (serving.images.image_patches): another ratio
+    is refused."""
+    ratio = vision.get("pixel_shuffle_ratio", 0.5)
+    if ratio != 1 / LLAMA4_MERGE:
+        raise NeuronConfigError(
+            f"Llama 4's vision_config.pixel_shuffle_ratio={ratio!r}: the plugin runs Llama 4's "
+            f"vision tower at 0.5 only (every Llama 4 checkpoint's); serve one of those."
+        )
+    return LLAMA4_MERGE
+
+
 def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
     """The first vision bucket that holds `patches` (buckets ascending)."""
     for bucket in buckets:
@@ -107,20 +135,23 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
     largest = buckets[-1] if buckets else 0
     raise NeuronConfigError(
         f"an image of {patches} patches exceeds the largest vision bucket ({largest} "
-        f"patches): lower the processor's max_pixels (mm_processor_kwargs) or add a larger "
-        f"bucket to override_neuron_config.vision_buckets."
+        f"patches): lower the image processor's size limit in mm_processor_kwargs "
+        f"(max_pixels; Llama 4: max_patches, its tiles per image) or add a larger bucket "
+        f"to override_neuron_config.vision_buckets."
     )
 
 
 # The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
 # family and Qwen3-VL: patches merged spatial_merge_size**2 to one embedding, M-RoPE
-# positions; Llava: Pixtral's tower, one embedding per patch, 1-D positions).
+# positions; Llava: Pixtral's tower, one embedding per patch, 1-D positions; Llama 4:
+# tiles of patches, pixel-shuffled 2 x 2 to one embedding).
 VISION_ARCHITECTURES = frozenset(
     {
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
         "LlavaForConditionalGeneration",
+        "Llama4ForConditionalGeneration",
     }
 )
 VISION_BUCKETS_KEY = "vision_buckets"
@@ -130,7 +161,8 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 @dataclass(frozen=True)
 class VisionLimits:
     """What the model's processor makes of an image: between `min_patches` and
-    `max_patches` patches, a multiple of `step` (spatial_merge_size**2) each."""
+    `max_patches` patches, a multiple of `step` (spatial_merge_size**2; Llama 4: a
+    tile's patches) each."""
 
     min_patches: int
     max_patches: int
@@ -203,6 +235,52 @@ def pixtral_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
     )
 
 
+def llama4_limits(
+    preprocessor: Mapping[str, Any],
+    mm_processor_kwargs: Mapping[str, Any],
+    image_size: int,
+    patch_size: int,
+) -> VisionLimits:
+    """A Llama 4 image processor's patch range, in whole tiles of image_size pixels a
+    side ((image_size / patch)**2 patches each): it fits an image to a grid of at most
+    max_patches tiles and adds the global tile when there is more than one
+    (transformers' Llama4ImageProcessor, find_supported_resolutions; vLLM's
+    Mllama4MultiModalProcessor counts 1 + rows x columns tiles alike), so an image has 1
+    or 3 to max_patches + 1 tiles. vLLM places an image's tokens for tiles of
+    vision_config.image_size pixels, so a processor tile of another size is refused."""
+    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    tile = (size.get("height", image_size), size.get("width", image_size))
+    if tile != (image_size, image_size):
+        raise NeuronConfigError(
+            f"Llama 4's image processor size={dict(size)} (mm_processor_kwargs or "
+            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"vLLM lays out an image's tokens for tiles of image_size pixels; set size to "
+            f"{{'height': {image_size}, 'width': {image_size}}} or remove it."
+        )
+    chunks = mm_processor_kwargs.get("max_patches", preprocessor.get("max_patches", 16))
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise NeuronConfigError(
+            f"Llama 4's image processor max_patches={chunks!r} (mm_processor_kwargs or "
+            f"preprocessor_config.json) must be a whole number of tiles >= 1; set "
+            f"--mm-processor-kwargs '{{\"max_patches\": 4}}'."
+        )
+    per_tile = (image_size // patch_size) ** 2
+    tiles = chunks + 1 if chunks > 1 else 1
+    return VisionLimits(min_patches=per_tile, max_patches=tiles * per_tile, step=per_tile)
+
+
+def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
+    """One image of Llama 4's processor ([tiles, channels, side, side] pixels) as its
+    tiles' patches, tile after tile, each tile's row by row (`pixtral_patches`, the
+    order of the tower's Unfold); grid_thw (tiles, patches a side, patches a side)."""
+    cut = [pixtral_patches(tile, patch) for tile in pixel_values]
+    _, rows, columns = (int(n) for n in cut[0].grid_thw)
+    return ImageInputs(
+        np.concatenate([c.pixel_values for c in cut]),
+        np.array([len(cut), rows, columns], np.int64),
+    )
+
+
 def _pixels(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise NeuronConfigError(
@@ -216,9 +294,9 @@ def _pixels(name: str, value: object) -> int:
 def resolve_vision_buckets(
     override: Mapping[str, Any], limits: VisionLimits | None
 ) -> tuple[int, ...]:
-    """The vision encoder's buckets: the user's `vision_buckets`, or powers of two from
-    the smallest image's patches up to the largest's (appended), as NxDI's default text
-    grids grow; none for a text model."""
+    """The vision encoder's buckets: the user's `vision_buckets`, or powers of two
+    times `step` from the smallest image's patches up to the largest's (appended), as
+    NxDI's default text grids grow; none for a text model."""
     if limits is None:
         if VISION_BUCKETS_KEY in override:
             raise NeuronConfigError(
@@ -236,11 +314,13 @@ def resolve_vision_buckets(
         if odd:
             raise NeuronConfigError(
                 f"{name} has {odd}: an image's patches come in multiples of "
-                f"{limits.step} (spatial_merge_size squared); round them up."
+                f"{limits.step} (spatial_merge_size squared; Llama 4: a tile's patches); "
+                f"round them up."
             )
         return buckets
     grown: list[int] = []
-    size = 1 << max(0, (limits.min_patches - 1).bit_length())
+    steps = -(-limits.min_patches // limits.step)
+    size = limits.step << max(0, (steps - 1).bit_length())
     while size < limits.max_patches:
         grown.append(size)
         size *= 2

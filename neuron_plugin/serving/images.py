@@ -12,7 +12,9 @@ rotary positions: the prompt's from `core.vision.mrope_positions`, computed once
 request, and a decode's from its KV position and the request's shift. Pixtral's
 processor hands whole images (core.vision.pixtral_patches cuts them), and only its
 [IMG] placeholders take embeddings (vLLM's is_embed; [IMG_BREAK] and [IMG_END] keep
-their own).
+their own); Llama 4's hands an image's tiles (core.vision.tile_patches), and only its
+<|patch|> placeholders take embeddings (the tile separators, <|image|> and the image's
+start and end keep their own).
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ import numpy as np
 from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.inputs import ForwardInputs
 from neuron_plugin.core.vision import (
+    LLAMA4_MERGE,
+    LLAMA4_VISION,
     ImageInputs,
     VisionGeometry,
     chunk_embeddings,
     mrope_positions,
     pixtral_patches,
     spread_embeddings,
+    tile_patches,
     vision_bucket,
 )
 from neuron_plugin.serving.observers import StepObserver
@@ -57,10 +62,11 @@ class _Request:
 
 def image_inputs(feature: Any) -> ImageInputs:
     """The encoder input of one vLLM image feature (its processor's output)."""
-    return ImageInputs(
-        pixel_values=feature.data["pixel_values"].data.float().numpy(),
-        grid_thw=image_grid(feature),
-    )
+    return ImageInputs(pixel_values=pixel_values(feature), grid_thw=image_grid(feature))
+
+
+def pixel_values(feature: Any) -> np.ndarray:
+    return feature.data["pixel_values"].data.float().numpy()
 
 
 def is_embed(feature: Any) -> np.ndarray | None:
@@ -93,10 +99,10 @@ class Images:
             raise RuntimeError("vision buckets for a model without a vision_config")
         self.merge, self.width = geometry.spatial_merge_size, geometry.embedding_width
         vision = hf_config["vision_config"]
-        # Pixtral's processor hands whole images; the Qwen2-VL family's, their patches
-        self.pixtral_patch = (
-            int(vision["patch_size"]) if vision.get("model_type") == "pixtral" else None
-        )
+        # Pixtral's processor hands whole images, Llama 4's tiles; the Qwen2-VL
+        # family's, their patches
+        self.kind = vision.get("model_type")
+        self.patch = int(vision.get("patch_size", 14))
         text = text_config(hf_config)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         self.mrope = bool(rope.get("mrope_section"))
@@ -137,11 +143,12 @@ class Images:
     def _encoded(self, feature: Any) -> np.ndarray:
         """A feature's embeddings, one row per placeholder token (zero rows at those
         that keep their own embedding)."""
-        if self.pixtral_patch is None:
-            image = image_inputs(feature)
+        if self.kind == "pixtral":
+            image = pixtral_patches(pixel_values(feature), self.patch)
+        elif self.kind == LLAMA4_VISION:
+            image = tile_patches(pixel_values(feature), self.patch)
         else:
-            pixels = feature.data["pixel_values"].data.float().numpy()
-            image = pixtral_patches(pixels, self.pixtral_patch)
+            image = image_inputs(feature)
         embeddings = self._encode(image)
         embed = is_embed(feature)
         return embeddings if embed is None else spread_embeddings(embeddings, embed)
@@ -234,10 +241,14 @@ def _rotary(prompt: np.ndarray, delta: int, positions: np.ndarray) -> np.ndarray
 
 def image_patches(processed: Mapping[str, Any]) -> list[int]:
     """Patches of each image of a processed request (vLLM's `mm_kwargs`; an item the
-    processor cache left out was checked when first seen). A model without grids
-    (Pixtral: one embedding per patch) has as many patches as embedded placeholders."""
+    processor cache left out was checked when first seen). A model without grids has
+    as many patches as embedded placeholders (Pixtral: one embedding per patch), or
+    LLAMA4_MERGE**2 times as many (Llama 4, whose items say their tiles'
+    aspect_ratios: core.vision.llama4_merge refuses another pixel shuffle)."""
     items = (processed.get("mm_kwargs") or {}).get("image") or ()
     if any(item and "image_grid_thw" not in item for item in items):
         ranges = (processed.get("mm_placeholders") or {}).get("image") or ()
-        return [int(r.get_num_embeds()) for r in ranges]
+        merged = any(item and "aspect_ratios" in item for item in items)
+        per_embed = LLAMA4_MERGE**2 if merged else 1
+        return [int(r.get_num_embeds()) * per_embed for r in ranges]
     return [int(np.prod(item["image_grid_thw"].data.numpy())) for item in items if item]

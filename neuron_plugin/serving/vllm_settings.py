@@ -51,6 +51,8 @@ from neuron_plugin.core.vision import (
     PREPROCESSOR_FILE,
     VISION_ARCHITECTURES,
     VisionLimits,
+    llama4_limits,
+    llama4_merge,
     pixtral_limits,
     processor_limits,
 )
@@ -143,6 +145,10 @@ def vision_limits(model: Any) -> VisionLimits | None:
     if preprocessor.get("image_processor_type", "").startswith("Pixtral"):
         image_size = int(model.hf_config.vision_config.image_size)
         return pixtral_limits(preprocessor, kwargs, image_size)
+    if preprocessor.get("image_processor_type", "").startswith("Llama4"):
+        vision = model.hf_config.vision_config
+        llama4_merge({"pixel_shuffle_ratio": vision.pixel_shuffle_ratio})
+        return llama4_limits(preprocessor, kwargs, int(vision.image_size), int(vision.patch_size))
     return processor_limits(preprocessor, kwargs)
 
 

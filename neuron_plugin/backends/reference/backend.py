@@ -65,7 +65,6 @@ from neuron_plugin.backends.reference.eagle import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
-from neuron_plugin.backends.reference.pixtral import PixtralSpec
 from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
@@ -78,7 +77,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
-from neuron_plugin.backends.reference.vision import VisionSpec, vision_graph, vision_tower
+from neuron_plugin.backends.reference.vision import Tower, vision_graph, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
@@ -530,7 +529,7 @@ class ReferenceBackend(InlineCalls):
             )
         return merged[: image.embedding_tokens(vision.spatial_merge_size)].float().numpy()
 
-    def _image_bucket(self, image: ImageInputs, vision: VisionSpec | PixtralSpec) -> int:
+    def _image_bucket(self, image: ImageInputs, vision: Tower) -> int:
         """The vision bucket `image` runs in, its arrays checked."""
         buckets = self.settings.vision_buckets
         if image.is_padding:
@@ -677,7 +676,7 @@ class Draft:
 
 def _vision_spec(
     settings: NeuronSettings, spec: DecoderSpec, hf_config: dict[str, Any]
-) -> VisionSpec | PixtralSpec | None:
+) -> Tower | None:
     """A vision-language model's vision tower (None for a text model), its buckets
     checked against it."""
     if not spec.vision:
@@ -698,7 +697,8 @@ def _vision_spec(
         raise NeuronConfigError(
             f"vision_buckets={list(settings.vision_buckets)}: {odd} are not multiples of "
             f"{vision.merge_patches} patches (spatial_merge_size**2, the patches of one "
-            f"image embedding); round them up to multiples of {vision.merge_patches}."
+            f"image embedding; Llama 4: a tile's); round them up to multiples of "
+            f"{vision.merge_patches}."
         )
     return vision
 

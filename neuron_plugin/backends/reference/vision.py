@@ -48,6 +48,12 @@ from torch.nn import functional
 
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
 from neuron_plugin.backends.reference.decoder import rms_norm
+from neuron_plugin.backends.reference.llama4_vision import (
+    Llama4VisionGraph,
+    Llama4VisionSpec,
+    is_llama4_vision,
+)
+from neuron_plugin.backends.reference.llama4_vision import weight_names as llama4_weight_names
 from neuron_plugin.backends.reference.mlp import activation
 from neuron_plugin.backends.reference.patch_attention import patch_attention
 from neuron_plugin.backends.reference.patch_layout import patch_inputs, position_taps
@@ -165,11 +171,16 @@ class VisionSpec:
         )
 
 
-def vision_tower(config: dict[str, Any]) -> VisionSpec | PixtralSpec:
-    """The spec of the config's vision tower: Pixtral's (Llava format) or the Qwen2-VL
-    family's and Qwen3-VL's."""
+Tower = VisionSpec | PixtralSpec | Llama4VisionSpec
+
+
+def vision_tower(config: dict[str, Any]) -> Tower:
+    """The spec of the config's vision tower: Pixtral's (Llava format), Llama 4's
+    (`llama4_vision`) or the Qwen2-VL family's and Qwen3-VL's."""
     if is_pixtral(config):
         return PixtralSpec.from_hf_config(config)
+    if is_llama4_vision(config):
+        return Llama4VisionSpec.from_hf_config(config)
     if "LlavaForConditionalGeneration" in (config.get("architectures") or []):
         kind = (config.get("vision_config") or {}).get("model_type")
         raise UnsupportedModelError(
@@ -179,15 +190,21 @@ def vision_tower(config: dict[str, Any]) -> VisionSpec | PixtralSpec:
     return VisionSpec.from_hf_config(config)
 
 
-def vision_graph(spec: VisionSpec | PixtralSpec) -> VisionGraph | PixtralGraph:
-    return PixtralGraph(spec) if isinstance(spec, PixtralSpec) else VisionGraph(spec)
+def vision_graph(spec: Tower) -> VisionGraph | PixtralGraph | Llama4VisionGraph:
+    if isinstance(spec, PixtralSpec):
+        return PixtralGraph(spec)
+    if isinstance(spec, Llama4VisionSpec):
+        return Llama4VisionGraph(spec)
+    return VisionGraph(spec)
 
 
-def weight_names(spec: VisionSpec | PixtralSpec) -> list[str]:
+def weight_names(spec: Tower) -> list[str]:
     """The vision graph's weight inputs, in order (the checkpoint's names; Qwen3-VL's
     as core.checkpoint.canonical_tensor_name reads them)."""
     if isinstance(spec, PixtralSpec):
         return pixtral_weight_names(spec)
+    if isinstance(spec, Llama4VisionSpec):
+        return llama4_weight_names(spec)
     norm_bias = () if spec.qwen2_5 else (".bias",)  # RMSNorm or LayerNorm
     mlp = MLP_QWEN3 if spec.qwen3 else MLP_QWEN2_5 if spec.qwen2_5 else MLP_QWEN2
     names = [PREFIX + "patch_embed.proj.weight"]
@@ -217,9 +234,7 @@ def _merger_modules(spec: VisionSpec) -> tuple[str, tuple[str, str]]:
     return "ln_q", ("mlp.0", "mlp.2")
 
 
-def load_weights(
-    model_dir: str | Path, spec: VisionSpec | PixtralSpec, dtype: torch.dtype
-) -> list[torch.Tensor]:
+def load_weights(model_dir: str | Path, spec: Tower, dtype: torch.dtype) -> list[torch.Tensor]:
     """The vision tower's tensors of the checkpoint, in `weight_names` order."""
     from safetensors import safe_open
 
@@ -234,14 +249,12 @@ def load_weights(
     return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
 
 
-def weight_shapes(
-    spec: VisionSpec | PixtralSpec, shapes: Mapping[str, list[int]]
-) -> list[list[int]]:
+def weight_shapes(spec: Tower, shapes: Mapping[str, list[int]]) -> list[list[int]]:
     """The vision graph's weight shapes from the checkpoint's (safetensors headers)."""
     return [list(shapes[name]) for name in checked_names(spec, shapes)]
 
 
-def checked_names(spec: VisionSpec | PixtralSpec, present: Mapping[str, object]) -> list[str]:
+def checked_names(spec: Tower, present: Mapping[str, object]) -> list[str]:
     names = weight_names(spec)
     missing = [n for n in names if n not in present]
     if missing:
