@@ -38,6 +38,9 @@ patches):
 
 pixtral is Pixtral in transformers' Llava format (as mistral-community/pixtral-12b) with
 a PixtralProcessor's files: images up to 128 pixels a side (8 x 8 patches of 16).
+llama4 is Llama4ForConditionalGeneration with every text feature at test lengths (NoPE
+and RoPE layers, chunked attention over 16 tokens, temperature tuning, dense and MoE
+layers; see LLAMA4) and a Llama4Processor's files: 56-pixel tiles, at most 4 an image.
 
 A Qwen3-shaped checkpoint with Qwen3's real vocabulary (151,936 embedding rows; the
 tokenizer stays the tiny one, as Qwen3's own 151,669-token tokenizer also leaves padding
@@ -422,6 +425,68 @@ PIXTRAL: dict[str, Any] = {
         "initializer_range": 0.08,
     },
 }
+# Llama 4 (Llama4ForConditionalGeneration, as meta-llama/Llama-4-Scout ships it) with every
+# text feature at test lengths: four layers, RoPE in 0-2 and NoPE in 3 (no_rope_layers),
+# L2 qk-norm on the RoPE layers, attention temperature tuning on the NoPE layer from
+# position 7 on (floor_scale 8), chunked local attention over 16 tokens on the RoPE layers,
+# dense MLPs (intermediate_size_mlp) in layers 0 and 2 and MoE (4 experts top-1 as the
+# Hub's, fused gate_up_proj, a shared expert) in 1 and 3, llama3 RoPE scaling. Its
+# vision tower takes 56-pixel tiles of 14-pixel patches (16 patches, 4 tokens a tile
+# after the 0.5 pixel shuffle), at most 4 tiles an image.
+LLAMA4: dict[str, Any] = {
+    "text_config": {
+        **{k: v for k, v in _SMALL.items() if k != "perturb"},
+        "num_hidden_layers": 4,
+        "intermediate_size": 64,  # each expert's and the shared expert's
+        "intermediate_size_mlp": 256,  # the dense layers'
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "no_rope_layers": [1, 1, 1, 0],
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8,
+        "attn_scale": 0.5,
+        "attention_chunk_size": 16,
+        "rope_parameters": {  # all three of llama3's bands in head_dim 32
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 2048,
+        },
+        "tie_word_embeddings": False,
+        "initializer_range": 0.08,
+    },
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 128,  # 4 x hidden_size: the pixel shuffle's output width
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "vision_output_dim": 64,
+        "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "initializer_range": 0.08,
+    },
+    "max_patches": 4,  # tiles an image
+}
+LLAMA4_TOKENS = (
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|image|>",
+    "<|patch|>",
+    "<|tile_x_separator|>",
+    "<|tile_y_separator|>",
+    "<|header_start|>",
+    "<|header_end|>",
+    "<|eot|>",
+)
 PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 # Pixtral's chat template: an image part is one [IMG], which the processor expands to
 # the image's rows of [IMG] each closed by [IMG_BREAK] ([IMG_END] after the last).
@@ -453,6 +518,17 @@ VLM_CHAT_TEMPLATE = (
 )
 PIXTRAL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace(
     "<|vision_start|><|image_pad|><|vision_end|>", "[IMG]"
+)
+# Llama 4's turns (<|header_start|>role<|header_end|>, the text, <|eot|>, its EOS) with an
+# image part as the processor's <|image|>, which it expands to the image's tiles.
+LLAMA4_CHAT_TEMPLATE = (
+    VLM_CHAT_TEMPLATE.replace(
+        "{{- message['role'] ~ '\\n' }}",
+        "{{- '<|header_start|>' ~ message['role'] ~ '<|header_end|>\\n\\n' }}",
+    )
+    .replace("<|vision_start|><|image_pad|><|vision_end|>", "<|image|>")
+    .replace("{{- eos_token ~ '\\n' }}", "{{- '<|eot|>' }}")
+    .replace("{{- 'assistant\\n' }}", "{{- '<|header_start|>assistant<|header_end|>\\n\\n' }}")
 )
 # transformers 4.x RoPE keys; 5.x takes rope_parameters instead.
 LEGACY_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
@@ -530,15 +606,15 @@ def build(
     `vocab_size` sizes the trained tokenizer; `model_vocab` (default: the tokenizer's
     size) the embedding and output rows; `layers` overrides the architecture's depth;
     `train_steps` trains the weights on the corpus (see `train_on_corpus`)."""
-    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE and arch != "pixtral":
-        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"])
+    if arch not in ARCHITECTURES and arch not in VISION_LANGUAGE and arch not in OWN_WRITERS:
+        known = sorted([*ARCHITECTURES, *VISION_LANGUAGE, *OWN_WRITERS])
         raise ValueError(f"--arch {arch!r} is not known; choose one of {known}")
     wanted = recipe(arch, seed, vocab_size, max_positions, layers, model_vocab, train_steps)
     with building(out, "tiny_model_recipe.json", wanted) as stale:
         if stale and arch in VISION_LANGUAGE:
             _write_vlm(arch, out, wanted, seed, vocab_size, max_positions)
-        elif stale and arch == "pixtral":
-            _write_pixtral(out, wanted, seed, vocab_size, max_positions)
+        elif stale and arch in OWN_WRITERS:
+            OWN_WRITERS[arch](out, wanted, seed, vocab_size, max_positions)
         elif stale:
             _write(
                 arch, out, wanted, seed, vocab_size, max_positions, layers, model_vocab, train_steps
@@ -752,14 +828,89 @@ def _write_pixtral(
         _write_chat_template_and_recipe(staging, PIXTRAL_CHAT_TEMPLATE, wanted)
 
 
-def _vlm_tokenizer(vocab_size: int, chat_template: str, special_tokens: Sequence[str]) -> Any:
+def _write_llama4(
+    out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """Llama 4 (Llama4ForConditionalGeneration, saved with the Hub's names:
+    language_model.model.*, language_model.lm_head, vision_model.*,
+    multi_modal_projector.*; experts fused as gate_up_proj / down_proj) and the files of a
+    Llama4Processor with a Llama4ImageProcessorFast, from their documented keys as the
+    Hub's Llama 4 ships them (transformers builds that image processor only with
+    torchvision, which the CPU test environment lacks)."""
+    from transformers import AutoConfig
+
+    tokenizer = _vlm_tokenizer(vocab_size, LLAMA4_CHAT_TEMPLATE, LLAMA4_TOKENS, eos_token="<|eot|>")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in LLAMA4_TOKENS}
+    text = _vlm_text_config(LLAMA4["text_config"], tokenizer, max_positions)
+    vision = LLAMA4["vision_config"]
+    config = AutoConfig.for_model(
+        "llama4",
+        text_config=text,
+        vision_config=dict(vision),
+        boi_token_index=ids["<|image_start|>"],
+        eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"],  # the Hub's: the image's features replace these
+        tie_word_embeddings=False,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+
+    def rope_for_4_57(saved: dict[str, Any]) -> None:
+        """transformers 4.57 reads rope_theta and rope_scaling (Scout's config.json keys)."""
+        for part in ("text_config", "vision_config"):
+            rope = LLAMA4[part]["rope_parameters"]
+            saved[part]["rope_theta"] = rope["rope_theta"]
+        rope = LLAMA4["text_config"]["rope_parameters"]
+        saved["text_config"]["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+
+    with _saving_vlm(out, config, seed, tokenizer, rope_for_4_57) as staging:
+        preprocessor = {  # the Hub's Llama 4 preprocessor_config.json, with tiny tiles
+            "image_processor_type": "Llama4ImageProcessorFast",
+            "processor_class": "Llama4Processor",
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "max_patches": LLAMA4["max_patches"],
+            "resample": 2,
+            "rescale_factor": 1 / 255,
+            "resize_to_max_canvas": False,
+            "size": {"height": vision["image_size"], "width": vision["image_size"]},
+        }
+        (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+        processor = {
+            "processor_class": "Llama4Processor",
+            "fake_image_token": "<|image|>",
+            "image_token": "<|image|>",
+            "patch_size": vision["patch_size"],
+            "pixel_shuffle_ratio": vision["pixel_shuffle_ratio"],
+        }
+        (staging / "processor_config.json").write_text(json.dumps(processor, indent=2))
+        _write_chat_template_and_recipe(staging, LLAMA4_CHAT_TEMPLATE, wanted)
+
+
+# Architectures with a writer of their own (their config is not a VISION_LANGUAGE recipe).
+OWN_WRITERS: dict[str, Callable[[Path, dict[str, Any], int, int, int], None]] = {
+    "pixtral": _write_pixtral,
+    "llama4": _write_llama4,
+}
+
+
+def _vlm_tokenizer(
+    vocab_size: int,
+    chat_template: str,
+    special_tokens: Sequence[str],
+    eos_token: str = "<|endoftext|>",
+) -> Any:
     """The tiny tokenizer with a vision-language model's chat template and image tokens."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(vocab_size),
         bos_token="<|bos|>",
-        eos_token="<|endoftext|>",
+        eos_token=eos_token,
         pad_token="<|endoftext|>",
         chat_template=chat_template,
         additional_special_tokens=list(special_tokens),
@@ -865,7 +1016,7 @@ def build_speculation_models(models: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE, "pixtral"]), default="llama"
+        "--arch", choices=sorted([*ARCHITECTURES, *VISION_LANGUAGE, *OWN_WRITERS]), default="llama"
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
