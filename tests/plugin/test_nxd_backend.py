@@ -184,7 +184,7 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
     ("MllamaForConditionalGeneration", "supported until vLLM 0.10.2",
      "the reference backend does not serve it either"),
     ("Llama4ForConditionalGeneration", "not checked on real NxDI",
-     "the reference backend does not serve it either"),
+     "serve it with VLLM_NEURON_BACKEND=reference"),
 ])
 def test_vision_language_architectures_are_refused_by_name(release, architecture, why, fix):
     """NxDI lists them (MODEL_TYPES qwen2_vl ... with an image-encoding application);
