@@ -48,6 +48,8 @@ def main() -> None:
         messages, images = hf_messages(request["messages"])
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        # Llama 4's processor hands bfloat16 pixels (as vLLM gets them): the model's dtype
+        inputs = inputs.to(model.dtype)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=request["max_tokens"], do_sample=False)
         answers.append(out[0, inputs["input_ids"].shape[1] :].tolist())
