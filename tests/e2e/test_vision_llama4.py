@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.server, pytest.mark.deployment]
 # (3 x 4 <|patch|> placeholders), 40x40 one tile (4); 224x224, 2 x 2 and the global one
 REQUESTS = {
     "one": chat("what is in the picture", image_url(1, 56, 112)),
+    "other": chat("what is in the picture", image_url(5, 56, 112)),
     "two": chat("compare the two pictures", image_url(2, 40, 40), image_url(1, 56, 112)),
     "text": [{"role": "user", "content": "the scheduler decides"}],
 }
@@ -56,7 +57,7 @@ def server(model, host_python, tmp_path_factory):
             "--max-model-len",
             "256",
             "--max-num-seqs",
-            "3",
+            "4",
             "--limit-mm-per-prompt",
             json.dumps({"image": 2}),
             "--additional-config",
@@ -89,8 +90,14 @@ def test_greedy_tokens_equal_transformers(server, expected, eos, name):
     assert answer(server, REQUESTS[name], eos) == _until_eos(expected[name], eos)
 
 
+def test_the_image_decides_the_answer(expected):
+    """The same text with another image of the same shape: transformers answers
+    otherwise, so the equalities above check the images' embeddings."""
+    assert expected["one"] != expected["other"]
+
+
 def test_concurrent_image_and_text_requests_equal_transformers(server, expected, eos):
-    """The three requests at once: one step batches images and text."""
+    """The requests at once: one step batches images and text."""
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         got = dict(zip(REQUESTS, pool.map(lambda m: answer(server, m, eos), REQUESTS.values()),
                        strict=True))

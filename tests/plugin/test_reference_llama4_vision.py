@@ -9,7 +9,9 @@ past the largest is refused naming max_patches."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +38,7 @@ from neuron_plugin.core.vision import (
     vision_bucket,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 TILE = 56  # the tiny model's tile: 4 x 4 patches of 14 pixels
 PATCH = 14
 TILE_PATCHES = 16
@@ -272,3 +275,48 @@ def test_the_processors_tiles_give_transformers_features_at_the_patch_tokens(
     for first, rows, _ in spread:
         placed[first:first + rows.shape[0]] += rows
     assert (np.abs(placed).sum(-1) > 0).tolist() == (ids == patch).tolist()
+
+
+# The same graph in the backend runner's environment (torch 2.9, transformers 4.57, whose
+# get_image_features takes vision_feature_select_strategy), against that transformers.
+SDK_SCRIPT = """
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Llama4ForConditionalGeneration
+
+from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
+from neuron_plugin.backends.reference.vision import load_weights, vision_graph, vision_tower
+from neuron_plugin.core.checkpoint import read_hf_config
+from neuron_plugin.core.vision import tile_patches
+
+model = sys.argv[1]
+spec = vision_tower(read_hf_config(model))
+weights = load_weights(model, spec, torch.float32)
+folder = Path(tempfile.mkdtemp())
+exported = torch.export.export(vision_graph(spec), (weights, torch.zeros(64, spec.patch_dim)))
+save_graph(exported, folder, "vision_64")
+graph = load_graph(folder, "vision_64")
+tiles = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 3, 56, 56), np.float32))
+padded = np.zeros((64, spec.patch_dim), np.float32)
+padded[:48] = tile_patches(tiles.numpy(), 14).pixel_values
+hf = Llama4ForConditionalGeneration.from_pretrained(model, torch_dtype=torch.float32).eval()
+with torch.no_grad():
+    features = hf.get_image_features(pixel_values=tiles, vision_feature_select_strategy="default")
+    expected = hf.multi_modal_projector(features.reshape(-1, features.shape[-1]))
+    got = graph(weights, torch.from_numpy(padded))[:12]
+print(torch.__version__, __import__("transformers").__version__, (got - expected).abs().max().item())
+"""
+
+
+def test_the_graph_equals_transformers_4_57_in_the_runners_environment(model, sdk_python):
+    done = subprocess.run([sdk_python, "-c", SDK_SCRIPT, str(model)], capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch_version, transformers_version, difference = done.stdout.split()[-3:]
+    assert torch_version.startswith("2.9") and transformers_version.startswith("4.57")
+    assert float(difference) < 2e-5
