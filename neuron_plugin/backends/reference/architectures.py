@@ -18,7 +18,7 @@ import torch
 
 from neuron_plugin.core.checkpoint import text_config
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 class UnsupportedModelError(ValueError):
@@ -77,6 +77,12 @@ class Architecture:
     mrope_interleaved: bool = False
     # A vision model's decoder with M-RoPE (the Qwen2-VL family) or plain 1-D RoPE (Pixtral)
     mrope: bool = True
+    # Llama 4: NoPE layers (config no_rope_layers 0) with attention temperature tuning,
+    # the RoPE layers' RoPE on interleaved pairs (transformers' apply_rotary_emb, complex
+    # numbers), their keys within attention_chunk_size chunks and, with use_qk_norm, q and
+    # k L2-normed after RoPE; the MLP in feed_forward.
+    llama4: bool = False
+    mlp_module: str = "mlp"  # the MLP's name in a layer
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -124,6 +130,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         default_rope_theta=500_000.0,
         vision=True,
         mrope_interleaved=True,
+    ),
+    # Llama 4's text decoder (its vision tower is not served yet: text prompts only)
+    "Llama4ForConditionalGeneration": Architecture(
+        "llama4",
+        attention_bias="none",
+        windowed=False,
+        mlp="llama4",
+        default_rope_theta=500_000.0,
+        llama4=True,
+        mlp_module="feed_forward",
     ),
     # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
     # reference/pixtral.py)
@@ -178,6 +194,21 @@ class DecoderSpec:
     # M-RoPE (vision-language models): how many of the head_dim / 2 rotary frequencies
     # follow the temporal, height and width position, in that order; empty: plain RoPE.
     mrope_section: tuple[int, ...] = ()
+    # Llama 4 (`Architecture.llama4`), per layer: whether it has RoPE (else NoPE) and its
+    # attention chunk (keys in the query's chunk of this many positions only; None: all)
+    rope_layers: tuple[bool, ...] = ()
+    chunks: tuple[int | None, ...] = ()
+    l2_qk_norm: bool = False  # Llama 4's use_qk_norm: q and k of the RoPE layers
+    # Llama 4's attn_temperature_tuning of the NoPE layers' queries: (floor_scale,
+    # attn_scale), the query at position p times 1 + attn_scale log(1 + floor((p + 1) /
+    # floor_scale)); None: off
+    temperature_tuning: tuple[float, float] | None = None
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
+
+    def chunk(self, layer: int) -> int | None:
+        return self.chunks[layer] if self.chunks else None
 
     @property
     def family(self) -> str:
@@ -245,8 +276,38 @@ class DecoderSpec:
             attn_softcap=config.get("attn_logit_softcapping") if arch.gemma else None,
             final_softcap=config.get("final_logit_softcapping") if arch.gemma else None,
             mrope_section=_mrope_section(arch, config, head_dim),
+            **_llama4_fields(arch, config, layers),
             **moe,
         )
+
+
+def _llama4_fields(arch: Architecture, config: dict, layers: int) -> dict[str, Any]:
+    """Llama 4's per-layer RoPE, chunks, qk-norm and temperature tuning, as
+    transformers' Llama4TextConfig derives them (no_rope_layers from
+    no_rope_layer_interval where absent or empty; layer_types from no_rope_layers)."""
+    if not arch.llama4:
+        return {}
+    interval = int(config.get("no_rope_layer_interval", 4))
+    no_rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    rope_layers = tuple(bool(no_rope[i]) for i in range(layers))
+    types = config.get("layer_types") or [CHUNKED if r else FULL for r in rope_layers]
+    chunk = config.get("attention_chunk_size")
+    if chunk is not None:
+        chunk = int(chunk)
+    elif CHUNKED in types[:layers]:
+        raise UnsupportedModelError(
+            f"{arch.family}: layer_types has {CHUNKED!r} layers but attention_chunk_size is "
+            f"unset (transformers refuses it too); set attention_chunk_size in config.json"
+        )
+    tuning = None
+    if config.get("attn_temperature_tuning", True):
+        tuning = (float(config.get("floor_scale", 8192)), float(config.get("attn_scale", 0.1)))
+    return {
+        "rope_layers": rope_layers,
+        "chunks": tuple(chunk if t == CHUNKED else None for t in types[:layers]),
+        "l2_qk_norm": bool(config.get("use_qk_norm", True)),
+        "temperature_tuning": tuning,
+    }
 
 
 def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
@@ -288,7 +349,12 @@ def _moe_fields(arch: Architecture, config: dict, layers: int) -> dict[str, Any]
     if arch.mlp == "dense":
         return {"moe_layers": (False,) * layers}
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    if arch.mlp == "qwen3_moe":
+    if arch.mlp == "llama4":  # moe_layers, or every interleave_moe_layer_step-th layer
+        step = int(config.get("interleave_moe_layer_step", 1))
+        listed = config.get("moe_layers")
+        chosen = set(listed if listed is not None else range(step - 1, layers, step))
+        moe_layers = tuple(i in chosen for i in range(layers))
+    elif arch.mlp == "qwen3_moe":
         only_dense = set(config.get("mlp_only_layers") or [])
         step = config.get("decoder_sparse_step", 1) or 1
         moe_layers = tuple(

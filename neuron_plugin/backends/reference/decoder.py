@@ -13,9 +13,11 @@ Every bucket uses the same signature; only shapes differ:
   k_cache, v_cache:                  [layers, slots, kv_heads, head_dim]
 Key position j of row b is visible to a query at position q when j <= q,
 j < full_context_lens[b] and, in a layer with a sliding window w, q - j < w (transformers'
-`sliding_window_overlay`: kv_idx > q_idx - sliding_window). Sliding-window layers keep
-the full-length cache line (or block table) and mask the keys outside the window, rather
-than NxDI's rolling window-sized cache: the same attention, a larger cache. Masked scores
+`sliding_window_overlay`: kv_idx > q_idx - sliding_window) and, in a Llama 4 layer with
+chunked attention of chunk c, j // c == q // c (transformers' `chunked_overlay`).
+Sliding-window and chunked layers keep the full-length cache line (or block table) and
+mask the keys outside the window or chunk, rather than NxDI's rolling window-sized cache:
+the same attention, a larger cache. Masked scores
 use the dtype's minimum (not -inf) so fully padded rows stay finite and never poison the
 cache with NaNs. Values at key positions no query of a row sees are zeroed before the
 probabilities multiply them: a masked weight is 0, but 0 x NaN is NaN, and a cache slot
@@ -196,6 +198,28 @@ def rms_norm(kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     if kind == "rms_one_plus":
         return (normed * (1.0 + weight.float())).to(x.dtype)
     return (weight * normed).to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama4TextL2Norm: RMSNorm without a weight, in float32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(-x1, x0) of each interleaved pair (x0, x1): i times the pair as a complex number."""
+    pairs = x.view(*x.shape[:-1], -1, 2)
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """RoPE: halves rotated in x's dtype (transformers' apply_rotary_pos_emb), or
+    interleaved pairs rotated in float32 and cast back (Llama 4's apply_rotary_emb, a
+    complex product)."""
+    if not pairs:
+        return x * cos + rotate_half(x) * sin
+    x32 = x.float()
+    return (x32 * cos + rotate_pairs(x32) * sin).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -428,20 +452,23 @@ class DecoderGraph(nn.Module):
             else:  # [3, b, a] -> each frequency's own axis: [b, a, head_dim / 2]
                 axis_positions = rope_positions[self.mrope_axis].permute(1, 2, 0)
                 freqs = axis_positions.float() * inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
+            # Llama 4 rotates interleaved pairs, in float32 (`rotate`)
+            pairs = s.arch.llama4
+            emb = freqs.repeat_interleave(2, -1) if pairs else torch.cat((freqs, freqs), -1)
+            table = torch.float32 if pairs else dtype
             rope[kind] = (
-                (emb.cos() * scaling).to(dtype).unsqueeze(2),
-                (emb.sin() * scaling).to(dtype).unsqueeze(2),
+                (emb.cos() * scaling).to(table).unsqueeze(2),
+                (emb.sin() * scaling).to(table).unsqueeze(2),
             )
 
         key_pos = torch.arange(width, dtype=positions.dtype).view(1, 1, width)
         query_pos = positions.unsqueeze(-1)
         causal = (key_pos <= query_pos) & (key_pos < full_context_lens.view(batch, 1, 1))
         masks = {
-            window: (causal if window is None else causal & (query_pos - key_pos < window)).view(
+            (window, chunk): _restricted(causal, key_pos, query_pos, window, chunk).view(
                 batch, 1, 1, active, width
             )
-            for window in set(s.windows)
+            for window, chunk in {(s.windows[i], s.chunk(i)) for i in range(s.num_layers)}
         }
         flat_write = write_slots.reshape(-1)
         norm = s.arch.norm
@@ -462,9 +489,13 @@ class DecoderGraph(nn.Module):
             if s.qk_norm:
                 q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
                 k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
-            cos, sin = rope[s.rope_kind(layer)]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if s.uses_rope(layer):
+                cos, sin = rope[s.rope_kind(layer)]
+                q, k = (rotate(t, cos, sin, s.arch.llama4) for t in (q, k))
+                if s.l2_qk_norm:
+                    q, k = l2_norm(q, s.rms_norm_eps), l2_norm(k, s.rms_norm_eps)
+            elif s.temperature_tuning is not None:
+                q = _tuned_temperature(q, positions, *s.temperature_tuning)
 
             layer_idx = torch.full_like(flat_write, layer)
             k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
@@ -474,7 +505,7 @@ class DecoderGraph(nn.Module):
                 q,
                 k_cache[layer][read_slots],
                 v_cache[layer][read_slots],
-                masks[s.windows[layer]],
+                masks[(s.windows[layer], s.chunk(layer))],
                 w.get(a + "sinks"),
             )
             out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
@@ -495,6 +526,31 @@ class DecoderGraph(nn.Module):
         captured[s.num_layers] = x
         normed = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
         return normed, [captured[i] for i in capture]
+
+
+def _restricted(
+    causal: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int | None,
+    chunk: int | None,
+) -> torch.Tensor:
+    """The causal mask within a sliding window and within an attention chunk."""
+    visible = causal
+    if window is not None:
+        visible = visible & (query_pos - key_pos < window)
+    if chunk is not None:
+        visible = visible & (key_pos // chunk == query_pos // chunk)
+    return visible
+
+
+def _tuned_temperature(
+    q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float
+) -> torch.Tensor:
+    """Llama 4's attention temperature tuning of a NoPE layer's queries [b, a, heads, d]
+    by their positions [b, a]."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scales.view(*positions.shape, 1, 1)).to(q.dtype)
 
 
 def mrope_axes(section: tuple[int, ...], interleaved: bool) -> list[int]:

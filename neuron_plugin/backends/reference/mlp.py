@@ -9,7 +9,11 @@ per architecture:
   hidden dtype; its mlp_only_layers / decoder_sparse_step layers are dense MLPs;
 - gpt-oss: top-k of the router logits (the router has a bias), softmax over those k;
   experts have biases, gate and up interleaved in one tensor, clamped to swiglu_limit,
-  and the activation (up + 1) * gate * sigmoid(alpha * gate).
+  and the activation (up + 1) * gate * sigmoid(alpha * gate);
+- Llama 4: the top-k router logits' sigmoids (0 for the other experts) scale each
+  expert's INPUT, experts' gate and up fused in one [hidden, 2 x inner] tensor (gate the
+  first half), and a shared expert (a gated MLP) on every token adds to their sum; its
+  dense layers' MLP is in `feed_forward` (Architecture.mlp_module).
 Per-expert checkpoint tensors (`experts.{e}.w1.weight`, the Hub's layout) are stacked at
 load into one [experts, ...] graph input named with `*` for the expert index.
 """
@@ -45,7 +49,9 @@ class MoeKind:
 
     router: str
     router_bias: str | None
-    experts: tuple[str, ...]  # swiglu: gate, up, down; gpt-oss: gate_up(+bias), down(+bias)
+    # swiglu: gate, up, down; gpt-oss: gate_up(+bias), down(+bias); Llama 4: gate_up,
+    # down, then the shared expert's gate, up, down
+    experts: tuple[str, ...]
 
 
 MOE_KINDS = {
@@ -67,6 +73,17 @@ MOE_KINDS = {
             "mlp.experts.{e}.down_proj.weight",
         ),
     ),
+    "llama4": MoeKind(
+        "feed_forward.router.weight",
+        None,
+        (
+            "feed_forward.experts.gate_up_proj",
+            "feed_forward.experts.down_proj",
+            "feed_forward.shared_expert.gate_proj.weight",
+            "feed_forward.shared_expert.up_proj.weight",
+            "feed_forward.shared_expert.down_proj.weight",
+        ),
+    ),
     "gpt_oss": MoeKind(
         "mlp.router.weight",
         "mlp.router.bias",
@@ -78,14 +95,15 @@ MOE_KINDS = {
         ),
     ),
 }
-DENSE = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+DENSE = ("gate_proj", "up_proj", "down_proj")
 
 
 def mlp_weights(spec: DecoderSpec, layer: int) -> list[tuple[str, tuple[str, ...]]]:
     """(graph input name, checkpoint tensors stacked into it) of a layer's MLP."""
     prefix = f"model.layers.{layer}."
     if not spec.moe_layers[layer]:
-        return [(prefix + n, (prefix + n,)) for n in DENSE]
+        names = [f"{prefix}{spec.arch.mlp_module}.{n}.weight" for n in DENSE]
+        return [(n, (n,)) for n in names]
     kind = MOE_KINDS[spec.arch.mlp]
     names = [kind.router] + ([kind.router_bias] if kind.router_bias else []) + list(kind.experts)
     return [
@@ -122,7 +140,7 @@ def mlp(
     delta to the dense MLP's projections (LoRA slots exist for dense MLPs only);
     `linear` computes a quantized checkpoint's dense projections."""
     if linear is not None and not spec.moe_layers[layer]:
-        prefix = f"model.layers.{layer}.mlp."
+        prefix = f"model.layers.{layer}.{spec.arch.mlp_module}."
         inner = activation(
             spec.activation, _plus(linear(prefix + "gate_proj", h), adapt and adapt("gate_proj", h))
         )
@@ -132,7 +150,7 @@ def mlp(
     if not spec.moe_layers[layer]:
         gate, up, down = w
         if adapt is None:
-            return (activation(spec.activation, h @ gate.t()) * (h @ up.t())) @ down.t()
+            return _gated(spec, h, gate, up, down)
         inner = activation(spec.activation, _plus(h @ gate.t(), adapt("gate_proj", h)))
         inner = inner * _plus(h @ up.t(), adapt("up_proj", h))
         return _plus(inner @ down.t(), adapt("down_proj", inner))
@@ -141,6 +159,8 @@ def mlp(
         router, router_bias, gate_up, gate_up_bias, down, down_bias = w
         routing = _gpt_oss_routing(spec, functional.linear(x[0], router, router_bias))
         out = _gpt_oss_experts(spec, x, gate_up, gate_up_bias, down, down_bias)
+    elif spec.arch.mlp == "llama4":
+        return _llama4_moe(spec, h, *w)
     else:
         router, gate, up, down = w
         routing = _softmax_routing(spec, functional.linear(x[0], router))
@@ -150,6 +170,35 @@ def mlp(
     # unchosen experts' zeros add nothing), as transformers' index_add does.
     combined = (out * routing.t().unsqueeze(-1)).to(h.dtype).sum(dim=0)
     return combined.view(h.shape)
+
+
+def _gated(
+    spec: DecoderSpec, h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The gated MLP: down(act(gate h) * up h)."""
+    return (activation(spec.activation, h @ gate.t()) * (h @ up.t())) @ down.t()
+
+
+def _llama4_moe(
+    spec: DecoderSpec,
+    h: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *shared: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' Llama4TextMoe: each expert's input is h times the sigmoid of its
+    router logit if in the top-k (else 0), all experts' outputs summed in the hidden
+    dtype onto the shared expert's."""
+    x = h.reshape(-1, spec.hidden_size)  # [tokens, hidden]
+    logits = x @ router.t()
+    values, indices = torch.topk(logits, spec.experts_per_token, dim=-1)
+    chosen = torch.full_like(logits, float("-inf")).scatter(1, indices, values)
+    scores = torch.sigmoid(chosen.float()).to(x.dtype)  # [tokens, experts]
+    routed = x.unsqueeze(0) * scores.t().unsqueeze(-1)  # [experts, tokens, hidden]
+    gate, up = (routed @ gate_up).split(down.shape[1], dim=-1)
+    experts = (up * activation(spec.activation, gate)) @ down
+    return (_gated(spec, x, *shared) + experts.sum(dim=0)).view(h.shape)
 
 
 def _dense(values: torch.Tensor, indices: torch.Tensor, experts: int) -> torch.Tensor:
