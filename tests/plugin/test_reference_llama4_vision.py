@@ -9,6 +9,7 @@ past the largest is refused naming max_patches."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
 from neuron_plugin.backends.reference.llama4_vision import (
     Llama4VisionSpec,
@@ -26,6 +28,7 @@ from neuron_plugin.backends.reference.llama4_vision import (
 from neuron_plugin.backends.reference.vision import load_weights, vision_graph, vision_tower
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.errors import NeuronConfigError
+from neuron_plugin.core.settings import EngineLimits, resolve_settings
 from neuron_plugin.core.vision import (
     ImageInputs,
     VisionGeometry,
@@ -205,6 +208,41 @@ def test_the_api_server_counts_an_images_patches_from_its_placeholders():
     assert image_patches(pixtral) == [20]
 
 
+@pytest.fixture(scope="module")
+def backend(model, tmp_path_factory):
+    """The reference backend serving the tiny Llama 4: its decoder's graphs and one
+    vision graph per bucket, compiled into a folder and loaded from it."""
+    limits = EngineLimits(max_model_len=64, max_num_seqs=1, block_size=None,
+                          enable_prefix_caching=False, enable_chunked_prefill=False,
+                          max_num_batched_tokens=64, dtype="float32")
+    buckets = {"context_encoding_buckets": [64], "token_generation_buckets": [64]}
+    settings = dataclasses.replace(
+        resolve_settings(limits, buckets, backend="reference",
+                         architecture="Llama4ForConditionalGeneration"),
+        vision_buckets=BUCKETS)
+    folder = tmp_path_factory.mktemp("llama4-backend")
+    ReferenceBackend(settings, model).compile(folder)
+    loaded = ReferenceBackend(settings, model)
+    loaded.load(folder)
+    return loaded
+
+
+def test_the_backend_encodes_tiles_as_transformers_and_refuses_what_no_bucket_holds(
+        backend, hf_model):
+    """ReferenceBackend.encode_image pads an image's tiles to its bucket and trims the
+    answer; an image of more tiles than the largest bucket holds, or of tiles of another
+    size, is refused before the graph runs."""
+    pixels = random_tiles(3, seed=11)
+    got = backend.encode_image(tile_patches(pixels, PATCH))
+    np.testing.assert_allclose(got, transformers_features(hf_model, pixels), atol=2e-5,
+                               rtol=1e-4)
+    with pytest.raises(NeuronConfigError, match="96 patches exceeds the largest vision bucket"):
+        backend.encode_image(tile_patches(random_tiles(6, seed=12), PATCH))
+    wrong = ImageInputs(np.zeros((32, 588), np.float32), np.array([2, 2, 8]))
+    with pytest.raises(ValueError, match="takes tiles of 4x4 patches"):
+        backend.encode_image(wrong)
+
+
 # What the tiny model's Llama4Processor makes of a chat with two images (a wide one cut
 # into 1 x 3 tiles and the global tile, a small one in one tile), in the host's vLLM
 # environment: transformers builds Llama4ImageProcessorFast only with torchvision.
@@ -286,6 +324,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from transformers import Llama4ForConditionalGeneration
 
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
@@ -308,7 +347,7 @@ with torch.no_grad():
     features = hf.get_image_features(pixel_values=tiles, vision_feature_select_strategy="default")
     expected = hf.multi_modal_projector(features.reshape(-1, features.shape[-1]))
     got = graph(weights, torch.from_numpy(padded))[:12]
-print(torch.__version__, __import__("transformers").__version__, (got - expected).abs().max().item())
+print(torch.__version__, transformers.__version__, (got - expected).abs().max().item())
 """
 
 

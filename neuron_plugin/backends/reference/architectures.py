@@ -131,7 +131,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         vision=True,
         mrope_interleaved=True,
     ),
-    # Llama 4's text decoder (its vision tower is not served yet: text prompts only)
+    # Llama 4: its text decoder, and its vision tower in reference/llama4_vision.py
     "Llama4ForConditionalGeneration": Architecture(
         "llama4",
         attention_bias="none",
@@ -140,6 +140,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         default_rope_theta=500_000.0,
         llama4=True,
         mlp_module="feed_forward",
+        vision=True,
+        mrope=False,
     ),
     # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
     # reference/pixtral.py)
