@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +114,18 @@ def test_an_image_of_more_tiles_than_the_largest_bucket_gets_a_400(server, expec
     assert "80 patches exceeds the largest vision bucket (64 patches)" in response.text
     assert "max_patches" in response.text
     assert answer(server, REQUESTS["one"], eos) == _until_eos(expected["one"], eos)
+
+
+def test_explain_config_plans_whole_tiles(model, host_python):
+    """From the checkpoint's preprocessor_config.json (max_patches 4): 1 to 5 tiles of 16
+    patches, powers of two in tiles and the largest."""
+    done = subprocess.run(
+        [str(Path(host_python).with_name("neuron-plugin")), "explain-config", str(model),
+         "--max-model-len", "256", "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["buckets"]["vision"] == [16, 32, 64, 80]
+    assert report["graphs"]["vision_encoding"] == 4
