@@ -14,7 +14,8 @@ image chunks per vision-encoder call, "pixel_values": .npy [chunks, 3, size, siz
 Each case is prefilled, then decoded greedily for its steps: its greedy tokens go in the
 report, every step's logits in OUT_DIR/NAME.npy (float32 [steps + 1, vocab]). The
 vision encoder's output for the pixel values goes in OUT_DIR/vision.npy ([chunks, tokens
-per chunk, text hidden]).
+per chunk, text hidden]), that of NxDI's NeuronLlama4ForImageEncoding application (the
+same module in its own application) in OUT_DIR/image_encoding.npy.
 
 What NxDI's CPU mode cannot run as shipped gets a stand-in here, and only here, each
 listed in the report under "stand_ins" with the NxDI file:function it works around,
@@ -23,6 +24,7 @@ after recording what the shipped code does ("shipped_to_cpu", "shipped_forward")
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import sys
@@ -147,6 +149,36 @@ def image_inputs(prompt: list[int], image_token: int, pixels: torch.Tensor) -> d
     return {"pixel_values": pixels, "vision_mask": mask[None, :, None]}
 
 
+def image_encoding(plan: dict[str, Any], pixels: torch.Tensor) -> tuple[Any, list[dict]]:
+    """NxDI's image-encoding application, NeuronLlama4ForImageEncoding, built as NxDI's
+    own test builds it (test_llama4_vision_4layer.py: the vision neuron config as the
+    config's) and run through NeuronApplicationBase.to_cpu: its output for `pixels`.
+    Its wrapper runs eagerly (the pipeline_execution stand-in). The model parallel state
+    of the first application is torn down first, as NeuronLlama4ForCausalLM.to_cpu does."""
+    from neuronx_distributed.parallel_layers.parallel_state import (
+        destroy_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from neuronx_distributed_inference.models.llama4.modeling_llama4_vision import (
+        NeuronLlama4ForImageEncoding,
+    )
+
+    config = nxdi_config(plan)
+    config.neuron_config = copy.deepcopy(config.vision_config.neuron_config)
+    application = NeuronLlama4ForImageEncoding(model_path=plan["model"], config=config)
+    if model_parallel_is_initialized():
+        destroy_model_parallel()
+    application.to_cpu()
+    eager = [w.tag for w in application.models if w.pipeline_execution]
+    for wrapper in application.models:
+        wrapper.pipeline_execution = False
+    with torch.no_grad():
+        features = application.forward(pixels)
+    what = f"pipeline_execution=False on {eager}"
+    stand_ins = [stand_in(what, "models/model_wrapper.py ModelWrapper._forward")] if eager else []
+    return features, stand_ins
+
+
 def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
     from neuronx_distributed_inference.models import image_to_text_model_base as base_module
 
@@ -170,9 +202,11 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
     with torch.no_grad():
         vision = model.vision_encoder_model(pixels)
     np.save(out / "vision.npy", vision.float().numpy())
+    encoded, encoder_stand_ins = image_encoding(plan, pixels)
+    np.save(out / "image_encoding.npy", encoded.float().numpy())
     return {
         "nxdi": importlib.metadata.version("neuronx-distributed-inference"),
-        "stand_ins": stand_ins,
+        "stand_ins": stand_ins + encoder_stand_ins,
         "shipped_to_cpu": shipped_to_cpu,
         "shipped_forward": shipped,
         "cases": cases,
