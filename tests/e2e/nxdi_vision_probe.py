@@ -232,7 +232,8 @@ def error(exc: BaseException) -> dict[str, str]:
 
 
 class Runner:
-    """Greedy requests through NxDI's NeuronQwen2VLForCausalLM.forward, batch 1."""
+    """Greedy requests through an NxDI image-to-text model's forward (Qwen2-VL's;
+    Llama 4's in nxdi_llama4_probe.py), batch 1."""
 
     def __init__(self, model: Any, base_module: Any, images: dict[str, torch.Tensor]):
         from neuronx_distributed_inference.modules.generation.sampling import (

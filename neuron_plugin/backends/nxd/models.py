@@ -48,7 +48,7 @@ ARCHITECTURES = {
 }
 # Vision-language architectures -> their NxDI MODEL_TYPES key (utils/constants.py, 0.8
 # and 0.9) and why the backend refuses them: what NxDI's CPU mode showed
-# (tests/e2e/test_nxdi_vision.py, docs/serving/vision.md).
+# (tests/e2e/test_nxdi_vision.py, test_nxdi_llama4.py, docs/serving/vision.md).
 VISION_LANGUAGE = {
     "Qwen2VLForConditionalGeneration": (
         "qwen2_vl",
@@ -66,7 +66,16 @@ VISION_LANGUAGE = {
         "pixtral",
         "NxDI's CPU mode does not implement it (to_cpu), so nothing about it is checked",
     ),
-    "Llama4ForConditionalGeneration": ("llama4", "it is not checked on real NxDI"),
+    "Llama4ForConditionalGeneration": (
+        "llama4",
+        "measured on NxDI 0.8 and 0.9 (tests/e2e/test_nxdi_llama4.py), its text model "
+        "ignores attn_temperature_tuning (NeuronLlama4Attention never scales the NoPE "
+        "layers' queries) and the checkpoint's llama3 rope_scaling (NxD's "
+        "precompute_freqs_cis applies its fixed ROPE_DEFAULTS: factor 8, frequency factors "
+        "1 and 4, original context 8192), so its logits differ from transformers'; a "
+        "prompt that fills its context bucket comes out wrong; and on 0.8 every forward "
+        "raises NameError (tensor_capture_hook). Its vision encoder equals transformers'",
+    ),
     "MllamaForConditionalGeneration": (
         "mllama",
         "vLLM itself no longer serves it: it was supported until vLLM 0.10.2 "
