@@ -127,16 +127,18 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
 def vision_limits(model: Any) -> VisionLimits | None:
     """A vision-language model's image sizes from its processor's settings (the
     checkpoint's preprocessor_config.json under --mm-processor-kwargs); None for a text
-    model. A multimodal architecture whose vision tower the plugin does not run is
-    refused here, before anything loads."""
-    if not model.is_multimodal_model:
+    model, or a multimodal one served text-only (--language-model-only, or every
+    --limit-mm-per-prompt 0: vLLM takes no images). A multimodal architecture whose
+    vision tower the plugin does not run is refused here, before anything loads."""
+    if not model.is_multimodal_model or not model.supports_multimodal_inputs:
         return None
     architecture = (model.architectures or ["unknown"])[0]
     if architecture not in VISION_ARCHITECTURES:
         raise NeuronConfigError(
             f"{architecture} is a multimodal model whose vision encoder this plugin does "
-            f"not run (it runs {', '.join(sorted(VISION_ARCHITECTURES))}); serve a "
-            f"supported model or a text-only checkpoint."
+            f"not run (it runs {', '.join(sorted(VISION_ARCHITECTURES))}); pass "
+            f"--language-model-only to serve its text model without images, or serve a "
+            f"supported model."
         )
     from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 

@@ -16,6 +16,7 @@ equal to transformers' on the same tiny checkpoint (scripts/build_tiny_model.py)
 - A fast check without an engine: the decoder's logits against transformers' logits, at
   a tolerance that a window off by one or a missed norm, bias or sink would exceed.
 
+Llama 4's text model is in the decoder check (tests/e2e/test_llama4_text.py serves it).
 DBRX, also mapped, is not served by the reference backend (see architectures.py). What the
 nxd backend computes per architecture is checked on real NxDI instead
 (test_nxdi_architectures.py): the reference follows transformers, not NxDI.
@@ -69,7 +70,9 @@ def expected(tiny_model):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", *ARCHS, "gpt_oss"])
+# llama4: Llama4ForConditionalGeneration's text model (chunks of 16 tokens, NoPE layers);
+# served by tests/e2e/test_llama4_text.py (vLLM's Llama 4 module needs torchvision).
+@pytest.mark.parametrize("arch", ["llama", "qwen3", *ARCHS, "gpt_oss", "llama4"])
 def test_decoder_logits_match_transformers(arch, tiny_model):
     """Prefill 40 tokens (8 past the longest window), then 8 greedy decode steps on one
     cache line."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -207,3 +208,51 @@ def test_a_vision_model_takes_images_only(tiny_model, host_python):
     assert out["buckets"] == [16, 32, 64, 128, 256]
     assert "--limit-mm-per-prompt video=1: the neuron platform runs this model's vision " \
            "encoder on images only" in out.get("refusal", "")
+
+
+TEXT_ONLY_SCRIPT = """
+import sys
+
+from vllm.engine.arg_utils import EngineArgs
+
+from neuron_plugin.serving.vllm_settings import settings_from_vllm_config
+
+
+def config(**kwargs):
+    return EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=512,
+                      max_num_seqs=4, **kwargs).create_engine_config()
+
+
+print("text-only buckets", list(settings_from_vllm_config(
+    config(language_model_only=True)).vision_buckets))
+try:
+    config()
+except ValueError as exc:
+    print("refusal", exc)
+"""
+
+
+def test_a_vision_tower_the_plugin_does_not_run_is_refused_unless_served_text_only(
+        tiny_model, host_python, tmp_path):
+    """Qwen3-VL-MoE's vision tower is not in the plugin: vLLM would hand its graphs
+    placeholder tokens they cannot encode, so it is refused at start-up, naming
+    --language-model-only, under which vLLM takes no images and it plans no vision
+    buckets. The checkpoint is the tiny Qwen3-VL's config relabelled as transformers
+    names the MoE model (vLLM reads only the config here)."""
+    for source in tiny_model("qwen3_vl").glob("*.json"):
+        shutil.copy(source, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["Qwen3VLMoeForConditionalGeneration"],
+                  model_type="qwen3_vl_moe")
+    config["text_config"]["model_type"] = "qwen3_vl_moe_text"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [host_python, "-c", TEXT_ONLY_SCRIPT, str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "text-only buckets []" in done.stdout
+    assert ("Qwen3VLMoeForConditionalGeneration is a multimodal model whose vision encoder "
+            "this plugin does not run") in done.stdout
+    assert "pass --language-model-only to serve its text model" in done.stdout

@@ -181,6 +181,17 @@ def test_chunked_layers_without_a_chunk_size_are_refused(model):
         DecoderSpec.from_hf_config(broken)
 
 
+def test_an_eagle_head_for_llama4_is_refused(model, tmp_path):
+    """Its heads are Llama 4 layers; the reference head graph is a Llama layer."""
+    from neuron_plugin.backends.reference.decoder import DecoderGraph
+    from neuron_plugin.backends.reference.eagle import EagleState
+
+    config = read_hf_config(model)
+    spec = DecoderSpec.from_hf_config(config)
+    with pytest.raises(UnsupportedModelError, match="EagleLlama4ForCausalLM"):
+        EagleState("eagle", tmp_path, DecoderGraph(spec, rope_tables(config, spec)))
+
+
 def test_llama4_crosses_the_runner_boundary(backend, model, prompt, sdk_python, tmp_path):
     """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
     reads the config, compiles the graphs and answers a prefill as in-process."""

@@ -464,11 +464,13 @@ class DecoderGraph(nn.Module):
         key_pos = torch.arange(width, dtype=positions.dtype).view(1, 1, width)
         query_pos = positions.unsqueeze(-1)
         causal = (key_pos <= query_pos) & (key_pos < full_context_lens.view(batch, 1, 1))
-        masks = {
+        masks = {  # in layer order: the exported graph is the same in every process
             (window, chunk): _restricted(causal, key_pos, query_pos, window, chunk).view(
                 batch, 1, 1, active, width
             )
-            for window, chunk in {(s.windows[i], s.chunk(i)) for i in range(s.num_layers)}
+            for window, chunk in dict.fromkeys(
+                (s.windows[i], s.chunk(i)) for i in range(s.num_layers)
+            )
         }
         flat_write = write_slots.reshape(-1)
         norm = s.arch.norm

@@ -351,6 +351,12 @@ class EagleState:
     def __init__(self, method: str, folder: str | Path, target: DecoderGraph):
         self.model_dir = Path(folder)
         spec = target.spec
+        if spec.arch.llama4:  # the head graph is a Llama layer
+            raise UnsupportedModelError(
+                f"{method} head for {spec.architecture}: Llama 4's EAGLE heads have Llama 4 "
+                f"layers (vLLM's EagleLlama4ForCausalLM), which the reference backend does "
+                f"not run; use a draft model or n-gram speculation."
+            )
         self.head = read_head(
             method,
             str(folder),
