@@ -121,13 +121,12 @@ def test_greedy_decoding_equals_transformers_generate(backend, hf_model, prompt)
     assert tokens == expected
 
 
+@pytest.mark.parametrize("backend", ["block"], indirect=True)
 def test_a_prefix_hit_continues_across_a_chunk_boundary(backend, hf_model, prompt):
     """A prefill of 20 tokens, then the rest of the prompt over the cached 20 (a prefix
     hit): its queries in chunk 1 see keys 16-19 from the cache and not 0-15."""
     layout, loaded = backend
     blocks = LAYOUTS[layout][2]
-    if blocks is None:
-        pytest.skip("the contiguous layout prefills whole prompts (no prefix caching)")
     loaded.forward(context_encoding_inputs(loaded.settings, prompt[:20], 0, 0, blocks))
     logits = loaded.forward(context_encoding_inputs(loaded.settings, prompt, 20, 0, blocks))[0]
     np.testing.assert_allclose(logits.numpy(), hf_logits(hf_model, prompt)[-1].numpy(),
@@ -192,15 +191,14 @@ def test_an_eagle_head_for_llama4_is_refused(model, tmp_path):
         EagleState("eagle", tmp_path, DecoderGraph(spec, rope_tables(config, spec)))
 
 
+@pytest.mark.parametrize("backend", ["contiguous"], indirect=True)
 def test_llama4_crosses_the_runner_boundary(backend, model, prompt, sdk_python, tmp_path):
     """A real runner process in the SDK's environment (torch 2.9, transformers 4.57)
     reads the config, compiles the graphs and answers a prefill as in-process."""
     from neuron_plugin.backends.loader import open_backend
     from neuron_plugin.backends.runner.client import RunnerBackend
 
-    layout, loaded = backend
-    if layout != "contiguous":
-        pytest.skip("one layout is enough for the environment")
+    _, loaded = backend
     settings = dataclasses.replace(loaded.settings, backend_python=sdk_python)
     remote = open_backend(settings, model, str(tmp_path))
     try:
