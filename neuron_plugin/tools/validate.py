@@ -42,6 +42,7 @@ from neuron_plugin.core.instances import (
 from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import host_sampling_refusal
+from neuron_plugin.core.vision import LLAMA4_MERGE
 from neuron_plugin.core.vllm_builds import installed_vllm
 from neuron_plugin.tools.serve_args import add_serve_command, engine_args_from_serve_args
 from neuron_plugin.tools.validate_backend import speed_report
@@ -56,7 +57,12 @@ from neuron_plugin.validation.cases import (
     plan,
     selected,
 )
-from neuron_plugin.validation.images import encode_arrays, image_pixels, placeholder_ids
+from neuron_plugin.validation.images import (
+    LLAMA4_VISION,
+    encode_arrays,
+    image_pixels,
+    placeholder_ids,
+)
 from neuron_plugin.validation.oracle_client import OracleProcess
 from neuron_plugin.validation.report import CaseResult, ValidationReport
 from neuron_plugin.validation.speed import decode_host_share
@@ -357,16 +363,24 @@ def _image_limits(settings: NeuronSettings, vllm_config: Any, llm: Any) -> Image
         return None
     hf_config = model.hf_config.to_dict()
     vision = hf_config["vision_config"]
+    added_vocab = llm.get_tokenizer().get_added_vocab()
+    common = {
+        "buckets": settings.vision_buckets,
+        "patch_range": (found.min_patches, found.max_patches),
+        "per_prompt": model.multimodal_config.get_limit_per_prompt("image"),
+        "placeholder": placeholder_ids(hf_config, added_vocab),
+        "reserved": frozenset(added_vocab.values()),
+    }
+    if vision.get("model_type") == LLAMA4_VISION:  # images grow in whole tiles
+        return ImageLimits(
+            unit=int(vision["image_size"]),
+            unit_patches=found.step,
+            unit_embeddings=found.step // LLAMA4_MERGE**2,
+            global_tile=True,
+            **common,
+        )
     merge = int(vision.get("spatial_merge_size", 1))
-    return ImageLimits(
-        buckets=settings.vision_buckets,
-        unit=int(vision["patch_size"]) * merge,
-        unit_patches=merge * merge,
-        patch_range=(found.min_patches, found.max_patches),
-        per_prompt=model.multimodal_config.get_limit_per_prompt("image"),
-        placeholder=placeholder_ids(hf_config),
-        reserved=frozenset(llm.get_tokenizer().get_added_vocab().values()),
-    )
+    return ImageLimits(unit=int(vision["patch_size"]) * merge, unit_patches=merge * merge, **common)
 
 
 class _ImageProcessor:
@@ -388,8 +402,18 @@ class _ImageProcessor:
             from transformers import AutoProcessor
 
             self._processor = AutoProcessor.from_pretrained(self.model).image_processor
-        out = self._processor(images=_pictures(request), return_tensors="np", **self.kwargs)
-        return {name: np.asarray(value) for name, value in out.items()}
+        out = self._processor(images=_pictures(request), return_tensors="pt", **self.kwargs)
+        return {name: _as_numpy(value) for name, value in out.items()}
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    """A processor's output as numpy: bfloat16 (Llama 4's pixel values), which numpy
+    has no type for, widened to float32 exactly; the oracle casts to the model's dtype."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    return np.asarray(value)
 
 
 def _pictures(request: Request) -> list[Any]:

@@ -49,6 +49,25 @@ class ImageLimits:
     # ids random prompts leave out: the tokenizer's added tokens (the image token among
     # them, which vLLM would take for an image)
     reserved: frozenset[int]
+    unit_embeddings: int = 1  # embeddings per square (Llama 4: a tile's, pixel-shuffled)
+    # Llama 4: an image of more than one square (tile) gets another, the whole image
+    # scaled to one, and each tile a separator token, between image start and end tokens
+    global_tile: bool = False
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """An image size filling each vision bucket (images.image_sizes)."""
+        return image_sizes(
+            self.buckets, self.unit, self.unit_patches, self.patch_range, self.global_tile
+        )
+
+    def tokens(self, height: int, width: int) -> int:
+        """At most the prompt tokens vLLM expands one image of this size into, beyond its
+        placeholder's first."""
+        units = height * width // self.unit**2
+        if not self.global_tile:
+            return len(self.placeholder) - 1 + units * self.unit_embeddings
+        tiles = units + (units > 1)
+        return tiles * (self.unit_embeddings + 1) + 2
 
 
 @dataclass(frozen=True)
@@ -400,7 +419,7 @@ def _images(
 ) -> Case:
     """An image filling each vision bucket (quick: the smallest and the largest), two
     images in one prompt, and a text-only request, served together."""
-    sizes = image_sizes(images.buckets, images.unit, images.unit_patches, images.patch_range)
+    sizes = images.sizes()
     if quick and len(sizes) > 2:
         sizes = [sizes[0], sizes[-1]]
 
@@ -411,8 +430,7 @@ def _images(
         for height, width in shapes:
             prompt += [*images.placeholder, *_prompt(rng, limits, 4)]
             shown.append((int(rng.integers(2**31)), height, width))
-            # one embedding per unit square, in place of the image token
-            tokens += 4 + len(images.placeholder) - 1 + height * width // images.unit**2
+            tokens += 4 + images.tokens(height, width)
         return Request(prompt, greedy(new_tokens), images=tuple(shown)) if tokens <= room else None
 
     shapes: list[tuple[tuple[int, int], ...]] = [(size,) for size in sizes]

@@ -129,3 +129,31 @@ def test_explain_config_plans_whole_tiles(model, host_python):
     report = json.loads(done.stdout)
     assert report["buckets"]["vision"] == [16, 32, 64, 80]
     assert report["graphs"]["vision_encoding"] == 4
+
+
+def test_validate_judges_llama4_images_in_whole_tiles(model, host_python, tmp_path):
+    """`neuron-plugin validate`'s images case on Llama 4: its prompts mark an image with
+    <|image|> (what vLLM's processor expands into tiles; config.json's image token is
+    <|patch|>), its images fill buckets of whole tiles (one tile; 2 x 2 local tiles and
+    the global one), and every answer equals transformers' on the same processor's
+    pixels."""
+    out = tmp_path / "validate"
+    config = {"override_neuron_config": {"context_encoding_buckets": [64, 128, 256],
+                                         "vision_buckets": [16, 80]}}
+    done = subprocess.run(
+        [str(Path(host_python).with_name("neuron-plugin")), "validate", str(model),
+         "--device", "neuron", "--dtype", "float32", "--max-model-len", "256",
+         "--max-num-seqs", "4", "--quick", "--cases", "images", "--out", str(out),
+         "--limit-mm-per-prompt", json.dumps({"image": 2}),
+         "--additional-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    images = next(case for case in report["cases"] if case["name"] == "images")
+    assert images["status"] == "pass", images
+    assert images["evidence"]["image_sizes"] == [[56, 56], [112, 112], [56, 56], [112, 112]]
+    timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
+             if row["phase"] == "vision_encoding"}
+    assert timed == {(16,), (80,)}

@@ -453,12 +453,22 @@ def test_image_placeholders_and_arrays_for_the_oracle():
     )
 
     qwen = {"vision_start_token_id": 5, "image_token_id": 6, "vision_end_token_id": 7}
-    assert placeholder_ids(qwen) == (5, 6, 7)
-    assert placeholder_ids({"image_token_index": 10}) == (10,)
+    assert placeholder_ids(qwen, {}) == (5, 6, 7)
+    assert placeholder_ids({"image_token_index": 10}, {}) == (10,)
+    # Llama 4's image_token_index is <|patch|>, what each embedding takes; a prompt marks
+    # an image with <|image|>, which vLLM's processor expands into the tiles
+    llama4 = {"image_token_index": 981, "vision_config": {"model_type": "llama4_vision_model"}}
+    assert placeholder_ids(llama4, {"<|image|>": 980, "<|patch|>": 981}) == (980,)
     with pytest.raises(NeuronConfigError, match="does not know how .*Foo.* mark an image"):
-        placeholder_ids({"architectures": ["Foo"]})
+        placeholder_ids({"architectures": ["Foo"]}, {})
+    with pytest.raises(NeuronConfigError, match="no <\\|image\\|> in the tokenizer"):
+        placeholder_ids(llama4, {"<|patch|>": 981})
     # 48 patches: 12 squares, 3 x 4; buckets outside the processor's range are left out
     assert image_sizes((48, 8, 1024), 28, 4, (16, 256)) == [(84, 112)]
+    # Llama 4's tiles (56 pixels, 16 patches): one tile, or n - 1 local tiles and the
+    # global one; 2 tiles no image makes
+    assert image_sizes((16, 32, 64, 80), 56, 16, (16, 80), global_tile=True) == [
+        (56, 56), (56, 168), (112, 112)]
     arrays = {"pixel_values": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
               "image_grid_thw": np.array([[1, 2, 6]], dtype=np.int64)}
     back = decode_arrays(json.loads(json.dumps(encode_arrays(arrays))))
