@@ -39,7 +39,9 @@ from tests.e2e.nxdi_vision_probe import (
     error,
     free_master_port,
     run_wrappers_eagerly,
+    single_core,
     stand_in,
+    text_neuron_config,
 )
 
 
@@ -53,24 +55,8 @@ def nxdi_config(plan: dict[str, Any]) -> Any:
     )
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-    common = {
-        "tp_degree": 1,
-        "world_size": 1,
-        "torch_dtype": torch.float32,
-        "on_cpu": True,
-        "batch_size": 1,
-        "seq_len": plan["bucket"],
-        "enable_bucketing": True,
-    }
-    text = Llama4NeuronConfig(
-        **common,
-        ctx_batch_size=1,
-        tkg_batch_size=1,
-        max_context_length=plan["bucket"],
-        context_encoding_buckets=[plan["bucket"]],
-        token_generation_buckets=[plan["bucket"]],
-    )
-    vision = Llama4NeuronConfig(**common, buckets=[plan["vision_bucket"]])
+    text = text_neuron_config(Llama4NeuronConfig, plan["bucket"])
+    vision = Llama4NeuronConfig(**single_core(plan["bucket"]), buckets=[plan["vision_bucket"]])
     return Llama4InferenceConfig(
         text_neuron_config=text,
         vision_neuron_config=vision,

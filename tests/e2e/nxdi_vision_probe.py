@@ -57,6 +57,33 @@ def flat_hf_config(model_dir: str) -> Any:
     return PretrainedConfig(**{**UNREAD_KEYS, **text, **config})
 
 
+def single_core(bucket: int) -> dict[str, Any]:
+    """The NeuronConfig fields of a float32 CPU-mode application at TP 1, batch 1, whose
+    text and vision configs both take them."""
+    return {
+        "tp_degree": 1,
+        "world_size": 1,
+        "torch_dtype": torch.float32,
+        "on_cpu": True,
+        "batch_size": 1,
+        "seq_len": bucket,
+        "enable_bucketing": True,
+    }
+
+
+def text_neuron_config(neuron_config: Any, bucket: int) -> Any:
+    """The text model's NeuronConfig (class `neuron_config`): `bucket` is its one context
+    bucket and its token-generation one."""
+    return neuron_config(
+        **single_core(bucket),
+        ctx_batch_size=1,
+        tkg_batch_size=1,
+        max_context_length=bucket,
+        context_encoding_buckets=[bucket],
+        token_generation_buckets=[bucket],
+    )
+
+
 def nxdi_config(plan: dict[str, Any]) -> Any:
     """NxDI's Qwen2VLInferenceConfig for one context bucket (also the token-generation
     one, so the CPU module's n_positions, set once by to_cpu, is every call's) and one
@@ -68,23 +95,8 @@ def nxdi_config(plan: dict[str, Any]) -> Any:
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
     neuron_config = getattr(qwen2_vl, "Qwen2VLNeuronConfig", qwen2_vl.NeuronConfig)
-    common = {
-        "tp_degree": 1,
-        "world_size": 1,
-        "torch_dtype": torch.float32,
-        "on_cpu": True,
-        "batch_size": 1,
-        "seq_len": plan["bucket"],
-        "enable_bucketing": True,
-    }
-    text = neuron_config(
-        **common,
-        ctx_batch_size=1,
-        tkg_batch_size=1,
-        max_context_length=plan["bucket"],
-        context_encoding_buckets=[plan["bucket"]],
-        token_generation_buckets=[plan["bucket"]],
-    )
+    common = single_core(plan["bucket"])
+    text = text_neuron_config(neuron_config, plan["bucket"])
     size = {}
     if hasattr(qwen2_vl, "Qwen2VLNeuronConfig"):
         width, height = plan["image_size"]

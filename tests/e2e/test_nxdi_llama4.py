@@ -26,16 +26,14 @@ tests turned into parity tests. Without an NxDI interpreter these tests skip."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import nxdi_release
 from tests.e2e.support import corpus_token_ids
+from tests.e2e.test_nxdi_vision import run_probe
 
 pytestmark = [pytest.mark.nxdi]
 
@@ -58,7 +56,6 @@ NXD_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 PROBE = Path(__file__).with_name("nxdi_llama4_probe.py")
-ROOT = Path(__file__).resolve().parents[2]
 FIXED = (
     "NxDI fixed it: lift the Llama 4 refusal for NxDI {} "
     "(neuron_plugin/backends/nxd/models.py VISION_LANGUAGE) and add the patch/driver"
@@ -174,22 +171,7 @@ def probed(nxdi_python, model_dir, prompts, pixel_values, tmp_path_factory):
             for name, prompt in prompts.items()
         },
     }
-    (out / "plan.json").write_text(json.dumps(plan))
-    env = {
-        **os.environ,
-        "NXD_CPU_MODE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [nxdi_python, str(PROBE), str(out / "plan.json"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    return report, out, "{}.{}".format(*nxdi_release(nxdi_python))
+    return run_probe(nxdi_python, PROBE, plan, out)
 
 
 def _gap(probed, expected, case: str, reference: str) -> tuple[list, list, float]:

@@ -162,6 +162,12 @@ def probed(nxdi_python, model_dir, prompts, expected, pixel_values, tmp_path_fac
         "image_grid_thw": [list(GRID)],
         "cases": cases,
     }
+    return run_probe(nxdi_python, PROBE, plan, out)
+
+
+def run_probe(nxdi_python: str, probe: Path, plan: dict, out: Path) -> tuple[dict, Path, str]:
+    """Run a probe script on real NxDI (its CPU mode) with `plan`: (its report, its
+    output folder, the NxDI release)."""
     (out / "plan.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
@@ -169,7 +175,7 @@ def probed(nxdi_python, model_dir, prompts, expected, pixel_values, tmp_path_fac
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     done = subprocess.run(
-        [nxdi_python, str(PROBE), str(out / "plan.json"), str(out)],
+        [nxdi_python, str(probe), str(out / "plan.json"), str(out)],
         capture_output=True,
         text=True,
         timeout=1800,

@@ -99,43 +99,68 @@ class Endpoint:
     model: str  # the served model's name: its folder
 
 
+# The Qwen servers: up to 512 tokens, images of up to 1,024 patches (beyond the largest
+# vision bucket, 256), prefix caching on
+SERVED_BUCKETS = ([64, 128, 256, 512], [64, 256])
+SERVED_FLAGS = ("--max-num-seqs", "4", "--enable-prefix-caching", "--mm-processor-kwargs",
+                json.dumps({"max_pixels": 448 * 448}))
+
+
 @pytest.fixture(scope="module")
 def server(model, host_python, tmp_path_factory):
-    yield from serve(model, host_python, tmp_path_factory)
+    yield from serve(model, host_python, tmp_path_factory, *SERVED_BUCKETS, SERVED_FLAGS)
 
 
-def serve(model: Path, host_python: str, tmp_path_factory):
-    """A server of the vision model `model` on the reference backend (module-scoped)."""
+def serve(
+    model: Path,
+    host_python: str,
+    tmp_path_factory,
+    context_buckets: list[int],
+    vision_buckets: list[int],
+    flags: tuple[str, ...] = (),
+):
+    """A server of the vision model `model` on the reference backend (module-scoped):
+    two images a prompt, the given buckets, `flags` beside them."""
+    config = {"override_neuron_config": {"context_encoding_buckets": context_buckets,
+                                         "vision_buckets": vision_buckets}}
     served = Server(
         model,
         tmp_path_factory.mktemp("vision") / "server.log",
-        [
-            "--max-model-len",
-            "512",
-            "--max-num-seqs",
-            "4",
-            "--enable-prefix-caching",
-            "--limit-mm-per-prompt",
-            json.dumps({"image": 2}),
-            # images of up to 1,024 patches, beyond the largest vision bucket (256)
-            "--mm-processor-kwargs",
-            json.dumps({"max_pixels": 448 * 448}),
-            "--additional-config",
-            json.dumps(
-                {
-                    "override_neuron_config": {
-                        "context_encoding_buckets": [64, 128, 256, 512],
-                        "vision_buckets": [64, 256],
-                    }
-                }
-            ),
-        ],
+        ["--max-model-len", str(context_buckets[-1]), "--limit-mm-per-prompt",
+         json.dumps({"image": 2}), *flags, "--additional-config", json.dumps(config)],
         env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
         python=host_python,
     )
-    served.wait_healthy(timeout=420)
-    yield Endpoint(served.url, str(model))
-    served.stop()
+    try:
+        served.wait_healthy(timeout=420)
+        yield Endpoint(served.url, str(model))
+    finally:
+        served.stop()
+
+
+def validate_images(
+    model: Path, host_python: str, out: Path, context_buckets: list[int],
+    vision_buckets: list[int],
+) -> dict:
+    """`neuron-plugin validate --quick --cases images` on the vision model: the images
+    case's report entry, after checking that every vision bucket was timed."""
+    config = {"override_neuron_config": {"context_encoding_buckets": context_buckets,
+                                         "vision_buckets": vision_buckets}}
+    done = subprocess.run(
+        [str(Path(host_python).with_name("neuron-plugin")), "validate", str(model),
+         "--device", "neuron", "--dtype", "float32", "--max-model-len",
+         str(context_buckets[-1]), "--max-num-seqs", "4", "--quick", "--cases", "images",
+         "--out", str(out), "--limit-mm-per-prompt", json.dumps({"image": 2}),
+         "--additional-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
+             if row["phase"] == "vision_encoding"}
+    assert timed == {(bucket,) for bucket in vision_buckets}
+    return next(case for case in report["cases"] if case["name"] == "images")
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -325,26 +350,10 @@ def test_validate_judges_images_against_the_oracle_and_times_each_vision_bucket(
     """`neuron-plugin validate` on the vision model: its images case (an image filling
     each vision bucket, two in a prompt, a text-only row) passes against transformers,
     and the speed table has every vision bucket beside the text graphs."""
-    out = tmp_path / "validate"
-    config = {"override_neuron_config": {"context_encoding_buckets": [64, 128, 256, 512],
-                                         "vision_buckets": [64, 256]}}
-    done = subprocess.run(
-        [str(Path(host_python).with_name("neuron-plugin")), "validate", str(model),
-         "--device", "neuron", "--dtype", "float32", "--max-model-len", "512",
-         "--max-num-seqs", "4", "--quick", "--cases", "images", "--out", str(out),
-         "--limit-mm-per-prompt", json.dumps({"image": 2}),
-         "--additional-config", json.dumps(config)],
-        capture_output=True, text=True, timeout=900, check=False,
-        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    images = next(case for case in report["cases"] if case["name"] == "images")
+    images = validate_images(model, host_python, tmp_path / "validate",
+                             [64, 128, 256, 512], [64, 256])
     assert images["status"] == "pass", images
     assert images["evidence"]["image_sizes"] == [[112, 112], [224, 224], [112, 112], [224, 224]]
-    timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
-             if row["phase"] == "vision_encoding"}
-    assert timed == {(64,), (256,)}
 
 
 @pytest.fixture(scope="module")
@@ -354,7 +363,7 @@ def qwen3_vl(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3_server(qwen3_vl, host_python, tmp_path_factory):
-    yield from serve(qwen3_vl, host_python, tmp_path_factory)
+    yield from serve(qwen3_vl, host_python, tmp_path_factory, *SERVED_BUCKETS, SERVED_FLAGS)
 
 
 def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
-from tests.e2e.support import Server
 from tests.e2e.test_vision import (
-    Endpoint,
     _until_eos,
     answer,
     ask,
     chat,
     image_url,
+    serve,
     transformers_answers,
+    validate_images,
 )
 
 pytestmark = [pytest.mark.server, pytest.mark.deployment]
@@ -52,34 +52,10 @@ def expected(model, host_python) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def server(model, host_python, tmp_path_factory):
-    served = Server(
-        model,
-        tmp_path_factory.mktemp("llama4") / "server.log",
-        [
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--limit-mm-per-prompt",
-            json.dumps({"image": 2}),
-            "--additional-config",
-            json.dumps(
-                {
-                    "override_neuron_config": {
-                        "context_encoding_buckets": [256],
-                        # 1 and 4 tiles of 16 patches: below the processor's largest
-                        # image (2 x 2 tiles and the global one)
-                        "vision_buckets": [16, 64],
-                    }
-                }
-            ),
-        ],
-        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
-        python=host_python,
-    )
-    served.wait_healthy(timeout=420)
-    yield Endpoint(served.url, str(model))
-    served.stop()
+    # 1 and 4 tiles of 16 patches: below the processor's largest image (2 x 2 tiles and
+    # the global one)
+    yield from serve(model, host_python, tmp_path_factory, [256], [16, 64],
+                     ("--max-num-seqs", "4"))
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +113,7 @@ def test_validate_judges_llama4_images_in_whole_tiles(model, host_python, tmp_pa
     <|patch|>), its images fill buckets of whole tiles (one tile; 2 x 2 local tiles and
     the global one), and every answer equals transformers' on the same processor's
     pixels."""
-    out = tmp_path / "validate"
-    config = {"override_neuron_config": {"context_encoding_buckets": [64, 128, 256],
-                                         "vision_buckets": [16, 80]}}
-    done = subprocess.run(
-        [str(Path(host_python).with_name("neuron-plugin")), "validate", str(model),
-         "--device", "neuron", "--dtype", "float32", "--max-model-len", "256",
-         "--max-num-seqs", "4", "--quick", "--cases", "images", "--out", str(out),
-         "--limit-mm-per-prompt", json.dumps({"image": 2}),
-         "--additional-config", json.dumps(config)],
-        capture_output=True, text=True, timeout=900, check=False,
-        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    images = next(case for case in report["cases"] if case["name"] == "images")
+    images = validate_images(model, host_python, tmp_path / "validate", [64, 128, 256],
+                             [16, 80])
     assert images["status"] == "pass", images
     assert images["evidence"]["image_sizes"] == [[56, 56], [112, 112], [56, 56], [112, 112]]
-    timed = {tuple(row["shape"]) for row in report["speed"]["buckets"]
-             if row["phase"] == "vision_encoding"}
-    assert timed == {(16,), (80,)}

@@ -8,20 +8,16 @@ multimodal path's other behaviours once for every architecture."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
-from tests.e2e.support import Server
 from tests.e2e.test_vision import (
-    Endpoint,
     _until_eos,
     answer,
     ask,
     chat,
     image_url,
+    serve,
     transformers_answers,
 )
 
@@ -46,33 +42,9 @@ def expected(model, host_python) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def server(model, host_python, tmp_path_factory):
-    served = Server(
-        model,
-        tmp_path_factory.mktemp("pixtral") / "server.log",
-        [
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "2",
-            "--limit-mm-per-prompt",
-            json.dumps({"image": 2}),
-            "--additional-config",
-            json.dumps(
-                {
-                    "override_neuron_config": {
-                        "context_encoding_buckets": [256],
-                        # below the processor's largest image (8 x 8 patches)
-                        "vision_buckets": [32],
-                    }
-                }
-            ),
-        ],
-        env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
-        python=host_python,
-    )
-    served.wait_healthy(timeout=420)
-    yield Endpoint(served.url, str(model))
-    served.stop()
+    # below the processor's largest image (8 x 8 patches)
+    yield from serve(model, host_python, tmp_path_factory, [256], [32],
+                     ("--max-num-seqs", "2"))
 
 
 @pytest.fixture(scope="module")
