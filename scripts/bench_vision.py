@@ -6,9 +6,11 @@
   arrays, the image rows placed at their placeholders, M-RoPE positions) against the
   backend's;
 - the padding the default vision buckets waste on a mix of image sizes, each resized
-  as the Qwen2-VL processor resizes it (`smart_resize`) under a max_pixels setting.
+  as the model's processor resizes it: the Qwen2-VL family's `smart_resize` under a
+  max_pixels setting, or Llama 4's fit to a grid of at most 16 tiles of 336 pixels.
 
     python scripts/bench_vision.py --out bench-results/vision
+    python scripts/bench_vision.py --arch llama4 --out bench-results/vision-llama4
 
 The mix is not a trace (no public trace of image sizes ships with the project): one image
 of each size in IMAGE_SIZES, resolutions of the devices and sources images come from.
@@ -34,10 +36,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_report import run_meta, write_results  # noqa: E402
 
 from neuron_plugin.core.vision import (  # noqa: E402
+    LLAMA4_VISION,
     ImageInputs,
     VisionGeometry,
     VisionLimits,
     chunk_embeddings,
+    llama4_limits,
     mrope_positions,
     resolve_vision_buckets,
     vision_bucket,
@@ -57,6 +61,9 @@ IMAGE_SIZES = [
     (256, 256, "thumbnail"),
 ]
 PATCH, MERGE = 14, 2
+# Llama 4 Scout's and Maverick's preprocessor_config.json: tiles of 336 pixels, at most
+# 16 of them (max_patches) before the global tile.
+LLAMA4_TILE, LLAMA4_MAX_TILES = 336, 16
 
 
 def resized_patches(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
@@ -77,35 +84,65 @@ def resized_patches(width: int, height: int, min_pixels: int, max_pixels: int) -
     return (h // PATCH) * (w // PATCH)
 
 
-def padding_rows(min_pixels: int, max_pixels: int) -> tuple[list[dict[str, Any]], float]:
+def llama4_grid(width: int, height: int, tile: int, max_tiles: int) -> tuple[int, int, float]:
+    """The (rows, columns) of tiles Llama 4's processor fits an image to, and the share of
+    that canvas its resized image leaves as padding. transformers' Llama4ImageProcessor
+    (find_supported_resolutions, get_best_fit, get_max_res_without_distortion;
+    resize_to_max_canvas off): of the grids of at most max_tiles tiles, the one needing
+    the least upscaling, else the least downscaling, the smallest on a tie; the image is
+    then scaled into it without distortion and never upscaled past one tile a side."""
+    grids = [(r, c) for r in range(1, max_tiles + 1) for c in range(1, max_tiles // r + 1)]
+    scales = {g: min(g[0] * tile / height, g[1] * tile / width) for g in grids}
+    upscales = [s for s in scales.values() if s >= 1]
+    chosen = min(upscales) if upscales else max(scales.values())
+    rows, columns = min((g for g, s in scales.items() if s == chosen), key=lambda g: g[0] * g[1])
+    bound_h = min(max(height, tile), rows * tile)
+    bound_w = min(max(width, tile), columns * tile)
+    if bound_w / width < bound_h / height:
+        resized = bound_w * min(math.floor(height * bound_w / width), bound_h)
+    else:
+        resized = bound_h * min(math.floor(width * bound_h / height), bound_w)
+    return rows, columns, 1 - resized / (rows * columns * tile * tile)
+
+
+def padding_rows(arch: str, min_pixels: int, max_pixels: int) -> tuple[list[dict[str, Any]], float]:
     """Each image's patches and bucket under the default buckets, and the share of the
-    mix's computed patches that are padding."""
-    limits = VisionLimits(
-        min_patches=max(4, math.ceil(min_pixels / PATCH**2) // 4 * 4),
-        max_patches=max_pixels // PATCH**2 // 4 * 4,
-        step=MERGE * MERGE,
-    )
+    mix's computed patches that are padding (Llama 4: also the share of its tiles'
+    pixels that are the processor's own padding, `canvas`)."""
+    if arch == "llama4":
+        preprocessor = {"max_patches": LLAMA4_MAX_TILES}
+        limits = llama4_limits(preprocessor, {}, LLAMA4_TILE, PATCH)
+    else:
+        limits = VisionLimits(
+            min_patches=max(4, math.ceil(min_pixels / PATCH**2) // 4 * 4),
+            max_patches=max_pixels // PATCH**2 // 4 * 4,
+            step=MERGE * MERGE,
+        )
     buckets = resolve_vision_buckets({}, limits)
     rows: list[dict[str, Any]] = []
     for width, height, source in IMAGE_SIZES:
-        patches = resized_patches(width, height, min_pixels, max_pixels)
-        rows.append(
-            {
-                "image": f"{width}x{height}",
-                "source": source,
-                "patches": patches,
-                "bucket": vision_bucket(buckets, patches),
-            }
-        )
+        row: dict[str, Any] = {"image": f"{width}x{height}", "source": source}
+        if arch == "llama4":
+            grid_rows, columns, canvas = llama4_grid(width, height, LLAMA4_TILE, LLAMA4_MAX_TILES)
+            local = grid_rows * columns
+            patches = (local + (local > 1)) * limits.step
+            row.update(grid=f"{grid_rows}x{columns}", canvas=round(canvas, 4))
+        else:
+            patches = resized_patches(width, height, min_pixels, max_pixels)
+        rows.append({**row, "patches": patches, "bucket": vision_bucket(buckets, patches)})
     computed = sum(r["bucket"] for r in rows)
     return rows, 1 - sum(r["patches"] for r in rows) / computed
 
 
-def full_image(patches: int, patch_dim: int) -> ImageInputs:
-    """An image of exactly `patches` random patches (a 2 x patches/2 grid, which a 2 x 2
-    merge divides), filling its bucket."""
+def full_image(patches: int, patch_dim: int, tile_side: int | None) -> ImageInputs:
+    """An image of exactly `patches` random patches, filling its bucket: a 2 x patches/2
+    grid, which a 2 x 2 merge divides, or (Llama 4) whole tiles of tile_side patches a
+    side."""
     pixels = np.random.default_rng(0).standard_normal((patches, patch_dim), dtype=np.float32)
-    return ImageInputs(pixels, np.array([1, 2, patches // 2], dtype=np.int64))
+    if tile_side is None:
+        return ImageInputs(pixels, np.array([1, 2, patches // 2], dtype=np.int64))
+    tiles = patches // tile_side**2
+    return ImageInputs(pixels, np.array([tiles, tile_side, tile_side], dtype=np.int64))
 
 
 def median_ms(call: Any, repeats: int) -> float:
@@ -119,7 +156,8 @@ def median_ms(call: Any, repeats: int) -> float:
 
 def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     """Per vision bucket of the model's default grid: the image's encoder time, the
-    context encoding that takes its embeddings, and the host's share of that prefill."""
+    context encoding that takes its embeddings, and the host's share of that prefill
+    (with M-RoPE positions for the Qwen2-VL family; Llama 4's are the prompt's own)."""
     import dataclasses
     import json
 
@@ -129,8 +167,16 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
     from neuron_plugin.core.vision import PREPROCESSOR_FILE, processor_limits
 
+    config = read_hf_config(model)
+    vision_config = config.get("vision_config") or {}
     preprocessor = json.loads((model / PREPROCESSOR_FILE).read_text())
-    limits = processor_limits(preprocessor, {})
+    tile_side = None
+    if vision_config.get("model_type") == LLAMA4_VISION:
+        tile, patch = int(vision_config["image_size"]), int(vision_config["patch_size"])
+        limits = llama4_limits(preprocessor, {}, tile, patch)
+        tile_side = tile // patch
+    else:
+        limits = processor_limits(preprocessor, {})
     settings = resolve_settings(
         EngineLimits(
             max_model_len=1024,
@@ -144,21 +190,20 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
         ),
         {},
         backend="reference",
-        architecture=read_hf_config(model)["architectures"][0],
+        architecture=config["architectures"][0],
     )
     backend = ReferenceBackend(settings, model)
     with tempfile.TemporaryDirectory() as folder:
         backend.compile(Path(folder))
         backend.load(Path(folder))
-    config = read_hf_config(model)
     geometry = VisionGeometry.from_hf_config(config)
     if geometry is None:
         raise SystemExit(f"--model {model}: not a vision-language model (no vision_config)")
     width = geometry.embedding_width  # Qwen3-VL: with its DeepStack levels
-    image_token = int(config["image_token_id"])
+    image_token = int(config.get("image_token_id", config.get("image_token_index", -1)))
     rows = []
     for bucket in settings.vision_buckets:
-        image = full_image(bucket, geometry.patch_dim)
+        image = full_image(bucket, geometry.patch_dim, tile_side)
         encode_ms = median_ms(lambda image=image: backend.encode_image(image), repeats)
         embeddings = backend.encode_image(image)
         tokens = embeddings.shape[0]
@@ -166,15 +211,16 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
 
         def host(prompt=prompt, embeddings=embeddings, image=image):
             inputs = context_encoding_inputs(settings, prompt, 0, 0, None)
-            rope, _ = mrope_positions(prompt.size, [(8, image.grid_thw)], MERGE)
             vision, mask = chunk_embeddings(
                 0, prompt.size, inputs.input_ids.shape[1], width, [(8, embeddings)]
             )
+            inputs = dataclasses.replace(inputs, vision_embeddings=vision, vision_mask=mask)
+            if tile_side is not None:
+                return inputs
+            rope, _ = mrope_positions(prompt.size, [(8, image.grid_thw)], MERGE)
             rotary = np.zeros((3, 1, inputs.input_ids.shape[1]), dtype=np.int64)
             rotary[:, 0, : prompt.size] = rope
-            return dataclasses.replace(
-                inputs, vision_embeddings=vision, vision_mask=mask, rope_positions=rotary
-            )
+            return dataclasses.replace(inputs, rope_positions=rotary)
 
         host_ms = median_ms(host, repeats)
         inputs = host()
@@ -194,17 +240,23 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a Qwen2-VL checkpoint (default: the tiny one)")
-    parser.add_argument("--min-pixels", type=int, default=256 * 28 * 28)
-    parser.add_argument("--max-pixels", type=int, default=1280 * 28 * 28)
+    parser.add_argument(
+        "--arch",
+        choices=["qwen2_vl", "llama4"],
+        default="qwen2_vl",
+        help="the processor the image mix is resized by, and the tiny checkpoint timed",
+    )
+    parser.add_argument("--model", type=Path, help="a checkpoint of --arch (default: the tiny one)")
+    parser.add_argument("--min-pixels", type=int, default=256 * 28 * 28, help="Qwen2-VL only")
+    parser.add_argument("--max-pixels", type=int, default=1280 * 28 * 28, help="Qwen2-VL only")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vision")
     args = parser.parse_args(argv)
     from build_tiny_model import build
 
-    model = args.model or build("qwen2_vl", ROOT / "models" / "tiny-qwen2_vl")
+    model = args.model or build(args.arch, ROOT / "models" / f"tiny-{args.arch}")
     encoder = encoder_rows(model, args.repeats)
-    images, waste = padding_rows(args.min_pixels, args.max_pixels)
+    images, waste = padding_rows(args.arch, args.min_pixels, args.max_pixels)
     meta = run_meta("bench_vision.py", argv, model=str(model))
     table = [
         [
@@ -224,11 +276,14 @@ def main(argv: list[str] | None = None) -> None:
             str(r["patches"]),
             str(r["bucket"]),
             f"{100 * (1 - r['patches'] / r['bucket']):.1f}%",
-            "",
+            f"{r['grid']} tiles, canvas {100 * r['canvas']:.1f}% padding" if "grid" in r else "",
         ]
         for r in images
     ]
-    table.append(["mix", f"max_pixels {args.max_pixels}", "", "", f"{100 * waste:.1f}%", ""])
+    bound = f"max_pixels {args.max_pixels}"
+    if args.arch == "llama4":
+        bound = f"max_patches {LLAMA4_MAX_TILES}"
+    table.append(["mix", bound, "", "", f"{100 * waste:.1f}%", ""])
     write_results(
         args.out,
         meta,
@@ -239,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             "encode ms / patches",
             "prefill ms / bucket",
             "host ms / padding",
-            "host share",
+            "host share / tiles",
         ],
         table,
     )

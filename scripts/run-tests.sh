@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The test suite: set up vLLM's test environment (the CPU build), run ruff (lint and
-# format), mypy and the documentation site's strict build, then pytest. Meanwhile two more environments install in the
-# background, each with its own stamp (a rerun with nothing changed skips pip):
+# format), mypy and the documentation site's strict build, then pytest. Two more
+# environments install in the background from the start, beside the first (pip uses one
+# core, so the other would idle), each with its own stamp (a rerun with nothing changed
+# skips pip):
 #   .venv-sdk  the backend runner's (the Neuron SDK's pins: torch 2.9, transformers 4.57,
 #              no vLLM; scripts/setup-backend-env.sh),
 #   .venv-host a Neuron host's vLLM environment (the `vllm` wheel of the newest supported
 #              release from the package index, pip's machine-local settings off, as a host
 #              installs it; scripts/setup-host-env.sh), which tests/e2e/test_deployment_build.py
 #              serves from.
-# All three install with pip's --no-cache-dir: a wheel cache would keep a second copy of
-# the index's CUDA builds of torch (several GB each), and with it CI once ran out of disk.
-# Tests that need one wait for its set-up (tests/environments.py). Extra arguments go to
-# pytest, e.g.
+# All three install without pip's wheel cache, and without compiling every module's
+# bytecode up front (SETUP_LAZY_BYTECODE; scripts/stamp.sh says why). Tests that need one
+# wait for its set-up (tests/environments.py). Extra arguments go to pytest, e.g.
 # scripts/run-tests.sh -k bucketing
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$root/scripts/setup-env.sh" cpu,test
 venv="${VENV:-$root/.venv}"
 cd "$root"
+export SETUP_LAZY_BYTECODE=1
 
 logs="$root/.test-setup"
 mkdir -p "$logs"
@@ -33,6 +34,7 @@ in_background sdk "$root/scripts/setup-backend-env.sh"
 in_background host env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$root/scripts/setup-host-env.sh"
 # Never leave an install half done (a stamp-less venv would install again next time).
 trap 'wait' EXIT
+"$root/scripts/setup-env.sh" cpu,test
 export NEURON_TEST_SDK_PYTHON="${VENV_SDK:-$root/.venv-sdk}/bin/python"
 export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
 
@@ -46,4 +48,11 @@ NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$log
 # Two workers (NEURON_TEST_WORKERS), each file's tests on one (tests/xdist_schedule.py),
 # so e2e files' engine start-ups overlap: pytest took 30.5 min instead of 35.1 min from a
 # fresh clone on a 2-core machine (2026-11-27).
-"$venv/bin/python" -m pytest -n "${NEURON_TEST_WORKERS:-2}" "$@"
+workers="${NEURON_TEST_WORKERS:-2}"
+# torch's threads per process: the cores shared among the workers (at least one). With
+# torch's default, one per core, each worker's engines and oracle would contend with the
+# other worker's for every core: on 2 cores, five of the e2e and plugin files took
+# 159-163 s with one thread and 186-215 s without (2026-11-28).
+cores="$(nproc)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores > workers ? cores / workers : 1 ))}"
+"$venv/bin/python" -m pytest -n "$workers" "$@"

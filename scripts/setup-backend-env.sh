@@ -19,9 +19,8 @@ fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
-"${pip[@]}" "${pins[@]}"
-"${pip[@]}" -e "$root[backend]"
+pip_install "$venv" "${pins[@]}"
+pip_install "$venv" -e "$root[backend]"
 "$venv/bin/python" - <<'PY'
 import importlib.util, sys
 import torch, transformers

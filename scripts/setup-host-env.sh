@@ -25,6 +25,6 @@ fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 rm -f "$venv/.setup-stamp"  # an interrupted install must not look complete
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir -e "$root[neuron]" "${pin[@]}"
+pip_install "$venv" -e "$root[neuron]" "${pin[@]}"
 "$venv/bin/python" -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'ready in', '$venv')"
 mark_current "$venv" "$digest"

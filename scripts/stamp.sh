@@ -1,5 +1,20 @@
 # Sourced by the set-up scripts: a venv keeps a stamp, the digest of everything its
-# install depends on, so a rerun with nothing changed skips pip entirely.
+# install depends on, so a rerun with nothing changed skips pip entirely; and the one way
+# they run pip.
+
+# pip_install VENV ARG...: pip install ARG... into VENV, quietly. --no-cache-dir: a wheel
+# cache would keep a second copy of the index's CUDA builds of torch (several GB each),
+# and with it CI once ran out of disk. SETUP_LAZY_BYTECODE=1 (the test command sets it)
+# adds --no-compile: Python then compiles a module's bytecode on its first import instead
+# of pip compiling all of torch, transformers and vLLM up front (about 70,000 files over
+# the three environments, minutes of CPU on a 2-core machine); installs for a Neuron host
+# keep pip's default.
+pip_install() {
+  local venv="$1"; shift
+  local flags=(--quiet --disable-pip-version-check --no-cache-dir)
+  [ "${SETUP_LAZY_BYTECODE:-}" != 1 ] || flags+=(--no-compile)
+  "$venv/bin/python" -m pip install "${flags[@]}" "$@"
+}
 
 # inputs_digest WORD... -- FILE...: sha256 of the words and the files' contents.
 inputs_digest() {

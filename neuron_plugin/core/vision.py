@@ -162,11 +162,13 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 class VisionLimits:
     """What the model's processor makes of an image: between `min_patches` and
     `max_patches` patches, a multiple of `step` (spatial_merge_size**2; Llama 4: a
-    tile's patches) each."""
+    tile's patches) each. `global_tile` (Llama 4): an image of more than one tile gets
+    one more, so it never has exactly two."""
 
     min_patches: int
     max_patches: int
     step: int
+    global_tile: bool = False
 
 
 def processor_limits(
@@ -266,7 +268,9 @@ def llama4_limits(
         )
     per_tile = (image_size // patch_size) ** 2
     tiles = chunks + 1 if chunks > 1 else 1
-    return VisionLimits(min_patches=per_tile, max_patches=tiles * per_tile, step=per_tile)
+    return VisionLimits(
+        min_patches=per_tile, max_patches=tiles * per_tile, step=per_tile, global_tile=True
+    )
 
 
 def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
@@ -296,7 +300,10 @@ def resolve_vision_buckets(
 ) -> tuple[int, ...]:
     """The vision encoder's buckets: the user's `vision_buckets`, or powers of two
     times `step` from the smallest image's patches up to the largest's (appended), as
-    NxDI's default text grids grow; none for a text model."""
+    NxDI's default text grids grow; none for a text model. With a global tile (Llama 4)
+    the powers of two count local tiles, each bucket one more for the global tile: an
+    image of 2**k local tiles fills one exactly, and no graph is built for two tiles,
+    which no image has."""
     if limits is None:
         if VISION_BUCKETS_KEY in override:
             raise NeuronConfigError(
@@ -318,6 +325,8 @@ def resolve_vision_buckets(
                 f"round them up."
             )
         return buckets
+    if limits.global_tile:
+        return _tile_grid(limits.max_patches // limits.step, limits.step)
     grown: list[int] = []
     steps = -(-limits.min_patches // limits.step)
     size = limits.step << max(0, (steps - 1).bit_length())
@@ -325,6 +334,18 @@ def resolve_vision_buckets(
         grown.append(size)
         size *= 2
     return (*grown, limits.max_patches)
+
+
+def _tile_grid(most: int, per_tile: int) -> tuple[int, ...]:
+    """Buckets of 1 tile, 2**k local tiles and the global one below `most` tiles, and
+    `most`, in patches."""
+    tiles, local = [1], 2
+    while local + 1 < most:
+        tiles.append(local + 1)
+        local *= 2
+    if most > 1:
+        tiles.append(most)
+    return tuple(n * per_tile for n in tiles)
 
 
 def mrope_positions(

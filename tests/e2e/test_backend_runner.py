@@ -138,22 +138,6 @@ def test_killed_runner_fails_in_flight_requests_and_stops_the_server(model_dirs,
         server.stop()
 
 
-def test_killing_the_server_leaves_no_runner(model_dirs, sdk_python, tmp_path):
-    server = Server(model_dirs["llama"], tmp_path / "serve.log", _args(sdk_python))
-    try:
-        server.wait_healthy()
-        runner = _runner_pid(server)
-        assert alive(runner)
-        server.proc.kill()  # SIGKILL: no shutdown handler runs in the API server
-        server.proc.wait()
-        deadline = time.monotonic() + 30
-        while alive(runner) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive(runner), "the runner outlived the server"
-    finally:
-        server.stop()
-
-
 def test_interpreter_without_the_backend_stops_start_up(model_dirs, tmp_path):
     """A Python without the plugin's backend side: start-up fails (non-zero, no hang)
     with the interpreter, the missing package and the fix in the log."""
@@ -170,3 +154,16 @@ def test_interpreter_without_the_backend_stops_start_up(model_dirs, tmp_path):
         assert "pip install 'vllm-neuron-plugin[backend]'" in log
     finally:
         server.stop()
+
+
+def test_killing_the_server_leaves_no_runner(runner_server):
+    """Last in the file: it ends the module's server (a server of its own would cost
+    another start-up)."""
+    runner = _runner_pid(runner_server)
+    assert alive(runner)
+    runner_server.proc.kill()  # SIGKILL: no shutdown handler runs in the API server
+    runner_server.proc.wait()
+    deadline = time.monotonic() + 30
+    while alive(runner) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(runner), "the runner outlived the server"

@@ -94,7 +94,7 @@ def test_an_image_of_more_tiles_than_the_largest_bucket_gets_a_400(server, expec
 
 def test_explain_config_plans_whole_tiles(model, host_python):
     """From the checkpoint's preprocessor_config.json (max_patches 4): 1 to 5 tiles of 16
-    patches, powers of two in tiles and the largest."""
+    patches, one tile and 2**k local tiles with the global one."""
     done = subprocess.run(
         [str(Path(host_python).with_name("neuron-plugin")), "explain-config", str(model),
          "--max-model-len", "256", "--json"],
@@ -103,8 +103,8 @@ def test_explain_config_plans_whole_tiles(model, host_python):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["buckets"]["vision"] == [16, 32, 64, 80]
-    assert report["graphs"]["vision_encoding"] == 4
+    assert report["buckets"]["vision"] == [16, 48, 80]
+    assert report["graphs"]["vision_encoding"] == 3
 
 
 def test_validate_judges_llama4_images_in_whole_tiles(model, host_python, tmp_path):

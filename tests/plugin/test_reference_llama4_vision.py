@@ -173,8 +173,12 @@ def test_geometry_limits_and_buckets_are_whole_tiles(model):
     assert VisionGeometry.from_hf_config(config) == VisionGeometry(588, 2, 128)
     preprocessor = {"image_processor_type": "Llama4ImageProcessorFast", **PREPROCESSOR}
     # 1 tile, or 1 + rows x columns <= 4: at most 5 tiles of 16 patches
-    assert llama4_limits(preprocessor, {}, TILE, PATCH) == VisionLimits(16, 80, 16)
-    assert BUCKETS == (16, 32, 64, 80)
+    assert llama4_limits(preprocessor, {}, TILE, PATCH) == VisionLimits(16, 80, 16, True)
+    # one tile, then 2**k local tiles and the global one: no graph for two tiles, which
+    # no image has
+    assert BUCKETS == (16, 48, 80)
+    bigger = llama4_limits(preprocessor, {"max_patches": 9}, TILE, PATCH)
+    assert resolve_vision_buckets({}, bigger) == (16, 48, 80, 144, 160)
     assert llama4_limits(preprocessor, {"max_patches": 1}, TILE, PATCH).max_patches == 16
     assert llama4_limits(preprocessor, {"max_patches": 9}, TILE, PATCH).max_patches == 160
     with pytest.raises(NeuronConfigError, match=r"max_patches='4' .* whole number of tiles"):
@@ -182,7 +186,7 @@ def test_geometry_limits_and_buckets_are_whole_tiles(model):
     with pytest.raises(NeuronConfigError, match=r"differs from vision_config\.image_size=56"):
         llama4_limits(preprocessor, {"size": {"height": 112, "width": 112}}, TILE, PATCH)
     with pytest.raises(NeuronConfigError, match=r"multiples of 16 .*Llama 4: a tile's"):
-        resolve_vision_buckets({"vision_buckets": [16, 40]}, VisionLimits(16, 80, 16))
+        resolve_vision_buckets({"vision_buckets": [16, 40]}, VisionLimits(16, 80, 16, True))
     with pytest.raises(NeuronConfigError, match=r"pixel_shuffle_ratio=0\.25: .* 0\.5 only"):
         llama4_merge({"pixel_shuffle_ratio": 0.25})
 
