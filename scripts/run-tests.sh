@@ -10,15 +10,13 @@
 #              release from the package index, pip's machine-local settings off, as a host
 #              installs it; scripts/setup-host-env.sh), which tests/e2e/test_deployment_build.py
 #              serves from.
-# All three install without pip's wheel cache, and without compiling every module's
-# bytecode up front (SETUP_LAZY_BYTECODE; scripts/stamp.sh says why). Tests that need one
-# wait for its set-up (tests/environments.py). Extra arguments go to pytest, e.g.
+# All three install without pip's wheel cache (scripts/stamp.sh says why). Tests that
+# need one wait for its set-up (tests/environments.py). Extra arguments go to pytest, e.g.
 # scripts/run-tests.sh -k bucketing
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
 cd "$root"
-export SETUP_LAZY_BYTECODE=1
 
 logs="$root/.test-setup"
 mkdir -p "$logs"

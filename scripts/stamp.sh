@@ -4,16 +4,13 @@
 
 # pip_install VENV ARG...: pip install ARG... into VENV, quietly. --no-cache-dir: a wheel
 # cache would keep a second copy of the index's CUDA builds of torch (several GB each),
-# and with it CI once ran out of disk. SETUP_LAZY_BYTECODE=1 (the test command sets it)
-# adds --no-compile: Python then compiles a module's bytecode on its first import instead
-# of pip compiling all of torch, transformers and vLLM up front (about 70,000 files over
-# the three environments, minutes of CPU on a 2-core machine); installs for a Neuron host
-# keep pip's default.
+# and with it CI once ran out of disk. pip's up-front bytecode compilation stays on: with
+# PYTHONDONTWRITEBYTECODE set (as on the test machines) Python writes no bytecode of its
+# own, and a --no-compile install made every process compile each module it imports
+# (a test run took minutes longer).
 pip_install() {
   local venv="$1"; shift
-  local flags=(--quiet --disable-pip-version-check --no-cache-dir)
-  [ "${SETUP_LAZY_BYTECODE:-}" != 1 ] || flags+=(--no-compile)
-  "$venv/bin/python" -m pip install "${flags[@]}" "$@"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "$@"
 }
 
 # inputs_digest WORD... -- FILE...: sha256 of the words and the files' contents.
