@@ -50,7 +50,12 @@ def _calls(settings):
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["contiguous", "block"])
-def test_runner_logits_equal_in_process(model_dirs, cache_url, block):
+def test_runner_logits_equal_in_process(model_dirs, cache_url, block, monkeypatch):
+    """Bit for bit: the runner runs torch with this process's thread count (the sums of
+    a matmul split across threads round differently), whatever the tests before set."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     local = open_backend(settings_for(block), model_dirs["llama"], cache_url)
     remote = open_backend(settings_for(block, backend_python=sys.executable),
                           model_dirs["llama"], cache_url)
