@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_report import run_meta, write_results  # noqa: E402
 
 from neuron_plugin.core.vision import (  # noqa: E402
-    LLAMA4_VISION,
     ImageInputs,
     VisionGeometry,
     VisionLimits,
@@ -165,18 +164,12 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     from neuron_plugin.core.checkpoint import read_hf_config
     from neuron_plugin.core.inputs import context_encoding_inputs
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
-    from neuron_plugin.core.vision import PREPROCESSOR_FILE, processor_limits
+    from neuron_plugin.core.vision import PREPROCESSOR_FILE, image_limits
 
     config = read_hf_config(model)
-    vision_config = config.get("vision_config") or {}
     preprocessor = json.loads((model / PREPROCESSOR_FILE).read_text())
-    tile_side = None
-    if vision_config.get("model_type") == LLAMA4_VISION:
-        tile, patch = int(vision_config["image_size"]), int(vision_config["patch_size"])
-        limits = llama4_limits(preprocessor, {}, tile, patch)
-        tile_side = tile // patch
-    else:
-        limits = processor_limits(preprocessor, {})
+    limits = image_limits(preprocessor, {}, config.get("vision_config") or {})
+    tile_side = math.isqrt(limits.step) if limits.global_tile else None  # Llama 4's tiles
     settings = resolve_settings(
         EngineLimits(
             max_model_len=1024,
@@ -200,14 +193,17 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     if geometry is None:
         raise SystemExit(f"--model {model}: not a vision-language model (no vision_config)")
     width = geometry.embedding_width  # Qwen3-VL: with its DeepStack levels
-    image_token = int(config.get("image_token_id", config.get("image_token_index", -1)))
+    # the token an image's embeddings replace (the Qwen2-VL family's key; Llama 4's)
+    image_token = config.get("image_token_id", config.get("image_token_index"))
+    if image_token is None:
+        raise SystemExit(f"--model {model}: config.json names no image_token_id")
     rows = []
     for bucket in settings.vision_buckets:
         image = full_image(bucket, geometry.patch_dim, tile_side)
         encode_ms = median_ms(lambda image=image: backend.encode_image(image), repeats)
         embeddings = backend.encode_image(image)
         tokens = embeddings.shape[0]
-        prompt = np.array([5] * 8 + [image_token] * tokens + [6] * 8, dtype=np.int64)
+        prompt = np.array([5] * 8 + [int(image_token)] * tokens + [6] * 8, dtype=np.int64)
 
         def host(prompt=prompt, embeddings=embeddings, image=image):
             inputs = context_encoding_inputs(settings, prompt, 0, 0, None)

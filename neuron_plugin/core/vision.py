@@ -273,6 +273,25 @@ def llama4_limits(
     )
 
 
+def image_limits(
+    preprocessor: Mapping[str, Any],
+    mm_processor_kwargs: Mapping[str, Any],
+    vision: Mapping[str, Any],
+) -> VisionLimits:
+    """A vision-language model's image sizes, by its image processor
+    (preprocessor_config.json's image_processor_type): Pixtral's, Llama 4's or the
+    Qwen2-VL family's; `vision` is the checkpoint's vision_config."""
+    kind = str(preprocessor.get("image_processor_type", ""))
+    if kind.startswith("Pixtral"):
+        return pixtral_limits(preprocessor, mm_processor_kwargs, int(vision["image_size"]))
+    if kind.startswith("Llama4"):
+        llama4_merge(vision)
+        return llama4_limits(
+            preprocessor, mm_processor_kwargs, int(vision["image_size"]), int(vision["patch_size"])
+        )
+    return processor_limits(preprocessor, mm_processor_kwargs)
+
+
 def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
     """One image of Llama 4's processor ([tiles, channels, side, side] pixels) as its
     tiles' patches, tile after tile, each tile's row by row (`pixtral_patches`, the

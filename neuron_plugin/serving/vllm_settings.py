@@ -51,10 +51,7 @@ from neuron_plugin.core.vision import (
     PREPROCESSOR_FILE,
     VISION_ARCHITECTURES,
     VisionLimits,
-    llama4_limits,
-    llama4_merge,
-    pixtral_limits,
-    processor_limits,
+    image_limits,
 )
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
 from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV
@@ -144,14 +141,7 @@ def vision_limits(model: Any) -> VisionLimits | None:
 
     preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
     kwargs = model.multimodal_config.mm_processor_kwargs or {}
-    if preprocessor.get("image_processor_type", "").startswith("Pixtral"):
-        image_size = int(model.hf_config.vision_config.image_size)
-        return pixtral_limits(preprocessor, kwargs, image_size)
-    if preprocessor.get("image_processor_type", "").startswith("Llama4"):
-        vision = model.hf_config.vision_config
-        llama4_merge({"pixel_shuffle_ratio": vision.pixel_shuffle_ratio})
-        return llama4_limits(preprocessor, kwargs, int(vision.image_size), int(vision.patch_size))
-    return processor_limits(preprocessor, kwargs)
+    return image_limits(preprocessor, kwargs, model.hf_config.vision_config.to_dict())
 
 
 def kv_transfer_limits(config: Any) -> KVTransferLimits | None:
