@@ -208,8 +208,8 @@ def _prefix_hits(server: Server) -> float:
 
 def _serving_requests(server: Server, prompts: dict[str, list[int]],
                       adapters: dict[str, Path]) -> dict:
-    """Every request kind, in a fixed order (seeded and device-sampled draws depend on
-    the order)."""
+    """Every request kind, in a fixed order (device-sampled draws depend on the steps
+    run before them)."""
     from openai import BadRequestError
 
     prompt = prompts["prompt"]
@@ -222,6 +222,11 @@ def _serving_requests(server: Server, prompts: dict[str, list[int]],
         messages=[{"role": "user", "content": "What does the scheduler do?"}])
     out["chat"] = chat.choices[0].message.content
     out["logprobs"] = _completion(server, prompt, logprobs=5, extra_body=BY_ID)
+    # Before "stop": the device rows' draws are one engine-wide stream, and a stop string
+    # ends its request in the front end, which aborts it in the engine a number of
+    # steps later that depends on timing, each step drawing.
+    out["device_sampled"] = _completion(server, prompt, temperature=0.7,
+                                        extra_body={"top_k": 20})
     greedy_text = out["greedy"]["text"]
     out["stop_word"] = greedy_text[len(greedy_text) // 2:][:3]
     out["stop"] = _completion(server, prompt, stop=[out["stop_word"]])
@@ -243,8 +248,6 @@ def _serving_requests(server: Server, prompts: dict[str, list[int]],
     seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 42}
     out["seeded"] = _completion(server, prompt, **seeded)
     out["seeded_again"] = _completion(server, prompt, **seeded)
-    out["device_sampled"] = _completion(server, prompt, temperature=0.7,
-                                        extra_body={"top_k": 20})
     try:
         _completion(server, prompts["too_long"])
         out["too_long"] = None
