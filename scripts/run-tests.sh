@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: set up vLLM's test environment (the CPU build), run ruff (lint and
-# format), mypy and the documentation site's strict build, then pytest. Two more
-# environments install in the background from the start, beside the first (pip uses one
-# core, so the other would idle), each with its own stamp (a rerun with nothing changed
-# skips pip):
+# format) and the documentation site's strict build, then pytest with mypy beside it.
+# Two more environments install in the background from the start, beside the first (pip
+# uses one core, so the other would idle), each with its own stamp (a rerun with nothing
+# changed skips pip):
 #   .venv-sdk  the backend runner's (the Neuron SDK's pins: torch 2.9, transformers 4.57,
 #              no vLLM; scripts/setup-backend-env.sh),
 #   .venv-host a Neuron host's vLLM environment (the `vllm` wheel of the newest supported
@@ -40,9 +40,12 @@ export NEURON_TEST_HOST_PYTHON="${VENV_HOST:-$root/.venv-host}/bin/python"
 # their scope and rules are in pyproject.toml ([tool.ruff], [tool.mypy]).
 "$venv/bin/ruff" check
 "$venv/bin/ruff" format --check
-"$venv/bin/mypy"
 # The documentation site: a broken link or anchor fails the build (mkdocs.yml, strict).
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$logs/site"
+# mypy runs beside pytest (from a fresh clone it takes 73 s of one core, and pytest
+# starts that much sooner); its verdict comes after pytest's.
+"$venv/bin/mypy" > "$logs/mypy.log" 2>&1 &
+mypy_pid=$!
 # Two workers (NEURON_TEST_WORKERS), each file's tests on one (tests/xdist_schedule.py),
 # so e2e files' engine start-ups overlap: pytest took 30.5 min instead of 35.1 min from a
 # fresh clone on a 2-core machine (2026-11-27).
@@ -53,4 +56,13 @@ workers="${NEURON_TEST_WORKERS:-2}"
 # 159-163 s with one thread and 186-215 s without (2026-11-28).
 cores="$(nproc)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores > workers ? cores / workers : 1 ))}"
-"$venv/bin/python" -m pytest -n "$workers" "$@"
+tests=0
+"$venv/bin/python" -m pytest -n "$workers" "$@" || tests=$?
+types=0
+wait "$mypy_pid" || types=$?
+echo "mypy:"
+cat "$logs/mypy.log"
+if (( tests != 0 || types != 0 )); then
+  echo "failed: pytest exit status $tests, mypy exit status $types" >&2
+  exit $(( tests != 0 ? tests : types ))
+fi

@@ -66,8 +66,9 @@ def make_llm(model_dir: Path, **kwargs):
     """vLLM's `LLM` with its engine core in this process (vLLM's InprocClient,
     VLLM_ENABLE_V1_MULTIPROCESSING=0): a spawned engine core imports vLLM and torch
     afresh, ~13 of the ~25 s an engine takes to start here, and the suite starts dozens.
-    The engine process users get is still tested: every `vllm serve` test runs one, and
-    so does tests/e2e/test_offline_script.py."""
+    The engine processes users get are still tested: the deployment-build and
+    backend-runner servers spawn theirs as `vllm serve` does (Server), and
+    tests/e2e/test_offline_script.py forks one as an unguarded script does."""
     from vllm import LLM, envs
 
     defaults = dict(model=str(model_dir), dtype="float32", max_model_len=256,
@@ -171,13 +172,25 @@ class Server(LoopbackProcess):
     name = "vllm serve"
 
     def __init__(self, model: Path, log_path: Path, args: list[str],
-                 env: dict[str, str] | None = None, python: str | None = None):
+                 env: dict[str, str] | None = None, python: str | None = None,
+                 engine_start: str | None = "fork"):
         """`python`: the interpreter of the vLLM environment to serve from (default:
-        this one's)."""
+        this one's). `engine_start`: how the API server starts its engine core, fork by
+        default: the API server has run no torch computation by then, and a forked
+        engine core skips importing vLLM and torch afresh (a tiny model's server was
+        healthy after 16-18 s forked, 31-47 s spawned, here on 2026-11-28). None leaves
+        it to the plugin, which spawns under `vllm serve` as users' servers do: the
+        deployment-build and backend-runner tests serve that way."""
         import sys
+
+        from neuron_plugin import MULTIPROC_ENV
 
         port = free_port()
         vllm = Path(python or sys.executable).with_name("vllm")
+        env = {k: v for k, v in (os.environ if env is None else env).items()
+               if k != MULTIPROC_ENV}
+        if engine_start is not None:
+            env[MULTIPROC_ENV] = engine_start
         super().__init__([str(vllm), "serve", str(model),
                           "--device", "neuron", "--host", "127.0.0.1", "--port", str(port),
                           "--dtype", "float32", *args], port, log_path, env)

@@ -35,7 +35,7 @@ def _runner_pid(server: Server) -> int:
 @pytest.fixture(scope="module")
 def runner_server(model_dirs, sdk_python, tmp_path_factory):
     server = Server(model_dirs["llama"], tmp_path_factory.mktemp("runner") / "serve.log",
-                    _args(sdk_python))
+                    _args(sdk_python), engine_start=None)
     try:
         server.wait_healthy()
         yield server
@@ -91,7 +91,8 @@ def test_killed_runner_fails_in_flight_requests_and_stops_the_server(model_dirs,
 
     import requests
 
-    server = Server(model_dirs["llama"], tmp_path / "serve.log", _args(sdk_python))
+    server = Server(model_dirs["llama"], tmp_path / "serve.log", _args(sdk_python),
+                    engine_start=None)
     try:
         server.wait_healthy()
         runner = _runner_pid(server)

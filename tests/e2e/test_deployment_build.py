@@ -90,7 +90,7 @@ def served(request, model_dirs, prompts, sdk_python, host_python, lora_adapters,
             "--additional-config", json.dumps(extra), *CONFIGS[name]]
     logs = tmp_path_factory.mktemp(f"deployment-{name}")
     servers = {build: Server(model_dirs["llama"], logs / f"{build}.log", args, env=env,
-                             python=python)
+                             python=python, engine_start=None)
                for build, python in (("test", None), ("host", host_python))}
     try:
         for server in servers.values():
