@@ -421,7 +421,14 @@ class _NativeMetrics:
 @functools.cache
 def _native_metrics() -> _NativeMetrics:
     """One set per process: two objects for one series would overwrite each other's
-    value in the shared file."""
+    value in the shared file. prometheus_client picks its value class once, at import:
+    an engine forked (VLLM_WORKER_MULTIPROC_METHOD=fork) from a `vllm serve` that had
+    imported it before vLLM set PROMETHEUS_MULTIPROC_DIR inherits the single-process
+    one, whose values would stay in this process's memory, unseen by every /metrics."""
+    from prometheus_client import values
+
+    if values.ValueClass is values.MutexValue:
+        values.ValueClass = values.get_value_class()
     return _NativeMetrics()
 
 

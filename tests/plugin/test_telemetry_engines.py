@@ -1,8 +1,8 @@
 """Telemetry of several engines behind one API server: each engine process publishes a
 snapshot, the collector labels every series with model_name and engine, and a finished
-engine's snapshot leaves /metrics. (Several API servers, where the engines write
-prometheus_client's multiprocess files instead, run end to end in
-tests/e2e/test_data_parallel.py.)"""
+engine's snapshot leaves /metrics; and an engine forked after prometheus_client was
+imported still writes its multiprocess files. (Several API servers, where the engines
+write those files, run end to end in tests/e2e/test_data_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -32,6 +32,31 @@ telemetry.publish()
 print("ready", flush=True)
 sys.stdin.read()
 telemetry.close()
+"""
+
+
+# `vllm serve` under data parallelism with VLLM_WORKER_MULTIPROC_METHOD=fork: the API
+# server imported prometheus_client before vLLM set PROMETHEUS_MULTIPROC_DIR, then forks
+# an engine, whose calls must reach the directory every API server's /metrics reads.
+FORKED_ENGINE = """
+import os, sys
+import numpy as np
+import prometheus_client
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
+from neuron_plugin.serving.telemetry import StepTelemetry
+
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+pid = os.fork()
+if pid == 0:
+    telemetry = StepTelemetry(model_name="tiny", engine=1)
+    telemetry.on_backend_call(ForwardInputs(
+        phase=CONTEXT_ENCODING, bucket=(32,), input_ids=np.zeros((1, 32), dtype=np.int64),
+        position_ids=np.zeros((1, 32), dtype=np.int64), seq_ids=np.zeros(1, dtype=np.int64),
+        slot_mapping=None, block_table=None, full_context_lens=np.array([10]),
+        computed_context_lens=np.array([0]), num_real=1), forward_s=0.003, host_s=0.0002)
+    telemetry.close()
+    os._exit(0)
+os.waitpid(pid, 0)
 """
 
 
@@ -85,3 +110,15 @@ def test_snapshots_of_two_engine_processes_are_labelled_per_engine(tmp_path):
         if engine_1.poll() is None:
             engine_1.kill()
             engine_1.wait()
+
+
+def test_an_engine_forked_after_prometheus_was_imported_writes_the_shared_files(tmp_path):
+    from prometheus_client import multiprocess
+
+    done = subprocess.run([sys.executable, "-c", FORKED_ENGINE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    values = _samples(lambda registry: multiprocess.MultiProcessCollector(
+        registry, path=str(tmp_path)))
+    assert values[("neuron:bucket_calls_total", "1")] == 1
+    assert values[("neuron:real_tokens_total", "1")] == 10
