@@ -13,21 +13,27 @@ import numpy as np
 
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
 
-# Engine 1 in its own process (an engine's snapshot is named by its pid): two calls of
-# 10 tokens in the 32 bucket, then it runs until its stdin closes.
-ENGINE_1 = """
-import sys
+# The engine scripts' start: one call of 10 tokens in the 32 bucket.
+CALL = """
 import numpy as np
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
 from neuron_plugin.serving.telemetry import StepTelemetry
 
-telemetry = StepTelemetry(sys.argv[1], model_name="tiny", engine=1)
-for _ in range(2):
+def call(telemetry):
     telemetry.on_backend_call(ForwardInputs(
         phase=CONTEXT_ENCODING, bucket=(32,), input_ids=np.zeros((1, 32), dtype=np.int64),
         position_ids=np.zeros((1, 32), dtype=np.int64), seq_ids=np.zeros(1, dtype=np.int64),
         slot_mapping=None, block_table=None, full_context_lens=np.array([10]),
         computed_context_lens=np.array([0]), num_real=1), forward_s=0.003, host_s=0.0002)
+"""
+# Engine 1 in its own process (an engine's snapshot is named by its pid): two calls,
+# then it runs until its stdin closes.
+ENGINE_1 = CALL + """
+import sys
+
+telemetry = StepTelemetry(sys.argv[1], model_name="tiny", engine=1)
+for _ in range(2):
+    call(telemetry)
 telemetry.publish()
 print("ready", flush=True)
 sys.stdin.read()
@@ -38,22 +44,15 @@ telemetry.close()
 # `vllm serve` under data parallelism with VLLM_WORKER_MULTIPROC_METHOD=fork: the API
 # server imported prometheus_client before vLLM set PROMETHEUS_MULTIPROC_DIR, then forks
 # an engine, whose calls must reach the directory every API server's /metrics reads.
-FORKED_ENGINE = """
+FORKED_ENGINE = CALL + """
 import os, sys
-import numpy as np
 import prometheus_client
-from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
-from neuron_plugin.serving.telemetry import StepTelemetry
 
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
 pid = os.fork()
 if pid == 0:
     telemetry = StepTelemetry(model_name="tiny", engine=1)
-    telemetry.on_backend_call(ForwardInputs(
-        phase=CONTEXT_ENCODING, bucket=(32,), input_ids=np.zeros((1, 32), dtype=np.int64),
-        position_ids=np.zeros((1, 32), dtype=np.int64), seq_ids=np.zeros(1, dtype=np.int64),
-        slot_mapping=None, block_table=None, full_context_lens=np.array([10]),
-        computed_context_lens=np.array([0]), num_real=1), forward_s=0.003, host_s=0.0002)
+    call(telemetry)
     telemetry.close()
     os._exit(0)
 os.waitpid(pid, 0)
