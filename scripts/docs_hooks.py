@@ -3,6 +3,8 @@ the site cannot drift from it. A page holds a marker; the hook replaces it:
 
 - `<!-- reference: override_neuron_config -->`: every accepted key, its value, the NxDI
   releases that read it and what the plugin does with it (core.override_reference);
+- `<!-- reference: architecture table -->`: every architecture, the class serving it on
+  each backend and NxDI release, and each refusal's reason (neuron_plugin.models);
 - `<!-- reference: validate report schema -->`: the JSON schema of `neuron-plugin
   validate`'s report (validation.report);
 - `<!-- include: README.md -->`: the README, the site's front page, its links made
@@ -24,6 +26,12 @@ def _override_reference() -> str:
     return markdown_table()
 
 
+def _architecture_table() -> str:
+    from neuron_plugin.models.render import markdown
+
+    return markdown()
+
+
 def _validate_schema() -> str:
     from neuron_plugin.validation.report import ValidationReport
 
@@ -39,6 +47,7 @@ def _readme() -> str:
 MARKERS = {
     "<!-- reference: override_neuron_config -->": _override_reference,
     "<!-- reference: validate report schema -->": _validate_schema,
+    "<!-- reference: architecture table -->": _architecture_table,
     "<!-- include: README.md -->": _readme,
 }
 

@@ -30,6 +30,7 @@ import numpy as np
 from bucketing.errors import BucketError
 from bucketing.grids import validate_grid
 from neuron_plugin.core.errors import NeuronConfigError
+from neuron_plugin.models.table import vision_architectures
 
 VISION_ENCODING = "vision_encoding"
 
@@ -141,19 +142,12 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
     )
 
 
-# The vision-language architectures whose vision towers the plugin runs (the Qwen2-VL
-# family and Qwen3-VL: patches merged spatial_merge_size**2 to one embedding, M-RoPE
-# positions; Llava: Pixtral's tower, one embedding per patch, 1-D positions; Llama 4:
-# tiles of patches, pixel-shuffled 2 x 2 to one embedding).
-VISION_ARCHITECTURES = frozenset(
-    {
-        "Qwen2VLForConditionalGeneration",
-        "Qwen2_5_VLForConditionalGeneration",
-        "Qwen3VLForConditionalGeneration",
-        "LlavaForConditionalGeneration",
-        "Llama4ForConditionalGeneration",
-    }
-)
+# The vision-language architectures whose vision towers the plugin runs (the table's
+# vision rows the reference backend serves: the Qwen2-VL family and Qwen3-VL, patches
+# merged spatial_merge_size**2 to one embedding, M-RoPE positions; Llava: Pixtral's
+# tower, one embedding per patch, 1-D positions; Llama 4: tiles of patches,
+# pixel-shuffled 2 x 2 to one embedding).
+VISION_ARCHITECTURES = vision_architectures()
 VISION_BUCKETS_KEY = "vision_buckets"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 

@@ -1,7 +1,7 @@
 """`neuron-plugin VERB ...`: one subcommand per verb, each verb's logic in its own module
 (`explain-config` in explain.py, `doctor` in doctor.py, `precompile` and
 `measure-buckets` in precompile.py, `quantize` in quantize.py, `validate` in
-validate.py). A verb module provides
+validate.py, `models` in models.py). A verb module provides
 `add_parser(subparsers)`, which registers its arguments and `run(args) -> exit code`.
 A verb whose defaults include `argv` receives every argument after its name unparsed
 (explain-config hands them to vLLM's own parser)."""
@@ -12,9 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from neuron_plugin.tools import doctor, explain, precompile, quantize, validate
+from neuron_plugin.tools import doctor, explain, models, precompile, quantize, validate
 
-VERB_MODULES = (explain, doctor, precompile, quantize, validate)
+VERB_MODULES = (explain, doctor, models, precompile, quantize, validate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -101,12 +101,15 @@ def choose_instance(requested: str | None) -> tuple[InstanceType, str]:
     return INSTANCE_TYPES[DEFAULT_INSTANCE], "assumed (not an EC2 Neuron host)"
 
 
-def nxdi_model(settings: NeuronSettings) -> str | None:
+def nxdi_model(settings: NeuronSettings, release: nxdi_releases.NxDIRelease) -> str | None:
+    """The class the nxd backend would build with `release` (the architecture table's,
+    or an entry point's)."""
     if settings.backend != "nxd":
         return None
-    from neuron_plugin.backends.nxd.models import describe_architecture, model_entry_points
+    from neuron_plugin.backends.nxd.models import describe_architecture
+    from neuron_plugin.models.third_party import entry_points
 
-    return describe_architecture(settings.architecture, model_entry_points())
+    return describe_architecture(settings.architecture, entry_points(), release)
 
 
 def engine_cores(
@@ -249,15 +252,15 @@ def build_report(
     cte = [list(shape) for shape in settings.context_encoding_shapes()]
     tkg = [list(shape) for shape in settings.token_generation_shapes()]
     tkg_logits = [list(shape) for shape in settings.token_generation_logits_shapes()]
+    family = nxdi_releases.for_family(instance.chip.target)
     try:
-        model_class, problems = nxdi_model(settings), []
+        model_class, problems = nxdi_model(settings, family), []
     except NeuronConfigError as exc:
         model_class, problems = None, [str(exc)]
     support, release = None, None
     if settings.backend == "nxd":
         from neuron_plugin.backends.nxd import compat
 
-        family = nxdi_releases.for_family(instance.chip.target)
         support, refused = compat.explain(settings, hf_config, os.environ, family)
         problems += refused
         release = f"{family.describe()}, the release {instance.name} runs"

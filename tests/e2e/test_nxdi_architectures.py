@@ -50,7 +50,7 @@ REFUSED = {
     ("qwen3_moe", "contiguous"): ["layers [1] have a dense MLP"],
     ("qwen3_moe", "block"): ["layers [1] have a dense MLP"],
 }
-# NxDI 0.8 lists neither in MODEL_TYPES (backends/nxd/models.py LISTED_FROM).
+# NxDI 0.8 lists neither in MODEL_TYPES (neuron_plugin/models/table.py).
 NOT_LISTED_0_8 = {"mistral": "mistral", "mistral_wide": "mistral", "gemma3": "gemma3",
                   "gemma3_nxdi": "gemma3"}
 PROBE = Path(__file__).with_name("nxdi_architecture_probe.py")

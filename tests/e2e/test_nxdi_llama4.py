@@ -19,7 +19,7 @@ finding on each NxDI release listed (NEURON_TEST_NXDI_PYTHONS, see tests/e2e/con
 - the shipped to_cpu cannot load the checkpoint at TP 1 (CPU mode only).
 
 A failure of a "differs" or "raises" test means NxDI fixed it: lift the refusal
-(neuron_plugin/backends/nxd/models.py VISION_LANGUAGE) for that release and add what the
+(neuron_plugin/models/table.py, its Refused rows) for that release and add what the
 plugin then needs (patches for what is still wrong, an image-to-text driver), with these
 tests turned into parity tests. Without an NxDI interpreter these tests skip."""
 
@@ -58,7 +58,7 @@ NXD_ROPE = {
 PROBE = Path(__file__).with_name("nxdi_llama4_probe.py")
 FIXED = (
     "NxDI fixed it: lift the Llama 4 refusal for NxDI {} "
-    "(neuron_plugin/backends/nxd/models.py VISION_LANGUAGE) and add the patch/driver"
+    "(neuron_plugin/models/table.py, its Refused rows) and add the patch/driver"
 )
 
 

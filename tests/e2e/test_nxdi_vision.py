@@ -19,7 +19,7 @@ The image is 640x320 after resizing: NxDI 0.8's fixed size (its vision buckets a
 images per call at one image size), given to 0.9 as default_image_width/height.
 
 A failure of a "differs" or "raises" test means NxDI fixed it: lift the refusal
-(neuron_plugin/backends/nxd/models.py refuse_vision_language) for that release, and add
+(neuron_plugin/models/table.py, its Refused rows) for that release, and add
 what the plugin then needs to drive the model (the patch for what is still wrong, the
 vision-encoder driver), with these tests turned into parity tests.
 NxD Inference is not on the package index: without an interpreter these tests skip."""
@@ -55,7 +55,7 @@ PROBE = Path(__file__).with_name("nxdi_vision_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = (
     "NxDI fixed it: lift the Qwen2-VL refusal for NxDI {} "
-    "(neuron_plugin/backends/nxd/models.py refuse_vision_language) and add the patch/driver"
+    "(neuron_plugin/models/table.py, its Refused rows) and add the patch/driver"
 )
 
 

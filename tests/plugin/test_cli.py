@@ -260,8 +260,10 @@ def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch
                                 INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
     assert inf2["nxdi_release"].startswith("NxDI 0.8 (Neuron SDK 2.28, cd3abf3)")
     assert inf2["nxdi_support"]["contiguous"].startswith("refused: not in NxDI 0.8's")
-    assert inf2["warnings"][0].startswith("Gemma3ForCausalLM on NxDI 0.8 (Neuron SDK 2.28, "
-                                          "cd3abf3): not in NxDI 0.8's MODEL_TYPES")
+    assert inf2["nxdi_model"] is None
+    assert inf2["warnings"][0].startswith(
+        "architecture 'Gemma3ForCausalLM' is not served by the nxd backend on NxDI 0.8 "
+        "(Neuron SDK 2.28, cd3abf3): not in NxDI 0.8's MODEL_TYPES")
     assert "NxDI release     NxDI 0.8" in explain.render(inf2)
     reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
                                  architecture="Gemma3ForCausalLM")

@@ -24,11 +24,12 @@ from neuron_plugin.backends.nxd.arguments import model_arguments, padding_argume
 from neuron_plugin.backends.nxd.backend import DISTRIBUTIONS, NxDBackend
 from neuron_plugin.backends.nxd.graphs import LOGITS_TAG
 from neuron_plugin.backends.nxd.models import (
-    ENTRY_POINT_GROUP,
     describe_architecture,
-    model_entry_points,
+    release_for,
     resolve_model_class,
 )
+from neuron_plugin.core.nxdi_releases import NXDI_0_8, NXDI_0_9
+from neuron_plugin.models.third_party import ENTRY_POINT_GROUP, entry_points
 from neuron_plugin.backends.nxd.neuron_config import (
     batch_bucketing,
     neuron_config_kwargs,
@@ -155,17 +156,24 @@ def test_mapped_architectures_resolve_without_warnings(release, caplog):
     with caplog.at_level("WARNING", logger="vllm.neuron_plugin"):
         resolve_model_class("DbrxForCausalLM", stand_in, [])
     assert caplog.text == ""
-    assert describe_architecture("DbrxForCausalLM", []) == "NxDI MODEL_TYPES['dbrx']['causal-lm']"
+    assert describe_architecture("DbrxForCausalLM", [], NXDI_0_9) == \
+        "NxDI MODEL_TYPES['dbrx']['causal-lm']"
 
 
 def test_builtin_architecture_missing_from_installed_nxdi(release):
-    from neuronx_distributed_inference.utils.constants import MODEL_TYPES
-
-    with pytest.raises(NeuronConfigError, match="NxD Inference 0.7.0 has no 'mistral'") as info:
-        resolve_model_class("MistralForCausalLM", MODEL_TYPES, [], "0.7.0")
-    assert "lists it from 0.9.0 (ef2731e" in str(info.value)
-    assert "not on inf2/trn1" in str(info.value)
+    """The table's MODEL_TYPES key absent from the installed release's MODEL_TYPES."""
+    with pytest.raises(NeuronConfigError, match="NxD Inference 0.9.3 has no 'qwen3'") as info:
+        resolve_model_class("Qwen3ForCausalLM", {"llama": {}}, [], "0.9.3")
     assert "VLLM_NEURON_BACKEND=reference" in str(info.value)
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ("0.8.16251", "0.8"), ("0.9.0+ef2731e", "0.9"), ("0.10.18399", "0.9"), ("0.7.0", "0.8"),
+    (None, "0.8"), ("not-a-version", "0.8")])
+def test_the_table_row_of_an_installed_release(version, expected):
+    """An unchecked release takes the row of the newest checked release below it (the
+    oldest for an older or unknown one)."""
+    assert release_for(version).release == expected
 
 
 def test_unsupported_architecture_names_the_entry_point_group(release):
@@ -194,7 +202,7 @@ def test_vision_language_architectures_are_refused_by_name(release, architecture
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 
     for call in (lambda: resolve_model_class(architecture, MODEL_TYPES, []),
-                 lambda: describe_architecture(architecture, [])):
+                 lambda: describe_architecture(architecture, [], NXDI_0_9)):
         with pytest.raises(NeuronConfigError) as info:
             call()
         message = str(info.value)
@@ -211,13 +219,13 @@ def test_entry_point_registered_contrib_model(release, monkeypatch, tmp_path):
                               "LlamaForCausalLM = "
                               "fake_contrib.modeling_tiny:NeuronTinyContribForCausalLM")
     monkeypatch.syspath_prepend(str(tmp_path))
-    found = model_entry_points()
+    found = entry_points()
     assert {ep.name for ep in found} == {"TinyContribForCausalLM", "LlamaForCausalLM"}
     contrib = resolve_model_class("TinyContribForCausalLM", MODEL_TYPES, found)
     assert contrib.__name__ == "NeuronTinyContribForCausalLM"
     # a registered class wins over the built-in table
     assert resolve_model_class("LlamaForCausalLM", MODEL_TYPES, found) is contrib
-    assert "entry point" in describe_architecture("TinyContribForCausalLM", found)
+    assert "entry point" in describe_architecture("TinyContribForCausalLM", found, NXDI_0_8)
 
 
 def test_entry_point_that_is_not_an_nxdi_class(release):
@@ -230,10 +238,10 @@ def test_entry_point_that_is_not_an_nxdi_class(release):
 
 def test_describe_architecture_needs_no_nxdi():
     assert "neuronx_distributed_inference" not in sys.modules
-    assert describe_architecture("Qwen3ForCausalLM", []) == \
+    assert describe_architecture("Qwen3ForCausalLM", [], NXDI_0_8) == \
         "NxDI MODEL_TYPES['qwen3']['causal-lm']"
     with pytest.raises(NeuronConfigError, match="has no NxD Inference model"):
-        describe_architecture("BertModel", [])
+        describe_architecture("BertModel", [], NXDI_0_8)
 
 
 def test_missing_nxdi_is_a_clear_error(monkeypatch):

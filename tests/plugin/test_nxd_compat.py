@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from neuron_plugin.backends.nxd import compat
+from neuron_plugin.backends.nxd import compat, support
+from neuron_plugin.backends.nxd.families import gemma3
 from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 
@@ -22,7 +23,7 @@ LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
 MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
           "Gemma3ForCausalLM"]
-APPLIED = dict.fromkeys([*compat.GEMMA3_PATCHES, "prefix-prefill-mask"], "applied")
+APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
 def problems(config: dict, block: bool = False, max_model_len: int = 256,
@@ -42,18 +43,15 @@ def config_of(tiny_model, arch: str, **changes) -> dict:
 
 @pytest.mark.parametrize("release", nxdi_releases.CHECKED, ids=lambda r: r.release)
 def test_every_mapped_architecture_states_every_feature_per_checked_release(release):
-    from neuron_plugin.backends.nxd.models import ARCHITECTURES
-
-    assert set(compat.SUPPORT) == {r.release for r in nxdi_releases.CHECKED}
-    assert set(compat.SUPPORT[release.release]) == set(ARCHITECTURES) == set(MAPPED)
     for name in MAPPED:
         table = compat.support(name, release)
-        assert list(table) == list(compat.FEATURES)
-        assert all(v.split(":")[0] in (compat.EQUAL, compat.REFUSED, compat.UNTESTED)
+        assert list(table) == list(support.FEATURES)
+        assert all(v.split(":")[0] in (support.EQUAL, support.REFUSED, support.UNTESTED)
                    for v in table.values()), name
+        assert set(compat.family_of(name).support) == {r.release for r in nxdi_releases.CHECKED}
     assert compat.support("GptOssForCausalLM", release)["block"].startswith("refused: ")
     assert compat.support("LlamaForCausalLM", release)["speculation"].startswith("untested: ")
-    assert compat.support("DbrxForCausalLM", release)["prefix_hit"] == compat.EQUAL
+    assert compat.support("DbrxForCausalLM", release)["prefix_hit"] == support.EQUAL
     assert compat.support("SomeContribForCausalLM", release)["contiguous"].startswith("untested")
 
 
@@ -64,7 +62,7 @@ def test_what_differs_between_checked_releases():
     for name in ("MistralForCausalLM", "Gemma3ForCausalLM"):
         assert all(v.startswith("refused: not in NxDI 0.8's MODEL_TYPES")
                    for v in compat.support(name, old).values())
-        assert compat.support(name, new)["contiguous"].startswith(compat.EQUAL)
+        assert compat.support(name, new)["contiguous"].startswith(support.EQUAL)
     assert "loads no adapter at run time" in compat.support("LlamaForCausalLM", old)["lora"]
     assert "run time" not in compat.support("LlamaForCausalLM", new)["lora"]
     for windowed in ("MistralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
@@ -165,7 +163,7 @@ def test_gemma3_without_its_patches_is_refused(tiny_model):
     assert "Gemma3ForCausalLM on NxDI 0.9.0 without the plugin's patches gemma3-rope" in found[0]
     assert "VLLM_NEURON_DISABLE_PATCHES" in found[0]
     # a fixed NxDI needs none
-    assert problems(config, patches=dict.fromkeys(compat.GEMMA3_PATCHES, "not needed")) == []
+    assert problems(config, patches=dict.fromkeys(gemma3.PATCHES, "not needed")) == []
     prefix = problems(config, block=True, patches={**APPLIED, "prefix-prefill-mask": "disabled"})
     assert len(prefix) == 1 and "without the prefix-prefill-mask patch" in prefix[0]
 

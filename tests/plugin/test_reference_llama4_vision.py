@@ -20,12 +20,12 @@ import torch
 
 from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
-from neuron_plugin.backends.reference.llama4_vision import (
+from neuron_plugin.backends.reference.families.llama4 import (
     Llama4VisionSpec,
     pixel_shuffle,
     rotary_angles,
 )
-from neuron_plugin.backends.reference.vision import load_weights, vision_graph, vision_tower
+from neuron_plugin.backends.reference.vision import load_weights, vision_tower
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.settings import EngineLimits, resolve_settings
@@ -74,7 +74,7 @@ def graphs(model, spec, tmp_path_factory):
     graph_file), and the checkpoint's weights."""
     folder = tmp_path_factory.mktemp("llama4-vision-graphs")
     weights = load_weights(model, spec, torch.float32)
-    module = vision_graph(spec)
+    module = spec.graph()
     loaded = {}
     for bucket in BUCKETS:
         exported = torch.export.export(module, (weights, torch.zeros(bucket, spec.patch_dim)))
@@ -332,7 +332,7 @@ import transformers
 from transformers import Llama4ForConditionalGeneration
 
 from neuron_plugin.backends.reference.graph_file import load_graph, save_graph
-from neuron_plugin.backends.reference.vision import load_weights, vision_graph, vision_tower
+from neuron_plugin.backends.reference.vision import load_weights, vision_tower
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.vision import tile_patches
 
@@ -340,7 +340,7 @@ model = sys.argv[1]
 spec = vision_tower(read_hf_config(model))
 weights = load_weights(model, spec, torch.float32)
 folder = Path(tempfile.mkdtemp())
-exported = torch.export.export(vision_graph(spec), (weights, torch.zeros(64, spec.patch_dim)))
+exported = torch.export.export(spec.graph(), (weights, torch.zeros(64, spec.patch_dim)))
 save_graph(exported, folder, "vision_64")
 graph = load_graph(folder, "vision_64")
 tiles = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 3, 56, 56), np.float32))

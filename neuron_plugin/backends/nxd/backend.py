@@ -65,11 +65,7 @@ from neuron_plugin.backends.nxd.arguments import model_arguments, padding_argume
 from neuron_plugin.backends.nxd.eagle import check_eagle, write_nxdi_head
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
 from neuron_plugin.backends.nxd.lora import NxDAdapters, start_adapters_fingerprint
-from neuron_plugin.backends.nxd.models import (
-    NxDIModelClass,
-    model_entry_points,
-    resolve_model_class,
-)
+from neuron_plugin.backends.nxd.models import NxDIModelClass, resolve_model_class
 from neuron_plugin.backends.nxd.neuron_config import (
     check_speculation_models,
     draft_neuron_config,
@@ -104,6 +100,7 @@ from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.core.vision import ImageInputs
+from neuron_plugin.models.third_party import entry_points
 
 logger = plugin_logger(__name__)
 
@@ -145,7 +142,7 @@ class NxDBackend(InlineCalls):
             check_tp_fits(settings.tp_degree, *host_visible_cores())
         self.nxdi = import_nxdi()
         self.model_cls = resolve_model_class(
-            settings.architecture, self.nxdi.model_types, model_entry_points(), self.nxdi.version
+            settings.architecture, self.nxdi.model_types, entry_points(), self.nxdi.version
         )
         if settings.vision_buckets:
             raise NeuronConfigError(
@@ -202,7 +199,7 @@ class NxDBackend(InlineCalls):
         if architectures[0] == self.settings.architecture:
             return None
         return resolve_model_class(
-            architectures[0], self.nxdi.model_types, model_entry_points(), self.nxdi.version
+            architectures[0], self.nxdi.model_types, entry_points(), self.nxdi.version
         )
 
     def _record(self) -> dict[str, Any]:
@@ -402,7 +399,7 @@ class NxDBackend(InlineCalls):
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
         """Never reached: vision-language architectures are refused at construction
-        (models.refuse_vision_language), text models have no vision buckets."""
+        (models.resolve_model_class), text models have no vision buckets."""
         raise NeuronConfigError(
             f"{self.settings.architecture}: the nxd backend does not drive NxDI's image "
             f"encoding; serve vision-language models with VLLM_NEURON_BACKEND=reference."

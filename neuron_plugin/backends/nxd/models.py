@@ -1,19 +1,33 @@
-"""Which NxD Inference class serves a checkpoint: a built-in table over NxDI's
-`MODEL_TYPES`, plus the entry-point group `neuron_plugin.nxdi_models` where NxDI contrib
-models register a class under a Hugging Face architecture name (a registered entry point
-wins, so a contrib model can replace a built-in one)."""
+"""Which class the nxd backend builds for a checkpoint: the architecture table's source
+for the installed NxDI release (`models.table`: NxDI's MODEL_TYPES, a module NxDI ships
+unlisted, a class of the plugin's own, or a refusal), or a class registered under the
+entry-point group of `models.third_party`, which wins over the table."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from neuron_plugin import plugin_logger
+from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.settings import NeuronConfigError
-from neuron_plugin.core.vision import VISION_ARCHITECTURES
+from neuron_plugin.models.table import (
+    TABLE,
+    TASK,
+    NxDIModelType,
+    NxDIModule,
+    NxDSource,
+    PluginClass,
+    Refused,
+    ThirdPartyClass,
+    nxd_architectures,
+)
+from neuron_plugin.models.third_party import ENTRY_POINT_GROUP, registered
 
 logger = plugin_logger(__name__)
+NXDI_PACKAGE = "neuronx_distributed_inference"
 
 
 class NxDIModelClass(Protocol):
@@ -31,104 +45,46 @@ class NxDIModelClass(Protocol):
     def __call__(self, model_path: str, config: Any) -> Any: ...
 
 
-ENTRY_POINT_GROUP = "neuron_plugin.nxdi_models"
-TASK = "causal-lm"
-# Hugging Face architecture -> key of NxDI's utils.constants.MODEL_TYPES (text models);
-# what each serves, per feature, is in `compat`.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DbrxForCausalLM": "dbrx",
-    "GptOssForCausalLM": "gpt_oss",
-    "Gemma3ForCausalLM": "gemma3",
-}
-# Vision-language architectures -> their NxDI MODEL_TYPES key (utils/constants.py, 0.8
-# and 0.9) and why the backend refuses them: what NxDI's CPU mode showed
-# (tests/e2e/test_nxdi_vision.py, test_nxdi_llama4.py, docs/serving/vision.md).
-VISION_LANGUAGE = {
-    "Qwen2VLForConditionalGeneration": (
-        "qwen2_vl",
-        "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
-        "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
-        "with an image differ from transformers; a prompt that fills its context bucket "
-        "comes out wrong; and on 0.8 every forward raises TypeError (tensor_capture_hook)",
-    ),
-    "Qwen3VLForConditionalGeneration": (
-        "qwen3_vl",
-        "NxDI's CPU mode cannot build it (to_cpu reads vocab_size from the top level of "
-        "its config), so nothing about it is checked",
-    ),
-    "LlavaForConditionalGeneration": (
-        "pixtral",
-        "NxDI's CPU mode does not implement it (to_cpu), so nothing about it is checked",
-    ),
-    "Llama4ForConditionalGeneration": (
-        "llama4",
-        "measured on NxDI 0.8 and 0.9 (tests/e2e/test_nxdi_llama4.py), its text model "
-        "ignores attn_temperature_tuning (NeuronLlama4Attention never scales the NoPE "
-        "layers' queries) and the checkpoint's llama3 rope_scaling (NxD's "
-        "precompute_freqs_cis applies its fixed ROPE_DEFAULTS: factor 8, frequency factors "
-        "1 and 4, original context 8192), so its logits differ from transformers'; a "
-        "prompt that fills its context bucket comes out wrong; and on 0.8 every forward "
-        "raises NameError (tensor_capture_hook). Its vision encoder equals transformers'",
-    ),
-    "MllamaForConditionalGeneration": (
-        "mllama",
-        "vLLM itself no longer serves it: it was supported until vLLM 0.10.2 "
-        "(vllm/model_executor/models/registry.py _PREVIOUSLY_SUPPORTED_MODELS: the "
-        "encoder-decoder models went with vLLM's V0 engine)",
-    ),
-}
-# MODEL_TYPES keys that are not in every release, -> the first release listing them
-# (utils/constants.py): 0.8 (cd3abf3) ships models/gemma3 but registers neither.
-LISTED_FROM = {"mistral": "0.9.0 (ef2731e, the SDK 2.29 v2 sync)", "gemma3": "0.9"}
+def release_for(nxdi_version: str | None) -> nxdi_releases.NxDIRelease:
+    """The checked release whose table row applies to an installed NxDI: its own, the
+    newest checked one below a newer release, the oldest for an older (or unknown) one."""
+    found = nxdi_releases.checked(nxdi_version)
+    if found:
+        return found
+    release = nxdi_releases.release_of(nxdi_version)
+    older = [r for r in nxdi_releases.CHECKED if release and _key(r.release) < _key(release)]
+    return older[-1] if older else nxdi_releases.CHECKED[0]
 
 
-def model_entry_points() -> list[importlib.metadata.EntryPoint]:
-    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split("."))
+
+
+def source(
+    architecture: str,
+    release: nxdi_releases.NxDIRelease,
+    entry_points: Iterable[importlib.metadata.EntryPoint],
+) -> NxDSource:
+    """Where `architecture`'s class comes from with `release` (an entry point first)."""
+    found = registered(architecture, entry_points)
+    if found:
+        return found[0]
+    row = TABLE.get(architecture)
+    if row is None or release.release not in row.nxd:
+        raise NeuronConfigError(_unsupported(architecture, release))
+    return row.nxd[release.release]
 
 
 def describe_architecture(
-    architecture: str, entry_points: Iterable[importlib.metadata.EntryPoint]
+    architecture: str,
+    entry_points: Iterable[importlib.metadata.EntryPoint],
+    release: nxdi_releases.NxDIRelease,
 ) -> str:
-    """Which NxDI class would serve `architecture`, without importing NxDI."""
-    refuse_vision_language(architecture)
-    for ep in entry_points:
-        if ep.name == architecture:
-            return f"{ep.value} (entry point {ENTRY_POINT_GROUP}:{ep.name})"
-    if architecture in ARCHITECTURES:
-        return f"NxDI MODEL_TYPES[{ARCHITECTURES[architecture]!r}][{TASK!r}]"
-    raise NeuronConfigError(_unsupported(architecture))
-
-
-def refuse_vision_language(architecture: str) -> None:
-    """A vision-language model is refused by name (see VISION_LANGUAGE)."""
-    if architecture in VISION_LANGUAGE:
-        key, why = VISION_LANGUAGE[architecture]
-        fix = (
-            "serve it with VLLM_NEURON_BACKEND=reference"
-            if architecture in VISION_ARCHITECTURES
-            else "the reference backend does not serve it either"
-        )
-        raise NeuronConfigError(
-            f"architecture {architecture!r} is a vision-language model the nxd backend "
-            f"does not serve: NxDI's MODEL_TYPES[{key!r}] is refused because {why} "
-            f"(docs/serving/vision.md); {fix}."
-        )
-
-
-def _unsupported(architecture: str) -> str:
-    return (
-        f"architecture {architecture!r} has no NxD Inference model: supported are "
-        f"{', '.join(ARCHITECTURES)}; an NxDI contrib model can register its class "
-        f"under this name in the {ENTRY_POINT_GROUP!r} entry-point group "
-        f'({architecture} = "package.module:NeuronClass"), or serve on the CPU with '
-        f"VLLM_NEURON_BACKEND=reference."
-    )
+    """Which class would serve `architecture` with `release`, without importing NxDI."""
+    found = source(architecture, release, entry_points)
+    if isinstance(found, Refused):
+        raise NeuronConfigError(_refusal(architecture, release, found))
+    return found.describe()
 
 
 def resolve_model_class(
@@ -137,35 +93,67 @@ def resolve_model_class(
     entry_points: Iterable[importlib.metadata.EntryPoint],
     nxdi_version: str | None = None,
 ) -> NxDIModelClass:
-    """The NxDI application class for `architecture`; a registered entry point wins
-    over the built-in table, so a contrib model can replace a built-in one."""
-    refuse_vision_language(architecture)
-    for ep in entry_points:
-        if ep.name == architecture:
-            cls = ep.load()
-            if not (hasattr(cls, "get_neuron_config_cls") and hasattr(cls, "get_config_cls")):
-                raise NeuronConfigError(
-                    f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} is not an NxDI "
-                    f"application class (no get_neuron_config_cls/get_config_cls); point it "
-                    f"at a NeuronBaseForCausalLM subclass."
-                )
-            logger.info("NxDI model for %s: %s (entry point)", architecture, ep.value)
-            return cls
-    if architecture not in ARCHITECTURES:
-        raise NeuronConfigError(_unsupported(architecture))
-    key = ARCHITECTURES[architecture]
-    if key not in model_types or TASK not in model_types[key]:
-        since = (
-            f" (NxDI lists it from {LISTED_FROM[key]}, a release for Trn2 and newer "
-            f"only: not on inf2/trn1)"
-            if key in LISTED_FROM
-            else ""
-        )
+    """The class for `architecture` with the installed NxDI (`nxdi_version`)."""
+    release = release_for(nxdi_version)
+    found = source(architecture, release, entry_points)
+    if isinstance(found, Refused):
+        raise NeuronConfigError(_refusal(architecture, release, found))
+    if isinstance(found, NxDIModelType):
+        if found.key not in model_types or TASK not in model_types[found.key]:
+            raise NeuronConfigError(
+                f"the installed NxD Inference {nxdi_version or '(unknown version)'} has no "
+                f"{found.key!r} model in MODEL_TYPES, needed for {architecture}; serve it on "
+                f"a host whose Neuron SDK lists it (docs/serving/architectures.md), register "
+                f"an NxDI contrib class under the {ENTRY_POINT_GROUP!r} entry point, or serve "
+                f"on the CPU with VLLM_NEURON_BACKEND=reference."
+            )
+        return model_types[found.key][TASK]
+    path = f"{NXDI_PACKAGE}.{found.path}" if isinstance(found, NxDIModule) else found.path
+    cls = _import(path, found)
+    logger.info("NxD model class for %s: %s", architecture, found.describe())
+    return cls
+
+
+def _import(path: str, found: NxDIModule | PluginClass | ThirdPartyClass) -> NxDIModelClass:
+    module_name, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise NeuronConfigError(f"{found.describe()} cannot be imported: {exc}") from exc
+    if not (hasattr(cls, "get_neuron_config_cls") and hasattr(cls, "get_config_cls")):
         raise NeuronConfigError(
-            f"the installed NxD Inference {nxdi_version or '(unknown version)'} has no "
-            f"{key!r} model in MODEL_TYPES{since}, needed for {architecture}; serve it "
-            f"on a host whose Neuron SDK lists it (docs/serving/architectures.md), register "
-            f"an NxDI contrib class under the {ENTRY_POINT_GROUP!r} entry point, or serve "
-            f"on the CPU with VLLM_NEURON_BACKEND=reference."
+            f"{found.describe()} is not an NxDI application class (no "
+            f"get_neuron_config_cls/get_config_cls); point it at a NeuronBaseForCausalLM "
+            f"subclass."
         )
-    return model_types[key][TASK]
+    model_class: NxDIModelClass = cls
+    return model_class
+
+
+def _refusal(architecture: str, release: nxdi_releases.NxDIRelease, refused: Refused) -> str:
+    row = TABLE.get(architecture)
+    what = (
+        "is a vision-language model the nxd backend does not serve"
+        if row and row.vision
+        else ("is not served by the nxd backend")
+    )
+    fix = (
+        "serve it with VLLM_NEURON_BACKEND=reference"
+        if row and row.reference
+        else "the reference backend does not serve it either"
+    )
+    return (
+        f"architecture {architecture!r} {what} on {release.describe()}: {refused.reason} "
+        f"(docs/serving/architectures.md); {fix}, "
+        f"or register an NxDI class for it under the {ENTRY_POINT_GROUP!r} entry point."
+    )
+
+
+def _unsupported(architecture: str, release: nxdi_releases.NxDIRelease) -> str:
+    return (
+        f"architecture {architecture!r} has no NxD Inference model: supported on "
+        f"{release.describe()} are {', '.join(nxd_architectures(release.release))}; an NxDI "
+        f"contrib model can register its class under this name in the {ENTRY_POINT_GROUP!r} "
+        f'entry-point group ({architecture} = "package.module:NeuronClass"), or serve on '
+        f"the CPU with VLLM_NEURON_BACKEND=reference."
+    )

@@ -48,6 +48,7 @@ class NxDI:
 def import_nxdi() -> NxDI:
     """Import NxD Inference and apply the patches its installed version needs."""
     try:
+        import neuronx_distributed_inference as package
         from neuronx_distributed_inference.models import (
             layer_boundary_marker,
             model_base,
@@ -88,7 +89,9 @@ def import_nxdi() -> NxDI:
         hf_adapter.load_pretrained_config,
         sampling.prepare_sampling_params,
         FusedSpecNeuronConfig,
-        package_version("neuronx-distributed-inference"),
+        # the distribution's version carries a source build's commit; the package's own
+        # __version__ (_version.py) is there without installed metadata
+        package_version("neuronx-distributed-inference") or package.__version__,
         patched,
         NxDILora.probe(LoraServingConfig, LoraModelManager),
         {o.name: o.status for o in outcomes},

@@ -1,167 +1,41 @@
-"""What differs between the architectures the reference decoder serves, as data.
+"""A checkpoint's config.json read into the facts a reference graph needs.
 
-One `Architecture` per Hugging Face architecture name says how its layers differ from
-Llama's (norm formula, biases, qk-norm, extra norms, MLP kind, sliding-window pattern,
-RoPE per layer type); `DecoderSpec.from_hf_config` turns a checkpoint's config.json into
-the facts the graph needs. Config keys are read as both transformers 4.57 (the Neuron
-SDK's) and 5.x write them (`rope_theta` / `rope_scaling` / `rope_local_base_freq` versus
-`rope_parameters`, `num_experts` versus `num_local_experts`).
+One `Architecture` per Hugging Face architecture name, in its family's module
+(`families/`, the room `models.table` names), says how its layers differ from Llama's
+(norm formula, biases, qk-norm, extra norms, MLP kind, sliding-window pattern, RoPE per
+layer type, the family's own fields); `DecoderSpec.from_hf_config` turns a checkpoint's
+config.json into the facts the graph needs. Config keys are read as both transformers
+4.57 (the Neuron SDK's) and 5.x write them (`rope_theta` / `rope_scaling` /
+`rope_local_base_freq` versus `rope_parameters`, `num_experts` versus
+`num_local_experts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from neuron_plugin.backends.reference.architecture import (
+    CHUNKED,
+    FULL,
+    SLIDING,
+    Architecture,
+    UnsupportedModelError,
+)
+from neuron_plugin.backends.reference.families import ARCHITECTURES, family_module
 from neuron_plugin.core.checkpoint import text_config
 
-FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is outside what the reference backend implements."""
-
-
-def _all_layers(config: dict, layer: int) -> bool:
-    return True
-
-
-def _from_max_window_layers(config: dict, layer: int) -> bool:
-    return layer >= config.get("max_window_layers", 0)
-
-
-def _every_nth_full(config: dict, layer: int) -> bool:
-    # Gemma3 before layer_types: sliding_window_pattern (default 6) - 1 local layers, then
-    # one global layer.
-    return bool((layer + 1) % config.get("sliding_window_pattern", 6))
-
-
-def _even_layers(config: dict, layer: int) -> bool:
-    return layer % 2 == 0
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """How one architecture's decoder differs from Llama's."""
-
-    family: str
-    # "rms": weight * normed.to(dtype) (Llama); "rms_one_plus": (normed * (1 + weight)),
-    # in float32, then to dtype (Gemma); "rms_float": (weight * normed).to(dtype) (gpt-oss).
-    norm: str = "rms"
-    qk_norm: bool = False
-    # "config": q, k, v and o projections have biases when config attention_bias is true;
-    # "qkv": q, k and v always, o never (Qwen2); "none": never (Mistral, Mixtral).
-    attention_bias: str = "config"
-    # Gemma: embeddings times sqrt(hidden_size), norms after attention and after the MLP
-    # as well as before, a score scale from query_pre_attn_scalar, local RoPE base.
-    gemma: bool = False
-    sinks: bool = False  # gpt-oss: a learned per-head logit joins every softmax
-    # "dense" (gated MLP), or a MoE kind of `moe.MOE_KINDS`.
-    mlp: str = "dense"
-    # Which layers slide when the config has a window and no layer_types.
-    sliding_layer: Callable[[dict, int], bool] = _all_layers
-    reads_layer_types: bool = True  # Mistral and Mixtral ignore config layer_types
-    # The window applies only with config use_sliding_window true (Qwen families).
-    window_flag: bool = False
-    windowed: bool = True  # Llama ignores a sliding_window key (transformers has none)
-    default_rope_theta: float = 10000.0
-    # A vision-language model (Qwen2-VL family): its text decoder's config is nested in
-    # text_config (transformers 5) or flat (4.57), its RoPE is M-RoPE and a vision tower
-    # (`vision`) turns images into embeddings that replace placeholder tokens.
-    vision: bool = False
-    # Qwen3-VL: M-RoPE's frequencies take the temporal, height and width positions in
-    # turn (mrope_section interleaved) rather than in three runs.
-    mrope_interleaved: bool = False
-    # A vision model's decoder with M-RoPE (the Qwen2-VL family) or plain 1-D RoPE (Pixtral)
-    mrope: bool = True
-    # Llama 4: NoPE layers (config no_rope_layers 0) with attention temperature tuning,
-    # the RoPE layers' RoPE on interleaved pairs (transformers' apply_rotary_emb, complex
-    # numbers), their keys within attention_chunk_size chunks and, with use_qk_norm, q and
-    # k L2-normed after RoPE; the MLP in feed_forward.
-    llama4: bool = False
-    mlp_module: str = "mlp"  # the MLP's name in a layer
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture("llama", windowed=False),
-    "MistralForCausalLM": Architecture("mistral", attention_bias="none", reads_layer_types=False),
-    "MixtralForCausalLM": Architecture(
-        "mixtral", attention_bias="none", mlp="mixtral", reads_layer_types=False
-    ),
-    "Qwen2ForCausalLM": Architecture(
-        "qwen2", attention_bias="qkv", window_flag=True, sliding_layer=_from_max_window_layers
-    ),
-    "Qwen3ForCausalLM": Architecture(
-        "qwen3", qk_norm=True, window_flag=True, sliding_layer=_from_max_window_layers
-    ),
-    "Qwen3MoeForCausalLM": Architecture(
-        "qwen3_moe", qk_norm=True, mlp="qwen3_moe", window_flag=True, reads_layer_types=False
-    ),
-    "Gemma3ForCausalLM": Architecture(
-        "gemma3",
-        norm="rms_one_plus",
-        qk_norm=True,
-        gemma=True,
-        sliding_layer=_every_nth_full,
-        default_rope_theta=1_000_000.0,
-    ),
-    "Qwen2VLForConditionalGeneration": Architecture(
-        "qwen2_vl",
-        attention_bias="qkv",
-        window_flag=True,
-        sliding_layer=_from_max_window_layers,
-        default_rope_theta=1_000_000.0,
-        vision=True,
-    ),
-    "Qwen2_5_VLForConditionalGeneration": Architecture(
-        "qwen2_5_vl",
-        attention_bias="qkv",
-        window_flag=True,
-        sliding_layer=_from_max_window_layers,
-        default_rope_theta=1_000_000.0,
-        vision=True,
-    ),
-    "Qwen3VLForConditionalGeneration": Architecture(
-        "qwen3_vl",
-        qk_norm=True,
-        default_rope_theta=500_000.0,
-        vision=True,
-        mrope_interleaved=True,
-    ),
-    # Llama 4: its text decoder, and its vision tower in reference/llama4_vision.py
-    "Llama4ForConditionalGeneration": Architecture(
-        "llama4",
-        attention_bias="none",
-        windowed=False,
-        mlp="llama4",
-        default_rope_theta=500_000.0,
-        llama4=True,
-        mlp_module="feed_forward",
-        vision=True,
-        mrope=False,
-    ),
-    # Pixtral in transformers' Llava format: a Mistral decoder (Pixtral's vision tower in
-    # reference/pixtral.py)
-    "LlavaForConditionalGeneration": Architecture(
-        "llava",
-        attention_bias="none",
-        reads_layer_types=False,
-        vision=True,
-        mrope=False,
-    ),
-    "GptOssForCausalLM": Architecture(
-        "gpt_oss",
-        norm="rms_float",
-        sinks=True,
-        mlp="gpt_oss",
-        sliding_layer=_even_layers,
-        default_rope_theta=150_000.0,
-    ),
-}
-FAMILIES = {name: arch.family for name, arch in ARCHITECTURES.items()}
+__all__ = [
+    "ARCHITECTURES",
+    "CHUNKED",
+    "FULL",
+    "SLIDING",
+    "Architecture",
+    "DecoderSpec",
+    "UnsupportedModelError",
+]
 
 
 @dataclass(frozen=True)
@@ -241,13 +115,8 @@ class DecoderSpec:
     def from_hf_config(cls, config: dict) -> DecoderSpec:
         config = text_config(config)
         archs = config.get("architectures") or []
-        name = next((a for a in archs if a in ARCHITECTURES), None)
-        if name is None:
-            raise UnsupportedModelError(
-                f"architectures={archs} is not supported by the reference backend "
-                f"(supported: {', '.join(ARCHITECTURES)}); use VLLM_NEURON_BACKEND=nxd on a "
-                f"Neuron host for other models."
-            )
+        name = next((a for a in archs if a in ARCHITECTURES), archs[0] if archs else "")
+        family_module(name)  # refuses what no family serves, naming what is served
         arch = ARCHITECTURES[name]
         if config.get("mlp_bias"):
             raise UnsupportedModelError(
@@ -277,53 +146,9 @@ class DecoderSpec:
             windows=layer_windows(arch, config, layers),
             attn_softcap=config.get("attn_logit_softcapping") if arch.gemma else None,
             final_softcap=config.get("final_logit_softcapping") if arch.gemma else None,
-            mrope_section=_mrope_section(arch, config, head_dim),
-            **_llama4_fields(arch, config, layers),
+            **(arch.spec_fields(arch, config, layers) if arch.spec_fields else {}),
             **moe,
         )
-
-
-def _llama4_fields(arch: Architecture, config: dict, layers: int) -> dict[str, Any]:
-    """Llama 4's per-layer RoPE, chunks, qk-norm and temperature tuning, as
-    transformers' Llama4TextConfig derives them (no_rope_layers from
-    no_rope_layer_interval where absent or empty; layer_types from no_rope_layers)."""
-    if not arch.llama4:
-        return {}
-    interval = int(config.get("no_rope_layer_interval", 4))
-    no_rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-    rope_layers = tuple(bool(no_rope[i]) for i in range(layers))
-    types = config.get("layer_types") or [CHUNKED if r else FULL for r in rope_layers]
-    chunk = config.get("attention_chunk_size")
-    if chunk is not None:
-        chunk = int(chunk)
-    elif CHUNKED in types[:layers]:
-        raise UnsupportedModelError(
-            f"{arch.family}: layer_types has {CHUNKED!r} layers but attention_chunk_size is "
-            f"unset (transformers refuses it too); set attention_chunk_size in config.json"
-        )
-    tuning = None
-    if config.get("attn_temperature_tuning", True):
-        tuning = (float(config.get("floor_scale", 8192)), float(config.get("attn_scale", 0.1)))
-    return {
-        "rope_layers": rope_layers,
-        "chunks": tuple(chunk if t == CHUNKED else None for t in types[:layers]),
-        "l2_qk_norm": bool(config.get("use_qk_norm", True)),
-        "temperature_tuning": tuning,
-    }
-
-
-def _mrope_section(arch: Architecture, config: dict, head_dim: int) -> tuple[int, ...]:
-    if not (arch.vision and arch.mrope):
-        return ()
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    default = (24, 20, 20) if arch.mrope_interleaved else (16, 24, 24)  # transformers'
-    section = tuple(int(n) for n in params.get("mrope_section") or default)
-    if len(section) != 3 or sum(section) != head_dim // 2:
-        raise UnsupportedModelError(
-            f"mrope_section={list(section)} must be three counts (temporal, height, width) "
-            f"summing to head_dim / 2 = {head_dim // 2}"
-        )
-    return section
 
 
 def layer_types(arch: Architecture, config: dict, layers: int) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
-from neuron_plugin.backends.reference.vision import Tower, vision_graph, vision_tower
+from neuron_plugin.backends.reference.vision import Tower, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
@@ -151,7 +151,7 @@ class ReferenceBackend(InlineCalls):
         elif settings.draft_model:
             self.draft = Draft(settings, self.spec)
         self.vision = _vision_spec(settings, self.spec, self.hf_config)
-        self.vision_module = None if self.vision is None else vision_graph(self.vision)
+        self.vision_module = None if self.vision is None else self.vision.graph()
         self.vision_weights: list[torch.Tensor] = []
         self.lora_slots: list[torch.Tensor] = []
         self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}

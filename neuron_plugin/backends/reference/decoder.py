@@ -59,11 +59,11 @@ from torch.nn import functional
 
 from neuron_plugin.backends.prompt_logprobs import top_logprobs
 from neuron_plugin.backends.reference.architectures import (
-    FAMILIES,
     DecoderSpec,
     UnsupportedModelError,
     rope_tables,
 )
+from neuron_plugin.backends.reference.layers import l2_norm, rms_norm, rotate, softcap
 from neuron_plugin.backends.reference.mlp import Adapt, mlp, mlp_weights
 from neuron_plugin.backends.reference.sampler import sample
 from neuron_plugin.core import mxfp4
@@ -76,7 +76,6 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 COMPUTATION = 4
 
 __all__ = [
-    "FAMILIES",
     "DecoderGraph",
     "DecoderSpec",
     "UnsupportedModelError",
@@ -187,49 +186,6 @@ def load_weights(
         .contiguous()
         for name, sources in wanted
     ]
-
-
-def rms_norm(kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 with the architecture's weight formula (`Architecture.norm`)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if kind == "rms":
-        return weight * normed.to(x.dtype)
-    if kind == "rms_one_plus":
-        return (normed * (1.0 + weight.float())).to(x.dtype)
-    return (weight * normed).to(x.dtype)
-
-
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama4TextL2Norm: RMSNorm without a weight, in float32."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(-x1, x0) of each interleaved pair (x0, x1): i times the pair as a complex number."""
-    pairs = x.view(*x.shape[:-1], -1, 2)
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """RoPE: halves rotated in x's dtype (transformers' apply_rotary_pos_emb), or
-    interleaved pairs rotated in float32 and cast back (Llama 4's apply_rotary_emb, a
-    complex product)."""
-    if not pairs:
-        return x * cos + rotate_half(x) * sin
-    x32 = x.float()
-    return (x32 * cos + rotate_pairs(x32) * sin).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate_half: (-x2, x1) of x's halves."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class DecoderGraph(nn.Module):
@@ -368,9 +324,9 @@ class DecoderGraph(nn.Module):
         """Float32 logits of final hidden states `x` [..., hidden]."""
         s = self.spec
         if "lm_head" in self.quantized:
-            return _softcap(self.linear(w, "lm_head", x), s.final_softcap).float()
+            return softcap(self.linear(w, "lm_head", x), s.final_softcap).float()
         head = w["model.embed_tokens.weight"] if s.tie_word_embeddings else w["lm_head.weight"]
-        return _softcap(x @ head.t(), s.final_softcap).float()
+        return softcap(x @ head.t(), s.final_softcap).float()
 
     def hidden(
         self,
@@ -596,7 +552,7 @@ def attend(
     groups = s.num_heads // s.num_kv_heads
     qg = q.view(batch, active, s.num_kv_heads, groups, s.head_dim).permute(0, 2, 3, 1, 4)
     kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
-    scores = _softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
+    scores = softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
     scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
     if sinks is not None:
         sink = sinks.to(scores.dtype).view(1, s.num_kv_heads, groups, 1, 1)

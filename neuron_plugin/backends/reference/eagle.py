@@ -35,7 +35,8 @@ from neuron_plugin.backends.reference.architectures import (
     UnsupportedModelError,
     rope_tables,
 )
-from neuron_plugin.backends.reference.decoder import DecoderGraph, attend, rms_norm, rotate_half
+from neuron_plugin.backends.reference.decoder import DecoderGraph, attend
+from neuron_plugin.backends.reference.layers import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import mlp
 from neuron_plugin.backends.reference.sampler import sample, verify
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_files, safetensors_shapes

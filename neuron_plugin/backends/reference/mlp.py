@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional
 
-from neuron_plugin.backends.reference.architectures import DecoderSpec
+if TYPE_CHECKING:  # the vision towers import `activation` from the families' modules
+    from neuron_plugin.backends.reference.architectures import DecoderSpec
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron_plugin.backends.reference.decoder import rotate_half
+from neuron_plugin.backends.reference.layers import rotate_half
 
 
 def patch_attention(

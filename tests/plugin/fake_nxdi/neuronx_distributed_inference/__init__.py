@@ -13,3 +13,7 @@ the token-generation model, and their graphs verify drafts as NxDI's do (_nxd_ru
 as its KV cache and answers with logits that peak at a function of exactly the keys a
 query attends, so a wrong slot, line, block, prefix, pad or last-token choice shows.
 """
+
+# NxDI's package exports its version (__init__.py: `from ._version import __version__`;
+# _version.py "0.8.0" at cd3abf3, "0.9.0" at ef2731e).
+from neuronx_distributed_inference._release import VERSION as __version__  # noqa: E402,F401

@@ -1,6 +1,15 @@
-"""Llama 4's vision tower and multi-modal projector (Llama4ForConditionalGeneration) as
-one fixed-shape function of (weights, patches), one graph per vision bucket: the same
-call as the other towers' graphs (`reference.vision`), so the backend runs each alike.
+"""Llama 4 (Llama4ForConditionalGeneration): its text decoder's facts and its vision
+tower.
+
+The text decoder (`ARCHITECTURES`, `llama4_fields`): NoPE layers (config no_rope_layers
+0) with attention temperature tuning, the RoPE layers' RoPE on interleaved pairs
+(transformers' apply_rotary_emb, complex numbers), their keys within attention_chunk_size
+chunks and, with use_qk_norm, q and k L2-normed after RoPE; dense and MoE layers (a
+shared expert beside a top-1 sigmoid router, `mlp`), the MLP in feed_forward.
+
+The vision tower and multi-modal projector as one fixed-shape function of (weights,
+patches), one graph per vision bucket: the same call as the other towers' graphs
+(`reference.vision`), so the backend runs each alike.
 
 Llama 4's processor cuts an image into tiles of vision_config.image_size pixels a side
 (the local tiles row by row, then, for an image of more than one, the global tile: the
@@ -34,6 +43,12 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from neuron_plugin.backends.reference.architecture import (
+    CHUNKED,
+    FULL,
+    Architecture,
+    UnsupportedModelError,
+)
 from neuron_plugin.core.vision import VisionGeometry
 
 TOWER = "vision_model."
@@ -42,9 +57,58 @@ NORM_EPS = 1e-5  # transformers' nn.LayerNorm default: Llama 4's tower ignores n
 VISION_MODEL_TYPE = "llama4_vision_model"
 
 
-def is_llama4_vision(config: dict[str, Any]) -> bool:
+def llama4_fields(arch: Architecture, config: dict, layers: int) -> dict[str, Any]:
+    """Llama 4's per-layer RoPE, chunks, qk-norm and temperature tuning, as
+    transformers' Llama4TextConfig derives them (no_rope_layers from
+    no_rope_layer_interval where absent or empty; layer_types from no_rope_layers)."""
+    interval = int(config.get("no_rope_layer_interval", 4))
+    no_rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    rope_layers = tuple(bool(no_rope[i]) for i in range(layers))
+    types = config.get("layer_types") or [CHUNKED if r else FULL for r in rope_layers]
+    chunk = config.get("attention_chunk_size")
+    if chunk is not None:
+        chunk = int(chunk)
+    elif CHUNKED in types[:layers]:
+        raise UnsupportedModelError(
+            f"{arch.family}: layer_types has {CHUNKED!r} layers but attention_chunk_size is "
+            f"unset (transformers refuses it too); set attention_chunk_size in config.json"
+        )
+    tuning = None
+    if config.get("attn_temperature_tuning", True):
+        tuning = (float(config.get("floor_scale", 8192)), float(config.get("attn_scale", 0.1)))
+    return {
+        "rope_layers": rope_layers,
+        "chunks": tuple(chunk if t == CHUNKED else None for t in types[:layers]),
+        "l2_qk_norm": bool(config.get("use_qk_norm", True)),
+        "temperature_tuning": tuning,
+    }
+
+
+ARCHITECTURES = {
+    "Llama4ForConditionalGeneration": Architecture(
+        "llama4",
+        attention_bias="none",
+        windowed=False,
+        mlp="llama4",
+        default_rope_theta=500_000.0,
+        llama4=True,
+        mlp_module="feed_forward",
+        vision=True,
+        mrope=False,
+        spec_fields=llama4_fields,
+    )
+}
+
+
+def tower(config: dict[str, Any]) -> Llama4VisionSpec:
     vision = config.get("vision_config")
-    return isinstance(vision, dict) and vision.get("model_type") == VISION_MODEL_TYPE
+    kind = vision.get("model_type") if isinstance(vision, dict) else None
+    if kind != VISION_MODEL_TYPE:
+        raise UnsupportedModelError(
+            f"Llama4ForConditionalGeneration with a {kind!r} vision tower: the reference "
+            f"backend runs Llama 4's own ({VISION_MODEL_TYPE!r})"
+        )
+    return Llama4VisionSpec.from_hf_config(config)
 
 
 @dataclass(frozen=True)
@@ -85,12 +149,18 @@ class Llama4VisionSpec:
             )
         return []
 
+    def graph(self) -> Llama4VisionGraph:
+        return Llama4VisionGraph(self)
+
+    def weight_names(self) -> list[str]:
+        return weight_names(self)
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> Llama4VisionSpec:
         """transformers runs the last layer's features whatever
         vision_feature_select_strategy and vision_feature_layer say (both unread)."""
         geometry = VisionGeometry.from_hf_config(config)
-        assert geometry is not None  # is_llama4_vision: a vision_config
+        assert geometry is not None  # `tower`: a vision_config
         vision: dict[str, Any] = config["vision_config"]
         params = vision.get("rope_parameters") or {}
         side = int(vision["image_size"]) // int(vision["patch_size"])

@@ -1,4 +1,5 @@
-"""Pixtral's vision tower and Llava's projector (Pixtral in transformers' Llava format,
+"""Pixtral in transformers' Llava format: a Mistral decoder (`ARCHITECTURES`), and
+Pixtral's vision tower and Llava's projector (Pixtral in transformers' Llava format,
 as mistral-community/pixtral-12b ships it) as one fixed-shape function of (weights,
 patches), one graph per vision bucket: the same inputs as the Qwen2-VL family's graph
 (`reference.vision`), so the backend runs either alike.
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from neuron_plugin.backends.reference.architectures import UnsupportedModelError
-from neuron_plugin.backends.reference.decoder import rms_norm
+from neuron_plugin.backends.reference.architecture import Architecture, UnsupportedModelError
+from neuron_plugin.backends.reference.layers import rms_norm
 from neuron_plugin.backends.reference.mlp import activation
 from neuron_plugin.backends.reference.patch_attention import patch_attention
 from neuron_plugin.backends.reference.patch_layout import patch_inputs
@@ -37,9 +38,22 @@ PROJECTOR = "multi_modal_projector."
 NORM_EPS = 1e-5  # transformers' PixtralRMSNorm in the tower
 
 
-def is_pixtral(config: dict[str, Any]) -> bool:
+ARCHITECTURES = {
+    "LlavaForConditionalGeneration": Architecture(
+        "pixtral", attention_bias="none", reads_layer_types=False, vision=True, mrope=False
+    )
+}
+
+
+def tower(config: dict[str, Any]) -> PixtralSpec:
     vision = config.get("vision_config")
-    return isinstance(vision, dict) and vision.get("model_type") == "pixtral"
+    kind = vision.get("model_type") if isinstance(vision, dict) else None
+    if kind != "pixtral":
+        raise UnsupportedModelError(
+            f"LlavaForConditionalGeneration with a {kind!r} vision tower: the reference "
+            f"backend runs Llava with Pixtral's (vision_config model_type 'pixtral') only"
+        )
+    return PixtralSpec.from_hf_config(config)
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,12 @@ class PixtralSpec:
         """What the graph takes of an image's grid, padded to `patches`: each patch's
         (row, column) and its image (`patch_layout.patch_inputs`, one frame)."""
         return list(patch_inputs(grid_thw, 1, patches))
+
+    def graph(self) -> PixtralGraph:
+        return PixtralGraph(self)
+
+    def weight_names(self) -> list[str]:
+        return weight_names(self)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> PixtralSpec:
