@@ -107,6 +107,30 @@ _GPT_OSS_YARN = {
     "original_max_position_embeddings": 1024,
 }
 
+_GEMMA4 = {
+    **_SMALL,
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "sliding_window": 16,
+    "global_head_dim": 64,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+        },
+    },
+}
+
 # Small but structurally faithful: head_dim 64, GQA (2 KV heads for 4 query heads).
 ARCHITECTURES: dict[str, dict] = {
     "llama": {
@@ -279,6 +303,31 @@ ARCHITECTURES: dict[str, dict] = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
+    },
+    # Gemma 4's text model with every feature of the released configs at test sizes
+    # (families/gemma4.py): sliding layers of head_dim 32 and 2 KV heads, full layers of
+    # head_dim 64 with proportional RoPE and keys as values over 1 KV head, the last two
+    # layers sharing earlier layers' keys and values (with the double-wide MLP),
+    # per-layer embeddings, a 16-token window, soft-capped logits; written as the Hub's
+    # configs are (global_head_dim, num_global_key_value_heads) beside transformers 5's
+    # per_layer_config. "vocab_size_per_layer_input" None: the vocabulary's size.
+    "gemma4": {
+        **_GEMMA4,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": None,
+        "use_double_wide_mlp": True,
+    },
+    # Gemma 4's MoE form (as 26B-A4B): a MoE block beside every dense MLP, no sharing or
+    # per-layer embeddings.
+    "gemma4_moe": {
+        **_GEMMA4,
+        "intermediate_size": 128,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 64,
+        "hidden_size_per_layer_input": 0,
     },
     "dbrx": {
         "architectures": ["DbrxForCausalLM"],
@@ -553,14 +602,19 @@ def train_tokenizer(vocab_size: int):
 
 def _perturb_constants(model, seed: int) -> None:
     """Random offsets (std 0.1) on the parameters transformers initialises to constants:
-    norm weights, biases, attention sinks."""
+    norm weights, biases, attention sinks, Gemma 4's router scales and its layers'
+    layer_scalar (a buffer the checkpoint holds)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed + 1)
+    constant = ("bias", "sinks", "scale", "per_expert_scale")
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "sinks")):
+            if "norm" in name or name.endswith(constant):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.add_(0.1 * torch.randn(buffer.shape, generator=generator))
 
 
 def recipe(
@@ -660,6 +714,8 @@ def _write(
     perturb = fields.pop("perturb", False)
     quantize = fields.pop("mxfp4", False)
     rows = model_vocab or fields.pop("vocab_size", None)  # the arch's own, if it has one
+    if "vocab_size_per_layer_input" in fields and fields["vocab_size_per_layer_input"] is None:
+        fields["vocab_size_per_layer_input"] = rows or len(tokenizer)
     # Keys transformers 5 renames or folds when it saves (rope_theta into rope_parameters,
     # num_experts into num_local_experts) are written into config.json as given too, so
     # transformers 4.57 (the Neuron SDK's) reads the same model.
@@ -891,10 +947,37 @@ def _write_llama4(
         _write_chat_template_and_recipe(staging, LLAMA4_CHAT_TEMPLATE, wanted)
 
 
+def _write_gemma4_mm(
+    out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """Gemma4ForConditionalGeneration with `gemma4`'s text model and no vision or audio
+    tower, saved with the Hub's names (model.language_model.*): the multimodal
+    checkpoint served text-only (--language-model-only)."""
+    from transformers import AutoConfig
+
+    tokenizer = _vlm_tokenizer(vocab_size, CHAT_TEMPLATE, ())
+    fields = {k: v for k, v in ARCHITECTURES["gemma4"].items() if k not in ("perturb",)}
+    fields.pop("architectures")
+    fields["vocab_size_per_layer_input"] = len(tokenizer)
+    text = _vlm_text_config(fields, tokenizer, max_positions)
+    config = AutoConfig.for_model(
+        "gemma4",
+        text_config=text,
+        vision_config=None,
+        audio_config=None,
+        tie_word_embeddings=True,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+    with _saving_vlm(out, config, seed, tokenizer, lambda saved: None) as staging:
+        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+
+
 # Architectures with a writer of their own (their config is not a VISION_LANGUAGE recipe).
 OWN_WRITERS: dict[str, Callable[[Path, dict[str, Any], int, int, int], None]] = {
     "pixtral": _write_pixtral,
     "llama4": _write_llama4,
+    "gemma4_mm": _write_gemma4_mm,
 }
 
 

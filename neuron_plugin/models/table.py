@@ -101,6 +101,10 @@ def _per_release(**sources: NxDSource) -> Mapping[str, NxDSource]:
 _NOT_LISTED_0_8 = (
     "not in NxDI 0.8's MODEL_TYPES (listed from 0.9, which supports Trn2 and newer only)"
 )
+# NxDI has no Gemma 4 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9).
+_GEMMA4_NXD = Refused(
+    "NxDI has no Gemma 4 in any release, and the plugin's own class is not built yet"
+)
 _NO_MROPE = (
     "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
     "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
@@ -173,6 +177,21 @@ ROWS: tuple[ModelRow, ...] = (
         _per_release(r0_8=Refused(_NOT_LISTED_0_8), r0_9=NxDIModelType("gemma3")),
         tiny=("gemma3", "gemma3_nxdi"),
         note="text",
+    ),
+    ModelRow(
+        "Gemma4ForCausalLM",
+        "Gemma 4",
+        "gemma4",
+        _every_release(_GEMMA4_NXD),
+        tiny=("gemma4", "gemma4_moe"),
+    ),
+    ModelRow(
+        "Gemma4ForConditionalGeneration",
+        "Gemma 4 (multimodal checkpoint)",
+        "gemma4",
+        _every_release(_GEMMA4_NXD),
+        tiny=("gemma4_mm",),
+        note="its text model, served with --language-model-only",
     ),
     ModelRow(
         "Qwen2VLForConditionalGeneration",

@@ -172,14 +172,16 @@ class NeuronModelRunner:
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One full-attention spec per layer; the backend owns the actual tensors."""
-        dtype = getattr(torch, self.settings.dtype)
+        """One full-attention spec per layer, at the widest layer's geometry (vLLM's
+        get_head_size and get_total_num_kv_heads; Gemma 4's layer types differ): the
+        backend owns the actual tensors, and the block count is the settings' (the
+        worker's determine_available_memory), so one block table serves every layer."""
+        model_config = self.vllm_config.model_config
         spec = FullAttentionSpec(
             block_size=self.settings.block_size,
-            num_kv_heads=self.hf_config.num_key_value_heads,
-            head_size=getattr(self.hf_config, "head_dim", None)
-            or self.hf_config.hidden_size // self.hf_config.num_attention_heads,
-            dtype=dtype,
+            num_kv_heads=model_config.get_total_num_kv_heads(),
+            head_size=model_config.get_head_size(),
+            dtype=getattr(torch, self.settings.dtype),
         )
         return {
             f"model.layers.{i}.self_attn": spec for i in range(self.hf_config.num_hidden_layers)

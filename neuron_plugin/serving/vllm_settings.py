@@ -227,7 +227,8 @@ def device_budget(vllm_config: Any) -> SequenceBudget | None:
 
 def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
     """The value vLLM holds for each flag of `core.vllm_flags.VLLM_FLAGS` (a flag this
-    vLLM does not have is left out)."""
+    vLLM does not have is left out); an attention backend vLLM's own model hook chose is
+    no flag of the user's (`_hook_chose_attention_backend`)."""
     values = {}
     for flag in VLLM_FLAGS:
         value = functools.reduce(
@@ -235,7 +236,41 @@ def vllm_flag_values(vllm_config: Any) -> dict[str, Any]:
         )
         if value is not _MISSING:
             values[flag.flag] = value
+    if values.get("--attention-backend") is not None and _hook_chose_attention_backend(vllm_config):
+        values["--attention-backend"] = None
     return values
+
+
+def _hook_chose_attention_backend(vllm_config: Any) -> bool:
+    """Whether vLLM's Gemma 4 config hook chose the attention backend vLLM holds
+    (model_executor/models/config.py Gemma4Config.verify_and_update_config forces
+    TRITON_ATTN for layers of unequal head sizes when no backend is set and FA4 is
+    unavailable; it touches nothing but attention_config): the hook run again from an
+    unset backend. An explicit --attention-backend of the same value cannot be told
+    apart; either does nothing on Neuron (attention runs in the compiled graphs), so the
+    choice is logged and not refused."""
+    from vllm.model_executor.models import config as model_hooks
+
+    architecture = getattr(vllm_config.model_config, "architecture", "")
+    hook = model_hooks.MODELS_CONFIG_MAP.get(architecture)
+    if hook is None or hook.__name__ != "Gemma4Config":
+        return False
+    attention = vllm_config.attention_config
+    chosen, version = attention.backend, attention.flash_attn_version
+    attention.backend = None
+    try:
+        hook.verify_and_update_config(vllm_config)
+        ours = attention.backend == chosen
+    finally:
+        attention.backend, attention.flash_attn_version = chosen, version
+    if ours:
+        logger.info(
+            "attention backend %s is vLLM's choice for %s (its config hook); attention runs "
+            "in the compiled Neuron graphs, so it is not used",
+            getattr(chosen, "name", chosen),
+            architecture,
+        )
+    return ours
 
 
 def vllm_neuron_environment() -> dict[str, str]:

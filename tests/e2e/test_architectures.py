@@ -2,7 +2,8 @@
 equal to transformers' on the same tiny checkpoint (scripts/build_tiny_model.py).
 
 - Sliding windows are 16 tokens and prompts 20-90 tokens, so windowed layers (Mistral,
-  Gemma3's local layers, gpt-oss's even layers) drop keys on every request. gpt-oss as
+  Gemma3's and Gemma 4's local layers, gpt-oss's even layers) drop keys on every
+  request; Gemma 4's shared layers read their sources' keys from the cache. gpt-oss as
   openai ships it (MXFP4 experts, a 128-token window) is in the decoder check; vLLM
   serves that format in bfloat16 only, whose rounding alone flips a tiny random model's
   greedy tokens (transformers' own bfloat16 does), so engines serve gpt-oss with float
@@ -16,7 +17,7 @@ equal to transformers' on the same tiny checkpoint (scripts/build_tiny_model.py)
 - A fast check without an engine: the decoder's logits against transformers' logits, at
   a tolerance that a window off by one or a missed norm, bias or sink would exceed.
 
-Llama 4's text model is in the decoder check (tests/e2e/test_llama4_text.py serves it).
+Llama 4's text model is in the decoder check (tests/e2e/test_language_model_only.py serves it).
 DBRX, also mapped, is not served by the reference backend (see architectures.py). What the
 nxd backend computes per architecture is checked on real NxDI instead
 (test_nxdi_architectures.py): the reference follows transformers, not NxDI.
@@ -43,7 +44,7 @@ from tests.e2e.support import (
 # gpt-oss as openai ships it (MXFP4 experts, "gpt_oss") runs in bfloat16 only through
 # vLLM (GptOssMxfp4Config), so the engines serve the float-expert variant; the decoder
 # check reads both.
-ARCHS = ["mistral", "qwen2", "mixtral", "qwen3_moe", "gemma3", "gpt_oss_float"]
+ARCHS = ["mistral", "qwen2", "mixtral", "qwen3_moe", "gemma3", "gemma4", "gpt_oss_float"]
 PROMPT_LENGTHS = [20, 33, 47, 60, 70, 90]
 NEW_TOKENS = 12
 MAX_NUM_SEQS = 4
@@ -71,16 +72,16 @@ def expected(tiny_model):
 
 
 # llama4: Llama4ForConditionalGeneration's text model (chunks of 16 tokens, NoPE layers);
-# served by tests/e2e/test_llama4_text.py (vLLM's Llama 4 module needs torchvision).
-@pytest.mark.parametrize("arch", ["llama", "qwen3", *ARCHS, "gpt_oss", "llama4"])
+# served by tests/e2e/test_language_model_only.py (vLLM's Llama 4 module needs torchvision).
+@pytest.mark.parametrize("arch", ["llama", "qwen3", *ARCHS, "gpt_oss", "llama4", "gemma4_moe"])
 def test_decoder_logits_match_transformers(arch, tiny_model):
     """Prefill 40 tokens (8 past the longest window), then 8 greedy decode steps on one
     cache line."""
     import torch
 
     from neuron_plugin.backends.reference.decoder import (
-        DecoderGraph,
         DecoderSpec,
+        decoder_graph,
         load_weights,
         rope_tables,
     )
@@ -89,13 +90,14 @@ def test_decoder_logits_match_transformers(arch, tiny_model):
     model_dir = tiny_model(arch)
     config = read_hf_config(model_dir)
     spec = DecoderSpec.from_hf_config(config)
-    graph = DecoderGraph(spec, rope_tables(config, spec))
+    graph = decoder_graph(spec, rope_tables(config, spec))
     weights = load_weights(model_dir, spec, torch.float32)
     hf = float32_model(model_dir)
     # 40 tokens, or more where a window is longer (gpt-oss: 128), so every window slides
     n = max([40] + [w + 8 for w in spec.windows if w])
     width = n + 24
-    cache = torch.zeros(spec.num_layers, width, spec.num_kv_heads, spec.head_dim)
+    rows, kv_heads, head_dim = spec.cache_geometry
+    cache = torch.zeros(rows, width, kv_heads, head_dim)
     k_cache, v_cache = cache, cache.clone()
     slots = torch.arange(width).unsqueeze(0)
 
@@ -132,7 +134,8 @@ def test_layer_windows_follow_transformers(architecture, model_type, fields):
     it (layer_types where the model reads them, else every layer)."""
     from transformers import AutoConfig
 
-    from neuron_plugin.backends.reference.architectures import ARCHITECTURES, layer_windows
+    from neuron_plugin.backends.reference.architectures import layer_windows
+    from neuron_plugin.backends.reference.families import ARCHITECTURES
 
     raw = {"num_hidden_layers": 7, "sliding_window": 16, **fields}
     config = AutoConfig.for_model(model_type, **raw)
@@ -187,7 +190,8 @@ def test_served_greedy_matches_transformers(served, tiny_model, expected):
     # The backend in a runner process in the SDK-pinned environment (torch 2.9,
     # transformers 4.57), for the architectures whose config keys differ between the
     # transformers majors (RoPE per layer type; YaRN).
-    ("gemma3", True), ("gpt_oss_float", True),
+    # Gemma 4 there too: that transformers has no Gemma 4 (config.json is read as JSON).
+    ("gemma3", True), ("gpt_oss_float", True), ("gemma4", True),
 ], ids=lambda v: {True: "sdk", False: "in-process"}.get(v, v))
 def test_block_layout_prefix_cache_matches_transformers(arch, in_sdk, request, tiny_model,
                                                         expected):

@@ -361,6 +361,20 @@ def test_explain_config_prefix_caching_reference_backend(model_dirs, backend_env
     assert any("prefix caching with bucketing" in w for w in report["warnings"])
 
 
+def test_explain_config_plans_gemma4_with_the_attention_backend_vllm_chose(tiny_model,
+                                                                        backend_env, capsys):
+    """vLLM's Gemma 4 config hook sets attention_config.backend (TRITON_ATTN: head sizes
+    differ by layer type, no FA4) before the platform sees it; that is no flag of the
+    user's. One the user passes is still refused by name."""
+    model = str(tiny_model("gemma4"))
+    flags = [model, "--max-model-len", "128", "--max-num-seqs", "2", "--backend", "reference"]
+    report, _ = explain.explain(flags)
+    assert report["architecture"] == "Gemma4ForCausalLM"
+    assert not any("attention-backend" in w for w in report["warnings"])
+    assert cli.main(["explain-config", *flags, "--attention-backend", "FLEX_ATTENTION"]) == 2
+    assert "--attention-backend FLEX_ATTENTION" in capsys.readouterr().err
+
+
 def test_explain_config_reports_contradictions(model_dirs, backend_env, capsys):
     code = cli.main(["explain-config", str(model_dirs["llama"]), "--max-model-len", "256",
                      "--additional-config",

@@ -39,11 +39,11 @@ from neuron_plugin.backends.nxd.families import (
     qwen3_moe,
     transformers_windows,
 )
-from neuron_plugin.backends.nxd.support import FEATURES, UNTESTED, Support, Table
+from neuron_plugin.backends.nxd.support import FEATURES, REFUSED, UNTESTED, Support, Table
 from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.settings import NeuronSettings
-from neuron_plugin.models.table import TABLE
+from neuron_plugin.models.table import TABLE, Refused
 
 FAMILIES: dict[str, NxDFamily] = {
     module.__name__.rsplit(".", 1)[1]: family(module)
@@ -65,8 +65,12 @@ def table(architecture: str, release: nxdi_releases.NxDIRelease) -> Table:
 
 def support(architecture: str, release: nxdi_releases.NxDIRelease) -> dict[str, str]:
     """Feature -> its status on the nxd backend with `release`, for the report of
-    `architecture` (an architecture outside the table, e.g. a contrib model's:
-    untested)."""
+    `architecture` (an architecture the table refuses on the release: refused, with the
+    reason; one outside the table, e.g. a contrib model's: untested)."""
+    row = TABLE.get(architecture)
+    source = row.nxd.get(release.release) if row else None
+    if isinstance(source, Refused):
+        return dict.fromkeys(FEATURES, Support(REFUSED, source.reason).describe())
     found = table(architecture, release)
     return {feature: found.get(feature, _UNMAPPED).describe() for feature in FEATURES}
 

@@ -5,9 +5,13 @@ config.json into the facts a graph needs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from neuron_plugin.backends.reference.architectures import DecoderSpec
+    from neuron_plugin.backends.reference.decoder import DecoderGraph
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
@@ -36,6 +40,8 @@ def even_layers(config: dict, layer: int) -> bool:
 
 # (architecture, text config, layers) -> DecoderSpec fields only this family has
 SpecFields = Callable[["Architecture", dict, int], dict[str, Any]]
+# (spec, lm_head its own tensor) -> the graph's weight inputs: (name, checkpoint tensors)
+WeightSources = Callable[["DecoderSpec", bool], list[tuple[str, tuple[str, ...]]]]
 
 
 @dataclass(frozen=True)
@@ -79,3 +85,12 @@ class Architecture:
     mlp_module: str = "mlp"  # the MLP's name in a layer
     # the family's own DecoderSpec fields (e.g. Llama 4's per-layer RoPE and chunks)
     spec_fields: SpecFields | None = None
+    # RoPE parameters per layer type where the config has none (Gemma 4's defaults)
+    default_rope: Mapping[str, Mapping[str, Any]] | None = None
+    # the family's own graph (a decoder.DecoderGraph subclass) and its weight inputs
+    # (decoder.weight_sources' form), where its layers are not the generic decoder's
+    graph: type[DecoderGraph] | None = None
+    weight_sources: WeightSources | None = None
+    # What a family's own graph does not take (the backend refuses them by name): LoRA
+    # adapter slots, int8 weights, an EAGLE head (a Llama layer over its hidden states).
+    refuses: tuple[str, ...] = ()

@@ -24,11 +24,9 @@ from neuron_plugin.backends.reference.architecture import (
     Architecture,
     UnsupportedModelError,
 )
-from neuron_plugin.backends.reference.families import ARCHITECTURES, family_module
 from neuron_plugin.core.checkpoint import text_config
 
 __all__ = [
-    "ARCHITECTURES",
     "CHUNKED",
     "FULL",
     "SLIDING",
@@ -79,6 +77,13 @@ class DecoderSpec:
     # attn_scale), the query at position p times 1 + attn_scale log(1 + floor((p + 1) /
     # floor_scale)); None: off
     temperature_tuning: tuple[float, float] | None = None
+    # Gemma 4, per layer: (kv heads, head dim) where layer types differ (empty: every
+    # layer num_kv_heads x head_dim), and the KV cache row it reads (a KV-shared layer
+    # reads its source's and writes none; empty: its own)
+    layer_geometry: tuple[tuple[int, int], ...] = ()
+    kv_rows: tuple[int, ...] = ()
+    per_layer_input: int = 0  # Gemma 4's per-layer embeddings' width (0: none)
+    values_from_keys: tuple[bool, ...] = ()  # Gemma 4's attention_k_eq_v, per layer
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -89,6 +94,28 @@ class DecoderSpec:
     @property
     def family(self) -> str:
         return self.arch.family
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_geometry[layer][0] if self.layer_geometry else self.num_kv_heads
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_geometry[layer][1] if self.layer_geometry else self.head_dim
+
+    def kv_row(self, layer: int) -> int:
+        return self.kv_rows[layer] if self.kv_rows else layer
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether the layer writes keys and values (a KV-shared layer reads another's)."""
+        return self.kv_row(layer) == layer
+
+    @property
+    def cache_geometry(self) -> tuple[int, int, int]:
+        """(rows, kv heads, head dim) of the KV cache: a row per layer that writes one;
+        where layers differ, lines of the widest head dim holding the widest layer."""
+        rows = len({self.kv_row(i) for i in range(self.num_layers)})
+        head_dim = max(self.head_dim_of(i) for i in range(self.num_layers))
+        widest = max(self.kv_heads_of(i) * self.head_dim_of(i) for i in range(self.num_layers))
+        return rows, -(-widest // head_dim), head_dim
 
     @property
     def qk_norm(self) -> bool:
@@ -114,6 +141,8 @@ class DecoderSpec:
     @classmethod
     def from_hf_config(cls, config: dict) -> DecoderSpec:
         config = text_config(config)
+        from neuron_plugin.backends.reference.families import ARCHITECTURES, family_module
+
         archs = config.get("architectures") or []
         name = next((a for a in archs if a in ARCHITECTURES), archs[0] if archs else "")
         family_module(name)  # refuses what no family serves, naming what is served
@@ -125,9 +154,8 @@ class DecoderSpec:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         layers = config["num_hidden_layers"]
-        moe = _moe_fields(arch, config, layers)
         scalar = config.get("query_pre_attn_scalar") if arch.gemma else None
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=name,
             arch=arch,
             vocab_size=config["vocab_size"],
@@ -146,9 +174,11 @@ class DecoderSpec:
             windows=layer_windows(arch, config, layers),
             attn_softcap=config.get("attn_logit_softcapping") if arch.gemma else None,
             final_softcap=config.get("final_logit_softcapping") if arch.gemma else None,
-            **(arch.spec_fields(arch, config, layers) if arch.spec_fields else {}),
-            **moe,
+            **_moe_fields(arch, config, layers),
         )
+        if arch.spec_fields:  # the family's own, over the common reading
+            fields.update(arch.spec_fields(arch, config, layers))
+        return cls(**fields)
 
 
 def layer_types(arch: Architecture, config: dict, layers: int) -> tuple[str, ...]:
@@ -211,6 +241,8 @@ def rope_parameters(config: dict, spec: DecoderSpec, layer_type: str) -> dict[st
         params = dict(params[layer_type])  # per layer type (Gemma3, transformers 5)
     elif isinstance(params, dict) and params:
         params = dict(params)
+    elif spec.arch.default_rope:  # the family's defaults per layer type (Gemma 4)
+        params = dict(spec.arch.default_rope[layer_type])
     elif spec.arch.gemma and layer_type == SLIDING:
         params = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
     else:
@@ -226,11 +258,15 @@ def rope_tables(config: dict, spec: DecoderSpec) -> dict[str, tuple[torch.Tensor
     """Per layer type in use: (inverse frequencies, attention scaling), as transformers
     computes them."""
     config = text_config(config)
+    kinds = {spec.rope_kind(i): i for i in reversed(range(spec.num_layers))}
     return {
         kind: _inv_freq(
-            config, rope_parameters(config, spec, kind), spec.head_dim, per_type=spec.arch.gemma
+            config,
+            rope_parameters(config, spec, kind),
+            spec.head_dim_of(kinds[kind]),  # Gemma 4's layer types differ in head dim
+            per_type=spec.arch.gemma,
         )
-        for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)})
+        for kind in sorted(kinds)
     }
 
 
@@ -242,6 +278,14 @@ def _inv_freq(
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (theta**exponents)
         return (inv_freq / params["factor"] if rope_type == "linear" else inv_freq), 1.0
+    if rope_type == "proportional":  # Gemma 4: modeling_rope_utils' proportional RoPE
+        # the first partial_rotary_factor of the pairs rotate at frequencies over the
+        # whole head_dim; the rest stay (frequency 0)
+        angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim
+        rotated = 1.0 / (theta**exponents)
+        inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles)))
+        return inv_freq / params.get("factor", 1.0), 1.0
     if rope_type == "dynamic":
         raise UnsupportedModelError(
             "rope_type='dynamic' changes frequencies with the sequence length, which a "
@@ -250,7 +294,7 @@ def _inv_freq(
     if per_type:
         raise UnsupportedModelError(
             f"rope_type={rope_type!r} on a model with RoPE per layer type is not supported "
-            "by the reference backend (default and linear are)."
+            "by the reference backend (default, linear and proportional are)."
         )
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -52,8 +52,8 @@ from neuron_plugin.backends.kv_blocks import (
 )
 from neuron_plugin.backends.reference.decoder import (
     COMPUTATION,
-    DecoderGraph,
     DecoderSpec,
+    decoder_graph,
     load_weights,
     rope_tables,
     weight_shapes,
@@ -126,6 +126,7 @@ class ReferenceBackend(InlineCalls):
         candidates = (
             min(settings.global_topk, self.spec.vocab_size) if settings.on_device_sampling else None
         )
+        _refuse_features(settings, self.spec)
         self.quantization = settings.quantization
         self.quantized: frozenset[str] = frozenset()
         if self.quantization is not None:
@@ -137,7 +138,7 @@ class ReferenceBackend(InlineCalls):
             self.lora = LoraGeometry.from_checkpoint(
                 safetensors_shapes(model_dir), self.spec.num_layers, settings.lora_target_modules
             )
-        self.module = DecoderGraph(
+        self.module = decoder_graph(
             self.spec,
             rope_tables(self.hf_config, self.spec),
             candidates,
@@ -166,6 +167,11 @@ class ReferenceBackend(InlineCalls):
         if s.is_block_layout:
             return s.num_blocks * s.block_size
         return (s.max_num_seqs + 1) * s.max_model_len
+
+    def _cache_shape(self) -> tuple[int, int, int, int]:
+        """K's (and V's) [rows, slots, kv heads, head dim] (DecoderSpec.cache_geometry)."""
+        rows, kv_heads, head_dim = self.spec.cache_geometry
+        return rows, self.num_slots, kv_heads, head_dim
 
     def _scratch_slot(self) -> int:
         s = self.settings
@@ -265,13 +271,7 @@ class ReferenceBackend(InlineCalls):
             active, written = decode_active(self.settings), decode_width(self.settings)
             draws = written
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64)  # noqa: E731
-        cache = torch.zeros(
-            self.spec.num_layers,
-            self.num_slots,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            dtype=self.dtype,
-        )
+        cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         sampling = (
             ()
             if self.module.candidates is None
@@ -367,9 +367,8 @@ class ReferenceBackend(InlineCalls):
         self.weights = self._load_weights()
         if self.vision is not None:
             self.vision_weights = load_vision_weights(self.model_dir, self.vision, self.dtype)
-        shape = (self.spec.num_layers, self.num_slots, self.spec.num_kv_heads, self.spec.head_dim)
-        self.k_cache = k_cache = torch.zeros(shape, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        self.k_cache = k_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
+        self.v_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self._empty_lora_slots()
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
@@ -606,12 +605,12 @@ class ReferenceBackend(InlineCalls):
                 "transferred; remove --speculative-config (or use method ngram) on a "
                 "disaggregated server."
             )
-        spec = self.spec
+        rows, kv_heads, head_dim = self.spec.cache_geometry
         return KVGeometry(
-            spec.num_layers,
+            rows,
             self.settings.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
+            kv_heads,
+            head_dim,
             self.settings.dtype,
             computation=f"reference computation {COMPUTATION}",
         )
@@ -655,7 +654,7 @@ class Draft:
                 f"has {self.spec.vocab_size} tokens, the target's {target.vocab_size}; a "
                 f"draft model must share the target's tokenizer and vocabulary."
             )
-        self.module = DecoderGraph(self.spec, rope_tables(self.hf_config, self.spec))
+        self.module = decoder_graph(self.spec, rope_tables(self.hf_config, self.spec))
         self.architecture = self.spec.architecture
         self.weights: list[torch.Tensor] = []
         self.state: tuple[torch.Tensor, ...] = ()  # its KV cache (K, V)
@@ -701,6 +700,32 @@ def _vision_spec(
             f"{vision.merge_patches}."
         )
     return vision
+
+
+# A feature a family's own graph may not take (Architecture.refuses) -> the flag it comes from.
+_FEATURE_FLAGS = {
+    "lora": "--enable-lora",
+    "quantization": "override_neuron_config quantized: true",
+    "eagle": "--speculative-config method eagle/eagle3",
+}
+
+
+def _refuse_features(settings: NeuronSettings, spec: DecoderSpec) -> None:
+    """Refuse what the architecture's graph does not take, naming the flag."""
+    asked = {
+        "lora": bool(settings.max_loras),
+        "quantization": settings.quantization is not None,
+        "eagle": settings.is_eagle,
+    }
+    refused = [f for f in spec.arch.refuses if asked[f]]
+    if refused:
+        flags = ", ".join(_FEATURE_FLAGS[f] for f in refused)
+        raise NeuronConfigError(
+            f"{spec.architecture} on the reference backend takes no {', '.join(refused)} "
+            f"(its layers are its family's own graph, backends/reference/families/"
+            f"{spec.family}.py, which has no adapter slots, int8 weights or EAGLE head "
+            f"input); remove {flags}."
+        )
 
 
 def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:

@@ -51,6 +51,7 @@ Speculative decoding's graphs (`speculative`) are built from the same pieces (`h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,6 +80,7 @@ __all__ = [
     "DecoderGraph",
     "DecoderSpec",
     "UnsupportedModelError",
+    "decoder_graph",
     "load_weights",
     "rope_tables",
     "weight_names",
@@ -106,6 +108,8 @@ def _with_scales(sources: WeightSources, quantized: frozenset[str]) -> WeightSou
 
 
 def _weight_sources(spec: DecoderSpec, own_head: bool) -> WeightSources:
+    if spec.arch.weight_sources is not None:  # the family's own layers
+        return spec.arch.weight_sources(spec, own_head)
     arch = spec.arch
     names = ["model.embed_tokens.weight"]
     sources: WeightSources = []
@@ -186,6 +190,19 @@ def load_weights(
         .contiguous()
         for name, sources in wanted
     ]
+
+
+def decoder_graph(
+    spec: DecoderSpec,
+    rope: dict[str, tuple[torch.Tensor, float]],
+    candidates: int | None = None,
+    lora_modules: tuple[str, ...] = (),
+    quantized: frozenset[str] = frozenset(),
+) -> DecoderGraph:
+    """The architecture's decoder graph: its family's own (Architecture.graph) or the
+    generic one."""
+    graph = spec.arch.graph or DecoderGraph
+    return graph(spec, rope, candidates, lora_modules, quantized)
 
 
 class DecoderGraph(nn.Module):
@@ -383,21 +400,50 @@ class DecoderGraph(nn.Module):
         order: what an EAGLE-3 head fuses (vLLM `_maybe_add_hidden_state`)."""
         s = self.spec
         captured: dict[int, torch.Tensor] = {}
-        batch, active = input_ids.shape
-        width = read_slots.shape[1]
-        embed = w["model.embed_tokens.weight"]
-        x = embed[input_ids]
-        dtype = x.dtype
-        if s.arch.gemma:
-            x = x * self.embed_scale[dtype]
+        x = self.embed(w, input_ids)
         deepstack: list[torch.Tensor] = []
         if vision is not None:
             embeddings, mask = vision
             # Qwen3-VL: the embedding, then one DeepStack level per early layer
-            embedding, *deepstack = embeddings.to(dtype).split(s.hidden_size, dim=-1)
+            embedding, *deepstack = embeddings.to(x.dtype).split(s.hidden_size, dim=-1)
             x = torch.where(mask.unsqueeze(-1), embedding, x)
             deepstack = [torch.where(mask.unsqueeze(-1), d, 0) for d in deepstack]
+        step = Step(
+            positions=positions,
+            rope=self.rope(positions, rope_positions, x.dtype),
+            masks=self.masks(positions, read_slots.shape[1], full_context_lens),
+            write_slots=write_slots.reshape(-1),
+            read_slots=read_slots,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            per_layer=self.per_layer_inputs(w, input_ids, x),
+        )
+        for layer in range(s.num_layers):
+            if layer in capture:
+                captured[layer] = x
+            x = self.layer(w, layer, x, step, None if lora is None else lora[layer])
+            if layer < len(deepstack):  # transformers' _deepstack_process
+                x = x + deepstack[layer]
+        captured[s.num_layers] = x
+        normed = rms_norm(s.arch.norm, x, w["model.norm.weight"], s.rms_norm_eps)
+        return normed, [captured[i] for i in capture]
 
+    def embed(self, w: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (Gemma's scaled by sqrt(hidden_size))."""
+        x = w["model.embed_tokens.weight"][input_ids]
+        return x * self.embed_scale[x.dtype] if self.spec.arch.gemma else x
+
+    def per_layer_inputs(
+        self, w: dict[str, torch.Tensor], input_ids: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """What every layer takes besides the residual stream (none here; Gemma 4's
+        per-layer embeddings)."""
+        return None
+
+    def rope(
+        self, positions: torch.Tensor, rope_positions: torch.Tensor | None, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per RoPE table: (cos, sin) [batch, active, 1, rotary width] at the positions."""
         rope = {}
         for kind, scaling in self.rope_scaling.items():
             inv_freq = getattr(self, f"inv_freq_{kind}")
@@ -409,18 +455,26 @@ class DecoderGraph(nn.Module):
                 axis_positions = rope_positions[self.mrope_axis].permute(1, 2, 0)
                 freqs = axis_positions.float() * inv_freq
             # Llama 4 rotates interleaved pairs, in float32 (`rotate`)
-            pairs = s.arch.llama4
+            pairs = self.spec.arch.llama4
             emb = freqs.repeat_interleave(2, -1) if pairs else torch.cat((freqs, freqs), -1)
             table = torch.float32 if pairs else dtype
             rope[kind] = (
                 (emb.cos() * scaling).to(table).unsqueeze(2),
                 (emb.sin() * scaling).to(table).unsqueeze(2),
             )
+        return rope
 
+    def masks(
+        self, positions: torch.Tensor, width: int, full_context_lens: torch.Tensor
+    ) -> dict[tuple[int | None, int | None], torch.Tensor]:
+        """Per (window, chunk) in use: which key positions each query sees
+        [batch, 1, 1, active, width] (see the module docstring)."""
+        s = self.spec
+        batch, active = positions.shape
         key_pos = torch.arange(width, dtype=positions.dtype).view(1, 1, width)
         query_pos = positions.unsqueeze(-1)
         causal = (key_pos <= query_pos) & (key_pos < full_context_lens.view(batch, 1, 1))
-        masks = {  # in layer order: the exported graph is the same in every process
+        return {  # in layer order: the exported graph is the same in every process
             (window, chunk): _restricted(causal, key_pos, query_pos, window, chunk).view(
                 batch, 1, 1, active, width
             )
@@ -428,62 +482,98 @@ class DecoderGraph(nn.Module):
                 (s.windows[i], s.chunk(i)) for i in range(s.num_layers)
             )
         }
-        flat_write = write_slots.reshape(-1)
+
+    def layer(
+        self,
+        w: dict[str, torch.Tensor],
+        layer: int,
+        x: torch.Tensor,
+        step: Step,
+        adapt: Adapt | None,
+    ) -> torch.Tensor:
+        """One decoder layer on the residual stream `x` [batch, active, hidden], its keys
+        and values written to the cache first."""
+        s = self.spec
+        batch, active = x.shape[:2]
         norm = s.arch.norm
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        h = rms_norm(norm, x, w[p + "input_layernorm.weight"], s.rms_norm_eps)
+        q, k, v = (
+            _with_delta(self.linear(w, f"{a}{n}_proj", h), adapt, f"{n}_proj", h) for n in "qkv"
+        )
+        q = q.view(batch, active, s.num_heads, s.head_dim)
+        k = k.view(batch, active, s.num_kv_heads, s.head_dim)
+        v = v.view(batch, active, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
+        if s.uses_rope(layer):
+            cos, sin = step.rope[s.rope_kind(layer)]
+            q, k = (rotate(t, cos, sin, s.arch.llama4) for t in (q, k))
+            if s.l2_qk_norm:
+                q, k = l2_norm(q, s.rms_norm_eps), l2_norm(k, s.rms_norm_eps)
+        elif s.temperature_tuning is not None:
+            q = _tuned_temperature(q, step.positions, *s.temperature_tuning)
+        step.write(layer, k, v)
+        keys, values = step.read(layer, s.num_kv_heads, s.head_dim)
+        attn = attend(s, q, keys, values, step.mask(s, layer), w.get(a + "sinks"))
+        out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
+        if s.arch.gemma:  # Gemma normalises the attention output too
+            out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
+        x = x + out
+        pre_mlp = "pre_feedforward_layernorm" if s.arch.gemma else "post_attention_layernorm"
+        h = rms_norm(norm, x, w[f"{p}{pre_mlp}.weight"], s.rms_norm_eps)
+        linear = (lambda m, x: self.linear(w, m, x)) if self.quantized else None
+        out = mlp(s, w, layer, h, adapt, linear)
+        if s.arch.gemma:
+            out = rms_norm(norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps)
+        return x + out
 
-        for layer in range(s.num_layers):
-            if layer in capture:
-                captured[layer] = x
-            p = f"model.layers.{layer}."
-            a = p + "self_attn."
-            adapt = None if lora is None else lora[layer]
-            h = rms_norm(norm, x, w[p + "input_layernorm.weight"], s.rms_norm_eps)
-            q, k, v = (
-                _with_delta(self.linear(w, f"{a}{n}_proj", h), adapt, f"{n}_proj", h) for n in "qkv"
-            )
-            q = q.view(batch, active, s.num_heads, s.head_dim)
-            k = k.view(batch, active, s.num_kv_heads, s.head_dim)
-            v = v.view(batch, active, s.num_kv_heads, s.head_dim)
-            if s.qk_norm:
-                q = rms_norm(norm, q, w[a + "q_norm.weight"], s.rms_norm_eps)
-                k = rms_norm(norm, k, w[a + "k_norm.weight"], s.rms_norm_eps)
-            if s.uses_rope(layer):
-                cos, sin = rope[s.rope_kind(layer)]
-                q, k = (rotate(t, cos, sin, s.arch.llama4) for t in (q, k))
-                if s.l2_qk_norm:
-                    q, k = l2_norm(q, s.rms_norm_eps), l2_norm(k, s.rms_norm_eps)
-            elif s.temperature_tuning is not None:
-                q = _tuned_temperature(q, positions, *s.temperature_tuning)
 
-            layer_idx = torch.full_like(flat_write, layer)
-            k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
-            v_cache.index_put_((layer_idx, flat_write), v.reshape(-1, s.num_kv_heads, s.head_dim))
-            attn = attend(
-                s,
-                q,
-                k_cache[layer][read_slots],
-                v_cache[layer][read_slots],
-                masks[(s.windows[layer], s.chunk(layer))],
-                w.get(a + "sinks"),
-            )
-            out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
-            if s.arch.gemma:  # Gemma normalises the attention output too
-                out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
-            x = x + out
-            pre_mlp = "pre_feedforward_layernorm" if s.arch.gemma else "post_attention_layernorm"
-            h = rms_norm(norm, x, w[f"{p}{pre_mlp}.weight"], s.rms_norm_eps)
-            linear = (lambda m, x: self.linear(w, m, x)) if self.quantized else None
-            out = mlp(s, w, layer, h, adapt, linear)
-            if s.arch.gemma:
-                out = rms_norm(
-                    norm, out, w[p + "post_feedforward_layernorm.weight"], s.rms_norm_eps
-                )
-            x = x + out
-            if layer < len(deepstack):  # transformers' _deepstack_process
-                x = x + deepstack[layer]
-        captured[s.num_layers] = x
-        normed = rms_norm(norm, x, w["model.norm.weight"], s.rms_norm_eps)
-        return normed, [captured[i] for i in capture]
+@dataclass
+class Step:
+    """What every layer of one call shares: positions, RoPE tables, masks, the KV cache
+    and the slots this call writes and reads, the per-layer inputs (Gemma 4)."""
+
+    positions: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    masks: dict[tuple[int | None, int | None], torch.Tensor]
+    write_slots: torch.Tensor  # [batch * active]
+    read_slots: torch.Tensor  # [batch, width]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    per_layer: torch.Tensor | None = None
+
+    def mask(self, s: DecoderSpec, layer: int) -> torch.Tensor:
+        return self.masks[(s.windows[layer], s.chunk(layer))]
+
+    def write(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This call's keys and values [batch, active, kv_heads, head_dim] into cache row
+        `row` at the write slots; a layer narrower than the cache line (Gemma 4's layer
+        types differ) fills its start."""
+        line = self.k_cache.shape[-2] * self.k_cache.shape[-1]
+        width = k.shape[-2] * k.shape[-1]
+        rows = torch.full_like(self.write_slots, row)
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            flat = new.reshape(-1, width)
+            if width < line:
+                pad = torch.full((flat.shape[0], line - width), 0, dtype=flat.dtype)
+                flat = torch.cat((flat, pad), dim=-1)
+            cache.index_put_((rows, self.write_slots), flat.view(-1, *cache.shape[-2:]))
+
+    def read(self, row: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache row `row`'s keys and values [batch, width, kv_heads, head_dim] at the
+        read slots."""
+        if (kv_heads, head_dim) == tuple(self.k_cache.shape[-2:]):
+            return self.k_cache[row][self.read_slots], self.v_cache[row][self.read_slots]
+        line = self.k_cache.shape[-2] * self.k_cache.shape[-1]
+        shape = (*self.read_slots.shape, kv_heads, head_dim)
+        keys, values = (
+            c[row].reshape(c.shape[1], line)[:, : kv_heads * head_dim][self.read_slots].view(shape)
+            for c in (self.k_cache, self.v_cache)
+        )
+        return keys, values
 
 
 def _restricted(
@@ -549,13 +639,14 @@ def attend(
     [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
     logit whose probability is dropped."""
     batch, active = q.shape[:2]
-    groups = s.num_heads // s.num_kv_heads
-    qg = q.view(batch, active, s.num_kv_heads, groups, s.head_dim).permute(0, 2, 3, 1, 4)
+    kv_heads, head_dim = keys.shape[-2:]  # the layer's (Gemma 4's layer types differ)
+    groups = s.num_heads // kv_heads
+    qg = q.view(batch, active, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
     kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
     scores = softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
     scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
     if sinks is not None:
-        sink = sinks.to(scores.dtype).view(1, s.num_kv_heads, groups, 1, 1)
+        sink = sinks.to(scores.dtype).view(1, kv_heads, groups, 1, 1)
         scores = torch.cat((scores, sink.expand(batch, -1, -1, active, 1)), dim=-1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if sinks is not None:

@@ -27,7 +27,8 @@ def layers(text: Text) -> int:
 def transformers_windows(architecture: str, text: Text) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it (None: full attention),
     from the reference backend's reading of transformers' rules."""
-    from neuron_plugin.backends.reference.architectures import ARCHITECTURES, layer_windows
+    from neuron_plugin.backends.reference.architectures import layer_windows
+    from neuron_plugin.backends.reference.families import ARCHITECTURES
 
     arch = ARCHITECTURES.get(architecture)
     return (None,) * layers(text) if arch is None else layer_windows(arch, dict(text), layers(text))

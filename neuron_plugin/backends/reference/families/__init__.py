@@ -10,6 +10,7 @@ from types import ModuleType
 from neuron_plugin.backends.reference.architecture import Architecture, UnsupportedModelError
 from neuron_plugin.backends.reference.families import (
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     llama4,
@@ -34,6 +35,7 @@ FAMILIES: dict[str, ModuleType] = {
         qwen3,
         qwen3_moe,
         gemma3,
+        gemma4,
         gpt_oss,
         qwen2_vl,
         qwen3_vl,

@@ -1,13 +1,15 @@
-"""Llama 4 (Llama4ForConditionalGeneration) served text-only on the reference backend:
-`vllm serve --device neuron --language-model-only` from the Neuron host's vLLM
-environment (vLLM's Llama 4 model module imports torchvision, which the CPU test
-environment lacks), the backend in a runner in the SDK-pinned environment (transformers
-4.57 reads the config), the block layout with prefix caching. The tiny checkpoint
-(scripts/build_tiny_model.py --arch llama4) has chunked attention over 16 tokens, NoPE
-layers with temperature tuning, and MoE layers: six concurrent prompts of 20-90 tokens,
-twice (the second round from the prefix cache), give transformers' greedy tokens. Its
-vision tower is not run under that flag: an image gets a 400 (served with images:
-tests/e2e/test_vision_llama4.py)."""
+"""Multimodal checkpoints served text-only on the reference backend: `vllm serve --device
+neuron --language-model-only` from the Neuron host's vLLM environment (vLLM's Llama 4 and
+Gemma 4 model modules import torchvision, which the CPU test environment lacks), the
+backend in a runner in the SDK-pinned environment (transformers 4.57 reads Llama 4's
+config; it has no Gemma 4, whose config.json the backend reads as JSON), the block layout
+with prefix caching. The tiny checkpoints (scripts/build_tiny_model.py): Llama 4
+(Llama4ForConditionalGeneration: chunked attention over 16 tokens, NoPE layers with
+temperature tuning, MoE layers) and Gemma 4 (Gemma4ForConditionalGeneration with the
+`gemma4` text model: per-layer head dims, shared KV, per-layer embeddings): six
+concurrent prompts of 20-90 tokens, twice (the second round from the prefix cache), give
+transformers' greedy tokens. A vision tower is not run under that flag: an image gets a
+400 (Llama 4 served with images: tests/e2e/test_vision_llama4.py)."""
 
 from __future__ import annotations
 
@@ -31,9 +33,9 @@ PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA
          "+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model) -> Path:
-    return tiny_model("llama4")
+@pytest.fixture(scope="module", params=["llama4", "gemma4_mm"])
+def model(request, tiny_model) -> Path:
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def prompts(model) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def server(model, host_python, sdk_python, tmp_path_factory):
     config = {"override_neuron_config": BUCKETS, "backend_python": sdk_python}
-    served = Server(model, tmp_path_factory.mktemp("llama4") / "server.log",
+    served = Server(model, tmp_path_factory.mktemp(model.name) / "server.log",
                     [*ARGS, "--language-model-only", "--additional-config", json.dumps(config)],
                     env={**os.environ, "VLLM_NEURON_BACKEND": "reference"}, python=host_python)
     try:
