@@ -443,6 +443,32 @@ def test_doctor_reports_whether_nxdi_imports_and_where_it_runs(tmp_path, sdk_pyt
     assert device.status == "ok" and "on the Neuron devices" in device.detail
 
 
+def test_doctor_names_the_model_classes_registered_in_the_backends_environment(tmp_path):
+    """Entry points of neuron_plugin.nxdi_models in the interpreter the backend runs in:
+    each named with its class; one that does not import, or is no NxDI application
+    class, fails naming it; none: the table's classes."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    none = doctor.check_model_classes(sys.executable, env)
+    assert none.status == "info" and "none registered" in none.detail
+    (tmp_path / "contrib_models.py").write_text(
+        "class NeuronTiny:\n"
+        "    get_neuron_config_cls = get_config_cls = classmethod(lambda cls: None)\n"
+        "class NotAModel:\n    pass\n")
+    info = tmp_path / "contrib_models-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: contrib-models\nVersion: 0.1\n")
+    entry = "[neuron_plugin.nxdi_models]\nTinyForCausalLM = contrib_models:NeuronTiny\n"
+    (info / "entry_points.txt").write_text(entry)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    ok = doctor.check_model_classes(sys.executable, env)
+    assert ok.status == "ok" and "TinyForCausalLM -> contrib_models:NeuronTiny" in ok.detail
+    (info / "entry_points.txt").write_text(entry + "OtherForCausalLM = contrib_models:NotAModel\n"
+                                           "GoneForCausalLM = contrib_gone:Model\n")
+    bad = doctor.check_model_classes(sys.executable, env)
+    assert bad.status == "fail" and "contrib_models:NotAModel is not an NxDI application" \
+        in bad.detail and "contrib_gone:Model does not import" in bad.detail
+
+
 @pytest.mark.parametrize("versions,devices,target,expected", [
     ({}, False, None, {"neuronx-distributed-inference": "info"}),
     ({}, True, "inf2", {"neuronx-distributed-inference": "fail", "torch-neuronx": "fail"}),
