@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional
 
 from neuron_plugin.backends.reference.architectures import UnsupportedModelError
-from neuron_plugin.backends.reference.decoder import rms_norm
+from neuron_plugin.backends.reference.decoder import owned, rms_norm
 from neuron_plugin.backends.reference.llama4_vision import (
     Llama4VisionGraph,
     Llama4VisionSpec,
@@ -246,7 +246,7 @@ def load_weights(model_dir: str | Path, spec: Tower, dtype: torch.dtype) -> list
                 name = canonical_tensor_name(stored)
                 if name in wanted:
                     found[name] = f.get_tensor(stored)
-    return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
+    return [owned(found[name], dtype) for name in checked_names(spec, found)]
 
 
 def weight_shapes(spec: Tower, shapes: Mapping[str, list[int]]) -> list[list[int]]:
