@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from compile_cache.errors import UnsafePathError
 from compile_cache.locks import hold_lock_file, remove_lock, try_lock_file
 from neuron_plugin import plugin_logger
 
@@ -118,7 +119,10 @@ def sweep(parent: Path) -> None:
     """Compile folders under `parent` whose process died (nobody holds their lock):
     reduced to their logs like a failed compile's."""
     for lock in parent.glob(f"{RUNNING}*.lock"):
-        held = try_lock_file(parent, (lock.name,))
+        try:
+            held = try_lock_file(parent, (lock.name,))
+        except (OSError, UnsafePathError):
+            continue  # another user's (a shared BASE_COMPILE_WORK_DIR), or a planted link
         if held is None:
             continue  # a live compile
         folder = parent / lock.name.removesuffix(".lock")
