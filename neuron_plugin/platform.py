@@ -267,6 +267,12 @@ class NeuronPlatform(Platform):
                 settings.on_device_sampling, settings.global_topk, settings.exact_sampling
             ),
         )
+        if settings.logits_buckets_note:
+            # twins missing where default requests need them cost every such decode step
+            short = settings.token_generation_logits_buckets != settings.token_generation_buckets
+            (logger.warning if short else logger.info)(
+                "neuron platform: %s", settings.logits_buckets_note
+            )
         speculation = speculation_summary(
             settings.speculation_method, settings.num_speculative_tokens, settings.backend
         )

@@ -53,6 +53,7 @@ def resolve_grids(
     *,
     block_size: int,
     speculation_length: int = 0,
+    host_default: str | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Bucket grids: NxDI's powers of two by default (so existing configurations keep
     their meaning), the user's lists when given, one full-size graph when bucketing is
@@ -70,7 +71,11 @@ def resolve_grids(
     plus speculation_length (strictly below the bucket), so decoding at position
     max_model_len - 2 needs a bucket of max_model_len + speculation_length - 1: the
     largest token-generation bucket reaches that far (the positions past max_model_len
-    are written to no request's cache)."""
+    are written to no request's cache).
+
+    `host_default`: why a request that sets no sampling parameters is sampled on the
+    host (core.sampling.default_request_refusal), None where the device samples it; it
+    decides the default logits twins (logits_lengths)."""
     enable = bool_setting(override, "enable_bucketing")
     enable = True if enable is None else enable
     seq = limits.max_model_len
@@ -183,19 +188,26 @@ def resolve_grids(
         )
     else:
         grids["prefix_buckets"] = ()
-    grids[LOGITS_KEY] = logits_lengths(override, grids["token_generation_buckets"])
+    grids[LOGITS_KEY] = logits_lengths(
+        override, grids["token_generation_buckets"], host_default is not None
+    )
     return grids
 
 
-def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tuple[int, ...]:
+def logits_lengths(
+    override: Mapping[str, Any], lengths: tuple[int, ...], host_by_default: bool = False
+) -> tuple[int, ...]:
     """`token_generation_logits_buckets`: the context lengths whose token-generation
     graphs get a logits twin (nxd backend, on-device sampling). A decode with a
     host-sampled row runs the first twin that fits its longest row, so the largest
-    length must have one; by default it alone does (one NEFF more rather than one a
-    length: host-sampled steps are the rare ones, and run at the largest length), and
-    the key widens the set where such steps are frequent."""
+    length must have one. By default it alone does where a request that sets nothing
+    is sampled on the device (one NEFF more rather than one a length: host-sampled steps
+    are then the rare ones), and every length has one where such a request is sampled on
+    the host (`host_by_default`: a model whose generation config sets a penalty or
+    min_p, or exact sampling of requests without top_k), so that every decode of a
+    default request runs at its own bucket; the key chooses the set itself."""
     if LOGITS_KEY not in override:
-        return lengths[-1:]
+        return lengths if host_by_default else lengths[-1:]
     name = f"override_neuron_config.{LOGITS_KEY}"
     try:
         chosen = validate_grid(override[LOGITS_KEY], name=name)
@@ -215,3 +227,34 @@ def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tup
             f"would have no graph; add {lengths[-1]}."
         )
     return chosen
+
+
+def logits_note(
+    override: Mapping[str, Any],
+    chosen: tuple[int, ...],
+    lengths: tuple[int, ...],
+    host_default: str | None,
+) -> str:
+    """What the logits twins mean for a request that sets no sampling parameters, for
+    the start-up log and explain-config ('' where the device samples it)."""
+    if host_default is None or not chosen:
+        return ""
+    if LOGITS_KEY not in override:
+        return (
+            f"a request that sets no sampling parameters is sampled on the host "
+            f"({host_default}), so every token-generation length has a logits twin "
+            f"({len(chosen)} graphs more to compile and cache) and such a request decodes "
+            f"at its own bucket; {LOGITS_KEY} chooses fewer twins (fewer graphs, longer "
+            f"steps)"
+        )
+    missing = [n for n in lengths if n not in chosen]
+    if not missing:
+        return ""
+    return (
+        f"a request that sets no sampling parameters is sampled on the host "
+        f"({host_default}), but override_neuron_config.{LOGITS_KEY}={list(chosen)} has no "
+        f"twin at {missing}: each decode step of such a request whose longest row is "
+        f"shorter runs at the next length that has one, reading the KV cache that far "
+        f"(up to {chosen[-1]} positions a row instead of {lengths[0]}); add those lengths "
+        f"(one graph each) or remove the key"
+    )

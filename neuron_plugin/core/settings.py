@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import LOGITS_KEY, resolve_grids
+from neuron_plugin.core.bucket_grids import LOGITS_KEY, logits_note, resolve_grids
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -57,7 +57,12 @@ from neuron_plugin.core.prompt_logprobs import (
     resolve_prompt_logprobs,
 )
 from neuron_plugin.core.quantization import Quantization
-from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
+from neuron_plugin.core.sampling import (
+    DEFAULT_GLOBAL_TOPK,
+    DISABLED_ENV,
+    default_request_refusal,
+    resolve_exact_sampling,
+)
 from neuron_plugin.core.speculation import resolve_speculation
 from neuron_plugin.core.vision import VISION_BUCKETS_KEY, resolve_vision_buckets
 from neuron_plugin.core.vllm_flags import WORKER_CLS
@@ -244,6 +249,14 @@ def resolve_settings(
     transfer_problems = kv_transfer_problems(limits.kv_transfer, kv_layout, reason, draft_model)
     if transfer_problems:
         raise NeuronConfigError(" ".join(transfer_problems))
+    exact = resolve_exact_sampling(exact_sampling)
+    # Where a decode with a host-sampled row runs a logits twin (nxd, on-device sampling,
+    # no fused drafter: NeuronSettings.token_generation_logits_shapes), whether a request
+    # that sets no sampling parameters is one.
+    twins = backend == "nxd" and on_device and method not in FUSED_METHODS
+    host_default = (
+        default_request_refusal(limits.default_sampling, global_topk, exact) if twins else None
+    )
     grids = resolve_grids(
         limits,
         override,
@@ -251,6 +264,7 @@ def resolve_settings(
         max_context,
         block_size=block_size,
         speculation_length=drafts + 1 if method else 0,
+        host_default=host_default,
     )
     if (
         backend == "nxd"
@@ -285,7 +299,6 @@ def resolve_settings(
             f"backend serves int8 weight quantization; use quantization_dtype int8 there "
             f"(fp8 runs on the nxd backend)."
         )
-    exact = resolve_exact_sampling(exact_sampling)
     prompt_k = resolve_prompt_logprobs(prompt_logprobs, limits.max_logprobs, limits.logprobs_mode)
     if prompt_k is not None and draft_model:
         raise NeuronConfigError(
@@ -351,6 +364,9 @@ def resolve_settings(
         num_speculative_tokens=drafts,
         draft_model=draft_model,
         token_generation_logits_buckets=grids[LOGITS_KEY],
+        logits_buckets_note=logits_note(
+            override, grids[LOGITS_KEY], grids["token_generation_buckets"], host_default
+        ),
         max_loras=lora.max_loras,
         max_lora_rank=lora.max_lora_rank,
         lora_target_modules=lora.target_modules,

@@ -118,6 +118,7 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         vision=vision_limits(model),
         max_logprobs=model.max_logprobs,
         logprobs_mode=str(model.logprobs_mode),
+        default_sampling=dict(model.get_diff_sampling_param()),
     )
 
 

@@ -219,7 +219,7 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
     else:
         where = f"at the first of the lengths {lengths} that fits (token_generation_logits_buckets)"
     count = f"{len(shapes)} logits graphs add" if len(shapes) > 1 else "logits graph adds"
-    return [
+    notes = [
         f"a decode step whose rows are all sampled on the device runs a token-generation "
         f"graph that returns tokens alone; a step with a host-sampled row (logprobs, "
         f"penalties, grammar, seed, ...) runs its logits twin {where} and the full batch "
@@ -227,6 +227,7 @@ def logits_notes(settings: NeuronSettings, hf_config: dict) -> list[str]:
         f"returns its one row. The {count} {len(shapes) / others:.0%} to the {others} "
         f"other graphs to compile and cache (compiled once, with them)."
     ]
+    return notes + ([f"{settings.logits_buckets_note}."] if settings.logits_buckets_note else [])
 
 
 def build_report(

@@ -137,10 +137,26 @@ def test_kv_heads_of_mha_and_many_kv_heads():
     mha = head_sharding(3, 4, 4)
     assert (mha.padded_kv_heads, mha.kv_heads_per_core) == (6, 2)
     assert list(mha.slot_heads) == [0, 1, 2, 3, None, None]
+    assert "converts to multi-head attention" in mha.describe()
     even = head_sharding(4, 64, 8)
     assert (even.kv_heads_per_core, list(even.slot_heads)) == (2, list(range(8)))
     qwen = head_sharding(32, 28, 4)  # Qwen2.5-7B: each KV head on 8 cores
     assert qwen.kv_heads_per_core == 1 and list(qwen.slot_heads) == [h // 8 for h in range(32)]
+
+
+@pytest.mark.parametrize("tp, heads", [(16, 8), (32, 16), (8, 4), (4, 2)])
+def test_multi_head_kv_heads_that_tp_is_a_multiple_of_are_replicated(tp, heads):
+    """Multi-head attention whose heads divide TP (8 heads at TP 16): NxDI's strategy is
+    REPLICATE_TO_TP_DEGREE (gqa.py determine_sharding_strategy) and its preshard hook
+    copies each KV head TP / heads times in place (replicate_kv), padding Q with zero
+    heads between them: rank r holds KV head r // (TP / heads), no padding KV head."""
+    sharding = head_sharding(tp, heads, heads)
+    copies = tp // heads
+    assert sharding.strategy == REPLICATE
+    assert (sharding.padded_kv_heads, sharding.kv_heads_per_core) == (tp, 1)
+    assert list(sharding.slot_heads) == [r // copies for r in range(tp)]
+    assert sharding.describe() == (f"{heads} KV heads replicated to TP {tp} ({copies} "
+                                   f"copies each): 1 per NeuronCore")
 
 
 def test_memory_plan_counts_the_padded_heads_at_tp_12():

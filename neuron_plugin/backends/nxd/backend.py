@@ -80,6 +80,7 @@ from neuron_plugin.backends.nxd.outputs import (
 )
 from neuron_plugin.backends.nxd.quantized import (
     check_quantized_head,
+    complete_for_fused_qkv,
     refuse_quantized_draft,
     untie_quantized_head,
 )
@@ -262,6 +263,7 @@ class NxDBackend(InlineCalls):
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
         )
         self.tied_head = untie_quantized_head(config, self.settings)
+        complete_for_fused_qkv(neuron_config, config.num_hidden_layers, "modules_to_not_convert")
         for key, value in compat.config_adjustments(self.settings, self.hf_config).items():
             setattr(config, key, value)
         if self.settings.is_fused_speculation:
@@ -291,6 +293,12 @@ class NxDBackend(InlineCalls):
         draft_config = config_cls(
             draft_neuron_config(neuron_config),
             load_config=self.nxdi.load_pretrained_config(draft_dir),
+        )
+        own = getattr(neuron_config, "draft_model_modules_to_not_convert", None)
+        complete_for_fused_qkv(
+            draft_config.neuron_config,
+            draft_config.num_hidden_layers,
+            "draft_model_modules_to_not_convert" if own else "modules_to_not_convert",
         )
         return self.nxdi.fused_spec_config(
             worker_cls,

@@ -185,11 +185,19 @@ def load_weights(
             f"{spec.architecture} graph needs, e.g. {missing[:3]}"
         )
     return [
-        (torch.stack([found[n] for n in sources]) if "*" in name else found[sources[0]])
-        .to(dtype)
-        .contiguous()
+        owned(torch.stack([found[n] for n in sources]) if "*" in name else found[sources[0]], dtype)
         for name, sources in wanted
     ]
+
+
+def owned(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as `dtype`, contiguous, in memory of torch's own allocator (64-byte
+    aligned). safetensors reads a tensor as a view of a memory map at its file offset
+    (8-byte aligned, wherever the header length leaves it), and MKL's float32 GEMM
+    rounds the last bits differently for 8- and 16-byte aligned operands: weights left
+    there compute results that depend on the checkpoint's layout and differ between two
+    processes that hold the same weights at different offsets."""
+    return tensor.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def decoder_graph(

@@ -35,7 +35,7 @@ from neuron_plugin.backends.reference.architectures import (
     UnsupportedModelError,
     rope_tables,
 )
-from neuron_plugin.backends.reference.decoder import DecoderGraph, attend
+from neuron_plugin.backends.reference.decoder import DecoderGraph, attend, owned
 from neuron_plugin.backends.reference.layers import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import mlp
 from neuron_plugin.backends.reference.sampler import sample, verify
@@ -402,7 +402,6 @@ class EagleState:
                 f"{self.head.method} graph needs, e.g. {missing[:3]}"
             )
         self.weights = [
-            found[n].to(torch.int64 if n == "d2t" else dtype).contiguous()
-            for n in self.module.names
+            owned(found[n], torch.int64 if n == "d2t" else dtype) for n in self.module.names
         ]
         self.state = self.caches(slots, dtype)
