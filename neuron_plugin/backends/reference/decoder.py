@@ -72,8 +72,9 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 # Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
 # graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
 # 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
-# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3).
-COMPUTATION = 4
+# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: attention reads
+# K and V as gathered, without a copy per head group, `attend`).
+COMPUTATION = 5
 
 __all__ = [
     "FAMILIES",
@@ -591,15 +592,20 @@ def attend(
 ) -> torch.Tensor:
     """Grouped-query attention of q [b, active, heads, d] over keys/values
     [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
-    logit whose probability is dropped."""
+    logit whose probability is dropped. The heads that share a KV head are stacked along
+    the queries ([b, kv_heads, groups x active, d]), so both products read K and V as
+    gathered: broadcasting them to every head of a group copied them, transposed, in each
+    layer of each call, which cost more than the products themselves at decode."""
     batch, active = q.shape[:2]
-    groups = s.num_heads // s.num_kv_heads
-    qg = q.view(batch, active, s.num_kv_heads, groups, s.head_dim).permute(0, 2, 3, 1, 4)
-    kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
-    scores = _softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
+    kv, groups, dim = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+    width = keys.shape[1]
+    qg = q.view(batch, active, kv, groups, dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, kv, groups * active, dim)
+    scores = (qg @ keys.permute(0, 2, 3, 1)).view(batch, kv, groups, active, width)
+    scores = _softcap(scores * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
     scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
     if sinks is not None:
-        sink = sinks.to(scores.dtype).view(1, s.num_kv_heads, groups, 1, 1)
+        sink = sinks.to(scores.dtype).view(1, kv, groups, 1, 1)
         scores = torch.cat((scores, sink.expand(batch, -1, -1, active, 1)), dim=-1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if sinks is not None:
@@ -607,5 +613,7 @@ def attend(
     # stale slots no query of the row sees: zero, so a NaN there cannot reach the output
     seen = visible.any(dim=-2).view(visible.shape[0], -1, 1, 1)  # [b or 1, width, 1, 1]
     values = values.masked_fill(~seen, 0)
-    vg = values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kv, 1, width, d]
-    return (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
+    out = probs.reshape(batch, kv, groups * active, width) @ values.transpose(1, 2)
+    return (
+        out.view(batch, kv, groups, active, dim).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
+    )
