@@ -49,6 +49,7 @@ _RUNTIME_ONLY = frozenset(
         "dp_degree",
         "rank_cores",
         "max_num_seqs_reason",
+        "token_generation_batches_reason",
         "exact_sampling",
         # The draft's folder: its config (and, where embedded, its weights' fingerprint)
         # is in the backend's fields instead, so a moved draft keeps its artifacts.
