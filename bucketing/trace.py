@@ -108,7 +108,7 @@ def _csv_rows(path: Path, text: str) -> Iterable[tuple[str, dict[str, Any]]]:
             f"or prompt_tokens",
         )
     for number, row in enumerate(reader, start=2):
-        record = {}
+        record: dict[str, Any] = {}
         for name, value in row.items():
             field = CSV_ALIASES.get(name, name)
             if field in FIELDS and value not in (None, ""):
