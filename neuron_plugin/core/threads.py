@@ -3,10 +3,10 @@ that together they never ask for more cores than the host gives them.
 
 A multi-threaded torch op leaves its OpenMP workers spinning after each parallel region,
 and a worker that waits for a core stalls every later region of the step: on this
-project's 2-core machine the plugin's engine at torch's default (a thread per core)
-beside the API server served a third of its tokens, and a tenth of them with other work
-on the cores, of what one thread served. vLLM's CPU platform has the same rule for its
-own processes ("Reducing Torch threads ... for serving", vllm.utils.torch_utils).
+project's 2-core machine, with other work on the cores, the plugin's engine at torch's
+default (a thread per core) beside the API server served 60.7 output tokens/s at 32
+concurrent requests, against 553.7 with one thread. vLLM's CPU platform has a rule for
+its own processes ("Reducing Torch threads ... for serving", vllm.utils.torch_utils).
 
 The rule (`serving_threads`), with C the cores this process may use (its CPU affinity,
 capped by a cgroup CPU quota) and D the data-parallel engines on the host:
