@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 from typing import Any
@@ -248,7 +249,7 @@ class NeuronPlatform(Platform):
             )
         settings = resolve_from_vllm_config(vllm_config)
         apply(settings, vllm_config)
-        if serves_api(sys.argv, os.environ):
+        if serves_api(sys.argv, os.environ, multiprocessing.parent_process() is not None):
             # vLLM's API server computes no model: one torch thread (core.threads)
             apply_serving_threads(
                 API_SERVER, serving_threads(API_SERVER, cores=available_cores()), logger

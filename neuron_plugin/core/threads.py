@@ -163,8 +163,12 @@ def apply_serving_threads(role: str, choice: ThreadChoice, log: Any) -> int:
     return threads
 
 
-def serves_api(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+def serves_api(argv: Sequence[str], environ: Mapping[str, str], child: bool) -> bool:
     """Whether this process is `vllm serve`'s API server with its engine core in another
-    process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, on by default). An offline `LLM`
+    process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, on by default): the command's main
+    process (`child`: started by another Python process, such as an engine core, which
+    inherits the command line and resolves its settings again). An offline `LLM`
     script's own process is left alone: its torch code is the user's."""
-    return list(argv[1:2]) == ["serve"] and environ.get(MULTIPROCESSING_ENV, "1") != "0"
+    return (
+        not child and list(argv[1:2]) == ["serve"] and environ.get(MULTIPROCESSING_ENV, "1") != "0"
+    )

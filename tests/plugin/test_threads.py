@@ -22,8 +22,8 @@ RULE = [
     (API_SERVER, 2, 1, True, False, 1),
     (ENGINE, 2, 1, True, False, 1),
     (ENGINE, 8, 1, True, False, 7),
-    (ENGINE, 9, 2, True, False, 4),   # two data-parallel engines share 8 cores
-    (ENGINE, 1, 1, True, False, 1),   # never below one
+    (ENGINE, 9, 2, True, False, 4),  # two data-parallel engines share 8 cores
+    (ENGINE, 1, 1, True, False, 1),  # never below one
     # the reference backend in a runner: the runner computes, its engine core keeps 1
     (RUNNER, 8, 1, True, True, 6),
     (ENGINE, 8, 1, True, True, 1),
@@ -37,28 +37,38 @@ RULE = [
 
 
 @pytest.mark.parametrize("role,cores,engines,on_host,runner,threads", RULE)
-def test_the_rule_never_asks_for_more_cores_than_there_are(role, cores, engines, on_host,
-                                                            runner, threads):
-    choice = serving_threads(role, cores=cores, engines=engines, model_on_host=on_host,
-                             runner=runner, environ={})
+def test_the_rule_never_asks_for_more_cores_than_there_are(
+    role, cores, engines, on_host, runner, threads
+):
+    choice = serving_threads(
+        role, cores=cores, engines=engines, model_on_host=on_host, runner=runner, environ={}
+    )
     assert choice.threads == threads, choice.reason
     assert f"{cores} cores" in choice.reason
 
 
-@pytest.mark.parametrize("cores,engines,on_host,runner", [
-    (c, d, h, r) for c in (1, 2, 3, 4, 8, 16, 64) for d in (1, 2, 4)
-    for h in (True, False) for r in (True, False)])
+@pytest.mark.parametrize(
+    "cores,engines,on_host,runner",
+    [
+        (c, d, h, r)
+        for c in (1, 2, 3, 4, 8, 16, 64)
+        for d in (1, 2, 4)
+        for h in (True, False)
+        for r in (True, False)
+    ],
+)
 def test_all_serving_processes_together_fit_the_host(cores, engines, on_host, runner):
     """The API server, each engine core and each runner: their threads sum to at most the
     cores (when every process can have one)."""
+
     def threads(role):
-        choice = serving_threads(role, cores=cores, engines=engines, model_on_host=on_host,
-                                 runner=runner, environ={})
+        choice = serving_threads(
+            role, cores=cores, engines=engines, model_on_host=on_host, runner=runner, environ={}
+        )
         assert choice.threads is not None
         return choice.threads
 
-    total = threads(API_SERVER) + engines * (threads(ENGINE) + (threads(RUNNER) if runner
-                                                                 else 0))
+    total = threads(API_SERVER) + engines * (threads(ENGINE) + (threads(RUNNER) if runner else 0))
     processes = 1 + engines * (2 if runner else 1)
     assert total <= max(cores, processes)
 
@@ -67,8 +77,9 @@ def test_an_explicit_omp_num_threads_is_kept():
     choice = serving_threads(ENGINE, cores=8, environ={"OMP_NUM_THREADS": "3"})
     assert choice.threads is None and "OMP_NUM_THREADS=3 is set" in choice.reason
     # the count vLLM itself put there for a worker is not the user's choice
-    vllm = serving_threads(ENGINE, cores=8, environ={
-        "OMP_NUM_THREADS": "8", "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"})
+    vllm = serving_threads(
+        ENGINE, cores=8, environ={"OMP_NUM_THREADS": "8", "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"}
+    )
     assert vllm.threads == 7
 
 
@@ -95,9 +106,12 @@ def test_cgroup_quota(tmp_path):
     assert cgroup_cpu_limit(tmp_path) == 1.0  # at least one core
 
 
-def test_the_api_server_is_vllm_serve_with_its_engine_elsewhere():
-    assert serves_api(["/venv/bin/vllm", "serve", "m"], {})
-    assert not serves_api(["/venv/bin/vllm", "serve", "m"],
-                          {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert not serves_api(["script.py"], {})
-    assert not serves_api(["/venv/bin/vllm", "bench", "serve"], {})
+def test_the_api_server_is_vllm_serves_main_process_with_its_engine_elsewhere():
+    assert serves_api(["/venv/bin/vllm", "serve", "m"], {}, child=False)
+    # its engine core inherits the command line and resolves the settings again
+    assert not serves_api(["/venv/bin/vllm", "serve", "m"], {}, child=True)
+    assert not serves_api(
+        ["/venv/bin/vllm", "serve", "m"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, child=False
+    )
+    assert not serves_api(["script.py"], {}, child=False)
+    assert not serves_api(["/venv/bin/vllm", "bench", "serve"], {}, child=False)
