@@ -72,8 +72,8 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 # Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
 # graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
 # 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
-# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: attention reads
-# K and V as gathered, without a copy per head group, `attend`).
+# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: K and V gathered
+# by whole rows and never copied per head group, `attend`).
 COMPUTATION = 5
 
 __all__ = [
@@ -506,8 +506,8 @@ class DecoderGraph(nn.Module):
             attn = attend(
                 s,
                 q,
-                k_cache[layer][read_slots],
-                v_cache[layer][read_slots],
+                gather(k_cache[layer], read_slots),
+                gather(v_cache[layer], read_slots),
                 masks[(s.windows[layer], s.chunk(layer))],
                 w.get(a + "sinks"),
             )
@@ -582,6 +582,13 @@ def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tens
     return y if delta is None else y + delta
 
 
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows [slots, kv_heads, d] of `slots` [b, width]: [b, width, kv_heads, d],
+    `cache[slots]` copied row by row (index_select copies whole rows; indexing copies
+    element by element, several times slower)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def attend(
     s: DecoderSpec,
     q: torch.Tensor,
@@ -593,17 +600,21 @@ def attend(
     """Grouped-query attention of q [b, active, heads, d] over keys/values
     [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
     logit whose probability is dropped. The heads that share a KV head are stacked along
-    the queries ([b, kv_heads, groups x active, d]), so both products read K and V as
-    gathered: broadcasting them to every head of a group copied them, transposed, in each
-    layer of each call, which cost more than the products themselves at decode."""
+    the queries ([b, kv_heads, groups x active, d]), so K and V are not broadcast to every
+    head of a group: that copied them, transposed, in each layer of each call, which cost
+    more than the products themselves at decode. (torch's fused attention would need K
+    zeroed at unseen slots as well as V, which costs what it saves.)"""
     batch, active = q.shape[:2]
     kv, groups, dim = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
     width = keys.shape[1]
     qg = q.view(batch, active, kv, groups, dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(batch, kv, groups * active, dim)
-    scores = (qg @ keys.permute(0, 2, 3, 1)).view(batch, kv, groups, active, width)
+    # [b, kv_heads, width, d], whole rows of d copied: the product takes it transposed
+    # (as gathered, [b, width, kv_heads, d], the product copied it element by element)
+    keys = keys.transpose(1, 2).contiguous()
+    scores = (qg @ keys.transpose(2, 3)).view(batch, kv, groups, active, width)
     scores = _softcap(scores * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
-    scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
+    scores = torch.where(visible, scores, torch.finfo(q.dtype).min)
     if sinks is not None:
         sink = sinks.to(scores.dtype).view(1, kv, groups, 1, 1)
         scores = torch.cat((scores, sink.expand(batch, -1, -1, active, 1)), dim=-1)
@@ -612,7 +623,7 @@ def attend(
         probs = probs[..., :-1]
     # stale slots no query of the row sees: zero, so a NaN there cannot reach the output
     seen = visible.any(dim=-2).view(visible.shape[0], -1, 1, 1)  # [b or 1, width, 1, 1]
-    values = values.masked_fill(~seen, 0)
+    values = torch.where(seen, values, 0.0)
     out = probs.reshape(batch, kv, groups * active, width) @ values.transpose(1, 2)
     return (
         out.view(batch, kv, groups, active, dim).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
