@@ -358,6 +358,30 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
     assert "5 (2 context encoding, 2 token generation, 1 token generation with logits)" in text
+    # NxDI's release is unknown here: one decode batch size, and why
+    assert report["decode_batches"]["sizes"] == [4]
+    assert "the NxDI release is unknown here" in report["decode_batches"]["reason"]
+    assert "decode batches   one decode batch size, max_num_seqs=4: every decode step " \
+        "computes 4 rows (the NxDI release is unknown here" in text
+
+
+def test_explain_config_states_the_decode_batch_buckets_and_their_graphs(model_dirs,
+                                                                          backend_env):
+    report, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                 "--max-num-seqs", "8", "--backend", "reference"])
+    assert report["buckets"]["token_generation_batches"] == [1, 2, 4, 8]
+    assert report["decode_batches"] == {
+        "sizes": [1, 2, 4, 8], "reason": None, "graphs_added": 6,
+        "summary": "4 decode batch sizes [1, 2, 4, 8]: a decode step computes the first "
+                   "that holds its rows; they add 6 token-generation graphs to the 4 one "
+                   "batch size would compile (10 in all, x2.50 the graphs and their compile "
+                   "time); override_neuron_config max_batch_buckets bounds them (1: one size)"}
+    bounded, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                  "--max-num-seqs", "8", "--backend", "reference",
+                                  "--additional-config",
+                                  '{"override_neuron_config": {"max_batch_buckets": 2}}'])
+    assert bounded["decode_batches"]["sizes"] == [1, 8]
+    assert bounded["graphs"]["token_generation"] == 4
 
 
 def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,
