@@ -39,12 +39,13 @@ def test_precompile_then_start_warm_and_changed_grid_misses(model_dirs, tmp_path
     flags = [str(model), "--device", "neuron", "--dtype", "float32", "--max-model-len", "256",
              "--max-num-seqs", "4", "--additional-config",
              json.dumps({"override_neuron_config": GRID})]
+    # 3 prefill graphs, 2 decode lengths x decode batches 1, 2 and 4 (max_num_seqs 4)
     first = subprocess.run([_cli("neuron-plugin"), "precompile", *flags], capture_output=True,
                            text=True, check=True)
-    assert "5 graphs compiled and published" in first.stdout
+    assert "9 graphs compiled and published" in first.stdout
     again = subprocess.run([_cli("neuron-plugin"), "precompile", *flags], capture_output=True,
                            text=True, check=True)
-    assert "5 graphs already in the cache" in again.stdout
+    assert "9 graphs already in the cache" in again.stdout
 
     _logged(capfd, caplog)
     shutdown_llm(make_llm(model, additional_config={"override_neuron_config": GRID}))
@@ -55,7 +56,7 @@ def test_precompile_then_start_warm_and_changed_grid_misses(model_dirs, tmp_path
     changed = dict(GRID, context_encoding_buckets=[32, 128, 256])
     shutdown_llm(make_llm(model, additional_config={"override_neuron_config": changed}))
     cold = _logged(capfd, caplog)
-    assert "compiling 5 graphs for reference backend" in cold
+    assert "compiling 9 graphs for reference backend" in cold
     miss = next(line for line in cold.splitlines() if "compile cache miss" in line)
     assert "differs in buckets.context_encoding_buckets" in miss
 

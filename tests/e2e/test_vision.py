@@ -341,7 +341,13 @@ def test_explain_config_plans_the_vision_graphs(model, host_python):
     # the tiny processor's images: 16 to 256 patches (min_pixels 56x56, max 28x28x64)
     assert report["buckets"]["vision"] == [16, 32, 64, 128, 256]
     assert report["graphs"]["vision_encoding"] == 5
-    assert report["graphs"]["total"] == 11
+    # decode batch sizes are powers of two up to max_num_seqs, one graph per size and length
+    batches = report["decode_batches"]["sizes"]
+    assert batches == sorted(batches) and batches[0] == 1 and len(batches) > 1
+    graphs = report["graphs"]
+    assert graphs["token_generation"] == len(batches) * len(report["buckets"]["token_generation"])
+    assert graphs["total"] == (graphs["context_encoding"] + graphs["token_generation"]
+                               + graphs["token_generation_logits"] + 5)
 
 
 def test_validate_judges_images_against_the_oracle_and_times_each_vision_bucket(
