@@ -27,11 +27,11 @@ APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
 def problems(config: dict, block: bool = False, max_model_len: int = 256,
-             patches: dict | None = None) -> list[str]:
+             patches: dict | None = None, override: dict | None = None) -> list[str]:
     limits = dataclasses.replace(LIMITS, max_model_len=max_model_len,
                                  max_num_batched_tokens=max_model_len,
                                  enable_prefix_caching=block, block_size=32 if block else None)
-    settings = resolve_settings(limits, {}, backend="nxd",
+    settings = resolve_settings(limits, override or {}, backend="nxd",
                                 architecture=config["architectures"][0])
     return compat.problems(settings, config, "0.9.0", APPLIED if patches is None else patches)
 
@@ -123,6 +123,28 @@ def test_windows_nxdi_does_not_apply_are_refused_once_reachable(arch, changes, l
     assert len(found) == 1 and f"layers {layers} have sliding windows" in found[0]
     assert "--max-model-len 16 or less" in found[0]
     assert problems(config, max_model_len=16) == []
+
+
+@pytest.mark.parametrize("arch, window, max_model_len", [("mistral", 16, 64),
+                                                         ("gpt_oss", 128, 256)])
+def test_the_cpu_mode_refuses_context_buckets_shorter_than_a_window(arch, window,
+                                                                    max_model_len, tiny_model):
+    """Found by the XLA test (tests/e2e/test_nxdi_xla.py) on NxDI 0.8 and 0.9: NxDI's
+    windowed attention gathers the last window - 1 keys of a prefill from the bucket's
+    own keys (get_last_kv_window), past the end of a shorter bucket: eager torch raises
+    IndexError at the first prompt in it (NxDI's CPU mode); XLA clamps the indices, so a
+    device is left alone."""
+    config = config_of(tiny_model, arch)
+    keep = window - 1
+    short = {"context_encoding_buckets": [8, max_model_len]}
+    found = problems(config, max_model_len=max_model_len, override={"on_cpu": True, **short})
+    assert len(found) == 1, found
+    assert f"context_encoding_buckets [8] are shorter than sliding_window - 1 = {keep}" in \
+        found[0]
+    assert "get_last_kv_window" in found[0] and "IndexError" in found[0]
+    assert problems(config, max_model_len=max_model_len, override=short) == []
+    enough = {"on_cpu": True, "context_encoding_buckets": [keep, max_model_len]}
+    assert problems(config, max_model_len=max_model_len, override=enough) == []
 
 
 def test_qwen3_moe_dense_layers_are_refused(tiny_model):

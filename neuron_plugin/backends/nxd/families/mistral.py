@@ -5,7 +5,7 @@ from __future__ import annotations
 from neuron_plugin.backends.nxd.families import NxDFamily
 from neuron_plugin.backends.nxd.families.llama import (
     drop_window,
-    windowed_block_problems,
+    windowed_problems,
     windows_from_config,
 )
 from neuron_plugin.backends.nxd.support import (
@@ -33,6 +33,6 @@ FAMILY = NxDFamily(
         }
     ),
     windows=windows_from_config,
-    problems=windowed_block_problems,
+    problems=windowed_problems,
     adjustments=drop_window,
 )
