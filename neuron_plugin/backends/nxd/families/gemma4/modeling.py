@@ -228,7 +228,7 @@ class NeuronGemma4Attention(NeuronAttentionBase):
             self.k_norm = Gemma4RMSNorm(head_dim, layout.rms_norm_eps, dtype)
             self.v_norm = Gemma4RMSNorm(head_dim, layout.rms_norm_eps, dtype, with_scale=False)
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
@@ -277,6 +277,7 @@ class NeuronGemma4Attention(NeuronAttentionBase):
             weights = functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.matmul(weights, repeat_kv(v, groups))
         k_prior, v_prior = prior
+        assert prior_mask is not None, "cached keys come with their mask"
         before = torch.matmul(q, repeat_kv(k_prior, groups).transpose(2, 3))
         before = torch.where(prior_mask, before, torch.finfo(before.dtype).min)
         weights = functional.softmax(
@@ -418,7 +419,7 @@ def _cache_manager(base: type) -> type:
     """NxDI's KV cache manager `base` with the packed row geometry (heads, head dim) and
     one cache layer per writing layer (see the module docstring)."""
 
-    class Gemma4KVCache(base):  # type: ignore[valid-type, misc]
+    class Gemma4KVCache(base):
         def __init__(self, config: InferenceConfig, heads: int, head_dim: int, **kwargs: Any):
             self.gemma4_rows = (heads, head_dim)  # read by _init_kv_shape, before Module init
             super().__init__(config, num_kv_head=heads, **kwargs)
@@ -505,15 +506,16 @@ class NeuronGemma4TextModel(NeuronBaseModel):
             tensor_model_parallel_group=group,
         )
 
-    def cache_rows(self) -> tuple[int, int]:
-        """(heads, head dim) of the packed KV cache rows on this rank."""
-        return cache_geometry(
-            [
-                (layer.self_attn.num_key_value_heads, layer.self_attn.head_dim)
-                for layer in self.layers
-                if layer.self_attn.owns_kv
-            ]
-        )
+    def attention(self, layer: int) -> NeuronGemma4Attention:
+        found = self.layers[layer]
+        assert isinstance(found, NeuronGemma4DecoderLayer)
+        return found.self_attn
+
+    def geometry(self, layer: int) -> tuple[int, int]:
+        """(KV heads on this rank, head dim) of `layer`, as NxDI's GQA sharding gives them
+        (gqa.py get_shardable_head_counts)."""
+        attention = self.attention(layer)
+        return attention.num_key_value_heads, attention.head_dim
 
     def init_inference_optimization(self, config: InferenceConfig) -> None:
         """NxDI's sampler and KV cache manager (NeuronBaseModel's), the manager holding the
@@ -522,7 +524,10 @@ class NeuronGemma4TextModel(NeuronBaseModel):
             self.sampler = create_sampler(
                 config.neuron_config, self.lm_head.tensor_parallel_group.size()
             )
-        heads, head_dim = self.cache_rows()
+        writing = [i for i in range(self.layout.num_layers) if self.layout.owns_kv(i)]
+        # (heads, head dim) of the packed KV cache rows on this rank
+        self.rows = cache_geometry([self.geometry(i) for i in writing])
+        heads, head_dim = self.rows
         cache_config = copy.copy(config)
         cache_config.num_hidden_layers = self.layout.cache_layers
         if config.neuron_config.is_block_kv_layout:
@@ -535,7 +540,7 @@ class NeuronGemma4TextModel(NeuronBaseModel):
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, heads, tokens, dim] of one layer -> the cache's [batch, rows, tokens,
         row dim] (its first heads x dim / row dim rows, the rest zero)."""
-        rows, width = self.cache_rows()
+        rows, width = self.rows
         batch, heads, tokens, dim = x.shape
         if dim != width:
             x = x.transpose(1, 2).reshape(batch, tokens, heads * dim // width, width)
@@ -594,7 +599,7 @@ class NeuronGemma4TextModel(NeuronBaseModel):
         distance = position_ids[:, None, :, None] - cached[None, None, None, :]
         return {FULL: (visible, causal), SLIDING: (visible & (distance < window), local)}
 
-    def get_model_output(  # type: ignore[override]
+    def get_model_output(
         self,
         input_ids: torch.Tensor,
         seq_ids: torch.Tensor | None = None,
@@ -646,10 +651,9 @@ class NeuronGemma4TextModel(NeuronBaseModel):
         cache: list[Any] = []
         for i, layer in enumerate(self.layers):
             source = layout.kv_sources[i]
-            attn = layer.self_attn
             if past is not None and source not in priors:
                 k, v = past[source]  # writing layers come first: cache row = layer
-                heads, dim = attn.num_key_value_heads, attn.head_dim
+                heads, dim = self.geometry(source)
                 priors[source] = (self.unpack(k, heads, dim), self.unpack(v, heads, dim))
             x, kv = layer(
                 x,
