@@ -259,7 +259,7 @@ def test_gemma4_layout_reads_both_config_forms(tiny_model):
     """The Hub's global_head_dim / num_global_key_value_heads and transformers 5's
     per_layer_config (zero-padded keys once saved) give one layout; a multimodal
     checkpoint's text_config too."""
-    from neuron_plugin.backends.nxd.families.gemma4.layout import cache_geometry, read_layout
+    from neuron_plugin.core.gemma4 import cache_geometry, read_layout
 
     saved = config_of(tiny_model, "gemma4")
     hub = {k: v for k, v in saved.items() if k != "per_layer_config"}
@@ -283,15 +283,25 @@ def test_gemma4_layout_reads_both_config_forms(tiny_model):
     assert cache_geometry([(1, 256), (1, 512)]) == (2, 256)
 
 
-def test_gemma4_proportional_rope_frequencies_are_transformers():
-    """Frequencies over the whole head dim, zero past partial_rotary_factor (transformers'
-    _compute_proportional_rope_parameters)."""
-    from neuron_plugin.backends.nxd.families.gemma4.layout import Rope
+def test_gemma4_rope_and_kv_memory_per_layer_type(tiny_model):
+    """RoPE per layer type (config.json's, else Gemma4TextConfig's defaults), and the
+    memory plan's KV bytes per token: the class's packed rows per writing layer."""
+    from neuron_plugin.core.gemma4 import Rope, read_layout
+    from neuron_plugin.core.memory import kv_bytes_per_token
 
-    full = Rope("proportional", 1e6, 0.25).inverse_frequencies(64)
-    assert len(full) == 32 and full[8:] == [0.0] * 24
-    assert full[:8] == Rope("default", 1e6).inverse_frequencies(64)[:8]
-    assert full[1] == pytest.approx(1e6 ** (-2 / 64))
+    config = config_of(tiny_model, "gemma4")
+    assert read_layout(config).rope == {"sliding_attention": Rope("default", 1e4),
+                                        "full_attention": Rope("proportional", 1e6, 0.25)}
+    assert read_layout({**config, "rope_parameters": None}).rope == read_layout(config).rope
+    # 4 writing layers, rows of (2 heads x 32) at TP 1, K and V, float32
+    assert kv_bytes_per_token(config, "float32", 1) == 4 * 2 * 2 * 32 * 4
+    e4b = {"model_type": "gemma4_text", "num_hidden_layers": 42, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+           "hidden_size": 2560, "intermediate_size": 10240, "vocab_size": 262144,
+           "num_kv_shared_layers": 18,
+           "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}
+    # 24 writing layers of 2 x 512 (full) / 2 x 256 (sliding, padded to the full rows)
+    assert kv_bytes_per_token({"text_config": e4b}, "bfloat16", 1) == 24 * 2 * 4 * 256 * 2
 
 
 # -- through the backend, before anything compiles ------------------------------------------

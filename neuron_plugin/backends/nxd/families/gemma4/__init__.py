@@ -3,7 +3,7 @@
 Gemma4ForCausalLM and the language model of Gemma4ForConditionalGeneration. This module
 imports no NxDI (compat reads it in vLLM's environment): what the class serves per
 release and feature, each layer's window as it applies it (config.json's layer types,
-read by `layout`), and what it refuses before anything compiles: config.json settings it
+read by `core.gemma4`), and what it refuses before anything compiles: config.json settings it
 does not compute as transformers does, and NeuronConfig keys that would put NxDI's
 kernels, parallelism or cache layouts on paths the class does not take."""
 
@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuron_plugin.backends.nxd.families import NxDFamily, Text
-from neuron_plugin.backends.nxd.families.gemma4.layout import (
+from neuron_plugin.backends.nxd.support import EQUAL, REFUSED, Support, by_release
+from neuron_plugin.core.gemma4 import (
     SLIDING,
     config_problems,
     layer_types,
 )
-from neuron_plugin.backends.nxd.support import EQUAL, REFUSED, Support, by_release
 from neuron_plugin.core.settings import NeuronSettings
 
 CLASS = "neuron_plugin.backends.nxd.families.gemma4.modeling:NeuronGemma4ForCausalLM"

@@ -10,7 +10,7 @@ attention's forward, so nothing of the releases' differing attention paths
 (0.8 divides scores by sqrt(head_dim), 0.9 by its `softmax_scale`; their windowed
 attention keeps window - 1 keys of a full-length cache; their prefix prefill leaves the
 cached part unmasked without a kernel) is on its path. The config is read from
-config.json (`layout`), since the SDK's transformers 4.57 has no Gemma 4:
+config.json (`core.gemma4`), since the SDK's transformers 4.57 has no Gemma 4:
 `NeuronGemma4ForCausalLM.config_loader` is the `load_config` the backend hands NxDI.
 
 Design (what differs from NxDI's Llama, and why):
@@ -18,7 +18,7 @@ Design (what differs from NxDI's Llama, and why):
   dim); NxDI's KV cache managers give every layer one (heads, head dim). Each writing
   layer's keys and values are packed into one cache row geometry: rows of
   g = gcd(head dims) values, as many rows as the widest layer type needs per rank
-  (`layout.cache_geometry`). A layer whose (heads per rank x head dim) fill fewer rows
+  (`core.gemma4.cache_geometry`). A layer whose (heads per rank x head dim) fill fewer rows
   leaves the rest zero and never reads them. Packing is a reshape of (heads, head dim)
   into (heads x head dim / g, g); in the block layout (tokens, heads, dim) it is a view,
   in the contiguous (heads, tokens, dim) one a transpose. HBM per token and layer with
@@ -103,14 +103,15 @@ from neuronx_distributed_inference.utils.distributed import get_tp_group
 from torch import nn
 from torch.nn import functional
 
-from neuron_plugin.backends.nxd.families.gemma4.layout import (
+from neuron_plugin.core.checkpoint import text_config
+from neuron_plugin.core.gemma4 import (
     FULL,
     SLIDING,
     Gemma4Layout,
+    Rope,
     cache_geometry,
     read_layout,
 )
-from neuron_plugin.core.checkpoint import text_config
 
 # config.json keys not copied onto the InferenceConfig (the towers of a multimodal
 # checkpoint; dtype goes to the NeuronConfig as NxDI's own loader does)
@@ -131,6 +132,24 @@ def layout_of(config: Any) -> Gemma4Layout:
     """The layout of an InferenceConfig this module's loader filled (`gemma4_text`: the
     text model's config.json keys)."""
     return read_layout(config.gemma4_text)
+
+
+def inverse_frequencies(rope: Rope, head_dim: int) -> list[float]:
+    """[head_dim // 2] RoPE frequencies as transformers computes them in float32
+    (modeling_rope_utils.py `_compute_proportional_rope_parameters`,
+    Gemma4TextRotaryEmbedding.compute_default_rope_parameters): `default` rotates every
+    pair at theta^(-2j/d); `proportional` the first int(partial_rotary_factor * d // 2)
+    at the same frequencies (the exponent over the whole head dim), the rest at zero;
+    proportional ones / factor."""
+    half = head_dim // 2
+    angles = half if rope.kind == "default" else int(rope.partial_rotary_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float) / head_dim
+    freq = 1.0 / (rope.theta**exponents)
+    if angles < half:
+        freq = torch.cat((freq, torch.zeros(half - angles, dtype=torch.float32)))
+    if rope.kind != "default":
+        freq = freq / rope.factor
+    return [float(f) for f in freq]
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -216,7 +235,7 @@ class NeuronGemma4Attention(NeuronAttentionBase):
         self.kind = kind
         self.owns_kv = layout.owns_kv(layer)
         self.keys_as_values = layout.values_from_keys[layer]
-        self.frequencies = layout.rope[kind].inverse_frequencies(head_dim)
+        self.frequencies = inverse_frequencies(layout.rope[kind], head_dim)
         qkv = self.get_qkv_proj()
         if not self.owns_kv:  # a KV-shared layer has no k/v projections
             qkv.k_proj = None

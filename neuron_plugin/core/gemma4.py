@@ -4,7 +4,8 @@ Hub's (`global_head_dim`, `num_global_key_value_heads`) and transformers 5's
 (`per_layer_config`, keyed by layer index, zero-padded once saved), flat
 (Gemma4ForCausalLM) or nested under `text_config` (Gemma4ForConditionalGeneration).
 
-No NxDI (torch only to compute RoPE frequencies as transformers does). The rules are
+Pure (core): the nxd backend's class (`backends/nxd/families/gemma4`) and the memory
+plan (`core.memory`, the class's packed KV rows) read it. The rules are
 transformers 5.19's `Gemma4TextConfig` (configuration_gemma4.py `__post_init__`: layer
 types, the last layer forced full, the full layers' head dim and KV heads, default RoPE
 per layer type) and `Gemma4TextModel` (modeling_gemma4.py: KV-shared layers read the last
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_plugin.core.checkpoint import text_config
+from neuron_plugin.core.kv_heads import head_sharding
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma4TextConfig's RoPE where config.json has none (configuration_gemma4.py)
@@ -43,22 +45,6 @@ class Rope:
     theta: float
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
-
-    def inverse_frequencies(self, head_dim: int) -> list[float]:
-        """[head_dim // 2] frequencies as transformers computes them in float32
-        (modeling_rope_utils.py `_compute_proportional_rope_parameters`,
-        Gemma4TextRotaryEmbedding.compute_default_rope_parameters)."""
-        import torch
-
-        half = head_dim // 2
-        angles = half if self.kind == "default" else int(self.partial_rotary_factor * head_dim // 2)
-        exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float) / head_dim
-        freq = 1.0 / (self.theta**exponents)
-        if angles < half:
-            freq = torch.cat((freq, torch.zeros(half - angles, dtype=torch.float32)))
-        if self.kind != "default":
-            freq = freq / self.factor
-        return [float(f) for f in freq]
 
 
 @dataclass(frozen=True)
@@ -253,6 +239,29 @@ def _rope(params: Mapping[str, Any]) -> Rope:
         float(params.get("partial_rotary_factor", 1.0)),
         float(params.get("factor", 1.0)),
     )
+
+
+def is_gemma4(config: Mapping[str, Any]) -> bool:
+    """Whether config.json is a Gemma 4 text model's (flat or nested)."""
+    return str(text_config(dict(config)).get("model_type", "")).startswith("gemma4")
+
+
+def kv_values_per_token(config: Mapping[str, Any], tp_degree: int) -> int:
+    """K and V values of one token position on one NeuronCore as the nxd class holds
+    them: a packed row per writing layer (`cache_geometry`) over the KV heads NxDI's GQA
+    sharding puts on a core per layer type (kv_heads.head_sharding)."""
+    layout = read_layout(config)
+    rows = cache_geometry(
+        [
+            (
+                head_sharding(tp_degree, layout.num_heads, layout.kv_heads[i]).kv_heads_per_core,
+                layout.head_dims[i],
+            )
+            for i in range(layout.num_layers)
+            if layout.owns_kv(i)
+        ]
+    )
+    return 2 * layout.cache_layers * rows[0] * rows[1]
 
 
 def cache_geometry(layers: list[tuple[int, int]]) -> tuple[int, int]:
