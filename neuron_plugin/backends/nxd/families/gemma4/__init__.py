@@ -45,7 +45,6 @@ UNSUPPORTED_KEYS: Mapping[str, str] = {
     "quantized_mlp_kernel_enabled": "its MLP is NxD's parallel linears",
     "mlp_kernel_fuse_residual_add": "its MLP is NxD's parallel linears",
     "k_cache_transposed": "its KV cache rows are packed (heads, dim), not transposed",
-    "kv_cache_tiling": "its KV cache rows are packed, not tiled",
     "flash_decoding_enabled": "its decode attends the whole cache on each rank",
     "sequence_parallel_enabled": "its layers take whole sequences",
     "windowed_context_encoding_size": "its prefill encodes the whole bucket at once",

@@ -103,6 +103,7 @@ from neuronx_distributed_inference.utils.distributed import get_tp_group
 from torch import nn
 from torch.nn import functional
 
+from neuron_plugin.backends.nxd.families.gemma4 import UNSUPPORTED_DEGREES, UNSUPPORTED_KEYS
 from neuron_plugin.core.checkpoint import text_config
 from neuron_plugin.core.gemma4 import (
     FULL,
@@ -771,6 +772,33 @@ class NeuronGemma4ForCausalLM(NeuronBaseForCausalLM):
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
         return Gemma4InferenceConfig
+
+    @classmethod
+    def validate_config(cls, config: InferenceConfig) -> None:
+        """NxDI's checks, and the NeuronConfig paths the class does not take (the plugin
+        refuses them before building it: families.gemma4.problems; this guards a direct
+        use of the class)."""
+        super().validate_config(config)
+        neuron_config = config.neuron_config
+        taken = [
+            name
+            for name in (*UNSUPPORTED_KEYS, "kv_cache_tiling", "enable_fused_speculation")
+            if getattr(neuron_config, name, None)
+        ]
+        taken += [
+            name
+            for name in (*UNSUPPORTED_DEGREES, "speculation_length")
+            if int(getattr(neuron_config, name, 0) or 0)
+            > (0 if name == "speculation_length" else 1)
+        ]
+        taken += [
+            name for name in ("lora_config", "quantized") if getattr(neuron_config, name, None)
+        ]
+        if taken:
+            raise ValueError(
+                f"NeuronGemma4ForCausalLM does not implement NeuronConfig {taken} "
+                f"(neuron_plugin/backends/nxd/families/gemma4/modeling.py); unset them."
+            )
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(
