@@ -38,7 +38,11 @@ Design (what differs from NxDI's Llama, and why):
   keys' projection before norm and RoPE (no v_proj); scaling 1.0 (scores are not
   divided); sliding layers see keys with q - k < window in every phase (prefill, decode,
   prefill over a cached prefix), full-length caches masked per layer type; prior
-  (cached) and active scores share one float32 softmax.
+  (cached) and active scores share one float32 softmax, and the weights meet the
+  values in one matmul over [cached; active] (NxDI's manual_softmax path adds two
+  matmuls' results, a second rounding: with one, a bfloat16 decode gives transformers'
+  logits bit for bit, measured on the tiny checkpoint; it costs a copy of the layer's
+  cached values per call).
 - RoPE per layer type: sliding `default`, full `proportional` (frequencies over the
   whole head dim, zero past partial_rotary_factor: pairs (j, j + d/2) rotate for
   j < int(prf x d / 2), the rest pass through), computed in float32 from constants made
@@ -288,7 +292,9 @@ class NeuronGemma4Attention(NeuronAttentionBase):
         masks: tuple[torch.Tensor | None, torch.Tensor],
         prior: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """softmax(q k^T, float32, masked) v over [prior keys; active keys], scaling 1."""
+        """softmax(q k^T, float32, masked) v over [prior keys; active keys], scaling 1:
+        the scores of the two parts apart (each is its own dot product), the values in
+        one matmul, as transformers' eager attention rounds them."""
         groups = self.num_key_value_groups
         prior_mask, active_mask = masks
         scores = torch.matmul(q, repeat_kv(k, groups).transpose(2, 3))
@@ -303,10 +309,7 @@ class NeuronGemma4Attention(NeuronAttentionBase):
         weights = functional.softmax(
             torch.cat((before, scores), dim=-1), dim=-1, dtype=torch.float32
         ).to(q.dtype)
-        length = before.shape[-1]
-        return torch.matmul(weights[..., :length], repeat_kv(v_prior, groups)) + torch.matmul(
-            weights[..., length:], repeat_kv(v, groups)
-        )
+        return torch.matmul(weights, repeat_kv(torch.cat((v_prior, v), dim=2), groups))
 
 
 class NeuronGemma4MLP(nn.Module):
