@@ -1,9 +1,11 @@
-"""Per-key mutual exclusion: the waiting loop shared by all lock kinds, and the file
-lock that serialises compiles on one host.
+"""Per-key mutual exclusion: the waiting loop shared by all lock kinds, the file lock
+that serialises compiles on one host, and `try_lock_file`, the flock by which a folder's
+owner shows it is alive (a sweep removes what no live process holds).
 
 flock(2) locks are released by the kernel when their holder dies, even by SIGKILL, so a
 crashed compile never leaves a stale local lock. Lock files are never deleted: deleting
-one while another process has it open would let two processes hold "the" lock. They are
+one while another process has it open would let two processes hold "the" lock (except
+through `try_lock_file`, whose holders re-check that the name still is their file). They are
 opened without following links (a planted link is an error naming it, never a write
 elsewhere). The holder writes who it is, since when, and which folder it is building
 into the file, so a waiter can say who it waits for and how far that build has got.
@@ -22,7 +24,7 @@ from typing import Protocol
 from compile_cache.errors import LockTimeout, UnsafePathError
 from compile_cache.paths import safe_relpath
 from compile_cache.record import owner_label
-from compile_cache.safe_fs import directory, is_dir, open_file, read_bytes, tree_size
+from compile_cache.safe_fs import directory, is_dir, open_file, read_bytes, remove, tree_size
 from compile_cache.units import format_size
 
 REPORT_EVERY = 30.0
@@ -145,3 +147,45 @@ class FileLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def try_lock_file(root: Path, parts: tuple[str, ...], *, shared: bool = False) -> int | None:
+    """The descriptor of an flock on the file `root/parts...` (created 0600, reached
+    without following a link), shared or exclusive; None while another process holds a
+    conflicting one. The kernel drops the lock when its holder dies, even by SIGKILL. A
+    lock whose file its holder removed meanwhile (`remove_lock`) is taken again on the
+    new file, so holders may remove their lock files."""
+    return _lock_file(root, parts, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+
+
+def hold_lock_file(root: Path, parts: tuple[str, ...], *, shared: bool = False) -> int:
+    """try_lock_file's lock, waiting for a conflicting holder to let go."""
+    fd = _lock_file(root, parts, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    if fd is None:  # a blocking flock returns only once it holds the lock
+        raise RuntimeError(f"flock on {root.joinpath(*parts)} returned without the lock")
+    return fd
+
+
+def _lock_file(root: Path, parts: tuple[str, ...], mode: int) -> int | None:
+    while True:
+        with directory(root, parts[:-1], create=True) as dfd:
+            fd = open_file(dfd, parts[-1], os.O_RDWR | os.O_CREAT, root.joinpath(*parts), 0o600)
+            try:
+                fcntl.flock(fd, mode)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            try:
+                named = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                named = None
+            held = os.fstat(fd)
+            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                return fd
+            os.close(fd)
+
+
+def remove_lock(root: Path, parts: tuple[str, ...], fd: int) -> None:
+    """Remove the lock file `root/parts...` whose exclusive lock `fd` holds, then let go."""
+    remove(root, parts)
+    os.close(fd)

@@ -55,6 +55,12 @@ def default_store_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return user_cache_dir(environ) / "vllm-neuron" / "compile-cache"
 
 
+def verified_copies_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where private verified copies of entries in shared stores are kept and reused
+    (stores.verified_copy); this user's alone."""
+    return user_cache_dir(environ) / "vllm-neuron" / "verified-copies"
+
+
 def local_read_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Where S3 entries are materialised on this host; by default the default local
     store, so entries pulled from S3 also serve this host when S3 is unreachable."""

@@ -13,8 +13,9 @@ folder without entry.json is never work in progress: it is swept (and moved asid
 a build needs its place). No fsync: a torn write after a power loss fails verification
 and is rebuilt, never loaded. Every path below the root is reached without following
 links (`compile_cache.safe_fs`), so a link planted in the store cannot redirect a write.
-An entry others may write is handed to the loader as a private verified copy
-(`stores.verified_copy`): no one can swap a file between its check and its load.
+An entry others may write is handed to the loader as a private verified copy, made once
+per entry content in this user's cache and reused (`stores.verified_copy`): no one can
+swap a file between its check and its load.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ from compile_cache.locks import FileLock
 from compile_cache.manifest import check_key, is_key
 from compile_cache.paths import join_inside, safe_relpath
 from compile_cache.record import Record, check_files, parse_record
+from compile_cache.settings import verified_copies_dir
 from compile_cache.stores.base import Store
-from compile_cache.stores.verified_copy import others_can_change, verified_copy
+from compile_cache.stores.verified_copy import (
+    others_can_change,
+    store_copies,
+    verified_copy,
+)
 
 RECORD = "entry.json"
 FILES = "files"
@@ -113,7 +119,7 @@ class LocalStore(Store):
 
     def materialize(self, record: Record) -> Path:
         """The entry's files for the loader: checked in place where only this user can
-        change them, else a private verified copy (stores.verified_copy)."""
+        change them, else this user's verified copy (stores.verified_copy)."""
         parts = ("entries", record.key, FILES)
         try:
             shared = others_can_change(self.root, parts)
@@ -123,7 +129,8 @@ class LocalStore(Store):
             self.check(record)
             return self.files_path(record.key)
         try:
-            return verified_copy(self.files_path(record.key), record)
+            copies = store_copies(verified_copies_dir(), self.root)
+            return verified_copy(self.files_path(record.key), record, copies, self.list_keys())
         except UnsafePathError as err:
             raise EntryCorrupt(record.key, f"unsafe file: {err}", err.path) from err
         except FileNotFoundError as err:

@@ -14,6 +14,26 @@ from neuron_plugin.core.override_checks import bool_setting
 
 MIN_BUCKET = 128
 LOGITS_KEY = "token_generation_logits_buckets"
+# override_neuron_config key: how many decode batch sizes the default grid may hold.
+BATCH_LIMIT_KEY = "max_batch_buckets"
+DEFAULT_MAX_BATCH_BUCKETS = 6
+
+
+def default_batches(max_num_seqs: int, limit: int = DEFAULT_MAX_BATCH_BUCKETS) -> list[int]:
+    """The default decode batch sizes: the powers of two below max_num_seqs, then
+    max_num_seqs (32 -> [1, 2, 4, 8, 16, 32]; 24 -> [1, 2, 4, 8, 16, 24]), so a decode
+    step computes fewer than twice its rows. Past `limit` sizes the list is thinned
+    evenly on the log scale, keeping 1 and max_num_seqs (256 with limit 6 -> [1, 4, 8,
+    32, 64, 256]); limit 1 is [max_num_seqs], one decode batch size."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    sizes.append(max_num_seqs)
+    if len(sizes) <= limit:
+        return sizes
+    if limit == 1:
+        return [max_num_seqs]
+    last = len(sizes) - 1
+    picks = sorted({(i * last + (limit - 1) // 2) // (limit - 1) for i in range(limit)})
+    return [sizes[i] for i in picks]
 
 
 def _grid(
@@ -53,6 +73,8 @@ def resolve_grids(
     *,
     block_size: int,
     speculation_length: int = 0,
+    host_default: str | None = None,
+    one_batch_reason: str | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Bucket grids: NxDI's powers of two by default (so existing configurations keep
     their meaning), the user's lists when given, one full-size graph when bucketing is
@@ -70,7 +92,15 @@ def resolve_grids(
     plus speculation_length (strictly below the bucket), so decoding at position
     max_model_len - 2 needs a bucket of max_model_len + speculation_length - 1: the
     largest token-generation bucket reaches that far (the positions past max_model_len
-    are written to no request's cache)."""
+    are written to no request's cache).
+
+    Decode batches: `default_batches` (at most `max_batch_buckets` sizes) unless the
+    backend serves one decode batch size in this configuration (`one_batch_reason` says
+    why: max_num_seqs alone), or the user's token_generation_batches.
+
+    `host_default`: why a request that sets no sampling parameters is sampled on the
+    host (core.sampling.default_request_refusal), None where the device samples it; it
+    decides the default logits twins (logits_lengths)."""
     enable = bool_setting(override, "enable_bucketing")
     enable = True if enable is None else enable
     seq = limits.max_model_len
@@ -91,7 +121,7 @@ def resolve_grids(
         f"max_model_len + {speculation_length - 1} = {decode}"
     )
     if not enable:
-        given = [key for key in (*GRID_KEYS, LOGITS_KEY) if key in override]
+        given = [key for key in (*GRID_KEYS, LOGITS_KEY, BATCH_LIMIT_KEY) if key in override]
         if given:
             raise NeuronConfigError(
                 f"override_neuron_config.enable_bucketing=false but {', '.join(given)} "
@@ -142,7 +172,7 @@ def resolve_grids(
         "token_generation_batches": _grid(
             override,
             "token_generation_batches",
-            [batch],
+            _batches_default(override, batch, one_batch_reason),
             maximum=batch,
             limit_name="max_num_seqs",
             covers=batch,
@@ -183,19 +213,56 @@ def resolve_grids(
         )
     else:
         grids["prefix_buckets"] = ()
-    grids[LOGITS_KEY] = logits_lengths(override, grids["token_generation_buckets"])
+    grids[LOGITS_KEY] = logits_lengths(
+        override, grids["token_generation_buckets"], host_default is not None
+    )
     return grids
 
 
-def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tuple[int, ...]:
+def _batches_default(
+    override: Mapping[str, Any], max_num_seqs: int, one_batch_reason: str | None
+) -> list[int]:
+    """The decode batch sizes when token_generation_batches is not given (see
+    default_batches), checking `max_batch_buckets` against what it bounds."""
+    name = f"override_neuron_config.{BATCH_LIMIT_KEY}"
+    limit = override.get(BATCH_LIMIT_KEY, DEFAULT_MAX_BATCH_BUCKETS)
+    if BATCH_LIMIT_KEY in override:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise NeuronConfigError(
+                f"{name}={limit!r} must be a whole number >= 1 (1: one decode batch "
+                f"size, max_num_seqs); fix the value or remove the key."
+            )
+        if "token_generation_batches" in override:
+            raise NeuronConfigError(
+                f"{name}={limit} bounds the default decode batch sizes, but "
+                f"token_generation_batches={list(override['token_generation_batches'])} "
+                f"lists them; remove one of the two keys."
+            )
+        if one_batch_reason and limit > 1:
+            raise NeuronConfigError(
+                f"{name}={limit} asks for several decode batch sizes, but this "
+                f"configuration serves one ({one_batch_reason}); remove {BATCH_LIMIT_KEY} "
+                f"or set it to 1."
+            )
+    if one_batch_reason:
+        return [max_num_seqs]
+    return default_batches(max_num_seqs, limit)
+
+
+def logits_lengths(
+    override: Mapping[str, Any], lengths: tuple[int, ...], host_by_default: bool = False
+) -> tuple[int, ...]:
     """`token_generation_logits_buckets`: the context lengths whose token-generation
     graphs get a logits twin (nxd backend, on-device sampling). A decode with a
     host-sampled row runs the first twin that fits its longest row, so the largest
-    length must have one; by default it alone does (one NEFF more rather than one a
-    length: host-sampled steps are the rare ones, and run at the largest length), and
-    the key widens the set where such steps are frequent."""
+    length must have one. By default it alone does where a request that sets nothing
+    is sampled on the device (one NEFF more rather than one a length: host-sampled steps
+    are then the rare ones), and every length has one where such a request is sampled on
+    the host (`host_by_default`: a model whose generation config sets a penalty or
+    min_p, or exact sampling of requests without top_k), so that every decode of a
+    default request runs at its own bucket; the key chooses the set itself."""
     if LOGITS_KEY not in override:
-        return lengths[-1:]
+        return lengths if host_by_default else lengths[-1:]
     name = f"override_neuron_config.{LOGITS_KEY}"
     try:
         chosen = validate_grid(override[LOGITS_KEY], name=name)
@@ -215,3 +282,34 @@ def logits_lengths(override: Mapping[str, Any], lengths: tuple[int, ...]) -> tup
             f"would have no graph; add {lengths[-1]}."
         )
     return chosen
+
+
+def logits_note(
+    override: Mapping[str, Any],
+    chosen: tuple[int, ...],
+    lengths: tuple[int, ...],
+    host_default: str | None,
+) -> str:
+    """What the logits twins mean for a request that sets no sampling parameters, for
+    the start-up log and explain-config ('' where the device samples it)."""
+    if host_default is None or not chosen:
+        return ""
+    if LOGITS_KEY not in override:
+        return (
+            f"a request that sets no sampling parameters is sampled on the host "
+            f"({host_default}), so every token-generation length has a logits twin "
+            f"({len(chosen)} graphs more to compile and cache) and such a request decodes "
+            f"at its own bucket; {LOGITS_KEY} chooses fewer twins (fewer graphs, longer "
+            f"steps)"
+        )
+    missing = [n for n in lengths if n not in chosen]
+    if not missing:
+        return ""
+    return (
+        f"a request that sets no sampling parameters is sampled on the host "
+        f"({host_default}), but override_neuron_config.{LOGITS_KEY}={list(chosen)} has no "
+        f"twin at {missing}: each decode step of such a request whose longest row is "
+        f"shorter runs at the next length that has one, reading the KV cache that far "
+        f"(up to {chosen[-1]} positions a row instead of {lengths[0]}); add those lengths "
+        f"(one graph each) or remove the key"
+    )

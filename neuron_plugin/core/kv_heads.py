@@ -2,26 +2,30 @@
 heads each NeuronCore holds (the memory plan) and which of the model's KV heads each of
 them is (the KV transfer moves each distinct head once).
 
-NxDI's rule (modules/attention/gqa.py, NxDI 0.7-0.9; lines of ef2731e):
-- `determine_sharding_strategy` (62-74): REPLICATE_TO_TP_DEGREE, or CONVERT_TO_MHA where
-  the TP degree is not a multiple of the KV heads;
-- `get_shardable_head_counts` (77-100): the attention heads padded to a multiple of the
-  TP degree (neuronx-distributed parallel_layers/pad.py `get_number_of_extra_heads`);
-  multi-head attention keeps one KV head per (padded) attention head; a GQA/MQA model
-  whose KV heads are fewer than the TP degree or not a multiple of it gets TP KV heads
-  (REPLICATE_TO_TP_DEGREE) or as many as the padded attention heads (CONVERT_TO_MHA);
-  otherwise its KV heads split evenly;
-- `GroupQueryAttention_QKV.preshard_hook` (784-860): the extra KV heads are copies,
-  `replicate_kv` repeating each head in place (repeat_interleave: head h fills the next
-  `repeats` slots, repeats = TP / KV heads, or attention heads / KV heads converting to
-  MHA), padding heads appended after them with zero weights (`maybe_pad_tail`), so their
-  K and V are zero;
+NxDI's rule (modules/attention/gqa.py, the same in NxDI 0.7-0.9; lines of ef2731e, 0.9,
+and cd3abf3, 0.8):
+- `determine_sharding_strategy` (62-75 / 89-102): REPLICATE_TO_TP_DEGREE, or
+  CONVERT_TO_MHA where the TP degree is not a multiple of the KV heads, for grouped-query
+  and multi-head models alike;
+- `get_shardable_head_counts` (78-100 / 105-127): the attention heads padded to a
+  multiple of the TP degree (neuronx-distributed parallel_layers/pad.py
+  `get_number_of_extra_heads`); multi-head attention keeps one KV head per (padded)
+  attention head; a GQA/MQA model whose KV heads are fewer than the TP degree or not a
+  multiple of it gets TP KV heads (REPLICATE_TO_TP_DEGREE) or as many as the padded
+  attention heads (CONVERT_TO_MHA); otherwise its KV heads split evenly;
+- `GroupQueryAttention_QKV.preshard_hook` (783-864 / 998-1079): wherever that count
+  differs from the model's, `replicate_kv` repeats each KV head in place
+  (repeat_interleave: head h fills the next `repeats` slots), repeats = TP / KV heads
+  under REPLICATE_TO_TP_DEGREE, attention heads / KV heads under CONVERT_TO_MHA (1 for
+  multi-head attention); only CONVERT_TO_MHA then appends padding heads with zero
+  weights (`maybe_pad_tail`), so their K and V are zero; REPLICATE_TO_TP_DEGREE pads
+  the queries instead, a zero head after each KV head's group (`maybe_pad_interleaved`);
 - the KV cache holds the padded count / TP heads per rank, rank r the slots
   [r x per_rank, (r + 1) x per_rank) (modules/kvcache/kv_cache_manager.py
   `_get_num_kv_heads_per_rank`, 166-186).
 So Llama-3-8B (32 attention heads, 8 KV heads) holds 1 KV head per core at TP 8, 16 or
 32 (each head on 1, 2 or 4 cores) and 3 at TP 12 (MHA, 36 heads: each KV head 4 times,
-4 padding heads).
+4 padding heads); a multi-head model of 8 heads at TP 16 holds head r // 2 on rank r.
 
 Pure: no vLLM, torch or NxDI import.
 """
@@ -57,9 +61,7 @@ class HeadSharding:
         holds a copy of (None: a padding head, zero)."""
         if self.padded_kv_heads == self.kv_heads:
             return tuple(range(self.kv_heads))
-        if self.attention_heads == self.kv_heads:  # multi-head attention, padded
-            repeats = 1
-        elif self.strategy == REPLICATE:
+        if self.strategy == REPLICATE:
             repeats = self.tp_degree // self.kv_heads
         else:
             repeats = self.attention_heads // self.kv_heads
@@ -71,7 +73,7 @@ class HeadSharding:
         per_core = f"{self.kv_heads_per_core} per NeuronCore"
         if self.padded_kv_heads == self.kv_heads:
             return f"{self.kv_heads} KV heads split over TP {self.tp_degree}: {per_core}"
-        if self.strategy == REPLICATE and self.attention_heads != self.kv_heads:
+        if self.strategy == REPLICATE:
             return (
                 f"{self.kv_heads} KV heads replicated to TP {self.tp_degree} "
                 f"({self.tp_degree // self.kv_heads} copies each): {per_core}"

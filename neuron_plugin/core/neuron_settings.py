@@ -106,6 +106,10 @@ class EngineLimits:
     # vLLM's --max-logprobs (-1: the whole vocabulary) and --logprobs-mode.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    # The sampling parameters a request that sets none takes (vLLM's
+    # ModelConfig.get_diff_sampling_param: the model's generation_config.json under
+    # --generation-config auto, then --override-generation-config).
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,9 @@ class NeuronSettings:
     # Context lengths (of token_generation_buckets) whose token-generation graphs also
     # have a logits twin (see token_generation_logits_shapes); default the largest.
     token_generation_logits_buckets: tuple[int, ...] = ()
+    # What those twins mean for a request that sets no sampling parameters where it is
+    # sampled on the host (bucket_grids.logits_note; '' otherwise). Changes no graph.
+    logits_buckets_note: str = ""
     # Multi-LoRA (core.lora): adapter slots compiled in (max_loras; 0: LoRA off) of rank
     # max_lora_rank for the target modules; adapters held on the host (changes no
     # graph); the nxd backend's NxDI LoRA serving options (lora_config).
@@ -173,6 +180,9 @@ class NeuronSettings:
     # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
     # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
     prompt_logprobs: int | None = None
+    # Why the decode steps run in one batch size (max_num_seqs) by default; empty where
+    # they get decode batch buckets (core.settings.one_batch_reason). Changes no graph.
+    token_generation_batches_reason: str = ""
 
     @property
     def quantization(self) -> Quantization | None:

@@ -29,7 +29,9 @@ reference backend) uses them, NxDI draws its own.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -94,6 +96,22 @@ def on_device_refusal(
             f"global_topk={global_topk} and {EXACT_SAMPLING_KEY} is on"
         )
     return None
+
+
+# vLLM's SamplingParams defaults for what on_device_refusal reads (a request that sets
+# nothing itself, before the model's default sampling parameters apply).
+VLLM_DEFAULTS: Mapping[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def default_request_refusal(
+    defaults: Mapping[str, Any], global_topk: int = DEFAULT_GLOBAL_TOPK, exact: bool = False
+) -> str | None:
+    """Why the device cannot sample a request that sets nothing itself (None: it can):
+    vLLM's defaults overlaid with the model's default sampling parameters `defaults`
+    (vLLM's ModelConfig.get_diff_sampling_param: generation_config.json under
+    --generation-config auto, and --override-generation-config), which every request
+    that leaves a parameter unset takes."""
+    return on_device_refusal(SimpleNamespace(**{**VLLM_DEFAULTS, **defaults}), global_topk, exact)
 
 
 def sampling_summary(on_device: bool, global_topk: int, exact: bool) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import LOGITS_KEY, resolve_grids
+from neuron_plugin.core.bucket_grids import BATCH_LIMIT_KEY, LOGITS_KEY, logits_note, resolve_grids
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -57,7 +57,12 @@ from neuron_plugin.core.prompt_logprobs import (
     resolve_prompt_logprobs,
 )
 from neuron_plugin.core.quantization import Quantization
-from neuron_plugin.core.sampling import DEFAULT_GLOBAL_TOPK, DISABLED_ENV, resolve_exact_sampling
+from neuron_plugin.core.sampling import (
+    DEFAULT_GLOBAL_TOPK,
+    DISABLED_ENV,
+    default_request_refusal,
+    resolve_exact_sampling,
+)
 from neuron_plugin.core.speculation import resolve_speculation
 from neuron_plugin.core.vision import VISION_BUCKETS_KEY, resolve_vision_buckets
 from neuron_plugin.core.vllm_flags import WORKER_CLS
@@ -91,6 +96,7 @@ INTERPRETED_KEYS = frozenset(
     (
         *GRID_KEYS,
         LOGITS_KEY,
+        BATCH_LIMIT_KEY,
         "enable_bucketing",
         "is_prefix_caching",
         "is_block_kv_layout",
@@ -170,6 +176,43 @@ def resolve_max_num_seqs(
     return seqs, reason
 
 
+def one_batch_reason(
+    backend: str,
+    kv_layout: str,
+    layout_reason: str,
+    speculation_method: str | None,
+    max_loras: int,
+    nxdi_version: str | None,
+    opted_in: bool = False,
+) -> str | None:
+    """Why this configuration decodes in one batch size (max_num_seqs) by default, or
+    None where it gets decode batch buckets (core.bucket_grids.default_batches). The
+    reference backend batch-buckets every configuration; NxDI only the contiguous layout
+    without speculation or LoRA, from 0.8 (models/config.py
+    _validate_batch_bucketing_compatibility; token_generation_batches is a 0.8 key).
+    Where the NxDI release is unknown it decodes in one size unless `opted_in` (the
+    user set max_batch_buckets); 0.7 would refuse the key at load, naming the fix."""
+    if backend != "nxd":
+        return None
+    if kv_layout == BLOCK:
+        return f"NxDI does not batch-bucket the block KV layout, chosen for {layout_reason}"
+    if speculation_method:
+        return (
+            "NxDI refuses batch bucketing with speculative decoding (models/config.py "
+            "_validate_batch_bucketing_compatibility)"
+        )
+    if max_loras:
+        return "NxDI's LoRA weight_active holds one row per sequence of the full batch"
+    if nxdi_version is not None and nxdi_version.startswith("0.7."):
+        return f"NxDI {nxdi_version} has no batch bucketing (token_generation_batches is 0.8+)"
+    if nxdi_version is None and not opted_in:
+        return (
+            f"the NxDI release is unknown here, and 0.7 has no batch bucketing; "
+            f"{BATCH_LIMIT_KEY} (e.g. 6) asks for decode batch buckets with NxDI 0.8+"
+        )
+    return None
+
+
 def resolve_settings(
     limits: EngineLimits,
     override: Mapping[str, Any] | None,
@@ -244,6 +287,23 @@ def resolve_settings(
     transfer_problems = kv_transfer_problems(limits.kv_transfer, kv_layout, reason, draft_model)
     if transfer_problems:
         raise NeuronConfigError(" ".join(transfer_problems))
+    exact = resolve_exact_sampling(exact_sampling)
+    # Where a decode with a host-sampled row runs a logits twin (nxd, on-device sampling,
+    # no fused drafter: NeuronSettings.token_generation_logits_shapes), whether a request
+    # that sets no sampling parameters is one.
+    twins = backend == "nxd" and on_device and method not in FUSED_METHODS
+    host_default = (
+        default_request_refusal(limits.default_sampling, global_topk, exact) if twins else None
+    )
+    batches_reason = one_batch_reason(
+        backend,
+        kv_layout,
+        reason,
+        method,
+        limits.max_loras,
+        nxdi_version,
+        opted_in=BATCH_LIMIT_KEY in override or "token_generation_batches" in override,
+    )
     grids = resolve_grids(
         limits,
         override,
@@ -251,6 +311,8 @@ def resolve_settings(
         max_context,
         block_size=block_size,
         speculation_length=drafts + 1 if method else 0,
+        host_default=host_default,
+        one_batch_reason=batches_reason,
     )
     if (
         backend == "nxd"
@@ -285,7 +347,6 @@ def resolve_settings(
             f"backend serves int8 weight quantization; use quantization_dtype int8 there "
             f"(fp8 runs on the nxd backend)."
         )
-    exact = resolve_exact_sampling(exact_sampling)
     prompt_k = resolve_prompt_logprobs(prompt_logprobs, limits.max_logprobs, limits.logprobs_mode)
     if prompt_k is not None and draft_model:
         raise NeuronConfigError(
@@ -331,6 +392,7 @@ def resolve_settings(
         prefix_buckets=grids["prefix_buckets"],
         token_generation_buckets=grids["token_generation_buckets"],
         token_generation_batches=grids["token_generation_batches"],
+        token_generation_batches_reason=batches_reason or "",
         kv_layout=kv_layout,
         kv_layout_reason=reason,
         block_size=block_size,
@@ -351,6 +413,9 @@ def resolve_settings(
         num_speculative_tokens=drafts,
         draft_model=draft_model,
         token_generation_logits_buckets=grids[LOGITS_KEY],
+        logits_buckets_note=logits_note(
+            override, grids[LOGITS_KEY], grids["token_generation_buckets"], host_default
+        ),
         max_loras=lora.max_loras,
         max_lora_rank=lora.max_lora_rank,
         lora_target_modules=lora.target_modules,

@@ -47,3 +47,19 @@ def with_registered(
             else ModelRow(ep.name, ep.name, "third_party", nxd, reference=False)
         )
     return list(by_name.values())
+
+
+def check_registered(found: Iterable[importlib.metadata.EntryPoint]) -> dict[str, str | None]:
+    """Each registered architecture -> None where its class imports and is an NxDI
+    application class (get_neuron_config_cls, get_config_cls), else what is wrong
+    (`neuron-plugin doctor`, run in the backend's environment)."""
+    problems: dict[str, str | None] = {}
+    for ep in found:
+        try:
+            cls = ep.load()
+        except Exception as exc:  # an import error of any kind is the finding
+            problems[ep.name] = f"{ep.value} does not import: {type(exc).__name__}: {exc}"
+            continue
+        application = hasattr(cls, "get_neuron_config_cls") and hasattr(cls, "get_config_cls")
+        problems[ep.name] = None if application else f"{ep.value} is not an NxDI application class"
+    return problems

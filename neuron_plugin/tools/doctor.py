@@ -45,6 +45,7 @@ from neuron_plugin.core.instances import (
 )
 from neuron_plugin.core.settings import NeuronConfigError
 from neuron_plugin.core.vllm_builds import SUPPORTED_RELEASES, VllmBuild, installed_vllm
+from neuron_plugin.models.third_party import ENTRY_POINT_GROUP
 
 GIB = 1 << 30
 DISK_WARN_BYTES = 20 * GIB
@@ -306,6 +307,59 @@ def check_nxdi_import(python: str, devices: Sequence[str], environ: Mapping[str,
     )
 
 
+REGISTERED = (
+    "import importlib.metadata as m, json; "
+    "from neuron_plugin.models.third_party import ENTRY_POINT_GROUP, check_registered; "
+    "found = list(m.entry_points(group=ENTRY_POINT_GROUP)); "
+    "print(json.dumps({'classes': {ep.name: ep.value for ep in found}, "
+    "'problems': check_registered(found)}))"
+)
+
+
+def check_model_classes(python: str, environ: Mapping[str, str]) -> Check:
+    """The model classes registered under the entry-point group in the backend's
+    environment (`python`): each names its architecture and class, and must import as
+    an NxDI application class; none registered: the architecture table's classes."""
+    name = "model classes"
+    try:
+        done = subprocess.run(
+            [python, "-c", REGISTERED],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(environ),
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(name, "fail", f"{python}: {exc}", "fix VLLM_NEURON_BACKEND_PYTHON")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check(
+            name,
+            "fail",
+            f"the plugin does not import under {python}: {last}",
+            f"{python} -m pip install 'vllm-neuron-plugin[backend]'",
+        )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if not found["classes"]:
+        return Check(
+            name,
+            "info",
+            f"none registered under {ENTRY_POINT_GROUP} in {python}: "
+            f"the architecture table's classes serve "
+            f"(`neuron-plugin models`)",
+        )
+    named = ", ".join(f"{arch} -> {value}" for arch, value in sorted(found["classes"].items()))
+    wrong = [problem for problem in found["problems"].values() if problem]
+    if wrong:
+        return Check(
+            name,
+            "fail",
+            "; ".join(wrong),
+            f"fix or uninstall the package registering it under {ENTRY_POINT_GROUP}",
+        )
+    return Check(name, "ok", f"registered under {ENTRY_POINT_GROUP}: {named}")
+
+
 def check_requirements(versions: Mapping[str, str | None]) -> list[Check]:
     checks = []
     for dist in PINNED_BY_NEURON:
@@ -449,6 +503,7 @@ def collect(
         *check_versions(versions, bool(devices), target),
         *([] if backend_python else check_requirements(versions)),
         check_platform_entry_point(),
+        check_model_classes(backend_python or sys.executable, environ),
         cache,
     ]
     if root is not None:

@@ -13,12 +13,14 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def own_config_home(tmp_path_factory, monkeypatch) -> None:
-    """A private XDG_CONFIG_HOME, inherited by worker processes, and no key settings
-    from the environment running the tests."""
+    """A private XDG_CONFIG_HOME and XDG_CACHE_HOME (where verified copies of shared
+    entries go), inherited by worker processes, and no key settings from the
+    environment running the tests."""
     for name in ("VLLM_NEURON_CACHE_SIGNING_KEY", "VLLM_NEURON_CACHE_TRUSTED_KEYS",
                  "VLLM_NEURON_CACHE_ON_UNTRUSTED"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
 
 
 @pytest.fixture

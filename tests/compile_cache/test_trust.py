@@ -7,7 +7,6 @@ import json
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import boto3
@@ -17,6 +16,7 @@ from compile_cache.cache import CompileCache
 from compile_cache.errors import EntryCorrupt, EntryUntrusted
 from compile_cache.manifest import cache_key
 from compile_cache.record import new_record
+from compile_cache.settings import verified_copies_dir
 from compile_cache.signing import Trust, TrustConfigError, generate_key, key_id, own_key_path
 from compile_cache.stores import LocalStore, S3Store
 from compile_cache.transfer import pull, push
@@ -241,7 +241,7 @@ def test_a_private_entry_is_loaded_in_place_and_a_forged_shared_one_never(store,
     _share(store.root)
     (store.files_path(built.key) / "neuron_config.json").write_bytes(b"tampered")
     record = store.get_record(built.key)
-    leftovers = set(Path(tempfile.gettempdir()).glob("neuron-cache-*"))
+    copies = verified_copies_dir()
     with pytest.raises(EntryCorrupt, match="neuron_config.json differs from its record"):
         store.materialize(record)
-    assert set(Path(tempfile.gettempdir()).glob("neuron-cache-*")) == leftovers
+    assert not [p for p in copies.rglob("*") if p.is_dir() and built.key in p.name]

@@ -1,7 +1,8 @@
 """One compile-cache operation in its own process, for the multi-process tests.
 
     worker.py get_or_build STORE_URL MANIFEST_JSON COUNTER [--sleep S] [--hang MARKER]
-        [--wait-timeout T]   prints the CacheResult as JSON
+        [--wait-timeout T] [--then-hang]   prints the CacheResult as JSON; with
+        --then-hang it then sleeps until killed (a server using the entry)
     worker.py hold STORE_URL KEY MARKER   takes the key's lock, touches MARKER, sleeps
         until killed (a compile that hangs or dies while holding the lock)
 """
@@ -40,7 +41,9 @@ def get_or_build(args: argparse.Namespace) -> None:
     result = CompileCache(open_store(args.store)).get_or_build(
         manifest, build, wait_timeout=args.wait_timeout)
     print(json.dumps({"path": str(result.path), "key": result.key, "hit": result.hit,
-                      "reason": result.reason, "pid": os.getpid()}))
+                      "reason": result.reason, "pid": os.getpid()}), flush=True)
+    if args.then_hang:
+        time.sleep(120)
 
 
 def hold(args: argparse.Namespace) -> None:
@@ -61,6 +64,7 @@ def main() -> None:
     sub.add_argument("--sleep", type=float, default=0.0)
     sub.add_argument("--hang")
     sub.add_argument("--wait-timeout", type=float, default=60.0)
+    sub.add_argument("--then-hang", action="store_true")
     sub.set_defaults(func=get_or_build)
     sub = verbs.add_parser("hold")
     sub.add_argument("store")

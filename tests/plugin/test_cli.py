@@ -137,10 +137,26 @@ def test_kv_heads_of_mha_and_many_kv_heads():
     mha = head_sharding(3, 4, 4)
     assert (mha.padded_kv_heads, mha.kv_heads_per_core) == (6, 2)
     assert list(mha.slot_heads) == [0, 1, 2, 3, None, None]
+    assert "converts to multi-head attention" in mha.describe()
     even = head_sharding(4, 64, 8)
     assert (even.kv_heads_per_core, list(even.slot_heads)) == (2, list(range(8)))
     qwen = head_sharding(32, 28, 4)  # Qwen2.5-7B: each KV head on 8 cores
     assert qwen.kv_heads_per_core == 1 and list(qwen.slot_heads) == [h // 8 for h in range(32)]
+
+
+@pytest.mark.parametrize("tp, heads", [(16, 8), (32, 16), (8, 4), (4, 2)])
+def test_multi_head_kv_heads_that_tp_is_a_multiple_of_are_replicated(tp, heads):
+    """Multi-head attention whose heads divide TP (8 heads at TP 16): NxDI's strategy is
+    REPLICATE_TO_TP_DEGREE (gqa.py determine_sharding_strategy) and its preshard hook
+    copies each KV head TP / heads times in place (replicate_kv), padding Q with zero
+    heads between them: rank r holds KV head r // (TP / heads), no padding KV head."""
+    sharding = head_sharding(tp, heads, heads)
+    copies = tp // heads
+    assert sharding.strategy == REPLICATE
+    assert (sharding.padded_kv_heads, sharding.kv_heads_per_core) == (tp, 1)
+    assert list(sharding.slot_heads) == [r // copies for r in range(tp)]
+    assert sharding.describe() == (f"{heads} KV heads replicated to TP {tp} ({copies} "
+                                   f"copies each): 1 per NeuronCore")
 
 
 def test_memory_plan_counts_the_padded_heads_at_tp_12():
@@ -255,16 +271,30 @@ def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch
                                   INSTANCE_TYPES["trn2.48xlarge"], "x", (24, "host"))
     assert any("Gemma3ForCausalLM on NxDI 0.9 (Neuron SDK 2.29, ef2731e) without the "
                "plugin's patches gemma3-norms" in w for w in report["warnings"])
-    # inf2 runs NxDI 0.8, which lists no Gemma3
+    # inf2 runs NxDI 0.8, which lists no Gemma3 but ships the module the table names;
+    # its patches there are others (gemma3-scale, not gemma3-norms)
     inf2 = explain.build_report(settings, "m", config, None,
                                 INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
     assert inf2["nxdi_release"].startswith("NxDI 0.8 (Neuron SDK 2.28, cd3abf3)")
-    assert inf2["nxdi_support"]["contiguous"].startswith("refused: not in NxDI 0.8's")
-    assert inf2["nxdi_model"] is None
-    assert inf2["warnings"][0].startswith(
-        "architecture 'Gemma3ForCausalLM' is not served by the nxd backend on NxDI 0.8 "
-        "(Neuron SDK 2.28, cd3abf3): not in NxDI 0.8's MODEL_TYPES")
+    assert inf2["nxdi_model"] == ("NxDI models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM "
+                                  "(shipped, not in MODEL_TYPES)")
+    assert inf2["nxdi_support"]["contiguous"].startswith("equal to transformers on real NxDI: "
+                                                         "NxDI 0.8's unlisted models/gemma3")
+    assert inf2["nxdi_support"]["prefix_hit"] == "equal to transformers on real NxDI"
     assert "NxDI release     NxDI 0.8" in explain.render(inf2)
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-scale")
+    inf2 = explain.build_report(settings, "m", config, None,
+                                INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("Gemma3ForCausalLM on NxDI 0.8 (Neuron SDK 2.28, cd3abf3) without the "
+               "plugin's patches gemma3-scale" in w for w in inf2["warnings"])
+    monkeypatch.delenv("VLLM_NEURON_DISABLE_PATCHES")
+    # Mistral on inf2: NxDI 0.8's Llama class
+    mistral = json.loads((tiny_model("mistral") / "config.json").read_text())
+    contiguous = resolve_settings(limits(), {}, backend="nxd", architecture="MistralForCausalLM")
+    inf2 = explain.build_report(contiguous, "m", mistral, None,
+                                INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert inf2["nxdi_model"] == "NxDI MODEL_TYPES['llama']['causal-lm']"
+    assert not any("MistralForCausalLM" in w for w in inf2["warnings"])
     reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
                                  architecture="Gemma3ForCausalLM")
     assert explain.build_report(reference, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
@@ -353,6 +383,30 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
     assert "5 (2 context encoding, 2 token generation, 1 token generation with logits)" in text
+    # NxDI's release is unknown here: one decode batch size, and why
+    assert report["decode_batches"]["sizes"] == [4]
+    assert "the NxDI release is unknown here" in report["decode_batches"]["reason"]
+    assert "decode batches   one decode batch size, max_num_seqs=4: every decode step " \
+        "computes 4 rows (the NxDI release is unknown here" in text
+
+
+def test_explain_config_states_the_decode_batch_buckets_and_their_graphs(model_dirs,
+                                                                          backend_env):
+    report, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                 "--max-num-seqs", "8", "--backend", "reference"])
+    assert report["buckets"]["token_generation_batches"] == [1, 2, 4, 8]
+    assert report["decode_batches"] == {
+        "sizes": [1, 2, 4, 8], "reason": None, "graphs_added": 6,
+        "summary": "4 decode batch sizes [1, 2, 4, 8]: a decode step computes the first "
+                   "that holds its rows; they add 6 token-generation graphs to the 4 one "
+                   "batch size would compile (10 in all, x2.50 the graphs and their compile "
+                   "time); override_neuron_config max_batch_buckets bounds them (1: one size)"}
+    bounded, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                  "--max-num-seqs", "8", "--backend", "reference",
+                                  "--additional-config",
+                                  '{"override_neuron_config": {"max_batch_buckets": 2}}'])
+    assert bounded["decode_batches"]["sizes"] == [1, 8]
+    assert bounded["graphs"]["token_generation"] == 4
 
 
 def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,
@@ -466,6 +520,32 @@ def test_doctor_reports_whether_nxdi_imports_and_where_it_runs(tmp_path, sdk_pyt
     assert "CPU mode" in cpu.detail and '"on_cpu": true' in cpu.fix
     device = doctor.check_nxdi_import(sdk_python, ["/dev/neuron0"], env)
     assert device.status == "ok" and "on the Neuron devices" in device.detail
+
+
+def test_doctor_names_the_model_classes_registered_in_the_backends_environment(tmp_path):
+    """Entry points of neuron_plugin.nxdi_models in the interpreter the backend runs in:
+    each named with its class; one that does not import, or is no NxDI application
+    class, fails naming it; none: the table's classes."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    none = doctor.check_model_classes(sys.executable, env)
+    assert none.status == "info" and "none registered" in none.detail
+    (tmp_path / "contrib_models.py").write_text(
+        "class NeuronTiny:\n"
+        "    get_neuron_config_cls = get_config_cls = classmethod(lambda cls: None)\n"
+        "class NotAModel:\n    pass\n")
+    info = tmp_path / "contrib_models-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: contrib-models\nVersion: 0.1\n")
+    entry = "[neuron_plugin.nxdi_models]\nTinyForCausalLM = contrib_models:NeuronTiny\n"
+    (info / "entry_points.txt").write_text(entry)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    ok = doctor.check_model_classes(sys.executable, env)
+    assert ok.status == "ok" and "TinyForCausalLM -> contrib_models:NeuronTiny" in ok.detail
+    (info / "entry_points.txt").write_text(entry + "OtherForCausalLM = contrib_models:NotAModel\n"
+                                           "GoneForCausalLM = contrib_gone:Model\n")
+    bad = doctor.check_model_classes(sys.executable, env)
+    assert bad.status == "fail" and "contrib_models:NotAModel is not an NxDI application" \
+        in bad.detail and "contrib_gone:Model does not import" in bad.detail
 
 
 @pytest.mark.parametrize("versions,devices,target,expected", [

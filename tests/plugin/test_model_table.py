@@ -45,16 +45,18 @@ def test_every_row_the_nxd_backend_serves_has_its_family_per_release():
     assert modules_of(nxd_families) == set(compat.FAMILIES)
 
 
-def test_every_tiny_checkpoint_the_table_names_is_built_as_that_architecture():
+def test_the_tiny_checkpoints_are_the_tables_and_each_builds_its_architecture():
+    """scripts/build_tiny_model.py builds what the table names (its --arch choices), each
+    recipe written as its row's architecture, and no recipe outside the table."""
     import build_tiny_model as builder
+    from tiny_models import text, vision
 
-    recipes = {**builder.ARCHITECTURES, **builder.VISION_LANGUAGE}
+    recipes = {**text.ARCHITECTURES, **vision.VISION_LANGUAGE, **vision.OWN_WRITERS}
+    assert set(builder.RECIPES) == set(recipes)
     for row in ROWS:
         for name in row.tiny:
-            known = name in recipes or name in builder.OWN_WRITERS
-            assert known, f"{row.architecture}: no recipe {name!r}"
-            if name in builder.ARCHITECTURES:
-                assert builder.ARCHITECTURES[name]["architectures"] == [row.architecture]
+            if name in text.ARCHITECTURES:
+                assert text.ARCHITECTURES[name]["architectures"] == [row.architecture]
 
 
 def test_the_docs_print_every_row_and_each_refusal():
@@ -76,3 +78,22 @@ def test_a_registered_class_takes_its_architectures_row(name):
     }
     assert rows[name].reference == (name in TABLE)
     assert "entry point `NeuronTiny`" in markdown(rows.values())
+
+
+def test_nxdi_0_8_serves_mistral_and_gemma3_with_classes_it_ships():
+    """0.8 (inf2/trn1) lists neither in MODEL_TYPES: Mistral takes 0.8's Llama class
+    (which applies config.sliding_window), Gemma3 the module 0.8 ships unlisted; both
+    measured equal to transformers (tests/e2e/test_nxdi_architectures.py)."""
+    from neuron_plugin.models.table import NxDIModelType, NxDIModule, nxd_architectures
+
+    assert {"MistralForCausalLM", "Gemma3ForCausalLM"} <= set(nxd_architectures("0.8"))
+    assert TABLE["MistralForCausalLM"].nxd["0.8"] == NxDIModelType("llama")
+    assert TABLE["Gemma3ForCausalLM"].nxd["0.8"] == NxDIModule(
+        "models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM")
+    rows = {line.split(" | ")[0]: line for line in markdown().splitlines()}
+    assert rows["| `MistralForCausalLM`"].endswith(
+        "| NxDI `MODEL_TYPES['llama']` | NxDI `MODEL_TYPES['mistral']` |")
+    assert "NxDI `NeuronGemma3ForCausalLM` (a module it ships unlisted)" in rows[
+        "| `Gemma3ForCausalLM`"]
+    # refused on 0.8 alone: no architecture
+    assert not [line for line in markdown().splitlines() if "refused on NxDI 0.8:" in line]

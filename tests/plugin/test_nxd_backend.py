@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
+import shutil
 import sys
 from collections import Counter
 
@@ -158,6 +160,39 @@ def test_mapped_architectures_resolve_without_warnings(release, caplog):
     assert caplog.text == ""
     assert describe_architecture("DbrxForCausalLM", [], NXDI_0_9) == \
         "NxDI MODEL_TYPES['dbrx']['causal-lm']"
+
+
+def test_nxdi_0_8_serves_mistral_and_gemma3_with_classes_it_ships(tiny_model, monkeypatch,
+                                                                 tmp_path):
+    """0.8 (inf2/trn1) lists neither in MODEL_TYPES. Mistral is built with 0.8's Llama
+    class, which applies the checkpoint's sliding_window (the double's graphs honour it as
+    NxDI's rolling cache line): a prompt longer than the window decodes attending the
+    newest 16 tokens. Gemma3 is built with the module 0.8 ships unlisted, its config
+    patched to the checkpoint's values (gemma3-config)."""
+    use_release("0.8", monkeypatch, tmp_path)
+    try:
+        from neuronx_distributed_inference.models.gemma3 import modeling_gemma3
+        from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+
+        assert "mistral" not in MODEL_TYPES and "gemma3" not in MODEL_TYPES
+        s = settings({"tp_degree": 1}, architecture="MistralForCausalLM")
+        mistral = loaded(s, tiny_model("mistral"), tmp_path / "graphs")
+        assert mistral.model_cls is MODEL_TYPES["llama"]["causal-lm"]
+        assert mistral.model.config.sliding_window == 16
+        prompt = np.random.default_rng(5).integers(1, VOCAB, 40)
+        first = mistral.forward(context_encoding_inputs(s, prompt, 0, 0, None)).argmax(-1)
+        assert first.tolist() == [expected(prompt[-16:])]
+        step = token_generation_inputs(s, first, np.array([40]), np.array([0]), None)
+        context = [*prompt.tolist(), int(first[0])]
+        assert mistral.forward(step).argmax(-1).tolist() == [expected(context[-16:])]
+
+        gemma = NxDBackend(settings(architecture="Gemma3ForCausalLM"), tiny_model("gemma3"))
+        assert gemma.model_cls is modeling_gemma3.NeuronGemma3ForCausalLM
+        config = gemma._new_model().config
+        assert (config.vocab_size, config.rope_scaling) == (977, None)  # not 262208, 8.0
+        assert "gemma3-scale" in gemma.nxdi.patches_for("Gemma3ForCausalLM")
+    finally:
+        purge()
 
 
 def test_builtin_architecture_missing_from_installed_nxdi(release):
@@ -892,30 +927,48 @@ def test_kv_block_moves_cost_the_blocks_moved_not_the_cache(release, tiny, tmp_p
     assert torch.equal(backend.read_kv_blocks(np.array([20, 7, 8, 9])), kv)
 
 
+def multi_head_copy(tiny, folder):
+    """The tiny Llama as a multi-head attention model (4 KV heads): its files with
+    num_key_value_heads = num_attention_heads (the double's graphs read no weights)."""
+    shutil.copytree(tiny, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 # The tiny Llama has 4 attention heads and 2 KV heads. TP 4: each KV head on 2 ranks
 # (REPLICATE_TO_TP_DEGREE); TP 3: multi-head attention over 6 padded heads, 2 a rank,
-# rank 0 holding head 0 twice, rank 1 head 1 twice, rank 2 two padding heads.
-@pytest.mark.parametrize("tp, slots, ranks_read", [
-    (4, [[0], [0], [1], [1]], [0, 2]),
-    (3, [[0, 0], [1, 1], [None, None]], [0, 1]),
-])
+# rank 0 holding head 0 twice, rank 1 head 1 twice, rank 2 two padding heads. As a
+# multi-head model (4 KV heads): TP 8 replicates each KV head on 2 ranks, the odd rank's
+# query a padding head (gqa.py maybe_pad_interleaved), so only the even ranks' copies are
+# read; TP 6 converts to multi-head attention over 6 padded heads, 1 a rank.
+# `stale`: a KV slot a real query head reads; `unread`: one only a padding query reads.
+@pytest.mark.parametrize("mha, tp, slots, ranks_read, stale, unread", [
+    (False, 4, [[0], [0], [1], [1]], [0, 2], 1, None),
+    (False, 3, [[0, 0], [1, 1], [None, None]], [0, 1], 1, None),
+    (True, 8, [[0], [0], [1], [1], [2], [2], [3], [3]], [0, 2, 4, 6], 2, 1),
+    (True, 6, [[0], [1], [2], [3], [None], [None]], [0, 1, 2, 3], 1, None),
+], ids=["gqa-tp4", "gqa-tp3", "mha-tp8", "mha-tp6"])
 def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeypatch,
-                                                tp, slots, ranks_read):
-    """NxDI's GQA sharding (gqa.py get_shardable_head_counts, replicate_kv,
-    maybe_pad_tail), reproduced by the double: a block's payload holds the model's 2 KV
-    heads once at any TP, a read copies one rank per replica group, a write reaches every
-    replica (a decode reads every rank's copy: one stale replica shows) and zeroes the
-    padding heads; the bytes read are the model's true KV size. Each rank's copies are
-    issued by a thread of their own: the copies one after another are 2 x layers x runs
-    whatever the TP degree."""
+                                                mha, tp, slots, ranks_read, stale, unread):
+    """NxDI's GQA sharding (gqa.py determine_sharding_strategy, get_shardable_head_counts,
+    the preshard hook's replicate_kv and padding), reproduced by the double: a block's
+    payload holds the model's KV heads once at any TP, a read copies one rank per replica
+    group, a write reaches every replica (a decode reads every copy a real query head
+    attends: one stale such replica shows) and zeroes the padding heads; the bytes read
+    are the model's true KV size. Each rank's copies are issued by a thread of their own:
+    the copies one after another are 2 x layers x runs whatever the TP degree."""
     from neuronx_distributed_inference._device import TRANSFER_THREADS, TRANSFERS
 
+    model = multi_head_copy(tiny, tmp_path / "mha") if mha else tiny
+    heads = 4 if mha else 2
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", f"0-{tp - 1}")
     s = settings({**PREFIX, "tp_degree": tp})
-    prefill = loaded(s, tiny, tmp_path / "p")
-    decode = loaded(s, tiny, tmp_path / "d")
+    prefill = loaded(s, model, tmp_path / "p")
+    decode = loaded(s, model, tmp_path / "d")
     geometry = prefill.kv_geometry()
-    assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=2, head_dim=64,
+    assert geometry == KVGeometry(layers=2, block_size=32, kv_heads=heads, head_dim=64,
                                   dtype="float32", computation=geometry.computation)
     data = torch.randn(geometry.shape(3))
     TRANSFERS.clear()
@@ -925,10 +978,10 @@ def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeyp
     assert [d for d, _ in TRANSFERS] == ["to_device"] * tensors * 3 * tp  # 3 runs, every rank
     assert sorted(Counter(TRANSFER_THREADS).values()) == [tensors * 3] * tp
     state = decode.model.context_encoding_model.model.nxd_model.state
-    for rank, heads in enumerate(slots):
+    for rank, rank_heads in enumerate(slots):
         blocks = state[rank]["kv_mgr.past_key_values.3"].view(s.num_blocks + 1, 32,
-                                                               len(heads), 64)
-        for local, head in enumerate(heads):
+                                                               len(rank_heads), 64)
+        for local, head in enumerate(rank_heads):
             want = data[1, 1, 0, :, head] if head is not None else torch.zeros(32, 64)
             assert torch.equal(blocks[9, :, local], want), (rank, local)
     TRANSFERS.clear()
@@ -936,7 +989,7 @@ def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeyp
     assert torch.equal(decode.read_kv_blocks(np.array([9, 4, 12])), data)
     assert [d for d, _ in TRANSFERS] == ["to_host"] * tensors * 3 * len(ranks_read)
     assert sorted(Counter(TRANSFER_THREADS).values()) == [tensors * 3] * len(ranks_read)
-    per_rank_bytes = 3 * geometry.block_bytes // 2 * len(slots[0])  # a rank's heads
+    per_rank_bytes = 3 * geometry.block_bytes // heads * len(slots[0])  # a rank's heads
     assert sum(n for _, n in TRANSFERS) == per_rank_bytes * len(ranks_read)
     if len(slots[0]) == 1:  # one head a rank: the bytes read are the payload's
         assert sum(n for _, n in TRANSFERS) == 3 * geometry.block_bytes
@@ -945,16 +998,21 @@ def test_kv_blocks_move_each_distinct_head_once(release, tiny, tmp_path, monkeyp
     prefill.forward(context_encoding_inputs(s, prompt, 0, 0, [1, 2]))
     decode.write_kv_blocks(np.array([5, 7]), prefill.read_kv_blocks(np.array([1, 2])))
     step = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]), [[5, 7]])
-    assert decode.forward(step).argmax(-1).tolist() == [expected([*prompt, 70])]
-    # the double reads every replica: one stale copy of a head (slot 1, head 0's second
-    # copy) changes the answer
-    per = len(slots[0])
-    replica = state[1 // per]["kv_mgr.past_key_values.0"].view(s.num_blocks + 1, 32, per, 64)
-    stale = replica.narrow(0, 5, 1).cpu()
-    stale[:, :, 1 % per] = 0
-    replica.narrow(0, 5, 1).copy_(stale)
-    again = token_generation_inputs(s, np.array([70]), np.array([40]), np.array([0]), [[5, 7]])
-    assert decode.forward(again).argmax(-1).tolist() != [expected([*prompt, 70])]
+    right = [expected([*prompt, 70])]
+    assert decode.forward(step).argmax(-1).tolist() == right
+
+    def spoil(slot):
+        per = len(slots[0])
+        replica = state[slot // per]["kv_mgr.past_key_values.0"].view(s.num_blocks + 1, 32,
+                                                                      per, 64)
+        spoilt = replica.narrow(0, 5, 1).cpu()
+        spoilt[:, :, slot % per] = 0
+        replica.narrow(0, 5, 1).copy_(spoilt)
+        return decode.forward(step).argmax(-1).tolist()
+
+    if unread is not None:  # NxDI never reads it: the answer stands
+        assert spoil(unread) == right
+    assert spoil(stale) != right  # one stale copy a real query reads changes the answer
 
 
 @pytest.mark.parametrize("block_ids, message", [

@@ -16,7 +16,9 @@ Real NxDI in its CPU mode: tests/e2e/test_nxdi_cpu_mode.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -31,9 +33,10 @@ from neuron_plugin.core.inputs import (
     token_generation_bucket,
     token_generation_inputs,
 )
-from neuron_plugin.core.settings import NeuronConfigError
+from neuron_plugin.core.settings import NeuronConfigError, resolve_settings
 from tests.plugin.fake_nxdi.nxdi_release import purge
 from tests.plugin.test_nxd_backend import (  # noqa: F401  (fixtures)
+    LIMITS,
     PREFIX,
     VOCAB,
     expected,
@@ -246,7 +249,9 @@ def test_model_runner_moves_logits_only_for_host_rows(tiny, monkeypatch, tmp_pat
         model=str(tiny), dtype="float32", max_model_len=64, max_num_seqs=4,
         enable_prefix_caching=False, enable_chunked_prefill=False,
         additional_config={"override_neuron_config": {
-            "context_encoding_buckets": [16, 32], "token_generation_buckets": [64]}},
+            "context_encoding_buckets": [16, 32], "token_generation_buckets": [64],
+            # resolved for the reference backend here: the nxd default, one batch size
+            "max_batch_buckets": 1}},
     ).create_engine_config()
     prompts = {"a": [3, 4, 5], "b": [6, 7], "c": [8, 9, 10, 11]}
     params = {"a": SamplingParams(temperature=0.0, max_tokens=8),
@@ -341,6 +346,42 @@ def test_logits_twin_of_the_largest_length_by_default_widened_by_the_key():
     assert token_generation_bucket(reference, 1, 10, logits=True) == (4, 128)
 
 
+def test_logits_twins_follow_what_a_request_that_sets_nothing_needs():
+    """A request that sets no sampling parameters takes the model's defaults (vLLM's
+    get_diff_sampling_param): where they need the host sampler (a penalty, min_p) or
+    exact sampling keeps a default random request on the host, every token-generation
+    length gets a twin and the resolution says what it costs; a user's shorter list is
+    kept, with a warning naming the lengths such steps then run at. Not for the
+    reference backend (its graphs all return logits) nor a fused drafter (no logits)."""
+    penalty = {"default_sampling": {"repetition_penalty": 1.05, "temperature": 0.7}}
+    s = settings(penalty, ODS)
+    assert s.token_generation_logits_buckets == (128, 256) and s.graph_count() == 6
+    assert token_generation_bucket(s, 1, 10, logits=True) == (4, 128)
+    assert s.logits_buckets_note.startswith("a request that sets no sampling parameters is "
+                                            "sampled on the host (repetition_penalty needs")
+    assert "every token-generation length has a logits twin (2 graphs more" in \
+        s.logits_buckets_note
+    short = settings(penalty, {**ODS, "token_generation_logits_buckets": [256]})
+    assert short.token_generation_logits_buckets == (256,)
+    assert "has no twin at [128]" in short.logits_buckets_note
+    assert "(up to 256 positions a row instead of 128)" in short.logits_buckets_note
+    for defaults in ({}, {"temperature": 0.6, "top_p": 0.9, "top_k": 20}):
+        plain = settings({"default_sampling": defaults}, ODS)
+        assert plain.token_generation_logits_buckets == (256,) and not plain.logits_buckets_note
+    limits = dataclasses.replace(LIMITS, default_sampling={"top_p": 0.9})
+    exact = resolve_settings(limits, ODS, backend="nxd", architecture="LlamaForCausalLM",
+                             exact_sampling=True)
+    assert exact.token_generation_logits_buckets == (128, 256)
+    assert "top_k=0 samples beyond" in exact.logits_buckets_note
+    greedy = resolve_settings(dataclasses.replace(limits, default_sampling={"temperature": 0}),
+                              ODS, backend="nxd", architecture="LlamaForCausalLM",
+                              exact_sampling=True)
+    assert greedy.token_generation_logits_buckets == (256,)
+    reference = resolve_settings(dataclasses.replace(LIMITS, tp_degree=1, **penalty), ODS,
+                                 backend="reference", architecture="LlamaForCausalLM")
+    assert not reference.logits_buckets_note and not reference.token_generation_logits_shapes()
+
+
 @pytest.mark.parametrize("limits, override", [
     ({}, {}), (PREFIX, {}), ({}, {"token_generation_buckets": [64, 256]}),
     ({}, {"enable_bucketing": False}),
@@ -388,6 +429,67 @@ def test_a_host_row_at_a_short_length_runs_the_twin_at_the_largest(seam, tiny, t
     assert backend.model.traced_model.ran[-1] == (LOGITS_TAG, 256)
     assert out.logits.argmax(-1).tolist() == want[:1]
     decode(backend, contexts, None, [False] * 4)  # the KV state both graphs share
+
+
+@pytest.mark.parametrize("generation_config, twins, graph", [
+    # every default request is host-sampled: a twin at each length, its own one runs
+    ({"repetition_penalty": 1.1}, (32, 64), (LOGITS_TAG, 32)),
+    # sampled on the device: the one twin, the tokens-only graph at its length
+    ({"temperature": 0.7, "top_p": 0.9}, (64,), ("token_generation_model", 32)),
+], ids=["penalty", "device"])
+def test_a_default_request_of_a_model_with_a_penalty_decodes_at_its_bucket(
+        tiny, monkeypatch, tmp_path, generation_config, twins, graph):
+    """vLLM applies the model's generation_config.json to every request that leaves a
+    parameter unset (--generation-config auto, the default): a checkpoint that sets a
+    repetition penalty sends every default request to the host sampler. Its decode steps
+    then run logits twins at their own length (32 here), not the largest (64) reading
+    the KV cache over max_model_len every step; the resolution (the platform's, from
+    vLLM's config) compiles a twin per length and says so. A model whose defaults the
+    device samples keeps the one twin at the largest length."""
+    from bench_host_overhead import scheduler_output
+    from vllm import SamplingParams
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+
+    from neuron_plugin.serving.model_runner import NeuronModelRunner
+    from neuron_plugin.serving.vllm_settings import resolve_from_vllm_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    (model / "generation_config.json").write_text(json.dumps(generation_config))
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    use_release("0.9-ef2731e", monkeypatch, tmp_path)
+    config = EngineArgs(
+        model=str(model), dtype="float32", max_model_len=64, max_num_seqs=4,
+        enable_prefix_caching=False, enable_chunked_prefill=False,
+        additional_config={"override_neuron_config": {
+            "context_encoding_buckets": [16, 32], "token_generation_buckets": [32, 64]}},
+    ).create_engine_config()
+    # a request that sets nothing, as vLLM's LLM and OpenAI server build it
+    default = SamplingParams.from_optional(**config.model_config.get_diff_sampling_param())
+    try:
+        with set_current_vllm_config(config):
+            s = resolve_from_vllm_config(config, backend="nxd")
+            assert s.token_generation_logits_buckets == twins
+            assert ("repetition_penalty needs the host sampler" in s.logits_buckets_note) \
+                is (len(twins) > 1)
+            backend = loaded(s, model, tmp_path / "graphs")
+            runner = NeuronModelRunner(config, s, backend, [])
+            new = NewRequestData(
+                req_id="a", prompt_token_ids=[3, 4, 5], mm_features=[],
+                sampling_params=default, pooling_params=None, block_ids=([1],),
+                num_computed_tokens=0, lora_request=None)
+            runner.execute_model(scheduler_output(new=[new], scheduled={"a": 3}))
+            runner.sample_tokens(None)
+            running = CachedRequestData(
+                req_ids=["a"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+                new_block_ids=[None], num_computed_tokens=[3], num_output_tokens=[1])
+            runner.execute_model(scheduler_output(cached=running, scheduled={"a": 1}))
+            runner.sample_tokens(None)
+            assert backend.model.traced_model.ran[-1] == graph
+    finally:
+        purge()
 
 
 def test_runner_process_carries_logits_only_for_host_rows(tiny, sdk_python, monkeypatch,

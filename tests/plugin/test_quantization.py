@@ -322,13 +322,18 @@ def test_nxd_fused_draft_with_quantized_weights_is_refused(model_dirs, monkeypat
         purge()
 
 
-def test_nxd_float_draft_of_a_quantized_model_is_served(model_dirs, monkeypatch, tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv", "fused-qkv"])
+def test_nxd_float_draft_of_a_quantized_model_is_served(model_dirs, monkeypatch, tmp_path,
+                                                        fused):
     """draft_model_modules_to_not_convert keeping every linear layer of the draft float:
     NxDI converts none of them (model_wrapper.py load_module, ef2731e lines 1512-1522,
     with the draft's own modules_to_not_convert) and loads its float weights as they are;
     the target's quantized layers get the quantized checkpoint. Speculation pays off:
     greedy tokens equal plain decoding's, with drafts accepted (a garbage draft would
-    have each step emit one token)."""
+    have each step emit one token). With fused_qkv NxDI's state-dict conversion looks the
+    exact entry layers.{l}.self_attn up in the list before concatenating the draft's q/k/v
+    scales, which a float draft lacks (KeyError at load, convert_state_dict_to_fused_qkv):
+    the plugin adds those entries, which keep nothing more in float."""
     from tests.plugin.test_nxd_speculation import (
         DRAFTS,
         PROMPTS,
@@ -340,7 +345,8 @@ def test_nxd_float_draft_of_a_quantized_model_is_served(model_dirs, monkeypatch,
 
     override = {"quantized": True, "quantized_checkpoints_path": str(tmp_path / "q"),
                 "quantization_type": "per_channel_symmetric",
-                "draft_model_modules_to_not_convert": ["layers", "lm_head"]}
+                "draft_model_modules_to_not_convert": ["layers", "lm_head"],
+                **({"fused_qkv": True} if fused else {})}
     s = spec_settings("draft_model", model_dirs["qwen3"], override=override)
     use_release("0.9", monkeypatch, tmp_path)
     try:
@@ -351,14 +357,54 @@ def test_nxd_float_draft_of_a_quantized_model_is_served(model_dirs, monkeypatch,
         nxd_model = backend.model.traced_model.nxd_model
         assert nxd_model.garbled == set()
         weights = backend.model.loaded_weights[0]
-        assert weights["target_model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
-        assert weights["draft_model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+        qkv = "self_attn.Wqkv" if fused else "self_attn.q_proj"
+        assert weights[f"target_model.layers.0.{qkv}.weight"].dtype == torch.int8
+        assert weights[f"target_model.layers.0.{qkv}.scale"].dtype == torch.float32
+        assert weights[f"draft_model.layers.0.{qkv}.weight"].dtype == torch.float32
         draft_config = backend.model.fused_spec_config.draft_config.neuron_config
-        assert draft_config.modules_to_not_convert == ["layers", "lm_head"]
+        layers = json.loads((model_dirs["qwen3"] / "config.json").read_text())[
+            "num_hidden_layers"]
+        exact = [f"layers.{n}.self_attn" for n in range(layers)] if fused else []
+        assert draft_config.modules_to_not_convert == ["layers", "lm_head", *exact]
         plain = plain_continuations(model_dirs["llama"], tmp_path / "plain", 60)
         history = speculative_histories(backend, s, plain, 10, lambda step, seq: DRAFTS,
                                         lambda step: [0, 1, 2, 3])
         assert_greedy_equal(history, plain)
         assert max(len(h) - len(PROMPTS[q]) - 1 for q, h in history.items()) > 2 * 10
+    finally:
+        purge()
+
+
+def test_nxd_fused_qkv_target_keeping_its_attention_float(model_dirs, monkeypatch, tmp_path):
+    """A quantized model with fused_qkv whose modules_to_not_convert keeps the attention
+    float by a broader entry ("self_attn"): NxDI's writer stores no q/k/v scales and its
+    fused-QKV conversion, which looks the exact entry layers.{l}.self_attn up, would
+    concatenate them (KeyError at load): served, the exact entries added. A list keeping
+    q/k/v but not o_proj cannot be completed that way: refused before anything compiles,
+    naming the setting and the fix."""
+    use_release("0.9", monkeypatch, tmp_path)
+    try:
+        s = quantized(tmp_path / "q", backend="nxd", fused_qkv=True,
+                      modules_to_not_convert=["self_attn"])
+        backend = NxDBackend(s, model_dirs["llama"])
+        backend.quantize()
+        backend.compile(tmp_path / "graphs")
+        backend.load(tmp_path / "graphs")
+        weights = backend.model.loaded_weights[0]
+        assert weights["layers.0.self_attn.Wqkv.weight"].dtype == torch.float32
+        assert weights["layers.0.mlp.up_proj.weight"].dtype == torch.int8
+        assert backend.model.neuron_config.modules_to_not_convert == [
+            "self_attn", "layers.0.self_attn", "layers.1.self_attn"]
+        assert not backend.model.traced_model.nxd_model.garbled
+        prompt = np.array([3, 4, 5])
+        vocab = json.loads((model_dirs["llama"] / "config.json").read_text())["vocab_size"]
+        logits = backend.forward(context_encoding_inputs(s, prompt, 0, 0, None))
+        assert logits.argmax(-1).tolist() == [(int(prompt.sum()) + len(prompt) - 1) % vocab]
+        partial = quantized(tmp_path / "q2", backend="nxd", fused_qkv=True,
+                            modules_to_not_convert=["qkv_proj"])
+        with pytest.raises(NeuronConfigError, match=r"modules_to_not_convert=\['qkv_proj'\] "
+                                                     r"keeps layers\.0\.self_attn's q/k/v.*"
+                                                     r"o_proj.*fused_qkv false"):
+            NxDBackend(partial, model_dirs["llama"]).compile(tmp_path / "partial")
     finally:
         purge()

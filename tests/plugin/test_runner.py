@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,7 +54,9 @@ def _calls(settings):
 @pytest.mark.parametrize("block", [False, True], ids=["contiguous", "block"])
 def test_runner_logits_equal_in_process(model_dirs, cache_url, block, monkeypatch):
     """Bit for bit: the runner runs torch with this process's thread count (the sums of
-    a matmul split across threads round differently), whatever the tests before set."""
+    a matmul split across threads round differently), whatever the tests before set, and
+    both processes hold their weights 64-byte aligned (the next test: MKL rounds 8- and
+    16-byte aligned operands differently, which made this test flaky)."""
     import torch
 
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -70,6 +74,58 @@ def test_runner_logits_equal_in_process(model_dirs, cache_url, block, monkeypatc
     finally:
         remote.close()
     assert remote.runner.process.returncode == 0
+
+
+def _relaid(model_dir: Path, folder: Path, residue: int) -> Path:
+    """The checkpoint rewritten with header metadata padding its tensors' data to a file
+    offset of `residue` mod 64 (safetensors pads the header to 8 bytes): the alignment
+    its tensors get when read through a memory map."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    for pad in range(64):
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"pad": "x" * pad})
+        with open(folder / "model.safetensors", "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        if (8 + header) % 64 == residue:
+            return folder
+    raise AssertionError(f"no padding puts the data at {residue} mod 64")
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["contiguous", "block"])
+def test_logits_do_not_depend_on_where_the_checkpoint_file_puts_its_tensors(
+        model_dirs, tmp_path, block):
+    """The root of the bit-for-bit test's flakes: MKL's float32 GEMM rounds the last bits
+    differently when its operands are 8- rather than 16-byte aligned (its reproducibility
+    conditions ask for aligned buffers), and weights read through safetensors' memory map
+    sit at their file offset, wherever the header leaves it. The reference backend holds
+    its weights in torch's own (64-byte aligned) memory, so two processes, or two
+    layouts of one checkpoint, compute the same bits."""
+    eight = _relaid(model_dirs["llama"], tmp_path / "eight", 40)
+    sixteen = _relaid(model_dirs["llama"], tmp_path / "sixteen", 48)
+    logits = []
+    for folder in (eight, sixteen):
+        backend = open_backend(settings_for(block), folder, str(tmp_path / "cache"))
+        assert {w.data_ptr() % 64 for w in backend.weights} == {0}
+        logits.append([backend.forward(inputs).clone() for inputs in _calls(settings_for(block))])
+    for first, second in zip(*logits, strict=True):
+        assert np.array_equal(first.numpy(), second.numpy())
+
+
+def test_runner_takes_servings_thread_count_once_loaded(model_dirs, cache_url, monkeypatch):
+    """The runner computes the reference model: it sets its torch threads by the serving
+    rule (core.threads) after loading, here the count VLLM_NEURON_TORCH_THREADS asks for
+    (an OMP_NUM_THREADS, which these tests set, would be kept instead)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("VLLM_NEURON_TORCH_THREADS", "3")
+    remote = open_backend(settings_for(False, backend_python=sys.executable),
+                          model_dirs["llama"], cache_url)
+    try:
+        assert isinstance(remote, RunnerBackend)
+        assert remote.torch_threads == 3
+    finally:
+        remote.close()
 
 
 def remote_vocab(model_dirs) -> int:

@@ -80,6 +80,7 @@ from neuron_plugin.backends.nxd.outputs import (
 )
 from neuron_plugin.backends.nxd.quantized import (
     check_quantized_head,
+    complete_for_fused_qkv,
     refuse_quantized_draft,
     untie_quantized_head,
 )
@@ -252,14 +253,21 @@ class NxDBackend(InlineCalls):
         neuron_config = self.model_cls.get_neuron_config_cls()(**kwargs)
         ignored = unknown_kwargs(neuron_config, kwargs)
         if ignored:
+            batches = (
+                " (token_generation_batches are the decode batch buckets, on by default: "
+                "override_neuron_config max_batch_buckets: 1 compiles one decode batch size)"
+                if "token_generation_batches" in ignored
+                else ""
+            )
             raise NeuronConfigError(
                 f"the installed NxD Inference {self.nxdi.version or ''} does not know "
                 f"{', '.join(ignored)} (its NeuronConfig would ignore them and compile "
-                f"other graphs); remove them from override_neuron_config or install a "
-                f"newer Neuron SDK."
+                f"other graphs){batches}; remove them from override_neuron_config or "
+                f"install a newer Neuron SDK."
             )
         config = self.model_cls.get_config_cls()(neuron_config, load_config=self._config_loader())
         self.tied_head = untie_quantized_head(config, self.settings)
+        complete_for_fused_qkv(neuron_config, config.num_hidden_layers, "modules_to_not_convert")
         for key, value in compat.config_adjustments(self.settings, self.hf_config).items():
             setattr(config, key, value)
         if self.settings.is_fused_speculation:
@@ -299,6 +307,12 @@ class NxDBackend(InlineCalls):
         draft_config = config_cls(
             draft_neuron_config(neuron_config),
             load_config=self.nxdi.load_pretrained_config(draft_dir),
+        )
+        own = getattr(neuron_config, "draft_model_modules_to_not_convert", None)
+        complete_for_fused_qkv(
+            draft_config.neuron_config,
+            draft_config.num_hidden_layers,
+            "draft_model_modules_to_not_convert" if own else "modules_to_not_convert",
         )
         return self.nxdi.fused_spec_config(
             worker_cls,

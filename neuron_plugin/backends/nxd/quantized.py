@@ -41,6 +41,16 @@ Two things follow.
   and `o_proj` (`GroupQueryAttention_O`'s o_proj) (attention_base.py lines 412-413,
   gqa.py lines 411-482 and 998-1016), so "self_attn.q_proj" keeps nothing there;
   `nxdi_module_paths` gives those paths.
+- **Fused QKV.** With `fused_qkv` NxDI concatenates each layer's q/k/v weights into Wqkv
+  when it reads a state dict, and their scales too unless the exact entry
+  `layers.{l}.self_attn` is in modules_to_not_convert (`convert_state_dict_to_fused_qkv`:
+  modeling_llama.py 0.9 lines 191-205, 0.8 242-256; the same test in qwen2's and
+  gpt_oss's), a list lookup, not the substring match the conversion itself uses. So a
+  layer whose attention a broader entry keeps float ("layers", "self_attn": a float
+  draft as advised below, or a target keeping its attention) has no scales to
+  concatenate: KeyError at load. `complete_for_fused_qkv` adds the exact entry for every
+  such layer, which keeps nothing more in float, and refuses a layer whose q/k/v are kept
+  but whose o_proj is not (the exact entry would keep o_proj as well).
 """
 
 from __future__ import annotations
@@ -142,3 +152,46 @@ def refuse_quantized_draft(settings: NeuronSettings) -> None:
         f'"lm_head"], serve the model unquantized, or use {{"method": "ngram", ...}} '
         f"speculation."
     )
+
+
+def fused_qkv_entries(keep: Sequence[str], layers: int, setting: str) -> list[str]:
+    """The exact `layers.{l}.self_attn` entries NxDI's fused-QKV conversion needs in
+    modules_to_not_convert `keep` (module docstring): one per layer whose fused Wqkv the
+    list keeps float and that lacks it. NeuronConfigError naming `setting` (where the
+    list comes from) for a layer whose Wqkv is kept but whose o_proj is converted."""
+    missing = []
+    for layer in range(layers):
+        attention = f"layers.{layer}.self_attn"
+        if attention in keep or not _kept(f"{attention}.qkv_proj.Wqkv", keep):
+            continue
+        if not _kept(f"{attention}.o_proj.o_proj", keep):
+            raise NeuronConfigError(
+                f"override_neuron_config.{setting}={list(keep)} keeps {attention}'s q/k/v "
+                f"projections "
+                f"in float but quantizes its o_proj: with fused_qkv NxDI keeps a layer's "
+                f"q/k/v scales out of Wqkv only for the exact entry {attention!r}, which "
+                f"would keep o_proj in float as well; add {attention!r} (or "
+                f"'self_attn.o_proj') to the list, or set fused_qkv false."
+            )
+        missing.append(attention)
+    return missing
+
+
+def _kept(path: str, keep: Sequence[str]) -> bool:
+    return any(entry in path for entry in keep)
+
+
+def complete_for_fused_qkv(neuron_config: Any, layers: int, setting: str) -> None:
+    """Before NxDI reads a state dict with `neuron_config` (the model's or a fused
+    draft's, of `layers` decoder layers; `setting`: the override key its
+    modules_to_not_convert comes from): the entries fused_qkv_entries names added to
+    it, where NxDI would concatenate scales."""
+    scaled = getattr(neuron_config, "quantized", False) or getattr(
+        neuron_config, "quantized_mlp_kernel_enabled", False
+    )
+    if not getattr(neuron_config, "fused_qkv", False) or not scaled:
+        return
+    keep = list(getattr(neuron_config, "modules_to_not_convert", None) or [])
+    missing = fused_qkv_entries(keep, layers, setting)
+    if missing:
+        neuron_config.modules_to_not_convert = keep + missing

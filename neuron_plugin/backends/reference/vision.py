@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from neuron_plugin.backends.reference.architecture import UnsupportedModelError
+from neuron_plugin.backends.reference.decoder import owned
 from neuron_plugin.backends.reference.families import family_module
 from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_files
 
@@ -59,7 +60,7 @@ def load_weights(model_dir: str | Path, spec: Tower, dtype: torch.dtype) -> list
                 name = canonical_tensor_name(stored)
                 if name in wanted:
                     found[name] = f.get_tensor(stored)
-    return [found[name].to(dtype).contiguous() for name in checked_names(spec, found)]
+    return [owned(found[name], dtype) for name in checked_names(spec, found)]
 
 
 def weight_shapes(spec: Tower, shapes: Mapping[str, list[int]]) -> list[list[int]]:

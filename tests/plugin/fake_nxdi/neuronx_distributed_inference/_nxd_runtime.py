@@ -120,6 +120,7 @@ from neuronx_distributed_inference._device import on_device
 from neuronx_distributed_inference._release import ACCEPTANCE_PADDING_TOKEN
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
 from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
+from neuronx_distributed_inference.modules.attention.gqa import preshard_head_slots, read_kv_slots
 from neuronx_distributed_inference.modules.generation.sampling import Sampler
 
 GARBAGE = 389  # what an attended key contributes that no call ever wrote
@@ -143,26 +144,17 @@ def slot_value(token, index):
     return float(token) + 1 + KV_INDEX_STRIDE * index
 
 
+def _heads(neuron_config, text):
+    heads = text.num_attention_heads
+    return neuron_config.tp_degree, heads, getattr(text, "num_key_value_heads", None) or heads
+
+
 def kv_slot_heads(neuron_config, text) -> list:
     """Per KV head slot over all ranks (rank r holds the slots [r * per_rank, (r + 1) *
-    per_rank)), the model's KV head it is a copy of, None for a padding head:
-    attention/gqa.py determine_sharding_strategy and get_shardable_head_counts (ef2731e
-    lines 62-100): KV heads replicated up to the TP degree where it is a multiple of them
-    (GQA.REPLICATE_TO_TP_DEGREE), else converted to multi-head attention over the
-    attention heads padded to a multiple of TP; GroupQueryAttention_QKV.preshard_hook
-    (lines 784-860): replicate_kv repeats each head in place (repeat_interleave, TP / KV
-    or attention / KV heads times), maybe_pad_tail appends zero heads."""
-    tp = neuron_config.tp_degree
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    padded_heads = heads + (-heads % tp)
-    if heads == kv:
-        return list(range(heads)) + [None] * (padded_heads - heads)
-    if kv >= tp and kv % tp == 0:
-        return list(range(kv))
-    repeats = tp // kv if tp % kv == 0 else heads // kv
-    slots = [h for h in range(kv) for _ in range(repeats)]
-    return slots + [None] * ((tp if tp % kv == 0 else padded_heads) - len(slots))
+    per_rank)), the model's KV head it is a copy of, None for a padding head: NxDI's
+    sharding strategy and preshard hook (modules/attention/gqa.py
+    preshard_head_slots)."""
+    return preshard_head_slots(*_heads(neuron_config, text))[1]
 
 
 def kv_heads_per_rank(neuron_config, text) -> int:
@@ -781,15 +773,19 @@ class NxDModel:
 
     def _agreed_slots(self, prefix):
         """Layer 0's K per slot as the graphs read it: each rank computes attention for
-        its own query heads from its own copy of their KV heads, so a slot whose real
-        head copies (every rank's, every replica) disagree answers as never written (0,
-        read as GARBAGE): a KV write that misses a replica shows."""
+        its own query heads from its own copy of their KV heads, so a slot whose copies
+        read by a real query head (every rank's, every replica; gqa.read_kv_slots)
+        disagree answers as never written (0, read as GARBAGE): a KV write that misses
+        such a replica shows. A replica only a padding query reads reaches no output."""
         key = f"{prefix}kv_mgr.past_key_values.0"
+        config, text = self.decoders[prefix]
+        read = set(read_kv_slots(*_heads(config, text)))
         copies = []
-        for rank_state, mask in zip(self.graph_state, self._head_masks(prefix)):
+        for rank, rank_state in enumerate(self.graph_state):
             rows = self._slot_rows(rank_state[key])
+            per = rank_state[key].shape[-2]
             head_dim = rank_state[key].shape[-1]
-            copies += [rows[:, c] for c in range(0, rows.shape[1], head_dim) if mask[c] == 1]
+            copies += [rows[:, h * head_dim] for h in range(per) if rank * per + h in read]
         stacked = torch.stack(copies)
         agreed = (stacked == stacked[0]).all(dim=0)
         return torch.where(agreed, stacked[0], torch.zeros_like(stacked[0]))

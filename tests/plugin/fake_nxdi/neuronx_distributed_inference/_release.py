@@ -33,5 +33,8 @@ HOOK_FIXED = RELEASE == "0.9-ef2731e"
 # CPU mode's KV copy) calls in every release: defined on text models from 0.9 (ef2731e
 # model_base.py 3816-3819), in 0.7 and 0.8 only on NeuronBaseForImageToText.
 DEFINES_CAPTURED_OFFSET = RELEASE.startswith("0.9")
+# NeuronQwen3ForCausalLM.convert_hf_to_neuron_state_dict fuses q/k/v into Wqkv with
+# fused_qkv from 0.9 (c63afe0 and ef2731e modeling_qwen3.py lines 263-265; not in 0.8).
+QWEN3_FUSES_QKV = RELEASE.startswith("0.9")
 # NeuronFusedSpecModel.acceptance_padding_token (see the module docstring).
 ACCEPTANCE_PADDING_TOKEN = 0 if RELEASE == "0.7" else -1

@@ -28,7 +28,8 @@ import warnings
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR = (".q_proj", ".k_proj", ".v_proj", ".o_proj", ".gate_proj", ".up_proj", ".down_proj")
+LINEAR = (".q_proj", ".k_proj", ".v_proj", ".Wqkv", ".o_proj", ".gate_proj", ".up_proj",
+          ".down_proj")
 FP8 = {"f8e4m3": (torch.float8_e4m3fn, 240.0), "f8e4m3fn": (torch.float8_e4m3fn, 240.0),
        "f8e5m2": (torch.float8_e5m2, float(torch.finfo(torch.float8_e5m2).max))}
 
@@ -105,9 +106,9 @@ def _traced_path(module):
     """The path of a checkpoint's module (`layers.0.self_attn.q_proj`) in NxDI's traced
     decoder, where convert matches modules_to_not_convert: the attention's projections
     live in its GroupQueryAttention_QKV (`qkv_proj`, holding q_proj, k_proj and v_proj)
-    and GroupQueryAttention_O (`o_proj`, holding o_proj) (attention_base.py ef2731e lines
-    412-413, gqa.py lines 438-482 and 998-1016; the double traces no fused Wqkv)."""
-    for projection in ("q_proj", "k_proj", "v_proj"):
+    and GroupQueryAttention_O (`o_proj`, holding o_proj), or with fused_qkv its one Wqkv
+    (attention_base.py ef2731e lines 412-413, gqa.py lines 410-482 and 998-1016)."""
+    for projection in ("q_proj", "k_proj", "v_proj", "Wqkv"):
         if module.endswith(f".self_attn.{projection}"):
             return module.removesuffix(projection) + f"qkv_proj.{projection}"
     if module.endswith(".self_attn.o_proj"):

@@ -365,7 +365,8 @@ class NeuronApplicationBase(torch.nn.Module):
         """application_base.get_state_dict (ef2731e lines 692-738): a folder's state dict
         (NxDI's load_state_dict: safetensors, or .bin via torch.load; a file via
         torch.load: the double never unpickles and refuses both), `model.` prefixes
-        dropped, `.weight_scale` renamed `.scale`, and with the config's
+        dropped, `.weight_scale` renamed `.scale`, the model's
+        convert_hf_to_neuron_state_dict, and with the config's
         tie_word_embeddings the model's update_state_dict_for_tied_weights (lm_head.weight
         replaced by a copy of embed_tokens.weight, whatever the checkpoint held)."""
         if os.path.isfile(model_path) or any(
@@ -379,9 +380,16 @@ class NeuronApplicationBase(torch.nn.Module):
         for name, tensor in weights.items():
             name = name.removeprefix("model.")
             renamed[name.replace(".weight_scale", ".scale")] = tensor
+        renamed = cls.convert_hf_to_neuron_state_dict(renamed, config)
         if getattr(config, "tie_word_embeddings", False):
             cls.update_state_dict_for_tied_weights(renamed)
         return renamed
+
+    @staticmethod
+    def convert_hf_to_neuron_state_dict(state_dict, config):
+        """application_base (ef2731e lines 741-744): the state dict unchanged; models
+        override it."""
+        return state_dict
 
     @staticmethod
     def update_state_dict_for_tied_weights(state_dict):

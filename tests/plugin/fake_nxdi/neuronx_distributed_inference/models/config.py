@@ -196,6 +196,9 @@ class NeuronConfig:
         self.attn_block_tkg_nki_kernel_enabled = kwargs.pop("attn_block_tkg_nki_kernel_enabled",
                                                             False)
         self.qkv_kernel_enabled = kwargs.pop("qkv_kernel_enabled", False)
+        # ef2731e config.py lines 152 and 436: defaults the state-dict conversion reads
+        self.fused_qkv = kwargs.pop("fused_qkv", False)
+        self.quantized_mlp_kernel_enabled = kwargs.pop("quantized_mlp_kernel_enabled", False)
         # 0.9 (ef2731e config.py lines 452-466): the block kernel needs a QKV kernel, and
         # the deprecated TKG kernel switches turn it on.
         if RELEASE.startswith("0.9") and self.attn_block_tkg_nki_kernel_enabled:
