@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_plugin.core.checkpoint import safetensors_shapes
+from neuron_plugin.core.gemma4 import is_gemma4, kv_values_per_token
 from neuron_plugin.core.kv_heads import head_dim, model_head_sharding
 from neuron_plugin.core.neuron_settings import EAGLE3, NeuronSettings
 
@@ -63,7 +64,10 @@ def eagle_hidden_states(settings: NeuronSettings, hf_config: Mapping[str, Any]) 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str, tp_degree: int) -> int:
     """K and V of one token position on one NeuronCore, over all layers: the KV heads
-    NxDI puts on a core (padding and replicas included) x head_dim x dtype."""
+    NxDI puts on a core (padding and replicas included) x head_dim x dtype; Gemma 4's
+    packed rows per writing layer (core.gemma4, the plugin's class)."""
+    if is_gemma4(hf_config):
+        return kv_values_per_token(hf_config, tp_degree) * DTYPE_BYTES[dtype]
     text = hf_config.get("text_config") or hf_config
     return (
         2

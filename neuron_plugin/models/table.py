@@ -98,9 +98,11 @@ def _per_release(**sources: NxDSource) -> Mapping[str, NxDSource]:
     return MappingProxyType({k.removeprefix("r").replace("_", "."): v for k, v in sources.items()})
 
 
-# NxDI has no Gemma 4 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9).
-_GEMMA4_NXD = Refused(
-    "NxDI has no Gemma 4 in any release, and the plugin's own class is not built yet"
+# NxDI has no Gemma 4 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9): the
+# plugin's own class on NxDI's base classes, measured equal on both
+# (backends/nxd/families/gemma4).
+_GEMMA4_NXD = PluginClass(
+    "neuron_plugin.backends.nxd.families.gemma4.modeling:NeuronGemma4ForCausalLM"
 )
 _NO_MROPE = (
     "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "

@@ -35,7 +35,8 @@ from tests.e2e.support import GreedyOracle, corpus_token_ids
 pytestmark = [pytest.mark.nxdi]
 
 ARCHS = ["llama", "mistral", "mistral_wide", "mixtral", "qwen2", "qwen3", "qwen3_moe",
-         "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi"]
+         "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi", "gemma4", "gemma4_moe",
+         "gemma4_mm"]
 STEPS = 8  # decode steps after the prefill's token
 MAX_MODEL_LEN = 256
 PREFIX = 128  # cached tokens of the prefix-cache hit

@@ -301,6 +301,31 @@ def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch
                                 "x", (24, "host"))["nxdi_support"] is None
 
 
+def test_explain_config_names_the_plugins_gemma4_class_on_both_releases(tiny_model):
+    """NxDI has no Gemma 4: on inf2 (NxDI 0.8) and trn2 (0.9) the nxd backend serves it
+    with the plugin's own class, measured equal in both layouts; a NeuronConfig key the
+    class does not implement is a refusal explain-config states."""
+    import json
+
+    config = json.loads((tiny_model("gemma4") / "config.json").read_text())
+    settings = resolve_settings(limits(enable_prefix_caching=True, block_size=32), {},
+                                backend="nxd", architecture="Gemma4ForCausalLM")
+    for instance, release in (("inf2.48xlarge", "NxDI 0.8"), ("trn2.48xlarge", "NxDI 0.9")):
+        report = explain.build_report(settings, "m", config, None, INSTANCE_TYPES[instance],
+                                      "x", (24, "host"))
+        assert report["nxdi_release"].startswith(release)
+        assert report["nxdi_model"] == ("the plugin's neuron_plugin.backends.nxd.families."
+                                        "gemma4.modeling:NeuronGemma4ForCausalLM")
+        assert report["nxdi_support"]["prefix_hit"].startswith("equal to transformers")
+        assert report["nxdi_support"]["lora"].startswith("refused: ")
+        assert not any("Gemma4ForCausalLM" in w for w in report["warnings"])
+    fused = resolve_settings(limits(), {"fused_qkv": True}, backend="nxd",
+                             architecture="Gemma4ForCausalLM")
+    report = explain.build_report(fused, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
+                                  "x", (24, "host"))
+    assert any("override_neuron_config fused_qkv=True" in w for w in report["warnings"])
+
+
 @pytest.fixture
 def backend_env(monkeypatch):
     """explain-config sets VLLM_NEURON_BACKEND and VLLM_LOGGING_STREAM for its process;

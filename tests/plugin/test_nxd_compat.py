@@ -13,7 +13,7 @@ import json
 import pytest
 
 from neuron_plugin.backends.nxd import compat, support
-from neuron_plugin.backends.nxd.families import gemma3
+from neuron_plugin.backends.nxd.families import gemma3, gemma4
 from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 
@@ -22,16 +22,17 @@ LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
                       max_num_batched_tokens=256, dtype="float32", tp_degree=1)
 MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
-          "Gemma3ForCausalLM"]
+          "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"]
 APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
 def problems(config: dict, block: bool = False, max_model_len: int = 256,
-             patches: dict | None = None, version: str = "0.9.0") -> list[str]:
+             patches: dict | None = None, version: str = "0.9.0",
+             override: dict | None = None) -> list[str]:
     limits = dataclasses.replace(LIMITS, max_model_len=max_model_len,
                                  max_num_batched_tokens=max_model_len,
                                  enable_prefix_caching=block, block_size=32 if block else None)
-    settings = resolve_settings(limits, {}, backend="nxd",
+    settings = resolve_settings(limits, override or {}, backend="nxd",
                                 architecture=config["architectures"][0])
     return compat.problems(settings, config, version, APPLIED if patches is None else patches)
 
@@ -85,13 +86,14 @@ def test_what_differs_between_checked_releases():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
                                   "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
-                                  "mistral_wide"])
+                                  "mistral_wide", "gemma4", "gemma4_moe", "gemma4_mm"])
 def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch)) == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe_hub",
-                                  "dbrx", "gemma3", "gemma3_nxdi", "mistral_wide"])
+                                  "dbrx", "gemma3", "gemma3_nxdi", "mistral_wide", "gemma4",
+                                  "gemma4_moe", "gemma4_mm"])
 def test_tiny_checkpoints_pass_in_the_block_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch), block=True) == []
 
@@ -154,6 +156,28 @@ def test_windows_nxdi_does_not_apply_are_refused_once_reachable(arch, changes, l
     assert problems(config, max_model_len=16) == []
 
 
+@pytest.mark.parametrize("arch, window, max_model_len", [("mistral", 16, 64),
+                                                         ("gpt_oss", 128, 256)])
+def test_the_cpu_mode_refuses_context_buckets_shorter_than_a_window(arch, window,
+                                                                    max_model_len, tiny_model):
+    """Found by the XLA test (tests/e2e/test_nxdi_xla.py) on NxDI 0.8 and 0.9: NxDI's
+    windowed attention gathers the last window - 1 keys of a prefill from the bucket's
+    own keys (get_last_kv_window), past the end of a shorter bucket: eager torch raises
+    IndexError at the first prompt in it (NxDI's CPU mode); XLA clamps the indices, so a
+    device is left alone."""
+    config = config_of(tiny_model, arch)
+    keep = window - 1
+    short = {"context_encoding_buckets": [8, max_model_len]}
+    found = problems(config, max_model_len=max_model_len, override={"on_cpu": True, **short})
+    assert len(found) == 1, found
+    assert f"context_encoding_buckets [8] are shorter than sliding_window - 1 = {keep}" in \
+        found[0]
+    assert "get_last_kv_window" in found[0] and "IndexError" in found[0]
+    assert problems(config, max_model_len=max_model_len, override=short) == []
+    enough = {"on_cpu": True, "context_encoding_buckets": [keep, max_model_len]}
+    assert problems(config, max_model_len=max_model_len, override=enough) == []
+
+
 def test_qwen3_moe_dense_layers_are_refused(tiny_model):
     """The builder's Qwen3-MoE has a dense layer (mlp_only_layers [1]); NxDI's has none."""
     found = problems(config_of(tiny_model, "qwen3_moe"))
@@ -209,6 +233,109 @@ def test_gemma3_without_its_patches_is_refused(tiny_model, version, patch):
 def test_gemma3_keys_nxdi_does_not_implement_are_refused(changes, wanted, tiny_model):
     found = problems(config_of(tiny_model, "gemma3", **changes))
     assert len(found) == 1 and wanted in found[0]
+
+
+# -- Gemma 4: the plugin's own class ---------------------------------------------------------
+def test_gemma4_is_the_plugins_own_class_on_both_releases():
+    from neuron_plugin.models.table import TABLE, PluginClass
+
+    for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
+        for release in nxdi_releases.CHECKED:
+            assert TABLE[name].nxd[release.release] == PluginClass(gemma4.CLASS)
+            table = compat.support(name, release)
+            assert all(table[f].startswith(support.EQUAL) for f in
+                       ("contiguous", "block", "prefix_hit", "on_device_sampling"))
+            assert all(table[f].startswith("refused: ") for f in
+                       ("speculation", "lora", "quantization"))
+
+
+@pytest.mark.parametrize("changes, wanted", [
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    ({"hidden_activation": "gelu_new"}, "hidden_activation='gelu_new'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}},
+     "rope_parameters['sliding_attention'].rope_type='yarn'"),
+    ({"per_layer_config": {"2": {"head_dim": 64, "intermediate_size": 8}}},
+     "per_layer_config sets ['intermediate_size'] per layer"),
+    ({"num_kv_shared_layers": 4, "layer_types": ["sliding_attention"] * 2
+      + ["full_attention"] * 4}, "layer 2 (full_attention) shares the keys"),
+    ({"enable_moe_block": True}, "enable_moe_block without num_experts"),
+])
+def test_gemma4_configs_the_class_does_not_compute_are_refused(changes, wanted, tiny_model):
+    found = problems(config_of(tiny_model, "gemma4", **changes))
+    assert len(found) == 1 and wanted in found[0], found
+    assert "Gemma4ForCausalLM on NxDI 0.9.0 (the plugin's own Gemma 4 class)" in found[0]
+    assert "VLLM_NEURON_BACKEND=reference" in found[0]
+
+
+@pytest.mark.parametrize("override, wanted", [
+    ({"fused_qkv": True}, "fused_qkv=True: its attention reads the q, k and v projections"),
+    ({"k_cache_transposed": True}, "k_cache_transposed=True"),
+    ({"sequence_parallel_enabled": True}, "sequence_parallel_enabled=True"),
+    ({"cp_degree": 2}, "cp_degree=2: the class does not implement context parallelism"),
+])
+def test_gemma4_neuron_config_keys_the_class_does_not_take_are_refused(override, wanted,
+                                                                      tiny_model):
+    settings = resolve_settings(LIMITS, override, backend="nxd",
+                                architecture="Gemma4ForCausalLM")
+    found = compat.problems(settings, config_of(tiny_model, "gemma4"), "0.8.0", {})
+    assert len(found) == 1 and wanted in found[0], found
+    assert found[0].endswith("remove it from override_neuron_config.")
+
+
+def test_gemma4_windows_are_transformers(tiny_model):
+    text = config_of(tiny_model, "gemma4")
+    assert compat.nxdi_windows("Gemma4ForCausalLM", text, 256) == (16, 16, None) * 2
+    assert compat.transformers_windows("Gemma4ForCausalLM", text) == (16, 16, None) * 2
+
+
+def test_gemma4_layout_reads_both_config_forms(tiny_model):
+    """The Hub's global_head_dim / num_global_key_value_heads and transformers 5's
+    per_layer_config (zero-padded keys once saved) give one layout; a multimodal
+    checkpoint's text_config too."""
+    from neuron_plugin.core.gemma4 import cache_geometry, read_layout
+
+    saved = config_of(tiny_model, "gemma4")
+    hub = {k: v for k, v in saved.items() if k != "per_layer_config"}
+    padded = {**saved, "per_layer_config": {"02": saved["per_layer_config"]["2"],
+                                            "05": saved["per_layer_config"]["5"]}}
+    layout = read_layout(saved)
+    assert read_layout(hub) == layout == read_layout(padded)
+    assert layout.kv_heads == (2, 2, 1, 2, 2, 1)
+    assert layout.head_dims == (32, 32, 64, 32, 32, 64)
+    assert layout.kv_sources == (0, 1, 2, 3, 3, 2)
+    assert layout.values_from_keys == (False, False, True) * 2
+    assert layout.mlp_widths == (256,) * 4 + (512,) * 2
+    assert layout.cache_layers == 4
+    assert read_layout({**hub, "attention_k_eq_v": False}).kv_heads == (2,) * 6
+    nested = config_of(tiny_model, "gemma4_mm")
+    assert read_layout(nested).kv_sources == layout.kv_sources
+    # (KV heads per rank, head dim) of the writing layers -> one cache row geometry
+    assert cache_geometry([(2, 32), (1, 64)]) == (2, 32)
+    assert cache_geometry([(4, 32), (1, 64)]) == (4, 32)
+    assert cache_geometry([(16, 256), (4, 512)]) == (16, 256)
+    assert cache_geometry([(1, 256), (1, 512)]) == (2, 256)
+
+
+def test_gemma4_rope_and_kv_memory_per_layer_type(tiny_model):
+    """RoPE per layer type (config.json's, else Gemma4TextConfig's defaults), and the
+    memory plan's KV bytes per token: the class's packed rows per writing layer."""
+    from neuron_plugin.core.gemma4 import Rope, read_layout
+    from neuron_plugin.core.memory import kv_bytes_per_token
+
+    config = config_of(tiny_model, "gemma4")
+    assert read_layout(config).rope == {"sliding_attention": Rope("default", 1e4),
+                                        "full_attention": Rope("proportional", 1e6, 0.25)}
+    assert read_layout({**config, "rope_parameters": None}).rope == read_layout(config).rope
+    # 4 writing layers, rows of (2 heads x 32) at TP 1, K and V, float32
+    assert kv_bytes_per_token(config, "float32", 1) == 4 * 2 * 2 * 32 * 4
+    e4b = {"model_type": "gemma4_text", "num_hidden_layers": 42, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+           "hidden_size": 2560, "intermediate_size": 10240, "vocab_size": 262144,
+           "num_kv_shared_layers": 18,
+           "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}
+    # 24 writing layers of 2 x 512 (full) / 2 x 256 (sliding, padded to the full rows)
+    assert kv_bytes_per_token({"text_config": e4b}, "bfloat16", 1) == 24 * 2 * 4 * 256 * 2
 
 
 # -- through the backend, before anything compiles ------------------------------------------

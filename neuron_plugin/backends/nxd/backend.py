@@ -265,9 +265,7 @@ class NxDBackend(InlineCalls):
                 f"other graphs){batches}; remove them from override_neuron_config or "
                 f"install a newer Neuron SDK."
             )
-        config = self.model_cls.get_config_cls()(
-            neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))
-        )
+        config = self.model_cls.get_config_cls()(neuron_config, load_config=self._config_loader())
         self.tied_head = untie_quantized_head(config, self.settings)
         complete_for_fused_qkv(neuron_config, config.num_hidden_layers, "modules_to_not_convert")
         for key, value in compat.config_adjustments(self.settings, self.hf_config).items():
@@ -280,6 +278,16 @@ class NxDBackend(InlineCalls):
         graphs.add_logits_graphs(model, self.settings)
         prompt_graphs.add_prompt_logprobs_graphs(model, self.settings, self.nxdi.model_base)
         return model
+
+    def _config_loader(self) -> Any:
+        """The `load_config` hook NxDI's InferenceConfig runs: NxDI's own (transformers'
+        AutoConfig of the SDK's transformers), or the class's `config_loader` where it
+        reads config.json itself (a class of the plugin's own for an architecture that
+        transformers 4.57 does not know, e.g. Gemma 4)."""
+        own = getattr(self.model_cls, "config_loader", None)
+        if own is not None:
+            return own(str(self.model_dir))
+        return self.nxdi.load_pretrained_config(str(self.model_dir))
 
     def _fused_spec_config(self, neuron_config: Any) -> Any:
         """A fused draft model's FusedSpecNeuronConfig as vllm-neuron builds it

@@ -30,6 +30,7 @@ from neuron_plugin.backends.nxd.families import (
     dbrx,
     family,
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     mistral,
@@ -47,7 +48,7 @@ from neuron_plugin.models.table import TABLE, Refused
 
 FAMILIES: dict[str, NxDFamily] = {
     module.__name__.rsplit(".", 1)[1]: family(module)
-    for module in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, dbrx, gpt_oss, gemma3)
+    for module in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, dbrx, gpt_oss, gemma3, gemma4)
 }
 # A class of nobody's family (an entry point's, or an architecture outside the table).
 _UNKNOWN = NxDFamily(support={})

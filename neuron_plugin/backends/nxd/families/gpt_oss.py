@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuron_plugin.backends.nxd.families import NxDFamily, Text, layers
+from neuron_plugin.backends.nxd.families.llama import short_bucket_problems
 from neuron_plugin.backends.nxd.support import (
     COMMON,
     EQUAL,
@@ -79,7 +80,8 @@ def problems(
                 f"{name}: {key}={text[key]!r}, which NxDI hard-codes as {value} "
                 f"(modeling_gpt_oss.py); serve this checkpoint on the reference backend."
             )
-    return found
+    # its even layers take NxDI's windowed attention whatever max_model_len
+    return found + short_bucket_problems(settings, window, name)
 
 
 def windows(text: Text, max_model_len: int) -> tuple[int | None, ...]:

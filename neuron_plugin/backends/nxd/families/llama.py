@@ -53,9 +53,51 @@ def windowed_block_problems(
     ]
 
 
+def short_bucket_problems(settings: NeuronSettings, window: int | None, name: str) -> list[str]:
+    """NxDI's CPU mode and a context-encoding bucket shorter than a window: its windowed
+    attention keeps the last window - 1 keys of a prefill by gathering them from the
+    bucket's own keys at indices up to window - 2 whatever the bucket's length
+    (attention_base.py windowed_attention_forward -> modules/attention/utils.py
+    get_last_kv_window: 0.9 ef2731e lines 2455 and 651-676, 0.8 cd3abf3 lines 3177 and
+    676-701). Eager torch refuses an index past a shorter bucket's end (IndexError at the
+    first prompt in it, measured on 0.8 and 0.9 by tests/e2e/test_nxdi_xla.py); a traced
+    graph takes the indices as XLA clamps them (the bucket's last key repeated into slots
+    the decode masks until it writes them), so a device is left alone."""
+    if window is None or not settings.passthrough.get("on_cpu"):
+        return []
+    keep = window - 1
+    short = [b for b in settings.context_encoding_buckets if b < keep]
+    if not short:
+        return []
+    return [
+        f"{name}: context_encoding_buckets {short} are shorter than sliding_window - 1 = "
+        f"{keep}, the keys NxDI's windowed attention keeps of a prefill; it gathers them "
+        f"from the bucket's own keys (attention_base.py windowed_attention_forward, "
+        f"get_last_kv_window), which eager torch refuses past a shorter bucket's end "
+        f"(IndexError in NxDI's CPU mode at the first prompt in it; a device's XLA clamps "
+        f"the indices): use context-encoding buckets of at least {keep} tokens "
+        f"(--max-model-len {keep} or more), or check this model on the reference backend."
+    ]
+
+
+def windowed_problems(
+    settings: NeuronSettings,
+    hf_config: Any,
+    text: Text,
+    release: str,
+    patch_status: Any,
+) -> list[str]:
+    """`windowed_block_problems` and, in the CPU mode, `short_bucket_problems`."""
+    window = windows_from_config(text, settings.max_model_len)[0]
+    name = f"{settings.architecture} on {release}"
+    return windowed_block_problems(
+        settings, hf_config, text, release, patch_status
+    ) + short_bucket_problems(settings, window, name)
+
+
 FAMILY = NxDFamily(
     support=by_release(COMMON),
     windows=windows_from_config,
-    problems=windowed_block_problems,
+    problems=windowed_problems,
     adjustments=drop_window,
 )

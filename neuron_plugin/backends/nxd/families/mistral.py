@@ -10,7 +10,7 @@ from __future__ import annotations
 from neuron_plugin.backends.nxd.families import NxDFamily
 from neuron_plugin.backends.nxd.families.llama import (
     drop_window,
-    windowed_block_problems,
+    windowed_problems,
     windows_from_config,
 )
 from neuron_plugin.backends.nxd.support import (
@@ -45,6 +45,6 @@ TABLE_0_8 = {
 FAMILY = NxDFamily(
     support=by_release(TABLE_0_9, TABLE_0_8),
     windows=windows_from_config,
-    problems=windowed_block_problems,
+    problems=windowed_problems,
     adjustments=drop_window,
 )
