@@ -58,18 +58,17 @@ def fast_nulls(folder: Path) -> None:
 
 
 def processor_saved(folder: Path) -> None:
-    """transformers 5's processor saved (ProcessorMixin.save_pretrained): the image
-    processor's to_dict nested in processor_config.json, no preprocessor_config.json
-    (the whole layout, video processor and chat template included, is the tiny
-    checkpoint qwen2_vl_tf5's)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    """transformers 5's processor saved (ProcessorMixin.save_pretrained): the image and
+    video processors' settings nested in processor_config.json, no
+    preprocessor_config.json (the tiny checkpoint qwen2_vl_tf5's layout, whose file
+    test_vision_processor_formats.py checks against transformers 5's own save)."""
+    from tiny_models.vision import transformers5_processor_config
 
-    image = Qwen2VLImageProcessorPil(
-        min_pixels=SMALL["shortest_edge"], max_pixels=SMALL["longest_edge"]
-    ).to_dict()
-    write(folder, PROCESSOR_FILE, {"image_processor": image, "processor_class": "Qwen2VLProcessor"})
+    pixels = {"min_pixels": SMALL["shortest_edge"], "max_pixels": SMALL["longest_edge"]}
+    saved = transformers5_processor_config(
+        {**COMMON, **pixels, "processor_class": "Qwen2VLProcessor"}
+    )
+    write(folder, PROCESSOR_FILE, saved)
 
 
 SAVE_4_57 = """

@@ -236,54 +236,64 @@ def processor_limits(
     preprocessor: Mapping[str, Any],
     mm_processor_kwargs: Mapping[str, Any],
     source: str = PREPROCESSOR_FILE,
+    *,
+    fills_partial_size: bool = False,
 ) -> VisionLimits:
     """A Qwen2-VL image processor's patch range. It resizes an image to a multiple of
     patch_size * merge_size per side with min_pixels <= height x width <= max_pixels
     (`smart_resize`), so an image has at most max_pixels / patch_size**2 patches.
     `preprocessor` holds the checkpoint's saved settings (`image_processor_config`,
     read from `source`). The bounds are resolved as the processor vLLM runs resolves
-    them: the processor is built from the saved settings with --mm-processor-kwargs'
-    flat keys replacing theirs (transformers' `from_dict`); its `size`
-    ({shortest_edge, longest_edge}) is the saved one, a null or absent one being the
-    class's default, then `min_pixels` / `max_pixels` override its edges (transformers'
-    Qwen2VLImageProcessor.__init__); and vLLM's image kwargs (`images_kwargs` over the
-    flat keys) override the built size edge by edge and then by min/max_pixels
-    (Qwen2VLProcessingInfo._get_vision_size)."""
+    them:
+
+    1. vLLM builds the processor from the saved settings with --mm-processor-kwargs'
+       flat keys replacing theirs (transformers' `from_dict`), except those the
+       processor's call takes, `size` among them (vLLM's
+       `cached_get_processor_without_dynamic_kwargs`); its `size` ({shortest_edge,
+       longest_edge}) is the saved one, a null or absent one being the class's
+       default, then `min_pixels` / `max_pixels` override its edges (transformers'
+       Qwen2VLImageProcessor.__init__);
+    2. vLLM calls it with the image kwargs (`images_kwargs` over the flat keys): a
+       `size` there replaces the built one whole, or with `fills_partial_size`
+       (Qwen3-VL: vLLM's Qwen3VLMultiModalProcessor completes it from the built one)
+       edge by edge, then `min_pixels` / `max_pixels` override its edges.
+
+    Settings on which vLLM's processor fails every image are refused: a size without
+    both edges, a null in the call's kwargs (transformers takes whole numbers only)."""
     flat, scoped = _image_kwargs(mm_processor_kwargs)
-    built = {**preprocessor, **flat}
+    nulls = sorted(k for k in (*_QWEN2_VL_CALL_KEYS, "size") if k in scoped and scoped[k] is None)
+    if nulls:
+        raise NeuronConfigError(
+            f"--mm-processor-kwargs {nulls[0]}=None: vLLM passes it to the image "
+            f"processor's call, which takes a whole number there (transformers refuses "
+            f"None on every image); remove it or give a value."
+        )
+    built = {**preprocessor, **{k: v for k, v in flat.items() if k != "size"}}
     origin = {k: (_KWARGS_FLAG if k in flat else source) for k in built}
     given = _given(built)
-    saved_size = given.get("size", QWEN2_VL_SIZE)
-    if not isinstance(saved_size, Mapping):
-        raise NeuronConfigError(
-            f"the image processor's size={saved_size!r} (from {origin['size']}) must be a "
-            f"mapping of shortest_edge and longest_edge pixels; set --mm-processor-kwargs "
-            f'\'{{"min_pixels": ..., "max_pixels": ...}}\'.'
-        )
+    size = _size_mapping(given.get("size", QWEN2_VL_SIZE), origin.get("size", source))
     size_origin = origin["size"] if "size" in given else "Qwen2VLImageProcessor's default"
-    size = dict(saved_size)
     edge_origin = dict.fromkeys(size, size_origin)
     for edge, pixels in _PIXEL_EDGES:
         if pixels in given:
             size[edge], edge_origin[edge] = given[pixels], origin[pixels]
-    asked = scoped.get("size") or {}
-    if not isinstance(asked, Mapping):
-        raise NeuronConfigError(
-            f"--mm-processor-kwargs size={asked!r} must be a mapping of shortest_edge and "
-            f'longest_edge pixels; set \'{{"min_pixels": ..., "max_pixels": ...}}\'.'
-        )
-    for edge, value in asked.items():
-        size[edge], edge_origin[edge] = value, _KWARGS_FLAG
+    if "size" in scoped:
+        asked = _size_mapping(scoped["size"], _KWARGS_FLAG)
+        if not fills_partial_size:
+            size, edge_origin, size_origin = {}, {}, _KWARGS_FLAG
+        for edge, value in asked.items():
+            size[edge], edge_origin[edge] = value, _KWARGS_FLAG
     for edge, pixels in _PIXEL_EDGES:
-        if scoped.get(pixels) is not None:
+        if pixels in scoped:
             size[edge], edge_origin[edge] = scoped[pixels], _KWARGS_FLAG
     for edge, pixels in _PIXEL_EDGES:
         if size.get(edge) is None:
             raise NeuronConfigError(
                 f"the image processor's size={size} (from {size_origin}) has no {edge}: "
                 f"transformers' Qwen2VLImageProcessor needs both shortest_edge and "
-                f"longest_edge (a partial size replaces its default whole); give both in "
-                f"size, or set --mm-processor-kwargs '{{\"{pixels}\": ...}}'."
+                f"longest_edge on every image (a size given replaces the one it had "
+                f"whole); give both in size, or set --mm-processor-kwargs "
+                f"'{{\"{pixels}\": ...}}'."
             )
     low, high = (
         _whole(f"size.{edge} ({pixels})", size[edge], edge_origin[edge], pixels)
@@ -298,6 +308,20 @@ def processor_limits(
         max_patches=max(step, high // area // step * step),
         step=step,
     )
+
+
+# the Qwen2-VL image processor's call kwargs the limits depend on, besides size
+_QWEN2_VL_CALL_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size")
+
+
+def _size_mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise NeuronConfigError(
+            f"the image processor's size={value!r} (from {where}) must be a mapping of "
+            f"shortest_edge and longest_edge pixels; set --mm-processor-kwargs "
+            f'\'{{"min_pixels": ..., "max_pixels": ...}}\'.'
+        )
+    return dict(value)
 
 
 def _call_value(
@@ -434,7 +458,12 @@ def image_limits(
             int(vision["patch_size"]),
             source,
         )
-    return processor_limits(preprocessor, mm_processor_kwargs, source)
+    return processor_limits(
+        preprocessor,
+        mm_processor_kwargs,
+        source,
+        fills_partial_size=str(tower).startswith("qwen3_vl"),
+    )
 
 
 def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:

@@ -153,8 +153,7 @@ def vision_limits(model: Any) -> VisionLimits | None:
     kwargs = model.multimodal_config.mm_processor_kwargs or {}
     limits = image_limits(saved, kwargs, model.hf_config.vision_config.to_dict(), source)
     logger.info(
-        "neuron platform: images of %d to %d patches (the image processor's settings in "
-        "%s%s)",
+        "neuron platform: images of %d to %d patches (the image processor's settings in %s%s)",
         limits.min_patches,
         limits.max_patches,
         source,

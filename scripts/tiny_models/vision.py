@@ -316,29 +316,37 @@ QWEN2_VL_VIDEO = {
 }
 
 
-def _write_transformers5_processor(
-    staging: Path, preprocessor: dict[str, Any], chat_template: str
-) -> None:
-    """A Qwen2-VL processor's files as transformers 5's `ProcessorMixin.save_pretrained`
-    writes them: processor_config.json with the image processor's settings (its own
-    `to_dict`: transformers' PIL Qwen2VLImageProcessor, which folds min_pixels /
-    max_pixels into `size`) and the video processor's under their names, the chat
-    template in chat_template.jinja, the tokenizer's config naming the processor class;
-    no preprocessor_config.json. tests/e2e/test_vision_processor_formats.py checks the
-    file equals what transformers 5 saves of the loaded processor."""
+def transformers5_processor_config(preprocessor: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2-VL processor's processor_config.json as transformers 5's
+    `ProcessorMixin.save_pretrained` writes it, from the Hub's preprocessor_config.json
+    keys: the image processor's settings (its own `to_dict`: transformers' PIL
+    Qwen2VLImageProcessor, which folds min_pixels / max_pixels into `size`) and the
+    video processor's, under their names."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    settings = {k: v for k, v in preprocessor.items() if k != "processor_class"}
-    settings.pop("image_processor_type")
-    image = Qwen2VLImageProcessorPil(**settings).to_dict()
+    skip = ("processor_class", "image_processor_type")
+    image = Qwen2VLImageProcessorPil(
+        **{k: v for k, v in preprocessor.items() if k not in skip}
+    ).to_dict()
     video = {k: v for k, v in image.items() if k != "image_processor_type"}
-    processor = {
+    return {
         "image_processor": image,
         "processor_class": preprocessor["processor_class"],
         "video_processor": {**video, **QWEN2_VL_VIDEO},
     }
+
+
+def _write_transformers5_processor(
+    staging: Path, preprocessor: dict[str, Any], chat_template: str
+) -> None:
+    """A Qwen2-VL processor's files as transformers 5's `ProcessorMixin.save_pretrained`
+    writes them: processor_config.json (`transformers5_processor_config`), the chat
+    template in chat_template.jinja, the tokenizer's config naming the processor class;
+    no preprocessor_config.json. tests/e2e/test_vision_processor_formats.py checks the
+    files equal what transformers 5 saves of the loaded processor."""
+    processor = transformers5_processor_config(preprocessor)
     (staging / "processor_config.json").write_text(
         json.dumps(processor, indent=2, sort_keys=True) + "\n"
     )

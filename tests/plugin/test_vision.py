@@ -28,7 +28,6 @@ from tests.processor_formats import (
     NEEDS_SDK,
     OVERRIDES,
     SMALL,
-    hub,
     processor_saved,
     write,
 )
@@ -211,14 +210,11 @@ def test_image_limits_are_the_processors_in_every_layout(layout, kwargs, patches
 
 def test_null_or_absent_keys_are_the_processor_class_defaults(tmp_path):
     """Qwen2VLImageProcessor's size {3136, 1003520}, patch 14, merge 2 where a key is
-    absent or null; a null in --mm-processor-kwargs replaces the saved key as
-    transformers' from_dict does."""
+    absent or null."""
     write(tmp_path, PREPROCESSOR_FILE, dict.fromkeys(["size", "min_pixels", "patch_size"]))
     assert _limits(tmp_path, {}) == VisionLimits(16, 5120, 4)
     write(tmp_path, PREPROCESSOR_FILE, {})
     assert _limits(tmp_path, {"max_pixels": 28 * 28 * 64}) == VisionLimits(16, 256, 4)
-    hub(tmp_path)
-    assert _limits(tmp_path, {"max_pixels": None}).max_patches == 5120
     assert _limits(tmp_path / "none", {}) == VisionLimits(16, 5120, 4)  # no files at all
 
 
@@ -241,6 +237,18 @@ def test_qwen3_vl_patches_are_its_processors_16_pixels(tmp_path):
     vision = {**QWEN2_VL_VISION, "model_type": "qwen3_vl", "patch_size": 16}
     saved, source = read_image_processor_config(tmp_path)
     assert image_limits(saved, {}, vision, source) == VisionLimits(16, 256, 4)
+
+
+def test_a_partial_size_in_the_call_is_completed_for_qwen3_vl_only():
+    """vLLM calls Qwen2-VL's processor with --mm-processor-kwargs' size as given, which
+    replaces the processor's whole (a partial one then fails on every image); its
+    Qwen3-VL processor completes it from the processor's own size first."""
+    saved = {**COMMON, "min_pixels": SMALL["shortest_edge"], "max_pixels": SMALL["longest_edge"]}
+    kwargs = {"size": {"longest_edge": 28 * 28 * 16}}
+    qwen3 = {**QWEN2_VL_VISION, "model_type": "qwen3_vl_vision"}
+    assert image_limits(saved, kwargs, qwen3) == VisionLimits(16, 64, 4)
+    with pytest.raises(NeuronConfigError, match="has no shortest_edge"):
+        image_limits(saved, kwargs, QWEN2_VL_VISION)
 
 
 @pytest.mark.parametrize(
@@ -266,8 +274,21 @@ def test_qwen3_vl_patches_are_its_processors_16_pixels(tmp_path):
         ),
         ({"size": SMALL, "patch_size": 0}, {}, r"patch_size=0 \(from preprocessor_config.json\)"),
         ({"size": 3136}, {}, r"size=3136 \(from preprocessor_config.json\) must be a mapping"),
+        # vLLM passes it to the processor's call, which refuses None
+        (
+            {"size": SMALL},
+            {"images_kwargs": {"max_pixels": None}},
+            r"--mm-processor-kwargs max_pixels=None.*remove it",
+        ),
     ],
-    ids=["partial-size-kwargs", "partial-size-saved", "not-a-number", "zero-patch", "not-a-size"],
+    ids=[
+        "partial-size-kwargs",
+        "partial-size-saved",
+        "not-a-number",
+        "zero-patch",
+        "not-a-size",
+        "null-kwarg",
+    ],
 )
 def test_unusable_settings_are_refused_naming_the_setting_and_the_fix(saved, kwargs, says):
     with pytest.raises(NeuronConfigError, match=says):
