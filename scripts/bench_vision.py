@@ -158,17 +158,16 @@ def encoder_rows(model: Path, repeats: int) -> list[dict[str, Any]]:
     context encoding that takes its embeddings, and the host's share of that prefill
     (with M-RoPE positions for the Qwen2-VL family; Llama 4's are the prompt's own)."""
     import dataclasses
-    import json
 
     from neuron_plugin.backends.reference.backend import ReferenceBackend
     from neuron_plugin.core.checkpoint import read_hf_config
     from neuron_plugin.core.inputs import context_encoding_inputs
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
-    from neuron_plugin.core.vision import PREPROCESSOR_FILE, image_limits
+    from neuron_plugin.core.vision import image_limits, read_image_processor_config
 
     config = read_hf_config(model)
-    preprocessor = json.loads((model / PREPROCESSOR_FILE).read_text())
-    limits = image_limits(preprocessor, {}, config.get("vision_config") or {})
+    saved, source = read_image_processor_config(model)
+    limits = image_limits(saved, {}, config.get("vision_config") or {}, source)
     tile_side = math.isqrt(limits.step) if limits.global_tile else None  # Llama 4's tiles
     settings = resolve_settings(
         EngineLimits(

@@ -36,6 +36,9 @@ patches):
 
     python scripts/build_tiny_model.py --arch qwen2_vl --out models/tiny-qwen2_vl
 
+qwen2_vl_tf5 is the same Qwen2-VL with its processor saved as transformers 5 saves one
+(processor_config.json with the image processor's `size`, chat_template.jinja, no
+preprocessor_config.json).
 pixtral is Pixtral in transformers' Llava format (as mistral-community/pixtral-12b) with
 a PixtralProcessor's files: images up to 128 pixels a side (8 x 8 patches of 16).
 llama4 is Llama4ForConditionalGeneration with every text feature at test lengths (NoPE

@@ -21,8 +21,10 @@ level i to its hidden states after layer i at the image's tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -149,7 +151,50 @@ def vision_bucket(buckets: tuple[int, ...], patches: int) -> int:
 # pixel-shuffled 2 x 2 to one embedding).
 VISION_ARCHITECTURES = vision_architectures()
 VISION_BUCKETS_KEY = "vision_buckets"
+# Where a checkpoint keeps its image processor's settings: transformers 5's
+# ProcessorMixin.save_pretrained (and 4.57's with legacy_serialization=False) nests them
+# under "image_processor" in processor_config.json; the Hub's checkpoints, an image
+# processor's own save_pretrained and 4.57's processor save a flat preprocessor_config.json.
+PROCESSOR_FILE = "processor_config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
+NESTED_IMAGE_PROCESSOR = "image_processor"
+# transformers' Qwen2VLImageProcessor, the image processor of Qwen2-VL, Qwen2.5-VL and
+# Qwen3-VL (AutoImageProcessor's mapping; their processors add no image defaults): its
+# class defaults, used where the saved settings lack a key or hold null.
+QWEN2_VL_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
+QWEN2_VL_PATCH = 14
+QWEN2_VL_MERGE = 2
+# size edges and the older keys that override them (min_pixels / max_pixels)
+_PIXEL_EDGES = (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels"))
+_KWARGS_FLAG = "--mm-processor-kwargs"
+_IMAGES_KWARGS = "images_kwargs"
+
+
+def image_processor_config(
+    processor: Mapping[str, Any] | None, preprocessor: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], str]:
+    """The image processor's saved settings, and where they were found, as transformers
+    5 (the release vLLM 0.32 and 0.33 run) finds them
+    (`ImageProcessingMixin.get_image_processor_dict`): processor_config.json's nested
+    `image_processor` where it has one, else preprocessor_config.json. `processor` and
+    `preprocessor` are those two files' contents (None where absent). transformers 4.57
+    looks the other way round (preprocessor_config.json first), which differs only for a
+    checkpoint holding both, and vLLM does not run it."""
+    nested = (processor or {}).get(NESTED_IMAGE_PROCESSOR)
+    if isinstance(nested, Mapping):
+        return dict(nested), f"{PROCESSOR_FILE} ({NESTED_IMAGE_PROCESSOR})"
+    if preprocessor is not None:
+        return dict(preprocessor), PREPROCESSOR_FILE
+    return {}, f"no {PREPROCESSOR_FILE} or {PROCESSOR_FILE}: transformers' defaults"
+
+
+def read_image_processor_config(folder: Path) -> tuple[dict[str, Any], str]:
+    """`image_processor_config` of a local checkpoint folder."""
+    found = [
+        json.loads(path.read_text()) if path.is_file() else None
+        for path in (folder / PROCESSOR_FILE, folder / PREPROCESSOR_FILE)
+    ]
+    return image_processor_config(*found)
 
 
 @dataclass(frozen=True)
@@ -165,20 +210,97 @@ class VisionLimits:
     global_tile: bool = False
 
 
+def _given(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys that hold a value: transformers' image processors take a null as the
+    key's absence (the class's default)."""
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def _image_kwargs(mm_processor_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--mm-processor-kwargs as vLLM hands them on: the flat keys (which vLLM passes to
+    the processor's from_pretrained, replacing the saved keys) and the images' call
+    kwargs (the flat keys with `images_kwargs` over them, a `size` merged key by key:
+    vLLM's `_resolve_mm_processor_kwargs`)."""
+    flat = {k: v for k, v in mm_processor_kwargs.items() if k != _IMAGES_KWARGS}
+    scoped = dict(flat)
+    nested = mm_processor_kwargs.get(_IMAGES_KWARGS) or {}
+    for key, value in nested.items():
+        if isinstance(value, Mapping) and isinstance(scoped.get(key), Mapping):
+            scoped[key] = {**scoped[key], **value}
+        else:
+            scoped[key] = value
+    return flat, scoped
+
+
 def processor_limits(
-    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any]
+    preprocessor: Mapping[str, Any],
+    mm_processor_kwargs: Mapping[str, Any],
+    source: str = PREPROCESSOR_FILE,
+    *,
+    fills_partial_size: bool = False,
 ) -> VisionLimits:
     """A Qwen2-VL image processor's patch range. It resizes an image to a multiple of
     patch_size * merge_size per side with min_pixels <= height x width <= max_pixels
-    (`smart_resize`), so an image has at most max_pixels / patch_size**2 patches; the
-    pixel bounds come from mm_processor_kwargs where vLLM passes them, else from
-    preprocessor_config.json (`min_pixels`/`max_pixels`, or transformers 5's
-    `size.shortest_edge`/`size.longest_edge`)."""
-    merged = {**preprocessor, **mm_processor_kwargs}
-    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
-    low = _pixels("min_pixels", merged.get("min_pixels", size.get("shortest_edge")))
-    high = _pixels("max_pixels", merged.get("max_pixels", size.get("longest_edge")))
-    patch, merge = int(merged.get("patch_size", 14)), int(merged.get("merge_size", 2))
+    (`smart_resize`), so an image has at most max_pixels / patch_size**2 patches.
+    `preprocessor` holds the checkpoint's saved settings (`image_processor_config`,
+    read from `source`). The bounds are resolved as the processor vLLM runs resolves
+    them:
+
+    1. vLLM builds the processor from the saved settings with --mm-processor-kwargs'
+       flat keys replacing theirs (transformers' `from_dict`), except those the
+       processor's call takes, `size` among them (vLLM's
+       `cached_get_processor_without_dynamic_kwargs`); its `size` ({shortest_edge,
+       longest_edge}) is the saved one, a null or absent one being the class's
+       default, then `min_pixels` / `max_pixels` override its edges (transformers'
+       Qwen2VLImageProcessor.__init__);
+    2. vLLM calls it with the image kwargs (`images_kwargs` over the flat keys): a
+       `size` there replaces the built one whole, or with `fills_partial_size`
+       (Qwen3-VL: vLLM's Qwen3VLMultiModalProcessor completes it from the built one)
+       edge by edge, then `min_pixels` / `max_pixels` override its edges.
+
+    Settings on which vLLM's processor fails every image are refused: a size without
+    both edges, a null in the call's kwargs (transformers takes whole numbers only)."""
+    flat, scoped = _image_kwargs(mm_processor_kwargs)
+    nulls = sorted(k for k in (*_QWEN2_VL_CALL_KEYS, "size") if k in scoped and scoped[k] is None)
+    if nulls:
+        raise NeuronConfigError(
+            f"--mm-processor-kwargs {nulls[0]}=None: vLLM passes it to the image "
+            f"processor's call, which takes a whole number there (transformers refuses "
+            f"None on every image); remove it or give a value."
+        )
+    built = {**preprocessor, **{k: v for k, v in flat.items() if k != "size"}}
+    origin = {k: (_KWARGS_FLAG if k in flat else source) for k in built}
+    given = _given(built)
+    size = _size_mapping(given.get("size", QWEN2_VL_SIZE), origin.get("size", source))
+    size_origin = origin["size"] if "size" in given else "Qwen2VLImageProcessor's default"
+    edge_origin = dict.fromkeys(size, size_origin)
+    for edge, pixels in _PIXEL_EDGES:
+        if pixels in given:
+            size[edge], edge_origin[edge] = given[pixels], origin[pixels]
+    if "size" in scoped:
+        asked = _size_mapping(scoped["size"], _KWARGS_FLAG)
+        if not fills_partial_size:
+            size, edge_origin, size_origin = {}, {}, _KWARGS_FLAG
+        for edge, value in asked.items():
+            size[edge], edge_origin[edge] = value, _KWARGS_FLAG
+    for edge, pixels in _PIXEL_EDGES:
+        if pixels in scoped:
+            size[edge], edge_origin[edge] = scoped[pixels], _KWARGS_FLAG
+    for edge, pixels in _PIXEL_EDGES:
+        if size.get(edge) is None:
+            raise NeuronConfigError(
+                f"the image processor's size={size} (from {size_origin}) has no {edge}: "
+                f"transformers' Qwen2VLImageProcessor needs both shortest_edge and "
+                f"longest_edge on every image (a size given replaces the one it had "
+                f"whole); give both in size, or set --mm-processor-kwargs "
+                f"'{{\"{pixels}\": ...}}'."
+            )
+    low, high = (
+        _whole(f"size.{edge} ({pixels})", size[edge], edge_origin[edge], pixels)
+        for edge, pixels in _PIXEL_EDGES
+    )
+    patch = _call_value("patch_size", QWEN2_VL_PATCH, given, scoped, origin)
+    merge = _call_value("merge_size", QWEN2_VL_MERGE, given, scoped, origin)
     step = merge * merge
     area = patch * patch
     return VisionLimits(
@@ -188,8 +310,41 @@ def processor_limits(
     )
 
 
+# the Qwen2-VL image processor's call kwargs the limits depend on, besides size
+_QWEN2_VL_CALL_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size")
+
+
+def _size_mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise NeuronConfigError(
+            f"the image processor's size={value!r} (from {where}) must be a mapping of "
+            f"shortest_edge and longest_edge pixels; set --mm-processor-kwargs "
+            f'\'{{"min_pixels": ..., "max_pixels": ...}}\'.'
+        )
+    return dict(value)
+
+
+def _call_value(
+    name: str,
+    default: int,
+    given: Mapping[str, Any],
+    scoped: Mapping[str, Any],
+    origin: Mapping[str, str],
+) -> int:
+    """A whole-number setting of the processor (patch_size, merge_size): the call's
+    image kwargs, else the built processor's, else the class's default."""
+    if scoped.get(name) is not None:
+        return _whole(name, scoped[name], _KWARGS_FLAG)
+    if name in given:
+        return _whole(name, given[name], origin[name])
+    return default
+
+
 def pixtral_limits(
-    preprocessor: Mapping[str, Any], mm_processor_kwargs: Mapping[str, Any], image_size: int
+    preprocessor: Mapping[str, Any],
+    mm_processor_kwargs: Mapping[str, Any],
+    image_size: int,
+    source: str = PREPROCESSOR_FILE,
 ) -> VisionLimits:
     """A Pixtral image processor's patch range: it scales an image down so its longest
     side is at most size.longest_edge pixels and rounds each side up to whole patches
@@ -197,20 +352,28 @@ def pixtral_limits(
     image has 1 to ceil(longest_edge / patch)**2 patches, one embedding each. vLLM counts
     an image's [IMG] placeholders as if longest_edge were the vision config's
     `image_size` (PixtralHFEncoderInfo.get_patch_grid_size), so another edge would give
-    an image more or fewer embeddings than placeholders: refused."""
-    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
-    edge = _pixels("size.longest_edge", size.get("longest_edge"))
+    an image more or fewer embeddings than placeholders: refused. A null or absent key
+    is the class's default (size.longest_edge 1024, 16-pixel patches)."""
+    given = _given(preprocessor)
+    size = {**given.get("size", PIXTRAL_SIZE), **_given(mm_processor_kwargs.get("size") or {})}
+    where = f"{_KWARGS_FLAG} or {source}"
+    edge = _whole("size.longest_edge", size.get("longest_edge"), where)
     if edge != image_size:
         raise NeuronConfigError(
-            f"Pixtral's image processor size.longest_edge={edge} (mm_processor_kwargs or "
-            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"Pixtral's image processor size.longest_edge={edge} ({where}) "
+            f"differs from vision_config.image_size={image_size}: "
             f"vLLM places an image's [IMG] tokens for image_size (PixtralHFEncoderInfo), "
             f"the processor scales it to longest_edge, and the two would not match; set "
             f"size.longest_edge to {image_size} or remove it from --mm-processor-kwargs."
         )
-    patch_size = {**(preprocessor.get("patch_size") or {})}
+    patch_size = {**given.get("patch_size", PIXTRAL_PATCH)}
     side = -(-edge // int(patch_size.get("height", 16)))
     return VisionLimits(min_patches=1, max_patches=side * side, step=1)
+
+
+# transformers' PixtralImageProcessor class defaults
+PIXTRAL_SIZE = {"longest_edge": 1024}
+PIXTRAL_PATCH = {"height": 16, "width": 16}
 
 
 def pixtral_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
@@ -236,6 +399,7 @@ def llama4_limits(
     mm_processor_kwargs: Mapping[str, Any],
     image_size: int,
     patch_size: int,
+    source: str = PREPROCESSOR_FILE,
 ) -> VisionLimits:
     """A Llama 4 image processor's patch range, in whole tiles of image_size pixels a
     side ((image_size / patch)**2 patches each): it fits an image to a grid of at most
@@ -243,21 +407,24 @@ def llama4_limits(
     (transformers' Llama4ImageProcessor, find_supported_resolutions; vLLM's
     Mllama4MultiModalProcessor counts 1 + rows x columns tiles alike), so an image has 1
     or 3 to max_patches + 1 tiles. vLLM places an image's tokens for tiles of
-    vision_config.image_size pixels, so a processor tile of another size is refused."""
-    size = {**(preprocessor.get("size") or {}), **(mm_processor_kwargs.get("size") or {})}
+    vision_config.image_size pixels, so a processor tile of another size is refused. A
+    null or absent key is the class's default (max_patches 16)."""
+    given = _given(preprocessor)
+    size = {**given.get("size", {}), **_given(mm_processor_kwargs.get("size") or {})}
+    where = f"{_KWARGS_FLAG} or {source}"
     tile = (size.get("height", image_size), size.get("width", image_size))
     if tile != (image_size, image_size):
         raise NeuronConfigError(
-            f"Llama 4's image processor size={dict(size)} (mm_processor_kwargs or "
-            f"preprocessor_config.json) differs from vision_config.image_size={image_size}: "
+            f"Llama 4's image processor size={dict(size)} ({where}) "
+            f"differs from vision_config.image_size={image_size}: "
             f"vLLM lays out an image's tokens for tiles of image_size pixels; set size to "
             f"{{'height': {image_size}, 'width': {image_size}}} or remove it."
         )
-    chunks = mm_processor_kwargs.get("max_patches", preprocessor.get("max_patches", 16))
+    chunks = mm_processor_kwargs.get("max_patches", given.get("max_patches", 16))
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise NeuronConfigError(
-            f"Llama 4's image processor max_patches={chunks!r} (mm_processor_kwargs or "
-            f"preprocessor_config.json) must be a whole number of tiles >= 1; set "
+            f"Llama 4's image processor max_patches={chunks!r} ({where}) "
+            f"must be a whole number of tiles >= 1; set "
             f"--mm-processor-kwargs '{{\"max_patches\": 4}}'."
         )
     per_tile = (image_size // patch_size) ** 2
@@ -271,19 +438,32 @@ def image_limits(
     preprocessor: Mapping[str, Any],
     mm_processor_kwargs: Mapping[str, Any],
     vision: Mapping[str, Any],
+    source: str = PREPROCESSOR_FILE,
 ) -> VisionLimits:
-    """A vision-language model's image sizes, by its image processor
-    (preprocessor_config.json's image_processor_type): Pixtral's, Llama 4's or the
-    Qwen2-VL family's; `vision` is the checkpoint's vision_config."""
-    kind = str(preprocessor.get("image_processor_type", ""))
-    if kind.startswith("Pixtral"):
-        return pixtral_limits(preprocessor, mm_processor_kwargs, int(vision["image_size"]))
-    if kind.startswith("Llama4"):
+    """A vision-language model's image sizes, by its image processor (the saved
+    settings' image_processor_type, else the vision_config's model_type): Pixtral's,
+    Llama 4's or the Qwen2-VL family's; `preprocessor` holds the saved settings
+    (`image_processor_config`, read from `source`), `vision` is the checkpoint's
+    vision_config."""
+    kind = str(preprocessor.get("image_processor_type") or "")
+    tower = vision.get("model_type")
+    if kind.startswith("Pixtral") or (not kind and tower == "pixtral"):
+        return pixtral_limits(preprocessor, mm_processor_kwargs, int(vision["image_size"]), source)
+    if kind.startswith("Llama4") or (not kind and tower == LLAMA4_VISION):
         llama4_merge(vision)
         return llama4_limits(
-            preprocessor, mm_processor_kwargs, int(vision["image_size"]), int(vision["patch_size"])
+            preprocessor,
+            mm_processor_kwargs,
+            int(vision["image_size"]),
+            int(vision["patch_size"]),
+            source,
         )
-    return processor_limits(preprocessor, mm_processor_kwargs)
+    return processor_limits(
+        preprocessor,
+        mm_processor_kwargs,
+        source,
+        fills_partial_size=str(tower).startswith("qwen3_vl"),
+    )
 
 
 def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
@@ -298,12 +478,15 @@ def tile_patches(pixel_values: np.ndarray, patch: int) -> ImageInputs:
     )
 
 
-def _pixels(name: str, value: object) -> int:
+def _whole(name: str, value: object, where: str, key: str | None = None) -> int:
+    """A setting that must be a whole number >= 1 (pixels, a patch's side); `key`: the
+    --mm-processor-kwargs key that sets it (default: `name`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        outer, _, inner = (key or name).partition(".")
+        fix = f'{{"{outer}": {{"{inner}": ...}}}}' if inner else f'{{"{outer}": ...}}'
         raise NeuronConfigError(
-            f"the image processor's {name}={value!r} (mm_processor_kwargs or the "
-            f"checkpoint's preprocessor_config.json) must be a whole number of pixels "
-            f">= 1; set --mm-processor-kwargs '{{\"{name}\": ...}}'."
+            f"the image processor's {name}={value!r} (from {where}) must be a whole "
+            f"number >= 1; set --mm-processor-kwargs '{fix}'."
         )
     return value
 

@@ -201,7 +201,7 @@ ROWS: tuple[ModelRow, ...] = (
         "qwen2_vl",
         _every_release(Refused(_NO_MROPE)),
         vision=True,
-        tiny=("qwen2_vl",),
+        tiny=("qwen2_vl", "qwen2_vl_tf5"),
     ),
     ModelRow(
         "Qwen2_5_VLForConditionalGeneration",

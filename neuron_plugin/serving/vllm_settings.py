@@ -50,9 +50,11 @@ from neuron_plugin.core.settings import (
 )
 from neuron_plugin.core.vision import (
     PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
     VISION_ARCHITECTURES,
     VisionLimits,
     image_limits,
+    image_processor_config,
 )
 from neuron_plugin.core.vllm_flags import VLLM_FLAGS
 from neuron_plugin.core.vllm_neuron_env import NAMES as VLLM_NEURON_ENV
@@ -125,7 +127,9 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
 
 def vision_limits(model: Any) -> VisionLimits | None:
     """A vision-language model's image sizes from its processor's settings (the
-    checkpoint's preprocessor_config.json under --mm-processor-kwargs); None for a text
+    checkpoint's processor_config.json `image_processor`, else its
+    preprocessor_config.json, read as vLLM reads them, under --mm-processor-kwargs;
+    `core.vision.image_processor_config`); None for a text
     model, or a multimodal one served text-only (--language-model-only, or every
     --limit-mm-per-prompt 0: vLLM takes no images). A multimodal architecture whose
     vision tower the plugin does not run is refused here, before anything loads."""
@@ -141,9 +145,22 @@ def vision_limits(model: Any) -> VisionLimits | None:
         )
     from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-    preprocessor = get_hf_file_to_dict(PREPROCESSOR_FILE, model.model, model.revision) or {}
+    saved, source = image_processor_config(
+        *(
+            get_hf_file_to_dict(name, model.model, model.revision)
+            for name in (PROCESSOR_FILE, PREPROCESSOR_FILE)
+        )
+    )
     kwargs = model.multimodal_config.mm_processor_kwargs or {}
-    return image_limits(preprocessor, kwargs, model.hf_config.vision_config.to_dict())
+    limits = image_limits(saved, kwargs, model.hf_config.vision_config.to_dict(), source)
+    logger.info(
+        "neuron platform: images of %d to %d patches (the image processor's settings in %s%s)",
+        limits.min_patches,
+        limits.max_patches,
+        source,
+        f", --mm-processor-kwargs {kwargs}" if kwargs else "",
+    )
+    return limits
 
 
 def kv_transfer_limits(config: Any) -> KVTransferLimits | None:

@@ -47,6 +47,15 @@ VISION_LANGUAGE: dict[str, dict[str, Any]] = {
         "processor_class": "Qwen2VLProcessor",
     },
 }
+# The same Qwen2-VL (the same weights and tokenizer) with its processor saved as
+# transformers 5's ProcessorMixin.save_pretrained saves it: processor_config.json holding
+# the image and video processors' settings (`size` {shortest_edge, longest_edge}, no
+# min_pixels / max_pixels), chat_template.jinja, and no preprocessor_config.json.
+VISION_LANGUAGE["qwen2_vl_tf5"] = {
+    **VISION_LANGUAGE["qwen2_vl"],
+    "model_type": "qwen2_vl",
+    "processor_format": "transformers5",
+}
 # Qwen2.5-VL: the same decoder; a vision tower with RMSNorms, gated MLPs and windows of
 # 56 pixels (2x2 merge groups, so the tiny images span several) except in block 1.
 VISION_LANGUAGE["qwen2_5_vl"] = {
@@ -248,7 +257,7 @@ def write_vlm(
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     text = _vlm_text_config(recipe_fields["text_config"], tokenizer, max_positions)
     config = AutoConfig.for_model(
-        arch,
+        recipe_fields.get("model_type", arch),
         text_config=text,
         vision_config=dict(recipe_fields["vision_config"]),
         vision_start_token_id=ids["<|vision_start|>"],
@@ -287,8 +296,67 @@ def write_vlm(
             "image_mean": recipe_fields.get("image_mean", IMAGE_MEAN),
             "image_std": recipe_fields.get("image_std", IMAGE_STD),
         }
+        if recipe_fields.get("processor_format") == "transformers5":
+            _write_transformers5_processor(staging, preprocessor, VLM_CHAT_TEMPLATE)
+            (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+            return
         (staging / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
         _write_chat_template_and_recipe(staging, VLM_CHAT_TEMPLATE, wanted)
+
+
+# What transformers 5's Qwen2VLVideoProcessor saves beside the image processor's settings
+# (its class defaults; the class needs torchvision, which the CPU test environment lacks)
+QWEN2_VL_VIDEO = {
+    "do_sample_frames": False,
+    "max_frames": 768,
+    "max_video_tokens": 128000,
+    "min_frames": 4,
+    "return_metadata": False,
+    "video_processor_type": "Qwen2VLVideoProcessor",
+}
+
+
+def transformers5_processor_config(preprocessor: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2-VL processor's processor_config.json as transformers 5's
+    `ProcessorMixin.save_pretrained` writes it, from the Hub's preprocessor_config.json
+    keys: the image processor's settings (its own `to_dict`: transformers' PIL
+    Qwen2VLImageProcessor, which folds min_pixels / max_pixels into `size`) and the
+    video processor's, under their names."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    skip = ("processor_class", "image_processor_type")
+    image = Qwen2VLImageProcessorPil(
+        **{k: v for k, v in preprocessor.items() if k not in skip}
+    ).to_dict()
+    video = {k: v for k, v in image.items() if k != "image_processor_type"}
+    return {
+        "image_processor": image,
+        "processor_class": preprocessor["processor_class"],
+        "video_processor": {**video, **QWEN2_VL_VIDEO},
+    }
+
+
+def _write_transformers5_processor(
+    staging: Path, preprocessor: dict[str, Any], chat_template: str
+) -> None:
+    """A Qwen2-VL processor's files as transformers 5's `ProcessorMixin.save_pretrained`
+    writes them: processor_config.json (`transformers5_processor_config`), the chat
+    template in chat_template.jinja, the tokenizer's config naming the processor class;
+    no preprocessor_config.json. tests/e2e/test_vision_processor_formats.py checks the
+    files equal what transformers 5 saves of the loaded processor."""
+    processor = transformers5_processor_config(preprocessor)
+    (staging / "processor_config.json").write_text(
+        json.dumps(processor, indent=2, sort_keys=True) + "\n"
+    )
+    (staging / "chat_template.jinja").write_text(chat_template)
+    tokenizer_config = json.loads((staging / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    tokenizer_config["processor_class"] = preprocessor["processor_class"]
+    (staging / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def _write_pixtral(

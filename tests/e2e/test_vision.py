@@ -97,6 +97,7 @@ def transformers_answers(
 class Endpoint:
     url: str
     model: str  # the served model's name: its folder
+    log: Path | None = None  # the server's output
 
 
 # The Qwen servers: up to 512 tokens, images of up to 1,024 patches (beyond the largest
@@ -116,16 +117,20 @@ def serve(
     host_python: str,
     tmp_path_factory,
     context_buckets: list[int],
-    vision_buckets: list[int],
+    vision_buckets: list[int] | None,
     flags: tuple[str, ...] = (),
 ):
     """A server of the vision model `model` on the reference backend (module-scoped):
-    two images a prompt, the given buckets, `flags` beside them."""
-    config = {"override_neuron_config": {"context_encoding_buckets": context_buckets,
-                                         "vision_buckets": vision_buckets}}
+    two images a prompt, the given buckets (vision buckets None: the plugin's, planned
+    from the model's processor), `flags` beside them."""
+    override: dict = {"context_encoding_buckets": context_buckets}
+    if vision_buckets is not None:
+        override["vision_buckets"] = vision_buckets
+    config = {"override_neuron_config": override}
+    log = tmp_path_factory.mktemp("vision") / "server.log"
     served = Server(
         model,
-        tmp_path_factory.mktemp("vision") / "server.log",
+        log,
         ["--max-model-len", str(context_buckets[-1]), "--limit-mm-per-prompt",
          json.dumps({"image": 2}), *flags, "--additional-config", json.dumps(config)],
         env={**os.environ, "VLLM_NEURON_BACKEND": "reference"},
@@ -133,7 +138,7 @@ def serve(
     )
     try:
         served.wait_healthy(timeout=420)
-        yield Endpoint(served.url, str(model))
+        yield Endpoint(served.url, str(model), log)
     finally:
         served.stop()
 
@@ -393,3 +398,39 @@ def test_qwen3_vl_answers_images_as_transformers_and_refuses_the_rest(
         response = ask(qwen3_server, messages)
         assert response.status_code == 400 and says in response.text, response.text
     assert answer(qwen3_server, REQUESTS["one"], eos) == _until_eos(expected["one"], eos)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_tf5(tiny_model) -> Path:
+    return tiny_model("qwen2_vl_tf5")
+
+
+@pytest.fixture(scope="module")
+def tf5_server(qwen2_vl_tf5, host_python, tmp_path_factory):
+    """The same Qwen2-VL saved as transformers 5 saves a processor
+    (processor_config.json, size only, no preprocessor_config.json), served with the
+    vision buckets the plugin plans from those files: no --mm-processor-kwargs and no
+    vision_buckets."""
+    yield from serve(qwen2_vl_tf5, host_python, tmp_path_factory, SERVED_BUCKETS[0], None,
+                     ("--max-num-seqs", "4"))
+
+
+def test_a_transformers5_checkpoint_answers_images_as_transformers(
+    qwen2_vl_tf5, tf5_server, host_python
+):
+    """A checkpoint whose processor transformers 5 saved (issue 50: the server exited at
+    start, reading min_pixels from a preprocessor_config.json it does not have) starts
+    with the image range of its processor_config.json (16 to 256 patches: five vision
+    buckets) and answers one image, two images, a large image (scaled down to the
+    largest bucket) and text, all at once, with transformers' greedy tokens."""
+    log = tf5_server.log.read_text(errors="replace")
+    assert ("images of 16 to 256 patches (the image processor's settings in "
+            "processor_config.json (image_processor))") in log, log[-3000:]
+    requests = {name: REQUESTS[name] for name in ("one", "two", "text")}
+    requests["large"] = chat("what is in the picture", image_url(5, 448, 448))
+    expected = transformers_answers(qwen2_vl_tf5, host_python, requests)
+    eos = int(text_config(read_hf_config(qwen2_vl_tf5))["eos_token_id"])
+    with ThreadPoolExecutor(len(requests)) as pool:
+        got = dict(zip(requests, pool.map(lambda m: answer(tf5_server, m, eos),
+                                          requests.values()), strict=True))
+    assert got == {name: _until_eos(ids, eos) for name, ids in expected.items()}

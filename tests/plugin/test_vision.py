@@ -3,18 +3,33 @@ an answer (the M-RoPE numbering of Qwen2-VL and of Qwen3-VL, which agree for ima
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.vision import (
+    PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
     VisionLimits,
     chunk_embeddings,
+    image_limits,
     mrope_positions,
     processor_limits,
+    read_image_processor_config,
     resolve_vision_buckets,
     vision_bucket,
+)
+from tests.processor_formats import (
+    COMMON,
+    FORMATS,
+    NEEDS_SDK,
+    OVERRIDES,
+    SMALL,
+    processor_saved,
+    write,
 )
 
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
@@ -156,8 +171,128 @@ def test_processor_limits_read_both_spellings_and_the_request_kwargs():
 
 
 def test_processor_limits_refuse_a_bad_pixel_count():
-    with pytest.raises(NeuronConfigError, match=r"max_pixels='many'.*mm-processor-kwargs"):
+    with pytest.raises(NeuronConfigError, match=r"max_pixels\)='many'.*mm-processor-kwargs"):
         processor_limits({"min_pixels": 3136, "max_pixels": "many"}, {})
+
+
+QWEN2_VL_VISION = {"model_type": "qwen2_vl", "patch_size": 14, "spatial_merge_size": 2}
+
+
+def _write_layout(request, layout: str, folder) -> None:
+    writer = FORMATS[layout]
+    if layout in NEEDS_SDK:
+        writer(folder, request.getfixturevalue("sdk_python"))
+    else:
+        writer(folder)
+
+
+def _limits(folder, kwargs) -> VisionLimits:
+    saved, source = read_image_processor_config(folder)
+    return image_limits(saved, kwargs, QWEN2_VL_VISION, source)
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def layout(request, tmp_path_factory):
+    """A folder holding one layout's processor files (tests/processor_formats.py)."""
+    folder = tmp_path_factory.mktemp("layout") / request.param
+    _write_layout(request, request.param, folder)
+    return folder
+
+
+@pytest.mark.parametrize("kwargs, patches", OVERRIDES, ids=lambda v: json.dumps(v))
+def test_image_limits_are_the_processors_in_every_layout(layout, kwargs, patches):
+    """Every layout (the Hub's, transformers 5's image processor and processor saves,
+    transformers 4.57's slow save and its fast one's nulls), under each kind of
+    --mm-processor-kwargs: the patch range the processor vLLM runs gives
+    (tests/e2e/test_vision_processor_formats.py checks it against that processor)."""
+    assert _limits(layout, kwargs) == VisionLimits(*patches, 4)
+
+
+def test_null_or_absent_keys_are_the_processor_class_defaults(tmp_path):
+    """Qwen2VLImageProcessor's size {3136, 1003520}, patch 14, merge 2 where a key is
+    absent or null."""
+    write(tmp_path, PREPROCESSOR_FILE, dict.fromkeys(["size", "min_pixels", "patch_size"]))
+    assert _limits(tmp_path, {}) == VisionLimits(16, 5120, 4)
+    write(tmp_path, PREPROCESSOR_FILE, {})
+    assert _limits(tmp_path, {"max_pixels": 28 * 28 * 64}) == VisionLimits(16, 256, 4)
+    assert _limits(tmp_path / "none", {}) == VisionLimits(16, 5120, 4)  # no files at all
+
+
+def test_processor_config_image_processor_comes_before_preprocessor_config(tmp_path):
+    processor_saved(tmp_path)
+    write(tmp_path, PREPROCESSOR_FILE, {**COMMON, "size": {**SMALL, "longest_edge": 28 * 28 * 4}})
+    assert _limits(tmp_path, {}).max_patches == 256
+    assert read_image_processor_config(tmp_path)[1] == "processor_config.json (image_processor)"
+    # a processor_config.json without the image processor's settings (the Hub's older
+    # layout, its processor's own keys only): preprocessor_config.json has them
+    write(tmp_path, PROCESSOR_FILE, {"processor_class": "Qwen2VLProcessor"})
+    assert _limits(tmp_path, {}).max_patches == 16
+    assert read_image_processor_config(tmp_path)[1] == PREPROCESSOR_FILE
+
+
+def test_qwen3_vl_patches_are_its_processors_16_pixels(tmp_path):
+    """The Hub's Qwen3-VL layout: size only, 16-pixel patches (the class default is 14)."""
+    size = {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}
+    write(tmp_path, PREPROCESSOR_FILE, {**COMMON, "patch_size": 16, "size": size})
+    vision = {**QWEN2_VL_VISION, "model_type": "qwen3_vl", "patch_size": 16}
+    saved, source = read_image_processor_config(tmp_path)
+    assert image_limits(saved, {}, vision, source) == VisionLimits(16, 256, 4)
+
+
+def test_a_partial_size_in_the_call_is_completed_for_qwen3_vl_only():
+    """vLLM calls Qwen2-VL's processor with --mm-processor-kwargs' size as given, which
+    replaces the processor's whole (a partial one then fails on every image); its
+    Qwen3-VL processor completes it from the processor's own size first."""
+    saved = {**COMMON, "min_pixels": SMALL["shortest_edge"], "max_pixels": SMALL["longest_edge"]}
+    kwargs = {"size": {"longest_edge": 28 * 28 * 16}}
+    qwen3 = {**QWEN2_VL_VISION, "model_type": "qwen3_vl_vision"}
+    assert image_limits(saved, kwargs, qwen3) == VisionLimits(16, 64, 4)
+    with pytest.raises(NeuronConfigError, match="has no shortest_edge"):
+        image_limits(saved, kwargs, QWEN2_VL_VISION)
+
+
+@pytest.mark.parametrize(
+    ("saved", "kwargs", "says"),
+    [
+        # a partial size replaces the default whole (transformers' __init__); vLLM's
+        # processor then fails on every image
+        (
+            {},
+            {"size": {"longest_edge": 12544}},
+            r"size=\{'longest_edge': 12544\} \(from --mm-processor-kwargs\) has no "
+            r"shortest_edge.*'\{\"min_pixels\": ...\}'",
+        ),
+        (
+            {"size": {"shortest_edge": 3136}},
+            {},
+            r"\(from preprocessor_config.json\) has no longest_edge.*max_pixels",
+        ),
+        (
+            {"size": SMALL},
+            {"max_pixels": "many"},
+            r"size.longest_edge \(max_pixels\)='many' \(from --mm-processor-kwargs\)",
+        ),
+        ({"size": SMALL, "patch_size": 0}, {}, r"patch_size=0 \(from preprocessor_config.json\)"),
+        ({"size": 3136}, {}, r"size=3136 \(from preprocessor_config.json\) must be a mapping"),
+        # vLLM passes it to the processor's call, which refuses None
+        (
+            {"size": SMALL},
+            {"images_kwargs": {"max_pixels": None}},
+            r"--mm-processor-kwargs max_pixels=None.*remove it",
+        ),
+    ],
+    ids=[
+        "partial-size-kwargs",
+        "partial-size-saved",
+        "not-a-number",
+        "zero-patch",
+        "not-a-size",
+        "null-kwarg",
+    ],
+)
+def test_unusable_settings_are_refused_naming_the_setting_and_the_fix(saved, kwargs, says):
+    with pytest.raises(NeuronConfigError, match=says):
+        image_limits(saved, kwargs, QWEN2_VL_VISION)
 
 
 def test_default_vision_buckets_grow_by_powers_of_two_to_the_largest_image():
