@@ -16,6 +16,7 @@ from typing import Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.core.recurrent_state import StateGeometry
 from neuron_plugin.core.vision import VisionLimits
 
 CONTIGUOUS = "contiguous"
@@ -110,6 +111,9 @@ class EngineLimits:
     # ModelConfig.get_diff_sampling_param: the model's generation_config.json under
     # --generation-config auto, then --override-generation-config).
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
+    # A hybrid model's state layers (Qwen3.5's gated DeltaNet, core.recurrent_state),
+    # None for a model whose every layer attends over a KV cache.
+    state: StateGeometry | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,11 @@ class NeuronSettings:
     # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
     # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
     prompt_logprobs: int | None = None
+    # A hybrid model's state layers (core.recurrent_state; 0: none) and the KV cache
+    # groups vLLM makes of them in the block layout (each request owns a state block per
+    # group, `state_block_size` positions each).
+    state_layers: int = 0
+    state_groups: int = 0
 
     @property
     def quantization(self) -> Quantization | None:
@@ -214,6 +223,14 @@ class NeuronSettings:
         """The fused drafter is an EAGLE or EAGLE-3 head reading the target's hidden
         states (NxDI's enable_eagle_speculation)."""
         return self.speculation_method in (EAGLE, EAGLE3)
+
+    @property
+    def state_block_size(self) -> int:
+        """Positions per state block of a hybrid model in the block layout: vLLM's
+        mamba_block_size, the KV block size with prefix caching (its 'align' mode keeps
+        the state at every block boundary), else max_model_len (its 'none' mode: one
+        block per request)."""
+        return self.block_size if self.is_prefix_caching else self.max_model_len
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -105,6 +105,10 @@ _NOT_LISTED_0_8 = (
 _GEMMA4_NXD = Refused(
     "NxDI has no Gemma 4 in any release, and the plugin's own class is not built yet"
 )
+# NxDI has no Qwen3.5 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9).
+_QWEN3_5_NXD = Refused(
+    "NxDI has no Qwen3.5 in any release, and the plugin's own NxD class is not built yet"
+)
 _NO_MROPE = (
     "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
     "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
@@ -192,6 +196,22 @@ ROWS: tuple[ModelRow, ...] = (
         _every_release(_GEMMA4_NXD),
         tiny=("gemma4_mm",),
         note="its text model, served with --language-model-only",
+    ),
+    ModelRow(
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5",),
+        note="gated DeltaNet layers beside gated attention",
+    ),
+    ModelRow(
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5_moe",),
+        note="gated DeltaNet layers beside gated attention",
     ),
     ModelRow(
         "Qwen2VLForConditionalGeneration",
