@@ -233,6 +233,15 @@ class NeuronSettings:
         return self.block_size if self.is_prefix_caching else self.max_model_len
 
     @property
+    def state_blocks(self) -> int:
+        """The blocks of the block layout's count that hold a hybrid model's states,
+        not KV (core.kv_layout.state_blocks_per_seq for each sequence slot)."""
+        if not self.state_layers or not self.is_block_layout:
+            return 0
+        per_group = 2 if self.is_prefix_caching else 1
+        return self.max_num_seqs * self.state_groups * per_group
+
+    @property
     def max_blocks_per_seq(self) -> int:
         """Width of a padded block table (the NxD contract pads to this)."""
         return math.ceil(self.max_model_len / self.block_size)
@@ -299,11 +308,16 @@ class NeuronSettings:
                 f"({self.max_num_seqs * self.max_model_len:,} tokens); vLLM's \"KV cache "
                 f'size" line also counts its null block ({vllm_tokens:,} tokens)'
             )
-        usable = self.num_blocks - 1  # never fewer than max_num_seqs full sequences
+        usable = self.num_blocks - 1 - self.state_blocks  # >= max_num_seqs sequences
+        states = (
+            f" (and {self.state_blocks} blocks of the state layers' states)"
+            if self.state_blocks
+            else ""
+        )
         return (
-            f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}, "
-            f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens at "
-            f'once; vLLM\'s "KV cache size" line also counts its null block '
+            f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}"
+            f"{states}, {self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens "
+            f'at once; vLLM\'s "KV cache size" line also counts its null block '
             f"({vllm_tokens:,} tokens)"
         )
 

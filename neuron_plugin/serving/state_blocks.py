@@ -34,10 +34,13 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
+from neuron_plugin import plugin_logger
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.inputs import state_slots
 from neuron_plugin.core.recurrent_state import RECURRENT_DTYPE, StateGeometry
 from neuron_plugin.core.settings import NeuronSettings
+
+logger = plugin_logger(__name__)
 
 
 def attention_layer(layer: int) -> str:
@@ -96,6 +99,17 @@ class StateBlocks:
         groups = [group_of[state_layer(i)] for i in self.geometry.layers]
         self.state_group_ids = sorted(set(groups))
         self.layer_groups = [self.state_group_ids.index(g) for g in groups]
+        logger.info(
+            "state layers %s in vLLM's KV cache groups %s (attention layers: group %d), a "
+            "state block per %s (mamba_cache_mode %s)",
+            list(self.geometry.layers),
+            groups,
+            self.attention_group,
+            f"{self.settings.state_block_size} positions"
+            if self.settings.is_prefix_caching
+            else "request",
+            "align" if self.settings.is_prefix_caching else "none",
+        )
         if len(self.state_group_ids) > self.settings.state_groups:
             raise NeuronConfigError(
                 f"vLLM made {len(self.state_group_ids)} KV cache groups of the model's "

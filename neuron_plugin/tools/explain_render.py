@@ -123,6 +123,15 @@ def render(report: dict[str, Any]) -> str:
         f"{mem['instance_cores']} cores",
         f"KV heads/core    {mem['kv_heads']['summary']}; "
         f"{human_size(mem['kv_bytes_per_token_per_core'])} of KV per token per NeuronCore",
+        *(
+            [
+                f"state/core       {report['state']['summary']}; "
+                f"{human_size(mem['state_per_core_bytes'])} for "
+                f"{report['state']['sequences']} at once"
+            ]
+            if report.get("state")
+            else []
+        ),
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
     if mem.get("unquantized_weights_per_core_bytes"):
