@@ -214,6 +214,21 @@ ROWS: tuple[ModelRow, ...] = (
         note="gated DeltaNet layers beside gated attention",
     ),
     ModelRow(
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3.5 (multimodal checkpoint)",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5_mm",),
+        note="its text model, served with --language-model-only",
+    ),
+    ModelRow(
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3.5-MoE (multimodal checkpoint)",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        note="its text model, served with --language-model-only",
+    ),
+    ModelRow(
         "Qwen2VLForConditionalGeneration",
         "Qwen2-VL",
         "qwen2_vl",

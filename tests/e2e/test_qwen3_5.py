@@ -8,10 +8,13 @@ Qwen3-VL module, which needs torchvision, which the CPU test environment lacks.
 - MoE, contiguous layout: six concurrent prompts of 5-100 tokens for four sequence slots
   (decode batches with padding rows, slots reused), across the 32-token bucket and the
   chunked form's 64-token chunks; each sequence's state lives beside its KV cache line.
-- Dense, prefix caching and chunked prefill (chunks of at most 32 tokens, blocks of 16),
-  the backend in a runner in the SDK-pinned environment (transformers 4.57 has no
-  Qwen3.5: config.json is read as JSON): the state in vLLM's hybrid KV cache ('align'
-  mode, a state block per 16 positions); the same prompts twice, the second round
+- Dense, as the Hub ships Qwen3.5 (Qwen3_5ForConditionalGeneration, `qwen3_5_mm`: the
+  text config nested, the tensors under model.language_model.) served text-only
+  (--language-model-only), prefix caching and chunked prefill (chunks of at most 32
+  tokens, blocks of 16), the backend in a runner in the SDK-pinned environment
+  (transformers 4.57 has no Qwen3.5: config.json is read as JSON): the state in vLLM's
+  hybrid KV cache ('align' mode, a state block per 16 positions); the same prompts
+  twice, the second round
   reading its prefixes' KV and state blocks from the cache; then longer generations with
   every running request preempted mid-decode (vLLM's /reset_prefix_cache with
   reset_running_requests): each comes back encoded again from its first token, its
@@ -38,8 +41,9 @@ BLOCK_SIZE = 16
 BUCKETS = {"context_encoding_buckets": [32, 128], "token_generation_buckets": [160]}
 ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4"]
 CACHED = ["--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-batched-tokens",
-          "32", "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details"]
-LAYOUTS = {"qwen3_5_moe": "contiguous", "qwen3_5": "prefix-caching"}
+          "32", "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details",
+          "--language-model-only"]
+LAYOUTS = {"qwen3_5_moe": "contiguous", "qwen3_5_mm": "prefix-caching"}
 
 pytestmark = pytest.mark.server
 

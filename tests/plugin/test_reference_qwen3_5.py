@@ -128,6 +128,17 @@ def test_the_tiny_checkpoints_have_both_layer_kinds(model):
     assert spec.moe_layers == ((True,) * 6 if model.name.endswith("moe") else (False,) * 6)
 
 
+def test_the_multimodal_checkpoint_reads_its_nested_text_config(tiny_model):
+    """Qwen3_5ForConditionalGeneration (the Hub's form) nests the text config
+    (text_config) and its tensors (model.language_model.): the same text model."""
+    config = read_hf_config(tiny_model("qwen3_5_mm"))
+    spec = DecoderSpec.from_hf_config(config)
+    flat = DecoderSpec.from_hf_config(read_hf_config(tiny_model("qwen3_5")))
+    assert spec.architecture == "Qwen3_5ForConditionalGeneration"
+    assert (spec.state, spec.layer_types, spec.kv_rows) == (flat.state, flat.layer_types, flat.kv_rows)
+    assert "vision_config" in config and spec.vocab_size == flat.vocab_size
+
+
 @pytest.mark.parametrize("length", [5, 64, 65, PROMPT])
 def test_prefill_logits_equal_transformers(contiguous, hf_model, prompt, length):
     ids = prompt[:length]

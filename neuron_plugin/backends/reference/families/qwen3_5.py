@@ -1,7 +1,9 @@
 """Qwen3.5 and Qwen3.6's text models, dense and MoE (Qwen3_5ForCausalLM,
-Qwen3_5MoeForCausalLM), as transformers 5 computes them (`modeling_qwen3_5.py`,
-`modeling_qwen3_5_moe.py`: Qwen3_5GatedDeltaNet, Qwen3_5Attention, Qwen3_5RMSNorm,
-Qwen3_5RMSNormGated, Qwen3_5MoeSparseMoeBlock; `configuration_qwen3_5.py`).
+Qwen3_5MoeForCausalLM, and the text of the multimodal Qwen3_5ForConditionalGeneration /
+Qwen3_5MoeForConditionalGeneration served with --language-model-only), as transformers 5
+computes them (`modeling_qwen3_5.py`, `modeling_qwen3_5_moe.py`: Qwen3_5GatedDeltaNet,
+Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3_5RMSNormGated, Qwen3_5MoeSparseMoeBlock;
+`configuration_qwen3_5.py`).
 
 Most layers are gated DeltaNet linear attention (`layer_types` "linear_attention", the
 `linear_*` config keys), every few a gated full-attention layer:
@@ -320,7 +322,12 @@ _DENSE = Architecture(
     weight_sources=weight_sources,
     refuses=("lora", "quantization", "eagle"),
 )
+_MOE = dataclasses.replace(_DENSE, mlp="qwen3_moe")
+# The multimodal checkpoints (the Hub's Qwen3.5 and 3.6 ship as these) served text-only
+# (--language-model-only): text_config nested, tensors under model.language_model.
 ARCHITECTURES = {
     "Qwen3_5ForCausalLM": _DENSE,
-    "Qwen3_5MoeForCausalLM": dataclasses.replace(_DENSE, mlp="qwen3_moe"),
+    "Qwen3_5MoeForCausalLM": _MOE,
+    "Qwen3_5ForConditionalGeneration": _DENSE,
+    "Qwen3_5MoeForConditionalGeneration": _MOE,
 }
