@@ -12,6 +12,8 @@ feature moves transformers' own logits, so parity checks that it is computed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +23,8 @@ from neuron_plugin.backends.reference.backend import ReferenceBackend
 from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, state_slots, token_generation_inputs
 from neuron_plugin.core.recurrent_state import state_geometry
-from neuron_plugin.core.settings import EngineLimits, resolve_settings
+from neuron_plugin.core.neuron_settings import KVTransferLimits
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 
 ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 BLOCK = 16
@@ -135,7 +138,11 @@ def test_the_multimodal_checkpoint_reads_its_nested_text_config(tiny_model):
     spec = DecoderSpec.from_hf_config(config)
     flat = DecoderSpec.from_hf_config(read_hf_config(tiny_model("qwen3_5")))
     assert spec.architecture == "Qwen3_5ForConditionalGeneration"
-    assert (spec.state, spec.layer_types, spec.kv_rows) == (flat.state, flat.layer_types, flat.kv_rows)
+    assert (spec.state, spec.layer_types, spec.kv_rows) == (
+        flat.state,
+        flat.layer_types,
+        flat.kv_rows,
+    )
     assert "vision_config" in config and spec.vocab_size == flat.vocab_size
 
 
@@ -282,3 +289,43 @@ def test_each_feature_changes_the_logits(hf_model, prompt):
         finally:
             with torch.no_grad():
                 tensor().copy_(saved)
+
+
+def test_state_slots_follow_the_blocks_vllm_hands_out():
+    """With prefix caching (vLLM's 'align' mode) a call reads the block of its first new
+    position's predecessor and writes the block of its last; without it ('none', a block
+    of max_model_len positions) both are the request's one block; a new sequence reads
+    nothing; a state in vLLM's null block is a bug, never read."""
+    groups = [[5, 0, 7], [6, 0, 8]]  # vLLM's null block where a state was freed
+    assert state_slots(groups, [0, 1, 0], 0, 20, 16).tolist() == [[-1, -1, -1], [0, 0, 0]]
+    assert state_slots(groups, [0, 1, 0], 16, 40, 16).tolist() == [[5, 6, 5], [7, 8, 7]]
+    assert state_slots([[9], [4]], [1, 0], 70, 71, 128).tolist() == [[4, 9], [4, 9]]
+    with pytest.raises(RuntimeError, match="null block"):
+        state_slots(groups, [0, 1, 0], 32, 40, 16)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"speculative_method": "ngram", "num_speculative_tokens": 2}, "--speculative-config"),
+        (
+            {
+                "kv_transfer": KVTransferLimits(
+                    "NeuronKVConnector", "neuron_plugin.kv_transfer.connector", "kv_both"
+                )
+            },
+            "KV blocks",
+        ),
+        ({}, "prompt-logprob graphs take no per-sequence state"),
+    ],
+)
+def test_what_the_state_cannot_serve_yet_is_refused_by_flag(tiny_model, change, message):
+    given = dataclasses.replace(limits(tiny_model("qwen3_5"), True), **change)
+    with pytest.raises(NeuronConfigError, match=message):
+        resolve_settings(
+            given,
+            {},
+            backend="reference",
+            architecture="Qwen3_5ForCausalLM",
+            prompt_logprobs=None if change else True,
+        )
