@@ -49,7 +49,7 @@ WIDTH = {
     "tie_word_embeddings": False,
     "vocab_size": 1024,
 }
-MODELS = {
+MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Qwen3.5": (
         "qwen3_5_text",
         "Qwen3_5ForCausalLM",

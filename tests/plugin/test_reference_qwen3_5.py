@@ -203,8 +203,8 @@ def test_the_state_equals_transformers_cache(contiguous, hf_model, prompt):
     contiguous.forward(context_encoding_inputs(contiguous.settings, ids, 0, 3, None))
     with torch.no_grad():
         cache = hf_model(input_ids=torch.tensor([ids.tolist()]), use_cache=True).past_key_values
-    assert contiguous.states is not None
-    conv, recurrent = contiguous.states
+    assert contiguous.states is not None and contiguous.states.tensors is not None
+    conv, recurrent = contiguous.states.tensors
     for index, layer in enumerate((0, 1, 3, 4)):
         expected = cache.layers[layer]
         torch.testing.assert_close(

@@ -85,6 +85,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
+from neuron_plugin.backends.reference.states import States
 from neuron_plugin.backends.reference.vision import Tower, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
@@ -167,8 +168,10 @@ class ReferenceBackend(InlineCalls):
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # a hybrid model's per-sequence state (conv, recurrent), allocated at load
-        self.states: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a hybrid model's per-sequence state (None for other models)
+        self.states = (
+            None if self.spec.state is None else States(settings, self.spec.state, self.dtype)
+        )
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -187,57 +190,6 @@ class ReferenceBackend(InlineCalls):
         s = self.settings
         return 0 if s.is_block_layout else s.max_num_seqs * s.max_model_len
 
-    @property
-    def num_state_slots(self) -> int:
-        """A hybrid model's state slots: one per sequence slot and a scratch one
-        (contiguous), one per vLLM block (block layout)."""
-        s = self.settings
-        return s.num_blocks if s.is_block_layout else s.max_num_seqs + 1
-
-    def _empty_states(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Zero conv and recurrent state tensors (None for a model without state layers)."""
-        state = self.spec.state
-        if state is None:
-            return None
-        shape = (len(state.layers), self.num_state_slots)
-        return (
-            torch.zeros((*shape, *state.conv_shape), dtype=self.dtype),
-            torch.zeros((*shape, *state.recurrent_shape), dtype=torch.float32),
-        )
-
-    def _state_inputs(
-        self, inputs: ForwardInputs | None, rows: int, states: tuple[torch.Tensor, ...] | None
-    ) -> dict[str, torch.Tensor]:
-        """A hybrid model's state inputs (none for other models): each row's read and
-        write slot per state layer ([rows, 2, state layers]; a write of -1 to the scratch
-        slot), and the state tensors."""
-        state = self.spec.state
-        if state is None or states is None:
-            return {}
-        slots = np.full((rows, 2, len(state.layers)), -1, dtype=np.int64)
-        if inputs is not None and inputs.state_slots is not None:
-            _check_shape("state_slots", inputs.state_slots, slots.shape)
-            slots = inputs.state_slots.copy()
-        elif inputs is not None and not self.settings.is_block_layout:
-            # contiguous: the sequence slot's state, read unless the sequence starts here
-            real = inputs.seq_ids != PAD_SEQ_ID
-            slots[real, 1] = inputs.seq_ids[real, None]
-            reads = real & (inputs.computed_context_lens > 0)
-            slots[reads, 0] = inputs.seq_ids[reads, None]
-        elif inputs is not None and inputs.num_real:
-            raise ValueError(
-                "a block-layout call of a hybrid model without state_slots; this is a "
-                "plugin bug, please report it"
-            )
-        scratch = 0 if self.settings.is_block_layout else self.settings.max_num_seqs
-        slots[:, 1] = np.where(slots[:, 1] < 0, scratch, slots[:, 1])
-        conv, recurrent = states
-        return {
-            "state_slots": torch.from_numpy(slots),
-            "conv_state": conv,
-            "recurrent_state": recurrent,
-        }
-
     def _record(self) -> dict[str, Any]:
         return artifact_record(
             self.settings,
@@ -252,7 +204,7 @@ class ReferenceBackend(InlineCalls):
                 # absent without LoRA / quantization, so other records stay put
                 **({"lora_slots": self._lora_shapes()} if self.lora else {}),
                 **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
-                **({"state_slots": self.num_state_slots} if self.spec.state else {}),
+                **({"state_slots": self.states.slots} if self.states else {}),
             },
         )
 
@@ -406,7 +358,7 @@ class ReferenceBackend(InlineCalls):
             kwargs={
                 **self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
                 **self._vision_decoder_inputs(graph.phase, positions, None, None, None),
-                **self._state_inputs(None, batch, self._empty_states()),
+                **(self.states.inputs(None, batch) if self.states else {}),
             },
         )
 
@@ -433,7 +385,8 @@ class ReferenceBackend(InlineCalls):
         self.k_cache = k_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self.v_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self._empty_lora_slots()
-        self.states = self._empty_states()
+        if self.states is not None:
+            self.states.load()
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
         logger.info(
@@ -516,7 +469,7 @@ class ReferenceBackend(InlineCalls):
                     inputs.vision_embeddings,
                     inputs.vision_mask,
                 ).values(),
-                *self._state_inputs(inputs, inputs.input_ids.shape[0], self.states).values(),
+                *(self.states.inputs(inputs, len(inputs.seq_ids)) if self.states else {}).values(),
             )
         outputs = list(out) if isinstance(out, tuple) else [out]
         scored = None
