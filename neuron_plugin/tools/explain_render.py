@@ -117,7 +117,13 @@ def render(report: dict[str, Any]) -> str:
         *([f"vision buckets   {buckets['vision']} patches per image"] if buckets["vision"] else []),
         f"graphs           {graphs['total']} ({_graph_counts(graphs)})",
         f"memory/core      weights {human_size(mem['weights_per_core_bytes'])} + KV cache "
-        f"{human_size(mem['kv_cache_per_core_bytes'])} of "
+        f"{human_size(mem['kv_cache_per_core_bytes'])}"
+        + (
+            f" + state {human_size(mem['state_per_core_bytes'])}"
+            if mem.get("state_per_core_bytes")
+            else ""
+        )
+        + " of "
         f"{human_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
         f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
         f"{mem['instance_cores']} cores",

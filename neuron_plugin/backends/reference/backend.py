@@ -390,12 +390,14 @@ class ReferenceBackend(InlineCalls):
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
         logger.info(
-            "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots (%.1f MiB)",
+            "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots "
+            "(%.1f MiB)%s",
             len(self.graphs),
             folder,
             self.settings.kv_layout,
             self.num_slots,
             2 * k_cache.numel() * k_cache.element_size() / 2**20,
+            "" if self.states is None else f"; {self.states.describe()}",
         )
 
     # -- run -------------------------------------------------------------------------

@@ -45,6 +45,14 @@ class States:
     def load(self) -> None:
         self.tensors = self.empty()
 
+    def describe(self) -> str:
+        size = sum(t.numel() * t.element_size() for t in self.tensors or self.empty())
+        where = "vLLM block" if self.settings.is_block_layout else "sequence slot"
+        return (
+            f"state of {len(self.geometry.layers)} state layers, {self.slots} slots (one per "
+            f"{where}, {size / 2**20:.1f} MiB)"
+        )
+
     def inputs(self, call: ForwardInputs | None, rows: int) -> dict[str, torch.Tensor]:
         """The graphs' state inputs for a call of `rows` rows (`call` None: a compile's
         example, zero tensors): each row's read and write slot per state layer ([rows, 2,
