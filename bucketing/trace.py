@@ -3,10 +3,15 @@
 Accepted inputs (see docs/reference/neuron-buckets.md):
 
 - JSON Lines, one request per line: ``prompt_tokens`` (required), optional
-  ``output_tokens``, ``batch``, ``prefix_hit_tokens``; any other field (``bucket``,
-  ``ttft_ms``, ``request_id`` ...) is ignored. This is what the plugin's telemetry writes.
-- CSV with a header: the Azure LLM inference trace columns ``ContextTokens`` /
-  ``GeneratedTokens``, or the JSONL field names; other columns are ignored.
+  ``output_tokens``, ``batch``, ``prefix_hit_tokens``, ``arrival_s`` (seconds); any
+  other field (``bucket``, ``ttft_ms``, ``request_id`` ...) is ignored. This is what the
+  plugin's telemetry writes.
+- CSV with a header: the Azure LLM inference trace columns ``TIMESTAMP`` (arrival),
+  ``ContextTokens`` / ``GeneratedTokens``, or the JSONL field names; other columns are
+  ignored.
+
+Arrival times are kept as seconds from the first request (``Workload.arrival_s``), from
+which ``workload.concurrency`` derives decode batches where the trace records none.
 - A plain list: one integer prompt length per line (blank lines and ``#`` comments skipped).
 - A histogram document (.yaml/.yml/.json): ``{histogram: {length: count, ...}}``.
 """
@@ -27,7 +32,12 @@ from .fileio import SUFFIXES, check_keys, load_document, whole_number
 from .workload import Workload, as_workload
 
 FIELDS = {"prompt_tokens": 1, "output_tokens": 0, "batch": 1, "prefix_hit_tokens": 0}
-CSV_ALIASES = {"ContextTokens": "prompt_tokens", "GeneratedTokens": "output_tokens"}
+ARRIVAL = "arrival_s"
+CSV_ALIASES = {
+    "ContextTokens": "prompt_tokens",
+    "GeneratedTokens": "output_tokens",
+    "TIMESTAMP": ARRIVAL,
+}
 
 
 def read_lengths(path: str | Path) -> Workload:
@@ -98,12 +108,32 @@ def _csv_rows(path: Path, text: str) -> Iterable[tuple[str, dict[str, Any]]]:
             f"or prompt_tokens",
         )
     for number, row in enumerate(reader, start=2):
-        record = {}
+        record: dict[str, Any] = {}
         for name, value in row.items():
             field = CSV_ALIASES.get(name, name)
             if field in FIELDS and value not in (None, ""):
                 record[field] = _csv_int(value)
+            elif field == ARRIVAL and value not in (None, ""):
+                record[field] = _timestamp(path, number, name, value)
         yield f"line {number}", record
+
+
+def _timestamp(path: Path, number: int, column: str, value: str) -> float:
+    """A CSV arrival as seconds: a number of seconds, or a date and time
+    ("2023-11-16 18:15:46.6805900", the Azure trace's) as seconds since the epoch."""
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        stamp = np.datetime64(value.strip().replace(" ", "T"), "ns")
+    except ValueError:
+        raise BucketFileError(
+            path,
+            f"line {number}: {column}",
+            f"{value!r} is neither seconds nor a date and time like 2023-11-16 18:15:46.68",
+        ) from None
+    return float(stamp.astype(np.int64)) / 1e9
 
 
 def _csv_int(value: str) -> int | str:
@@ -116,10 +146,20 @@ def _csv_int(value: str) -> int | str:
 
 def _records(path: Path, rows: Iterable[tuple[str, dict[str, Any]]]) -> Workload:
     columns: dict[str, list[int]] = {name: [] for name in FIELDS}
+    arrivals: list[float] = []
     missing: dict[str, str] = {}
     count = 0
     for where, record in rows:
         count += 1
+        arrival = record.get(ARRIVAL)
+        if arrival is not None:
+            if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+                raise BucketFileError(
+                    path, f"{where}: {ARRIVAL}", f"{arrival!r} is not a number of seconds"
+                )
+            arrivals.append(float(arrival))
+        else:
+            missing.setdefault(ARRIVAL, where)
         values = {
             name: whole_number(path, f"{where}: {name}", record[name], minimum)
             for name, minimum in FIELDS.items()
@@ -154,9 +194,24 @@ def _records(path: Path, rows: Iterable[tuple[str, dict[str, Any]]]) -> Workload
                 f"{name} for every request or for none",
             )
         optional[name] = np.array(columns[name], dtype=np.int64) if columns[name] else None
+    if arrivals and ARRIVAL in missing:
+        raise BucketFileError(
+            path,
+            f"{missing[ARRIVAL]}: {ARRIVAL}",
+            "is missing although other requests have it; record the arrival of every "
+            "request or of none",
+        )
     prompts = np.array(columns["prompt_tokens"], dtype=np.int64)
+    arrival_s = None
+    if arrivals:
+        arrival_s = np.array(arrivals, dtype=np.float64)
+        arrival_s -= arrival_s.min()
     return Workload(
-        prompt_tokens=prompts, counts=np.ones_like(prompts), source=str(path), **optional
+        prompt_tokens=prompts,
+        counts=np.ones_like(prompts),
+        source=str(path),
+        arrival_s=arrival_s,
+        **optional,
     )
 
 

@@ -52,6 +52,8 @@ class Workload:
     batch: np.ndarray | None = None
     prefix_hit_tokens: np.ndarray | None = None
     source: str = ""
+    # When each request arrived, in seconds from the first (a trace's timestamps).
+    arrival_s: np.ndarray | None = None
 
     @property
     def requests(self) -> int:
@@ -162,6 +164,29 @@ def paired_needs(
     return _unique_rows(
         np.concatenate([p for p, _ in parts]), np.concatenate([c for _, c in parts])
     )
+
+
+def concurrency(workload: Workload, *, ms_per_token: float, max_num_seqs: int) -> np.ndarray:
+    """Each request's decode batch from the trace's arrival times: the mean number of
+    requests in flight over its own time in flight (itself included), rounded, between 1
+    and max_num_seqs (more wait in vLLM's queue). A request is in flight from its arrival
+    for output_tokens x ms_per_token (at least one token's time): the decode pace the
+    server is expected to keep, which the trace does not record."""
+    arrivals = _column(workload, "arrival_s").astype(np.float64)
+    outputs = _column(workload, "output_tokens")
+    if not ms_per_token > 0:
+        raise BucketError(f"ms_per_token must be above 0, got {ms_per_token!r}; e.g. 25")
+    if max_num_seqs < 1:
+        raise BucketError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    ends = arrivals + np.maximum(outputs, 1) * ms_per_token / 1000.0
+    times = np.concatenate([arrivals, ends])
+    steps = np.concatenate([np.ones_like(arrivals), -np.ones_like(ends)])
+    order = np.argsort(times, kind="stable")
+    times, level = times[order], np.cumsum(steps[order])
+    # the integral of the number in flight up to each event (piecewise linear between)
+    area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(times))])
+    mean = (np.interp(ends, times, area) - np.interp(arrivals, times, area)) / (ends - arrivals)
+    return np.clip(np.rint(mean), 1, max_num_seqs).astype(np.int64)
 
 
 def _unique_rows(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import sys
 from typing import Any
 
 import torch
@@ -23,6 +25,13 @@ from neuron_plugin.core.instances import package_version, parse_core_list
 from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.sampling import on_device_refusal, sampling_summary
 from neuron_plugin.core.speculation import host_sampling_refusal, speculation_summary
+from neuron_plugin.core.threads import (
+    API_SERVER,
+    apply_serving_threads,
+    available_cores,
+    serves_api,
+    serving_threads,
+)
 from neuron_plugin.core.vision import vision_bucket
 from neuron_plugin.core.vllm_builds import TESTED, installed_vllm
 from neuron_plugin.serving.images import image_patches
@@ -247,13 +256,18 @@ class NeuronPlatform(Platform):
             )
         settings = resolve_from_vllm_config(vllm_config)
         apply(settings, vllm_config)
+        if serves_api(sys.argv, os.environ, multiprocessing.parent_process() is not None):
+            # vLLM's API server computes no model: one torch thread (core.threads)
+            apply_serving_threads(
+                API_SERVER, serving_threads(API_SERVER, cores=available_cores()), logger
+            )
         if settings.max_loras:
             from neuron_plugin.serving.lora_api import install
 
             install()  # in vLLM's API server: a refused adapter is HTTP 400, not 500
         logger.info(
             "neuron platform: backend=%s%s, KV layout %s (%s), block_size=%d, blocks=%d, "
-            "context-encoding buckets %s%s, token-generation buckets %s x batches %s, "
+            "context-encoding buckets %s%s, token-generation buckets %s x batches %s%s, "
             "%d graphs",
             settings.backend,
             f" (runner: {settings.backend_python})" if settings.backend_python else "",
@@ -265,6 +279,9 @@ class NeuronPlatform(Platform):
             f" x prefix {list(settings.prefix_buckets)}" if settings.prefix_buckets else "",
             list(settings.token_generation_buckets),
             list(settings.token_generation_batches),
+            f" ({settings.token_generation_batches_reason})"
+            if settings.token_generation_batches_reason
+            else "",
             settings.graph_count(),
         )
         logger.info("neuron platform: KV cache capacity %s", settings.capacity())

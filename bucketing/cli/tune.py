@@ -5,6 +5,7 @@ the file ``bucket_set`` reads)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,14 @@ from ..grids import batch_grid, prefix_grid
 from ..report import Report
 from ..trace import read_lengths
 from ..tune import buckets_within_budget, tune_1d, tune_2d
-from ..workload import PHASES, Histogram, Workload
+from ..workload import PHASES, Histogram, Workload, concurrency
 from .arguments import against_default, cost_model, phase_needs
 from .options import PHASE_KEYS, cost_option, json_option, trace_options
 from .output import print_json, print_report, workload_summary
 
+# A decode pace for traces without one: the single-user inter-token latency published for
+# Llama-3.1-8B on inf2.48xlarge (TP8, optimum-neuron's benchmarks), ~24.5 ms.
+DEFAULT_MS_PER_TOKEN = 25.0
 # --pair with --phase both: the phase whose graphs the second dimension belongs to.
 PAIR_PHASE = {"batch": "decode", "prefix": "context"}
 
@@ -85,6 +89,15 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--max-num-seqs", type=int, metavar="N", help="--pair batch: largest batch bucket"
     )
     parser.add_argument(
+        "--ms-per-token",
+        type=float,
+        default=DEFAULT_MS_PER_TOKEN,
+        metavar="MS",
+        help="--pair batch on a trace without batch but with arrival times (the Azure "
+        "trace's TIMESTAMP): each request is in flight for output_tokens x MS, and its "
+        f"decode batch is the mean number in flight meanwhile (default {DEFAULT_MS_PER_TOKEN:g})",
+    )
+    parser.add_argument(
         "--max-prefix-buckets",
         type=int,
         default=4,
@@ -119,6 +132,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Tune, print, and write the bucket set when asked; exit code 0."""
     workload = read_lengths(args.trace)
+    if args.pair == "batch":
+        workload = _with_batches(args, workload)
     phases = PHASES if args.phase == "both" else (args.phase,)
     graphs = _graph_budget(args, len(phases))
     results = [_tune_phase(args, workload, phase, _pair(args, phase), graphs) for phase in phases]
@@ -157,6 +172,24 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}")
     return 0
+
+
+def _with_batches(args: argparse.Namespace, workload: Workload) -> Workload:
+    """The workload with each request's decode batch: the trace's own (the plugin's
+    request trace records it), else derived from its arrival times (`concurrency`)."""
+    if workload.batch is not None:
+        return workload
+    if args.max_num_seqs is None:
+        raise BucketError("--pair batch needs --max-num-seqs (the largest batch)")
+    if workload.arrival_s is None:
+        raise BucketError(
+            f"{args.trace} records neither each request's decode batch (batch) nor its "
+            f"arrival (TIMESTAMP, arrival_s), so --pair batch has no concurrency to "
+            f"learn from; record traffic with VLLM_NEURON_TRACE=FILE (its records carry "
+            f"batch), or give a trace with arrival times"
+        )
+    batches = concurrency(workload, ms_per_token=args.ms_per_token, max_num_seqs=args.max_num_seqs)
+    return dataclasses.replace(workload, batch=batches)
 
 
 def _pair(args: argparse.Namespace, phase: str) -> str | None:

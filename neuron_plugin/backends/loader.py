@@ -49,6 +49,7 @@ _RUNTIME_ONLY = frozenset(
         "dp_degree",
         "rank_cores",
         "max_num_seqs_reason",
+        "token_generation_batches_reason",
         "exact_sampling",
         "logits_buckets_note",
         # The draft's folder: its config (and, where embedded, its weights' fingerprint)

@@ -14,6 +14,26 @@ from neuron_plugin.core.override_checks import bool_setting
 
 MIN_BUCKET = 128
 LOGITS_KEY = "token_generation_logits_buckets"
+# override_neuron_config key: how many decode batch sizes the default grid may hold.
+BATCH_LIMIT_KEY = "max_batch_buckets"
+DEFAULT_MAX_BATCH_BUCKETS = 6
+
+
+def default_batches(max_num_seqs: int, limit: int = DEFAULT_MAX_BATCH_BUCKETS) -> list[int]:
+    """The default decode batch sizes: the powers of two below max_num_seqs, then
+    max_num_seqs (32 -> [1, 2, 4, 8, 16, 32]; 24 -> [1, 2, 4, 8, 16, 24]), so a decode
+    step computes fewer than twice its rows. Past `limit` sizes the list is thinned
+    evenly on the log scale, keeping 1 and max_num_seqs (256 with limit 6 -> [1, 4, 8,
+    32, 64, 256]); limit 1 is [max_num_seqs], one decode batch size."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    sizes.append(max_num_seqs)
+    if len(sizes) <= limit:
+        return sizes
+    if limit == 1:
+        return [max_num_seqs]
+    last = len(sizes) - 1
+    picks = sorted({(i * last + (limit - 1) // 2) // (limit - 1) for i in range(limit)})
+    return [sizes[i] for i in picks]
 
 
 def _grid(
@@ -54,6 +74,7 @@ def resolve_grids(
     block_size: int,
     speculation_length: int = 0,
     host_default: str | None = None,
+    one_batch_reason: str | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Bucket grids: NxDI's powers of two by default (so existing configurations keep
     their meaning), the user's lists when given, one full-size graph when bucketing is
@@ -72,6 +93,10 @@ def resolve_grids(
     max_model_len - 2 needs a bucket of max_model_len + speculation_length - 1: the
     largest token-generation bucket reaches that far (the positions past max_model_len
     are written to no request's cache).
+
+    Decode batches: `default_batches` (at most `max_batch_buckets` sizes) unless the
+    backend serves one decode batch size in this configuration (`one_batch_reason` says
+    why: max_num_seqs alone), or the user's token_generation_batches.
 
     `host_default`: why a request that sets no sampling parameters is sampled on the
     host (core.sampling.default_request_refusal), None where the device samples it; it
@@ -96,7 +121,7 @@ def resolve_grids(
         f"max_model_len + {speculation_length - 1} = {decode}"
     )
     if not enable:
-        given = [key for key in (*GRID_KEYS, LOGITS_KEY) if key in override]
+        given = [key for key in (*GRID_KEYS, LOGITS_KEY, BATCH_LIMIT_KEY) if key in override]
         if given:
             raise NeuronConfigError(
                 f"override_neuron_config.enable_bucketing=false but {', '.join(given)} "
@@ -147,7 +172,7 @@ def resolve_grids(
         "token_generation_batches": _grid(
             override,
             "token_generation_batches",
-            [batch],
+            _batches_default(override, batch, one_batch_reason),
             maximum=batch,
             limit_name="max_num_seqs",
             covers=batch,
@@ -192,6 +217,36 @@ def resolve_grids(
         override, grids["token_generation_buckets"], host_default is not None
     )
     return grids
+
+
+def _batches_default(
+    override: Mapping[str, Any], max_num_seqs: int, one_batch_reason: str | None
+) -> list[int]:
+    """The decode batch sizes when token_generation_batches is not given (see
+    default_batches), checking `max_batch_buckets` against what it bounds."""
+    name = f"override_neuron_config.{BATCH_LIMIT_KEY}"
+    limit = override.get(BATCH_LIMIT_KEY, DEFAULT_MAX_BATCH_BUCKETS)
+    if BATCH_LIMIT_KEY in override:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise NeuronConfigError(
+                f"{name}={limit!r} must be a whole number >= 1 (1: one decode batch "
+                f"size, max_num_seqs); fix the value or remove the key."
+            )
+        if "token_generation_batches" in override:
+            raise NeuronConfigError(
+                f"{name}={limit} bounds the default decode batch sizes, but "
+                f"token_generation_batches={list(override['token_generation_batches'])} "
+                f"lists them; remove one of the two keys."
+            )
+        if one_batch_reason and limit > 1:
+            raise NeuronConfigError(
+                f"{name}={limit} asks for several decode batch sizes, but this "
+                f"configuration serves one ({one_batch_reason}); remove {BATCH_LIMIT_KEY} "
+                f"or set it to 1."
+            )
+    if one_batch_reason:
+        return [max_num_seqs]
+    return default_batches(max_num_seqs, limit)
 
 
 def logits_lengths(

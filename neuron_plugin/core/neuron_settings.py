@@ -184,6 +184,9 @@ class NeuronSettings:
     # Prompt logprobs (core.prompt_logprobs): the k of the context-encoding graphs that
     # return every prompt position's top-k logprobs (--max-logprobs), None: no such graphs.
     prompt_logprobs: int | None = None
+    # Why the decode steps run in one batch size (max_num_seqs) by default; empty where
+    # they get decode batch buckets (core.settings.one_batch_reason). Changes no graph.
+    token_generation_batches_reason: str = ""
     # A hybrid model's state layers (core.recurrent_state; 0: none) and the KV cache
     # groups vLLM makes of them in the block layout (each request owns a state block per
     # group, `state_block_size` positions each).

@@ -154,6 +154,7 @@ ADDED_IN = {
 PLUGIN_KEYS = {
     "bucket_set": "text",
     "is_chunked_prefill": "bool",
+    "max_batch_buckets": "positive",
     "token_generation_logits_buckets": "grid",
     "vision_buckets": "grid",
 }
@@ -162,6 +163,12 @@ PLUGIN_KEY_MEANINGS = {
     "is_chunked_prefill": (
         "NxDI derives it from chunked_prefill_config; here it must agree with "
         "--enable-chunked-prefill"
+    ),
+    "max_batch_buckets": (
+        "at most this many decode batch sizes in the default token_generation_batches "
+        "(powers of two up to max_num_seqs, thinned evenly beyond it; default 6). 1: one "
+        "decode batch size, max_num_seqs, so every decode step computes max_num_seqs rows. "
+        "Each size adds one token-generation graph per token_generation_buckets length"
     ),
     "token_generation_logits_buckets": (
         "nxd with on-device sampling: the context lengths whose token-generation graphs "

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import LOGITS_KEY, logits_note, resolve_grids
+from neuron_plugin.core.bucket_grids import BATCH_LIMIT_KEY, LOGITS_KEY, logits_note, resolve_grids
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -96,6 +96,7 @@ INTERPRETED_KEYS = frozenset(
     (
         *GRID_KEYS,
         LOGITS_KEY,
+        BATCH_LIMIT_KEY,
         "enable_bucketing",
         "is_prefix_caching",
         "is_block_kv_layout",
@@ -173,6 +174,43 @@ def resolve_max_num_seqs(
             f"another value"
         )
     return seqs, reason
+
+
+def one_batch_reason(
+    backend: str,
+    kv_layout: str,
+    layout_reason: str,
+    speculation_method: str | None,
+    max_loras: int,
+    nxdi_version: str | None,
+    opted_in: bool = False,
+) -> str | None:
+    """Why this configuration decodes in one batch size (max_num_seqs) by default, or
+    None where it gets decode batch buckets (core.bucket_grids.default_batches). The
+    reference backend batch-buckets every configuration; NxDI only the contiguous layout
+    without speculation or LoRA, from 0.8 (models/config.py
+    _validate_batch_bucketing_compatibility; token_generation_batches is a 0.8 key).
+    Where the NxDI release is unknown it decodes in one size unless `opted_in` (the
+    user set max_batch_buckets); 0.7 would refuse the key at load, naming the fix."""
+    if backend != "nxd":
+        return None
+    if kv_layout == BLOCK:
+        return f"NxDI does not batch-bucket the block KV layout, chosen for {layout_reason}"
+    if speculation_method:
+        return (
+            "NxDI refuses batch bucketing with speculative decoding (models/config.py "
+            "_validate_batch_bucketing_compatibility)"
+        )
+    if max_loras:
+        return "NxDI's LoRA weight_active holds one row per sequence of the full batch"
+    if nxdi_version is not None and nxdi_version.startswith("0.7."):
+        return f"NxDI {nxdi_version} has no batch bucketing (token_generation_batches is 0.8+)"
+    if nxdi_version is None and not opted_in:
+        return (
+            f"the NxDI release is unknown here, and 0.7 has no batch bucketing; "
+            f"{BATCH_LIMIT_KEY} (e.g. 6) asks for decode batch buckets with NxDI 0.8+"
+        )
+    return None
 
 
 def resolve_settings(
@@ -257,6 +295,15 @@ def resolve_settings(
     host_default = (
         default_request_refusal(limits.default_sampling, global_topk, exact) if twins else None
     )
+    batches_reason = one_batch_reason(
+        backend,
+        kv_layout,
+        reason,
+        method,
+        limits.max_loras,
+        nxdi_version,
+        opted_in=BATCH_LIMIT_KEY in override or "token_generation_batches" in override,
+    )
     grids = resolve_grids(
         limits,
         override,
@@ -265,6 +312,7 @@ def resolve_settings(
         block_size=block_size,
         speculation_length=drafts + 1 if method else 0,
         host_default=host_default,
+        one_batch_reason=batches_reason,
     )
     if (
         backend == "nxd"
@@ -346,6 +394,7 @@ def resolve_settings(
         prefix_buckets=grids["prefix_buckets"],
         token_generation_buckets=grids["token_generation_buckets"],
         token_generation_batches=grids["token_generation_batches"],
+        token_generation_batches_reason=batches_reason or "",
         kv_layout=kv_layout,
         kv_layout_reason=reason,
         block_size=block_size,

@@ -98,9 +98,6 @@ def _per_release(**sources: NxDSource) -> Mapping[str, NxDSource]:
     return MappingProxyType({k.removeprefix("r").replace("_", "."): v for k, v in sources.items()})
 
 
-_NOT_LISTED_0_8 = (
-    "not in NxDI 0.8's MODEL_TYPES (listed from 0.9, which supports Trn2 and newer only)"
-)
 # NxDI has no Gemma 4 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9).
 _GEMMA4_NXD = Refused(
     "NxDI has no Gemma 4 in any release, and the plugin's own class is not built yet"
@@ -128,7 +125,7 @@ ROWS: tuple[ModelRow, ...] = (
         "MistralForCausalLM",
         "Mistral",
         "mistral",
-        _per_release(r0_8=Refused(_NOT_LISTED_0_8), r0_9=NxDIModelType("mistral")),
+        _per_release(r0_8=NxDIModelType("llama"), r0_9=NxDIModelType("mistral")),
         tiny=("mistral", "mistral_wide"),
     ),
     ModelRow(
@@ -178,7 +175,10 @@ ROWS: tuple[ModelRow, ...] = (
         "Gemma3ForCausalLM",
         "Gemma 3",
         "gemma3",
-        _per_release(r0_8=Refused(_NOT_LISTED_0_8), r0_9=NxDIModelType("gemma3")),
+        _per_release(
+            r0_8=NxDIModule("models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM"),
+            r0_9=NxDIModelType("gemma3"),
+        ),
         tiny=("gemma3", "gemma3_nxdi"),
         note="text",
     ),

@@ -1,9 +1,13 @@
-"""Patches `gemma3-config`, `gemma3-rope`, `gemma3-window` and `gemma3-norms`: NxDI's
-Gemma3 (models/gemma3/modeling_gemma3.py, NxDI 0.9 ef2731e) computing what
-transformers' Gemma3ForCausalLM computes. Measured with NxDI 0.9's CPU mode on a tiny
-Gemma3: logits off by 4.46 at 20 tokens in the shape NxDI expects, a checkpoint of
-another vocabulary (Gemma-3-1B has 262,144) failing to load; with the four, transformers'
-greedy tokens (tests/e2e/test_nxdi_architectures.py).
+"""Patches `gemma3-config`, `gemma3-rope`, `gemma3-window`, `gemma3-norms`,
+`gemma3-scale` and `gemma3-cpu-norm`: NxDI's Gemma3 (models/gemma3/modeling_gemma3.py)
+computing what transformers' Gemma3ForCausalLM computes. NxDI 0.9 (ef2731e) lists the
+module in MODEL_TYPES; 0.8 (cd3abf3) ships an earlier one without listing it, which the
+architecture table names (`models.table`). Each probe runs the installed release's code:
+0.9 has the first four defects, 0.8 the first three (its norms are float32) and the last
+two. Measured with NxDI 0.9's CPU mode on a tiny Gemma3: logits off by 4.46 at 20 tokens
+in the shape NxDI expects, a checkpoint of another vocabulary (Gemma-3-1B has 262,144)
+failing to load; with the patches, transformers' greedy tokens on 0.8 and 0.9
+(tests/e2e/test_nxdi_architectures.py). Line numbers below are 0.9's unless 0.8 is named.
 
 - gemma3-config: `Gemma3InferenceConfig.__init__` replaces the checkpoint's values by
   fixed ones after loading them (lines 129-137: vocab_size 262208, both RoPE bases, a
@@ -31,26 +35,48 @@ greedy tokens (tests/e2e/test_nxdi_architectures.py).
 - gemma3-norms: `NeuronGemma3RMSNorm` declares its weight bfloat16 (line 49) and
   `convert_hf_to_neuron_state_dict` adds Gemma's 1 to norm weights in the checkpoint's
   dtype (lines 374-398), so 1 + w is rounded to bfloat16 where transformers computes
-  `1.0 + weight.float()` in float32. Fixed: float32 weights, 1 added in float32.
+  `1.0 + weight.float()` in float32. Fixed: float32 weights, 1 added in float32. (0.8
+  declares them float32 and adds 1 in the norm's forward, 0.8 lines 44-58: not needed.)
+- gemma3-scale (0.8): `NeuronGemma3Attention` hands `NeuronAttentionBase` no score scale
+  (0.8 lines 172-186: "TODO: Enable this" for `query_pre_attn_scalar`), and 0.8's
+  attention divides every score by `math.sqrt(self.head_dim)` (attention_base.py lines
+  533, 649, 788, 954, 1062-1066, ...), where transformers scales by
+  `query_pre_attn_scalar ** -0.5` (Gemma-3-27B: head_dim 128, query_pre_attn_scalar 168).
+  Fixed: the query, after its norm, is multiplied by sqrt(head_dim /
+  query_pre_attn_scalar), so every attention path (and the plugin's prefix-prefill-mask
+  replacement, which divides as the release does) computes transformers' scores. 0.9
+  passes `softmax_scale=query_pre_attn_scalar ** 0.5` (lines 174-186): not needed.
+- gemma3-cpu-norm (0.8, NxDI's CPU mode only): `get_rmsnorm_cls` returns transformers'
+  `Gemma3RMSNorm` when `cpu_mode()` (0.8 lines 61-65), whose constructor takes `dim`,
+  while the attention builds its q/k norms with `hidden_size=` (0.8 lines 188-189): every
+  Gemma3 fails to build on the CPU (TypeError). Fixed: the CPU mode builds NxDI's own
+  `NeuronGemma3RMSNorm` (plain torch, the same math), as a device does; no compiled graph
+  changes (`traced=False`). 0.9 returns it on the CPU too (lines 62-66): not needed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import math
 from collections.abc import Callable, Mapping
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpatched
 
-NAME_CONFIG, NAME_ROPE, NAME_WINDOW, NAME_NORMS = (
+NAME_CONFIG, NAME_ROPE, NAME_WINDOW, NAME_NORMS, NAME_SCALE, NAME_CPU_NORM = (
     "gemma3-config",
     "gemma3-rope",
     "gemma3-window",
     "gemma3-norms",
+    "gemma3-scale",
+    "gemma3-cpu-norm",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"
 LOCAL_WINDOW = "_neuron_plugin_local_window"  # a local layer's window (patch gemma3-window)
+Q_SCALE = "_neuron_plugin_q_scale"  # the query norm's output factor (patch gemma3-scale)
 
 
 def _gemma3(modules: NxDIModules) -> ModuleType:
@@ -395,6 +421,120 @@ def apply_norms(modules: NxDIModules) -> bool:
     return changed or converted
 
 
+# -- gemma3-scale ----------------------------------------------------------------------
+class _Recorded(Exception):
+    """Stops a stand-in attention's construction once its base was called."""
+
+
+def attention_base_kwargs(module: ModuleType, config: Any) -> dict[str, Any]:
+    """The keywords NxDI's `NeuronGemma3Attention.__init__` hands `NeuronAttentionBase`
+    for `config`: run on a stand-in whose next class in line records them and stops
+    (nothing of NxDI's attention is built)."""
+    recorded: dict[str, Any] = {}
+    base: Any = module.NeuronAttentionBase
+    attention: Any = module.NeuronGemma3Attention
+
+    class Recorder(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            recorded.update(kwargs)
+            raise _Recorded
+
+    class StandIn(attention, Recorder):
+        pass
+
+    with contextlib.suppress(_Recorded):
+        unpatched(attention.__init__)(StandIn.__new__(StandIn), config)
+    return recorded
+
+
+_SCALE_PROBE = {"head_dim": 2, "query_pre_attn_scalar": 8}
+
+
+def probe_scale(modules: NxDIModules) -> str | None:
+    """Build NxDI's Gemma3 attention for a stand-in config whose query_pre_attn_scalar
+    (8) is not head_dim (2): its base must be given the score scale sqrt(8)."""
+    module = modules.gemma3
+    if module is None:
+        return None
+    config = SimpleNamespace(
+        **_SCALE_PROBE,
+        hidden_size=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8,
+        local_rope_theta=10.0,
+        global_rope_theta=10.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        sliding_window=None,
+        neuron_config=SimpleNamespace(),
+    )
+    scale = attention_base_kwargs(module, config).get("softmax_scale")
+    if scale is not None:
+        return None
+    return (
+        f"NeuronGemma3Attention gives NeuronAttentionBase no softmax_scale: scores are "
+        f"divided by sqrt(head_dim={_SCALE_PROBE['head_dim']}), not by "
+        f"sqrt(query_pre_attn_scalar={_SCALE_PROBE['query_pre_attn_scalar']})"
+    )
+
+
+def query_scale(head_dim: int, query_pre_attn_scalar: float) -> float:
+    """The factor on the query that turns scores / sqrt(head_dim) into transformers'
+    scores / sqrt(query_pre_attn_scalar)."""
+    return math.sqrt(head_dim / query_pre_attn_scalar)
+
+
+def _scale_output(norm: Any, inputs: Any, output: Any) -> Any:
+    return output * getattr(norm, Q_SCALE)
+
+
+def apply_scale(modules: NxDIModules) -> bool:
+    module = _gemma3(modules)
+
+    def make_init(original: Callable) -> Callable:
+        def __init__(self, config, *args, **kwargs):
+            original(self, config, *args, **kwargs)
+            factor = query_scale(self.head_dim, config.query_pre_attn_scalar)
+            if factor != 1.0:  # the query after its norm (before RoPE: both are linear)
+                setattr(self.q_layernorm, Q_SCALE, factor)
+                self.q_layernorm.register_forward_hook(_scale_output)
+
+        return __init__
+
+    return replace_method(module.NeuronGemma3Attention, "__init__", NAME_SCALE, make_init)
+
+
+# -- gemma3-cpu-norm -------------------------------------------------------------------
+def probe_cpu_norm(modules: NxDIModules) -> str | None:
+    """The norm class NxDI's Gemma3 builds in this process (NxDI's CPU mode or not) must
+    take the `hidden_size=` keyword its attention passes."""
+    module = modules.gemma3
+    if module is None:
+        return None
+    cls = unpatched(module.get_rmsnorm_cls)()
+    try:
+        inspect.signature(cls).bind(hidden_size=2, eps=1e-6)
+    except TypeError:
+        return (
+            f"get_rmsnorm_cls gives {cls.__module__}.{cls.__qualname__}, which takes no "
+            f"hidden_size: NeuronGemma3Attention cannot build its q/k norms"
+        )
+    return None
+
+
+def apply_cpu_norm(modules: NxDIModules) -> bool:
+    module = _gemma3(modules)
+
+    def make(original: Callable) -> Callable:
+        def get_rmsnorm_cls(*args, **kwargs):
+            return module.NeuronGemma3RMSNorm
+
+        return get_rmsnorm_cls
+
+    return replace_method(module, "get_rmsnorm_cls", NAME_CPU_NORM, make)
+
+
 GEMMA3 = frozenset({"Gemma3ForCausalLM"})
 PATCHES = (
     Patch(
@@ -414,5 +554,20 @@ PATCHES = (
     ),
     Patch(
         NAME_NORMS, "Gemma3's norm weights rounded to bfloat16", probe_norms, apply_norms, GEMMA3
+    ),
+    Patch(
+        NAME_SCALE,
+        "Gemma3's scores scaled by head_dim, not query_pre_attn_scalar",
+        probe_scale,
+        apply_scale,
+        GEMMA3,
+    ),
+    Patch(
+        NAME_CPU_NORM,
+        "Gemma3's CPU-mode norms cannot be built",
+        probe_cpu_norm,
+        apply_cpu_norm,
+        GEMMA3,
+        traced=False,
     ),
 )

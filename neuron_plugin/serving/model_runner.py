@@ -88,6 +88,7 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.prompt_logprobs import prompt_targets, scored_positions
 from neuron_plugin.core.recurrent_state import state_geometry
 from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
+from neuron_plugin.core.seq_slots import SeqSlots
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
 from neuron_plugin.serving.adapters import AdapterStore
@@ -112,6 +113,9 @@ class _Timeline:
     prefix_hit_tokens: int
     bucket: list[int]
     first_token: float | None = None
+    # Its decode steps and the rows they held in all (its mean decode batch).
+    decode_steps: int = 0
+    decode_rows: int = 0
 
 
 class NeuronModelRunner:
@@ -157,6 +161,9 @@ class NeuronModelRunner:
         self._in_flight: PendingStep | None = None  # sampled, not yet complete
         self._complete_lock = threading.Lock()
         self._timelines: dict[str, _Timeline] = {}
+        # Contiguous layout: each running request's cache line, the lowest free one
+        # (core.seq_slots); None in the block layout, whose seq_id is the batch row.
+        self._slots = None if settings.is_block_layout else SeqSlots(settings.max_num_seqs)
         # Speculative decoding: the next step's drafts (serving.drafts).
         self.drafts = Drafts.for_settings(vllm_config, settings)
         # LoRA: the adapters on the host and in the backend's slots (None: LoRA off).
@@ -238,6 +245,8 @@ class NeuronModelRunner:
         """Apply finished / new / resumed / running requests to the persistent batch."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
+            if self._slots is not None:
+                self._slots.release(req_id)
             state = self.requests.pop(req_id, None)
             batch.remove_request(req_id)
             self.host.remove(req_id)
@@ -271,6 +280,8 @@ class NeuronModelRunner:
             if req_id in resumed:
                 if new_blocks is None:  # vLLM's runners assume it never is
                     raise RuntimeError(f"vLLM resumed request {req_id} without its KV blocks")
+                if self._slots is not None:  # prefilled again, into the lowest free slot
+                    self._slots.release(req_id)
                 state.block_ids = tuple(list(ids) for ids in new_blocks)
             elif new_blocks is not None:
                 for ids, extra in zip(state.block_ids, new_blocks, strict=True):
@@ -311,6 +322,9 @@ class NeuronModelRunner:
             output_tokens=len(state.output_token_ids),
             prefix_hit_tokens=timeline.prefix_hit_tokens,
             bucket=timeline.bucket,
+            batch=max(1, round(timeline.decode_rows / timeline.decode_steps))
+            if timeline.decode_steps
+            else 1,
             ttft_ms=round(1000 * ((timeline.first_token or started) - started), 3),
             duration_ms=round(1000 * (time.perf_counter() - started), 3),
         )
@@ -319,12 +333,13 @@ class NeuronModelRunner:
 
     # -- one step --------------------------------------------------------------------
     def _seq_id(self, state: CachedRequestState, index: int) -> int:
-        """Contiguous layout: one block per request (block_size == max_model_len) and
-        vLLM's block 0 is its null block, so slots are block ids 1..max_num_seqs. The
-        block layout addresses the cache through block tables; its seq id is the row."""
-        if self.settings.is_block_layout:
+        """Contiguous layout: the request's sequence slot, the lowest free one when it
+        first runs (core.seq_slots: a decode batch's bucket follows its largest seq_id).
+        The block layout addresses the cache through block tables; its seq id is the
+        row."""
+        if self._slots is None:
             return index
-        return self._attention_blocks(state)[0] - 1
+        return self._slots.assign(state.req_id)
 
     def _run(
         self,
@@ -534,6 +549,11 @@ class NeuronModelRunner:
             if self.images is not None:
                 inputs = self.images.decode([req_ids[i] for i in rows], inputs)
             self._run(inputs, rows, step, host_start, last=not prefills.size)
+            for state in states:  # the decode batch each request saw, for its trace
+                timeline = self._timelines.get(state.req_id)
+                if timeline is not None:
+                    timeline.decode_steps += 1
+                    timeline.decode_rows += rows.size
 
         for n, index in enumerate(prefills, start=1):
             host_start = time.perf_counter()

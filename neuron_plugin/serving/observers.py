@@ -26,6 +26,10 @@ class FinishedRequest:
     bucket: list[int]
     ttft_ms: float
     duration_ms: float
+    # The requests decoding beside it, itself included: the mean rows of its decode
+    # steps (1 when it never decoded), what `neuron-buckets tune --pair batch` learns
+    # decode batch buckets from.
+    batch: int = 1
 
 
 class StepObserver(Protocol):

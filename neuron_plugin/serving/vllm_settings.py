@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import tempfile
 import uuid
 import weakref
@@ -365,6 +366,25 @@ def backend_python(vllm_config: Any) -> str | None:
     return given
 
 
+@functools.cache
+def runner_package_version(python: str, distribution: str) -> str | None:
+    """The version of `distribution` in the environment of the interpreter `python` (a
+    backend runner's), None where it is not installed or cannot be asked. Reads package
+    metadata only: a fraction of a second."""
+    code = "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
+    try:
+        done = subprocess.run(
+            [python, "-c", code, distribution],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def selected_backend() -> str:
     """The backend `register()` chose when it activated the platform."""
     return os.environ.get(BACKEND_ENV, "nxd")
@@ -374,18 +394,23 @@ def resolve_from_vllm_config(vllm_config: Any, backend: str | None = None) -> Ne
     architecture = (vllm_config.model_config.architectures or ["unknown"])[0]
     python = backend_python(vllm_config)
     cores, cores_source = host_visible_core_ids()
+    backend = backend or selected_backend()
     return resolve_settings(
         engine_limits(vllm_config),
         override_neuron_config(vllm_config),
-        backend=backend or selected_backend(),
+        backend=backend,
         architecture=architecture,
         backend_python=python,
         on_device_sampling_disabled=os.environ.get(SAMPLING_DISABLED_ENV),
         exact_sampling=additional_config(vllm_config).get(EXACT_SAMPLING_KEY),
         prompt_logprobs=additional_config(vllm_config).get(PROMPT_LOGPROBS_KEY),
         environ=vllm_neuron_environment(),
-        # A runner's NxDI lives in its own environment: unknown here.
-        nxdi_version=None if python else package_version(NXDI_DISTRIBUTION),
+        # A runner's NxDI lives in its own environment: asked of its interpreter.
+        nxdi_version=(
+            runner_package_version(python, NXDI_DISTRIBUTION)
+            if python and backend == "nxd"
+            else package_version(NXDI_DISTRIBUTION)
+        ),
         visible_cores=cores,
         cores_source=cores_source,
         budget=device_budget(vllm_config),

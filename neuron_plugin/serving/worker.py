@@ -37,6 +37,13 @@ from neuron_plugin.core.instances import VISIBLE_CORES_ENV, format_core_list
 from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.lora import LoraGeometry, lora_summary
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.threads import (
+    ENGINE,
+    apply_serving_threads,
+    available_cores,
+    model_on_host,
+    serving_threads,
+)
 from neuron_plugin.serving.adapters import AdapterStore
 from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.model_runner import NeuronModelRunner
@@ -94,6 +101,7 @@ class NeuronWorker(WorkerBase):
         # workers override it the same way).
         self.model_runner: NeuronModelRunner | None = None  # type: ignore[assignment]
         self.load_seconds = 0.0
+        self.torch_threads = 0  # for serving, set once loaded (core.threads)
         self.adapters: AdapterStore | None = None
 
     def init_device(self) -> None:
@@ -136,6 +144,19 @@ class NeuronWorker(WorkerBase):
                 "does not overlap the engine's host work (a runner process's does)"
             )
         self.load_seconds = time.perf_counter() - started
+        # serving's thread count once loaded (loading keeps torch's own): core.threads
+        settings = self.settings
+        self.torch_threads = apply_serving_threads(
+            ENGINE,
+            serving_threads(
+                ENGINE,
+                cores=available_cores(),
+                engines=settings.dp_degree,
+                model_on_host=model_on_host(settings.backend, settings.passthrough),
+                runner=bool(settings.backend_python),
+            ),
+            logger,
+        )
 
     def _adapter_store(self, backend: LoadedBackend) -> AdapterStore | None:
         """The worker's LoRA adapters (None without --enable-lora)."""

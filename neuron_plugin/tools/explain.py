@@ -154,6 +154,38 @@ def warnings_for(
     return found
 
 
+def decode_batches_report(settings: NeuronSettings) -> dict[str, Any]:
+    """The decode batch sizes, why there is one where there is, and what the others
+    cost: one token-generation graph per size and length, each compiled (the compile
+    time of the token-generation graphs grows with their count)."""
+    sizes = list(settings.token_generation_batches)
+    lengths = len(settings.token_generation_buckets)
+    graphs = len(settings.token_generation_shapes())
+    added = graphs - lengths
+    total = settings.graph_count()
+    if settings.token_generation_batches_reason:
+        summary = (
+            f"one decode batch size, max_num_seqs={settings.max_num_seqs}: every decode step "
+            f"computes {settings.max_num_seqs} rows ({settings.token_generation_batches_reason})"
+        )
+    elif len(sizes) == 1:
+        summary = f"one decode batch size: every decode step computes {sizes[0]} rows"
+    else:
+        summary = (
+            f"{len(sizes)} decode batch sizes {sizes}: a decode step computes the first that "
+            f"holds its rows; they add {added} token-generation graphs to the "
+            f"{total - added} one batch size would compile ({total} in all, x"
+            f"{total / (total - added):.2f} the graphs and their compile time); "
+            f"override_neuron_config max_batch_buckets bounds them (1: one size)"
+        )
+    return {
+        "sizes": sizes,
+        "reason": settings.token_generation_batches_reason or None,
+        "graphs_added": added,
+        "summary": summary,
+    }
+
+
 def notes_for(settings: NeuronSettings, host_cores: int | None, host_source: str) -> list[str]:
     notes = []
     if settings.max_num_seqs_reason != MAX_NUM_SEQS_CHOSEN:
@@ -292,6 +324,7 @@ def build_report(
             "token_generation_logits_shapes": tkg_logits,
             "vision": list(settings.vision_buckets),
         },
+        "decode_batches": decode_batches_report(settings),
         "graphs": {
             "context_encoding": len(cte),
             "token_generation": len(tkg),

@@ -114,6 +114,7 @@ def render(report: dict[str, Any]) -> str:
         + (f" x prefix {buckets['prefix']}" if buckets["prefix"] else ""),
         f"decode buckets   {buckets['token_generation']} x batches "
         f"{buckets['token_generation_batches']}",
+        f"decode batches   {report['decode_batches']['summary']}",
         *([f"vision buckets   {buckets['vision']} patches per image"] if buckets["vision"] else []),
         f"graphs           {graphs['total']} ({_graph_counts(graphs)})",
         f"memory/core      weights {human_size(mem['weights_per_core_bytes'])} + KV cache "

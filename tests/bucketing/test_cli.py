@@ -250,3 +250,26 @@ def test_tune_output_that_cannot_be_written_exits_2(capsys, tmp_path):
     lengths.write_text("200\n300\n")
     assert main(["tune", str(lengths), "--max", "2048", "-o", str(blocker / "x.yaml")]) == 2
     assert f"{blocker / 'x.yaml'}: cannot be written" in capsys.readouterr().err
+
+
+def test_tune_learns_decode_batches_from_the_trace_arrivals(capsys, tmp_path):
+    """The Azure trace records arrivals, not batches: --pair batch derives each request's
+    decode batch from how many requests are in flight with it (--ms-per-token), so a
+    slower decode pace (more overlap) asks for larger batch buckets."""
+    head = tmp_path / "azure_first2k.csv"
+    head.write_text("".join(AZURE.read_text().splitlines(keepends=True)[:2001]))
+    found = {}
+    for pace in (2, 25):
+        assert main(["tune", str(head), "--phase", "both", "--pair", "batch", "--max", "4096",
+                     "--max-num-seqs", "32", "--max-batch-buckets", "3", "-k", "4",
+                     "--ms-per-token", str(pace), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        found[pace] = data["buckets"]["token_generation_batches"]
+        assert found[pace][-1] == 32 and len(found[pace]) <= 3
+    assert found[2][0] < found[25][0]
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("200\n250\n")
+    assert main(["tune", str(lengths), "--phase", "decode", "--pair", "batch", "--max",
+                 "2048", "--max-num-seqs", "4"]) == 2
+    assert "neither each request's decode batch (batch) nor its arrival" in \
+        capsys.readouterr().err

@@ -7,8 +7,8 @@ import pytest
 
 from bucketing.errors import BucketError, BucketFileError
 from bucketing.trace import read_lengths
-from bucketing.workload import (Workload, as_workload, context_needs, decode_needs, histogram,
-                                needs, paired_needs)
+from bucketing.workload import (Workload, as_workload, concurrency, context_needs,
+                                decode_needs, histogram, needs, paired_needs)
 from tests.bucketing import AZURE
 
 
@@ -191,3 +191,51 @@ def test_paired_needs(tmp_path):
         paired_needs(workload, "seq")
     with pytest.raises(BucketError, match="unknown phase 'prefill'"):
         needs(workload, "prefill")
+
+
+def test_csv_timestamps_become_arrival_seconds(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n"
+                    "2023-11-16 18:15:50.9951690,396,109\n")
+    workload = read_lengths(path)
+    assert workload.arrival_s == pytest.approx([0.0, 4.3145790], abs=1e-6)
+
+
+def test_the_azure_trace_keeps_its_arrivals():
+    workload = read_lengths(AZURE)
+    assert workload.arrival_s is not None and workload.arrival_s.size == workload.requests
+    assert workload.arrival_s.min() == 0 and 3000 < workload.arrival_s.max() < 4000
+
+
+@pytest.mark.parametrize("records, message", [
+    ([{"prompt_tokens": 5, "arrival_s": 0}, {"prompt_tokens": 5}],
+     "line 2: arrival_s: is missing although other requests have it"),
+    ([{"prompt_tokens": 5, "arrival_s": "soon"}], "line 1: arrival_s: 'soon' is not a number"),
+])
+def test_arrivals_are_all_or_none_and_numbers(tmp_path, records, message):
+    with pytest.raises(BucketFileError, match=message):
+        read_lengths(jsonl(tmp_path / "t.jsonl", records))
+
+
+def test_a_bad_csv_timestamp_names_line_and_column(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,374,44\n")
+    with pytest.raises(BucketFileError, match="line 2: TIMESTAMP.*'yesterday' is neither"):
+        read_lengths(path)
+
+
+def test_concurrency_is_the_mean_in_flight_over_each_request():
+    """Two requests of 10 tokens at 100 ms a token (1 s each): b arrives half-way through
+    a, so each has company half its time (1.5 in flight, rounded to 2); c arrives alone."""
+    workload = Workload(prompt_tokens=np.array([10, 10, 10]), counts=np.ones(3, dtype=int),
+                        output_tokens=np.array([10, 10, 10]),
+                        arrival_s=np.array([0.0, 0.5, 5.0]))
+    assert concurrency(workload, ms_per_token=100, max_num_seqs=8).tolist() == [2, 2, 1]
+    # a server of one sequence slot queues the rest: every batch is 1
+    assert concurrency(workload, ms_per_token=100, max_num_seqs=1).tolist() == [1, 1, 1]
+    # a slower pace keeps them in flight longer: c still alone, a and b together
+    assert concurrency(workload, ms_per_token=1000, max_num_seqs=8).tolist() == [2, 2, 2]
+    with pytest.raises(BucketError, match="arrival_s"):
+        concurrency(Workload(np.array([1]), np.array([1]), output_tokens=np.array([1])),
+                    ms_per_token=25, max_num_seqs=8)

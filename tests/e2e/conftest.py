@@ -109,6 +109,11 @@ def server(model_dirs, tmp_path_factory):
     from tests.e2e.support import Server
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_BACKEND"}
+    # Without OMP_NUM_THREADS, as users serve: each process sets its torch threads by the
+    # serving rule (core.threads), the engine's to this test worker's share of the cores.
+    threads = env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["VLLM_NEURON_TORCH_THREADS"] = threads
     server = Server(model_dirs["llama"], tmp_path_factory.mktemp("server") / "serve.log",
                     ["--max-model-len", "512", "--max-num-seqs", "4", "--additional-config",
                      '{"override_neuron_config": {"context_encoding_buckets": [32, 64, 128, 256]}}'],

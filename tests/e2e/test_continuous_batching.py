@@ -79,6 +79,33 @@ def _run_to_completion(engine) -> dict[str, list[int]]:
     raise AssertionError(f"requests still unfinished after 300 steps: {finished.keys()}")
 
 
+def _decode_batches(llm) -> dict[tuple[int, ...], int]:
+    """Token-generation bucket -> calls so far, from the engine's own telemetry."""
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    return {bucket: stats.calls for (phase, bucket), stats in worker.telemetry.buckets.items()
+            if phase == "token_generation"}
+
+
+def test_a_lone_request_decodes_one_row_after_a_busy_period(llm, model_dirs, oracles):
+    """A decode batch's bucket follows its largest seq_id, and vLLM hands a new request the
+    block freed last (its free queue reuses uncached blocks first): the last of three
+    requests to finish held the third slot. The lone request after them takes the lowest
+    free sequence slot and decodes in the one-row bucket."""
+    engine = llm.llm_engine
+    for i, tokens in enumerate((2, 4, 12)):  # the third, in the third slot, finishes last
+        engine.add_request(f"busy-{i}", {"prompt_token_ids": corpus_token_ids(
+            model_dirs["llama"], 20, offset=130 + i)}, _greedy(tokens))
+    _run_to_completion(engine)
+    before = _decode_batches(llm)
+    prompt = corpus_token_ids(model_dirs["llama"], 25, offset=140)
+    engine.add_request("alone", {"prompt_token_ids": prompt}, _greedy(6))
+    finished = _run_to_completion(engine)
+    assert finished == {"alone": oracles("llama").generate(prompt, 6)}
+    used = {bucket[0] for bucket, calls in _decode_batches(llm).items()
+            if calls > before.get(bucket, 0)}
+    assert used == {1}
+
+
 def test_preempted_requests_resume_with_a_fresh_prefill(llm, model_dirs, oracles):
     """vLLM preempts every running request (reset_prefix_cache with
     reset_running_requests); they come back as resumed requests whose prompt and

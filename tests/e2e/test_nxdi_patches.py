@@ -5,7 +5,9 @@ work on NxDI's own code: a context as long as a bucket takes that bucket, and th
 on-device nucleus is vLLM's (vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p, the
 oracle). prefix-prefill-mask and cpu-captured-offset are proven through the backend
 (test_nxdi_architectures.py: every prefix-cache hit; every CPU forward on 0.8), the
-gemma3 patches by Gemma3 on 0.9.
+gemma3 patches by Gemma3 on each release (0.8's module, which it ships unlisted, has
+three of 0.9's four defects and two of its own: gemma3-scale, and gemma3-cpu-norm in
+NxDI's CPU mode, which this probe runs in).
 
 Needs NEURON_TEST_NXDI_PYTHONS (tests/e2e/conftest.py); skips otherwise."""
 
@@ -30,10 +32,12 @@ TOP_PS = [0.5, 0.7, 0.8, 0.9, 0.95]
 EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask",
                  "sampler-top-p"}
 GEMMA3 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
+GEMMA3_0_8 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-scale",
+              "gemma3-cpu-norm"}
 # release -> the defects found in its source (docs/serving/nxdi-patches.md); ef2731e, the
 # 0.9 checked, has the adapter's tensor_capture_hook fixed.
 DEFECTS = {
-    (0, 8): {"adapter-forward-kwargs", "cpu-captured-offset", *EVERY_RELEASE},
+    (0, 8): {"adapter-forward-kwargs", "cpu-captured-offset", *EVERY_RELEASE, *GEMMA3_0_8},
     (0, 9): EVERY_RELEASE | GEMMA3,
 }
 

@@ -20,6 +20,20 @@ def test_platform_selected_by_device_flag(server):
     assert "KV layout contiguous" in log
 
 
+def test_serving_processes_set_their_torch_threads(server):
+    """The API server computes no model: one thread. The engine core computes the
+    reference backend's: the serving rule's count, here the one the session server's
+    VLLM_NEURON_TORCH_THREADS gives it (conftest.py), or the rule's own share."""
+    import re
+
+    log = server.log()
+    assert "torch threads for serving, API server: 1 (the API server: 1" in log
+    engine = re.search(r"torch threads for serving, engine core: (\d+) \((.*?);", log)
+    assert engine, log[-3000:]
+    assert "engine core computing the model" in engine[2] or \
+        engine[2].startswith("VLLM_NEURON_TORCH_THREADS=")
+
+
 def test_completion_matches_transformers(client, model_dirs, oracles):
     prompt = corpus_token_ids(model_dirs["llama"], 40)
     result = client.completions.create(model=str(model_dirs["llama"]), prompt=prompt,

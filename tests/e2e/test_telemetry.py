@@ -20,6 +20,7 @@ pytestmark = pytest.mark.engine
 CTE = [32, 64, 128, 256]
 LENGTHS = [10, 32, 33, 50, 64, 65, 100, 200]
 MAX_TOKENS = 6
+LONE_TOKENS = 3
 
 
 def _bucket(n: int) -> int:
@@ -61,10 +62,12 @@ def traced_run(model_dirs, tmp_path_factory):
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                  use_tqdm=False)
-    # A second, tiny request makes the engine run the step that tells the worker the
-    # first batch finished (vLLM reports finished requests on the following step).
+    # A second, short request makes the engine run the step that tells the worker the
+    # first batch finished (vLLM reports finished requests on the following step); it
+    # decodes alone, in the one-row bucket of the default decode batch buckets.
     llm.generate({"prompt_token_ids": prompts[0]},
-                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+                 SamplingParams(temperature=0.0, max_tokens=LONE_TOKENS, ignore_eos=True),
+                 use_tqdm=False)
     yield trace, _wait_for_metrics()
     shutdown_llm(llm)
 
@@ -112,7 +115,8 @@ def test_token_generation_metrics_are_consistent(traced_run):
     _, values = traced_run
     tkg = {k: v for k, v in values.items() if k[1] == "token_generation"}
     real = sum(v for (name, _, _), v in tkg.items() if name == "neuron:real_tokens_total")
-    assert real == len(LENGTHS) * (MAX_TOKENS - 1)  # the first token comes from prefill
+    # the first token comes from prefill
+    assert real == len(LENGTHS) * (MAX_TOKENS - 1) + LONE_TOKENS - 1
     for (name, phase, bucket), rows in tkg.items():
         if name != "neuron:bucket_rows_total":
             continue
@@ -123,6 +127,17 @@ def test_token_generation_metrics_are_consistent(traced_run):
         assert rows == batch * tkg[("neuron:bucket_calls_total", phase, bucket)]
 
 
+def test_decode_batch_buckets_by_default(traced_run):
+    """max_num_seqs 4 and no token_generation_batches: decode batches of 1, 2 and 4 rows.
+    The eight prompts decode four at a time, the last request alone, in one row."""
+    _, values = traced_run
+    rows = {bucket: v for (name, phase, bucket), v in values.items()
+            if name == "neuron:bucket_rows_total" and phase == "token_generation"}
+    assert {int(bucket.split("x")[0]) for bucket in rows} == {1, 4}
+    alone = sum(v for bucket, v in rows.items() if bucket.startswith("1x"))
+    assert alone == LONE_TOKENS - 1
+
+
 def test_trace_records_each_request_and_feeds_the_tuner(traced_run, tmp_path):
     trace, _ = traced_run
     records = [json.loads(line) for line in Path(trace).read_text().splitlines()]
@@ -130,6 +145,13 @@ def test_trace_records_each_request_and_feeds_the_tuner(traced_run, tmp_path):
     assert first_batch == sorted(LENGTHS)
     assert all(r["output_tokens"] == MAX_TOKENS for r in records[: len(LENGTHS)])
     assert all(r["bucket"][0] == _bucket(r["prompt_tokens"]) for r in records)
+    # each decoded four at a time (max_num_seqs 4): what --pair batch learns from
+    assert [r["batch"] for r in records[: len(LENGTHS)]] == [4] * len(LENGTHS)
+    tuned = subprocess.run(
+        [str(Path(sys.executable).with_name("neuron-buckets")), "tune", str(trace),
+         "--phase", "decode", "--pair", "batch", "--max-num-seqs", "4", "--max", "256",
+         "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(tuned.stdout)["buckets"]["token_generation_batches"] == [4]
 
     out = tmp_path / "tuned.yaml"
     result = subprocess.run(

@@ -319,16 +319,30 @@ def test_explain_config_states_nxdi_support_and_refusals(tiny_model, monkeypatch
                                   INSTANCE_TYPES["trn2.48xlarge"], "x", (24, "host"))
     assert any("Gemma3ForCausalLM on NxDI 0.9 (Neuron SDK 2.29, ef2731e) without the "
                "plugin's patches gemma3-norms" in w for w in report["warnings"])
-    # inf2 runs NxDI 0.8, which lists no Gemma3
+    # inf2 runs NxDI 0.8, which lists no Gemma3 but ships the module the table names;
+    # its patches there are others (gemma3-scale, not gemma3-norms)
     inf2 = explain.build_report(settings, "m", config, None,
                                 INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
     assert inf2["nxdi_release"].startswith("NxDI 0.8 (Neuron SDK 2.28, cd3abf3)")
-    assert inf2["nxdi_support"]["contiguous"].startswith("refused: not in NxDI 0.8's")
-    assert inf2["nxdi_model"] is None
-    assert inf2["warnings"][0].startswith(
-        "architecture 'Gemma3ForCausalLM' is not served by the nxd backend on NxDI 0.8 "
-        "(Neuron SDK 2.28, cd3abf3): not in NxDI 0.8's MODEL_TYPES")
+    assert inf2["nxdi_model"] == ("NxDI models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM "
+                                  "(shipped, not in MODEL_TYPES)")
+    assert inf2["nxdi_support"]["contiguous"].startswith("equal to transformers on real NxDI: "
+                                                         "NxDI 0.8's unlisted models/gemma3")
+    assert inf2["nxdi_support"]["prefix_hit"] == "equal to transformers on real NxDI"
     assert "NxDI release     NxDI 0.8" in explain.render(inf2)
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_PATCHES", "gemma3-scale")
+    inf2 = explain.build_report(settings, "m", config, None,
+                                INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert any("Gemma3ForCausalLM on NxDI 0.8 (Neuron SDK 2.28, cd3abf3) without the "
+               "plugin's patches gemma3-scale" in w for w in inf2["warnings"])
+    monkeypatch.delenv("VLLM_NEURON_DISABLE_PATCHES")
+    # Mistral on inf2: NxDI 0.8's Llama class
+    mistral = json.loads((tiny_model("mistral") / "config.json").read_text())
+    contiguous = resolve_settings(limits(), {}, backend="nxd", architecture="MistralForCausalLM")
+    inf2 = explain.build_report(contiguous, "m", mistral, None,
+                                INSTANCE_TYPES["inf2.48xlarge"], "x", (24, "host"))
+    assert inf2["nxdi_model"] == "NxDI MODEL_TYPES['llama']['causal-lm']"
+    assert not any("MistralForCausalLM" in w for w in inf2["warnings"])
     reference = resolve_settings(limits(tp_degree=1), {}, backend="reference",
                                  architecture="Gemma3ForCausalLM")
     assert explain.build_report(reference, "m", config, None, INSTANCE_TYPES["inf2.48xlarge"],
@@ -392,6 +406,30 @@ def test_explain_config_from_vllm_serve_flags(model_dirs, backend_env):
     text = explain.render(report)
     assert "contiguous (prefix caching and chunked prefill off)" in text
     assert "5 (2 context encoding, 2 token generation, 1 token generation with logits)" in text
+    # NxDI's release is unknown here: one decode batch size, and why
+    assert report["decode_batches"]["sizes"] == [4]
+    assert "the NxDI release is unknown here" in report["decode_batches"]["reason"]
+    assert "decode batches   one decode batch size, max_num_seqs=4: every decode step " \
+        "computes 4 rows (the NxDI release is unknown here" in text
+
+
+def test_explain_config_states_the_decode_batch_buckets_and_their_graphs(model_dirs,
+                                                                          backend_env):
+    report, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                 "--max-num-seqs", "8", "--backend", "reference"])
+    assert report["buckets"]["token_generation_batches"] == [1, 2, 4, 8]
+    assert report["decode_batches"] == {
+        "sizes": [1, 2, 4, 8], "reason": None, "graphs_added": 6,
+        "summary": "4 decode batch sizes [1, 2, 4, 8]: a decode step computes the first "
+                   "that holds its rows; they add 6 token-generation graphs to the 4 one "
+                   "batch size would compile (10 in all, x2.50 the graphs and their compile "
+                   "time); override_neuron_config max_batch_buckets bounds them (1: one size)"}
+    bounded, _ = explain.explain([str(model_dirs["llama"]), "--max-model-len", "256",
+                                  "--max-num-seqs", "8", "--backend", "reference",
+                                  "--additional-config",
+                                  '{"override_neuron_config": {"max_batch_buckets": 2}}'])
+    assert bounded["decode_batches"]["sizes"] == [1, 8]
+    assert bounded["graphs"]["token_generation"] == 4
 
 
 def test_explain_config_maps_data_parallel_engines_to_cores(model_dirs, backend_env,

@@ -93,6 +93,29 @@ ACCEPTED = [
     ("skip-warmup", {}, {"skip_warmup": True}, "nxd", dict(skip_warmup=True)),
     ("batch-buckets-contiguous-nxd", {}, {"token_generation_batches": [2, 4]}, "nxd",
      dict(token_generation_batches=(2, 4))),
+    # decode batch buckets by default: powers of two up to max_num_seqs, at most
+    # max_batch_buckets of them (thinned evenly on the log scale)
+    ("default-batches-32", {"max_num_seqs": 32}, {}, "reference",
+     dict(token_generation_batches=(1, 2, 4, 8, 16, 32), token_generation_batches_reason="")),
+    ("default-batches-not-a-power", {"max_num_seqs": 24}, {}, "reference",
+     dict(token_generation_batches=(1, 2, 4, 8, 16, 24))),
+    ("max-batch-buckets-bounds", {"max_num_seqs": 32}, {"max_batch_buckets": 3}, "nxd",
+     dict(token_generation_batches=(1, 8, 32))),
+    ("max-batch-buckets-one", {"max_num_seqs": 32}, {"max_batch_buckets": 1}, "reference",
+     dict(token_generation_batches=(32,))),
+    ("default-batches-thinned", {"max_num_seqs": 256}, {}, "reference",
+     dict(token_generation_batches=(1, 4, 8, 32, 64, 256))),
+    # NxDI batch-buckets neither the block layout nor LoRA: one batch size, and why
+    ("default-batches-block-nxd", PREFIX, {}, "nxd",
+     dict(token_generation_batches=(4,), token_generation_batches_reason="NxDI does not "
+          "batch-bucket the block KV layout, chosen for prefix caching on")),
+    ("default-batches-lora-nxd", {"max_loras": 2, "max_lora_rank": 8}, {}, "nxd",
+     dict(token_generation_batches=(4,), token_generation_batches_reason="NxDI's LoRA "
+          "weight_active holds one row per sequence of the full batch")),
+    ("default-batches-block-reference", PREFIX, {}, "reference",
+     dict(token_generation_batches=(1, 2, 4), token_generation_batches_reason="")),
+    ("default-batches-one-seq", {"max_num_seqs": 1}, {}, "reference",
+     dict(token_generation_batches=(1,))),
     ("harmless-values-of-unsupported-keys", {}, {"async_mode": False, "speculation_length": 0,
                                                  "padding_side": "right",
                                                  "is_continuous_batching": True}, "nxd",
@@ -182,6 +205,18 @@ REJECTED = [
      ["on_device_sampling_config=True", "global_topk"]),
     ("batch-buckets-on-block-layout-nxd", PREFIX, {"token_generation_batches": [2, 4]},
      "nxd", ["token_generation_batches=[2, 4]", "contiguous", "prefix caching on"]),
+    ("max-batch-buckets-with-list", {}, {"max_batch_buckets": 2,
+                                         "token_generation_batches": [2, 4]}, "nxd",
+     ["max_batch_buckets=2", "token_generation_batches=[2, 4]", "remove one"]),
+    ("max-batch-buckets-where-one-size", PREFIX, {"max_batch_buckets": 3}, "nxd",
+     ["max_batch_buckets=3", "block KV layout", "set it to 1"]),
+    ("max-batch-buckets-zero", {}, {"max_batch_buckets": 0}, "nxd",
+     ["max_batch_buckets=0", "positive integer"]),
+    ("max-batch-buckets-typo", {}, {"max_batch_bucket": 2}, "nxd",
+     ["max_batch_bucket=2", "did you mean max_batch_buckets"]),
+    ("max-batch-buckets-bucketing-off", {}, {"enable_bucketing": False,
+                                             "max_batch_buckets": 2}, "nxd",
+     ["enable_bucketing=false", "max_batch_buckets"]),
     ("pa-num-blocks-not-integer", PREFIX, {"pa_num_blocks": 300.5}, "nxd",
      ["pa_num_blocks=300.5", "positive integer"]),
     ("block-layout-flag-not-bool", {}, {"is_block_kv_layout": "yes"}, "nxd",
@@ -260,6 +295,34 @@ def test_keys_follow_the_installed_nxdi_release(version, backend, refused):
                                                 "or newer, but the installed NxDI is 0.7.14366"):
         resolve_settings(BASE, override, backend=backend, architecture="LlamaForCausalLM",
                          nxdi_version=version)
+
+
+@pytest.mark.parametrize("version,override,batches,reason", [
+    ("0.7.14366", {}, (4,), "0.7.14366 has no batch bucketing"),
+    ("0.8.16251", {}, (1, 2, 4), ""),
+    ("0.9.0", {"max_batch_buckets": 2}, (1, 4), ""),
+    # unknown release: one size, unless max_batch_buckets asks for them
+    (None, {}, (4,), "the NxDI release is unknown here"),
+    (None, {"max_batch_buckets": 6}, (1, 2, 4), ""),
+])
+def test_default_decode_batches_follow_the_nxdi_release(version, override, batches, reason):
+    settings = resolve_settings(BASE, override, backend="nxd",
+                                architecture="LlamaForCausalLM", nxdi_version=version)
+    assert settings.token_generation_batches == batches
+    assert reason in settings.token_generation_batches_reason
+    assert bool(reason) == bool(settings.token_generation_batches_reason)
+
+
+def test_default_decode_batches_with_nxdi_speculation(tmp_path):
+    """NxDI refuses batch bucketing with speculation: the nxd default is one size, the
+    reference backend's batch-buckets it."""
+    limits = dataclasses.replace(BASE, speculative_method="ngram", num_speculative_tokens=2)
+    nxd = resolve_settings(limits, {}, backend="nxd", architecture="LlamaForCausalLM")
+    assert nxd.token_generation_batches == (4,)
+    assert "speculative decoding" in nxd.token_generation_batches_reason
+    reference = resolve_settings(limits, {}, backend="reference",
+                                 architecture="LlamaForCausalLM")
+    assert reference.token_generation_batches == (1, 2, 4)
 
 
 def test_unsupported_vllm_flag_values_are_refused():

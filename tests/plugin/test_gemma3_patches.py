@@ -1,12 +1,15 @@
-"""The gemma3 patches against the NxDI double's Gemma3 (its 0.9 modeling_gemma3.py, NxDI's
-defects reproduced): each probe finds its defect, each fix makes NxDI's code compute what
-transformers' Gemma3 computes (the checkpoint's config and layer kinds, each layer's own
-RoPE, the local window in every attention phase, float32 norms). That the patched model
-gives transformers' tokens is shown on real NxDI (tests/e2e/test_nxdi_architectures.py)."""
+"""The gemma3 patches against the NxDI double's Gemma3 (its 0.9 modeling_gemma3.py, and
+0.8's, which 0.8 ships without listing it; NxDI's defects reproduced): each probe finds
+its release's defects, each fix makes NxDI's code compute what transformers' Gemma3
+computes (the checkpoint's config and layer kinds, each layer's own RoPE, the local
+window in every attention phase, float32 norms on 0.9, the query_pre_attn_scalar score
+scale and buildable CPU-mode norms on 0.8). That the patched model gives transformers'
+tokens is shown on real NxDI 0.8 and 0.9 (tests/e2e/test_nxdi_architectures.py)."""
 
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +20,23 @@ from neuron_plugin.patches import apply_patches, gemma3
 from neuron_plugin.patches.base import unpatched
 
 GEMMA3 = {p.name for p in gemma3.PATCHES}
+# what each release's module needs (NxDI's CPU mode adds gemma3-cpu-norm on 0.8)
+GEMMA3_0_9 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
+GEMMA3_0_8 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-scale"}
 
 
 @pytest.fixture
 def nxdi(monkeypatch):
+    monkeypatch.delenv("NXD_CPU_MODE", raising=False)
     yield load_release("0.9-ef2731e", monkeypatch)
+    purge()
+
+
+@pytest.fixture
+def nxdi08(monkeypatch):
+    """NxDI 0.8's Gemma3 (shipped, not in MODEL_TYPES), outside NxD's CPU mode."""
+    monkeypatch.delenv("NXD_CPU_MODE", raising=False)
+    yield load_release("0.8", monkeypatch)
     purge()
 
 
@@ -81,23 +96,41 @@ def hypothetically_fixed(module, monkeypatch) -> None:
 
 
 # -- probes -------------------------------------------------------------------------------
-def test_probes_find_the_four_defects(nxdi):
+def test_probes_find_the_four_defects(nxdi, monkeypatch):
     assert "replaces the checkpoint's vocab_size 5 and rope_theta 7.0 by 262208 and " \
            "1000000.0" in gemma3.probe_config(nxdi)
     assert "windows [4, 4]" in gemma3.probe_config(nxdi)
     assert "hands its RoPE tables to the next layer" in gemma3.probe_rope(nxdi)
     assert "leaves the model's sliding_window unset" in gemma3.probe_window(nxdi)
     assert "torch.bfloat16" in gemma3.probe_norms(nxdi)
+    # 0.9 scales scores by query_pre_attn_scalar and builds its own norms on the CPU
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    assert gemma3.probe_scale(nxdi) is None and gemma3.probe_cpu_norm(nxdi) is None
+
+
+def test_probes_find_0_8s_defects(nxdi08, monkeypatch):
+    """0.8's module shares the config, RoPE and window defects, declares float32 norms
+    (not needed), passes no score scale, and in NxD's CPU mode builds transformers'
+    norm with a keyword it does not take."""
+    found = {p.name for p in gemma3.PATCHES if p.probe(nxdi08) is not None}
+    assert found == GEMMA3_0_8
+    assert "windows [4, 4]" in gemma3.probe_config(nxdi08)
+    assert "no softmax_scale: scores are divided by sqrt(head_dim=2), not by " \
+           "sqrt(query_pre_attn_scalar=8)" in gemma3.probe_scale(nxdi08)
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    assert "Gemma3RMSNorm, which takes no hidden_size" in gemma3.probe_cpu_norm(nxdi08)
+    outcomes = {o.name: o.status for o in apply_patches(nxdi08, environ={})}
+    assert {n for n, status in outcomes.items() if n in GEMMA3 and status == "applied"} == \
+        GEMMA3_0_8 | {"gemma3-cpu-norm"}
 
 
 def test_probes_recognise_fixed_code(nxdi, monkeypatch):
     hypothetically_fixed(nxdi.gemma3, monkeypatch)
-    assert [p.probe(nxdi) for p in gemma3.PATCHES] == [None] * 4
+    assert [p.probe(nxdi) for p in gemma3.PATCHES] == [None] * len(gemma3.PATCHES)
 
 
-@pytest.mark.parametrize("release", ["0.7", "0.8"])
-def test_releases_without_gemma3_need_none(release, monkeypatch):
-    modules = load_release(release, monkeypatch)
+def test_a_release_without_gemma3_needs_none(monkeypatch):
+    modules = load_release("0.7", monkeypatch)
     try:
         assert modules.gemma3 is None
         outcomes = {o.name: o.status for o in apply_patches(modules, environ={})}
@@ -238,6 +271,50 @@ def test_norm_weights_are_float32_and_one_is_added_in_float32(nxdi):
         assert torch.equal(exact[name], 1.0 + w.float())  # transformers' 1.0 + weight.float()
 
 
+# -- gemma3-scale (0.8) -------------------------------------------------------------------
+def test_0_8_queries_are_scaled_to_query_pre_attn_scalar(nxdi08, tiny_model):
+    """0.8's attention divides scores by sqrt(head_dim) (32); transformers by
+    sqrt(query_pre_attn_scalar) (24, the tiny checkpoint's): the patched query carries
+    the difference, so any attention path of the release computes transformers' scores."""
+    gemma3.PATCHES[0].apply(nxdi08)
+    config = tiny_config(nxdi08, tiny_model("gemma3"))
+    layer_config = nxdi08.gemma3.get_updated_configs(config)[0]
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    published = nxdi08.gemma3.NeuronGemma3Attention(layer_config)
+    assert not hasattr(published, "softmax_scale")  # 0.8: scores / math.sqrt(head_dim)
+    assert gemma3.apply_scale(nxdi08)
+    patched = nxdi08.gemma3.NeuronGemma3Attention(layer_config)
+    patched.q_layernorm.load_state_dict(published.q_layernorm.state_dict())
+    ours = patched.q_layernorm(q) @ k.transpose(2, 3) / math.sqrt(patched.head_dim)
+    theirs = published.q_layernorm(q) @ k.transpose(2, 3) / math.sqrt(24)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert not torch.allclose(published.q_layernorm(q) @ k.transpose(2, 3) / math.sqrt(32),
+                              theirs, atol=1e-2)
+    assert set(patched.q_layernorm.state_dict()) == {"weight"}  # the checkpoint's names
+    assert not gemma3.apply_scale(nxdi08)  # idempotent
+
+
+# -- gemma3-cpu-norm (0.8, NxD's CPU mode) ------------------------------------------------
+def test_0_8_cpu_mode_builds_nxdis_own_norm(nxdi08, tiny_model, monkeypatch):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    gemma3.PATCHES[0].apply(nxdi08)
+    config = nxdi08.gemma3.get_updated_configs(tiny_config(nxdi08, tiny_model("gemma3")))[0]
+    with pytest.raises(TypeError, match="hidden_size"):
+        nxdi08.gemma3.NeuronGemma3Attention(config)
+    assert gemma3.apply_cpu_norm(nxdi08)
+    attention = nxdi08.gemma3.NeuronGemma3Attention(config)
+    assert type(attention.q_layernorm) is nxdi08.gemma3.NeuronGemma3RMSNorm
+    theirs = Gemma3RMSNorm(32, eps=config.rms_norm_eps)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(32))
+    attention.q_layernorm.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 32)
+    assert torch.equal(attention.q_layernorm(x), theirs(x))  # the same math
+
+
 def test_patched_functions_unwrap_to_nxdis(nxdi):
     published = nxdi.gemma3.get_updated_configs
     for patch in gemma3.PATCHES:
@@ -249,22 +326,34 @@ def test_patched_functions_unwrap_to_nxdis(nxdi):
         None, 4]
 
 
-def test_gemma3_patches_key_gemma3s_compiled_graphs_only(nxdi, tiny_model, monkeypatch):
+@pytest.mark.parametrize("release, expected", [("0.9-ef2731e", GEMMA3_0_9),
+                                               ("0.8", GEMMA3_0_8)])
+def test_gemma3_patches_key_gemma3s_compiled_graphs_only(release, expected, tiny_model,
+                                                         monkeypatch):
     """The patches change what NxDI traces for Gemma3, so they are in its compile-cache
-    key; another architecture's graphs (and key) do not depend on them."""
+    key (each release's own; gemma3-cpu-norm changes no graph); another architecture's
+    graphs (and key) do not depend on them. 0.8 serves its unlisted module."""
     from neuron_plugin.backends.nxd.backend import NxDBackend
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
 
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    load_release(release, monkeypatch)
     limits = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
                           enable_prefix_caching=False, enable_chunked_prefill=False,
                           max_num_batched_tokens=256, dtype="float32", tp_degree=1)
 
     def key_patches(arch: str, name: str) -> set[str]:
         settings = resolve_settings(limits, {}, backend="nxd", architecture=name)
-        fields = NxDBackend(settings, tiny_model(arch)).cache_manifest_fields()
+        backend = NxDBackend(settings, tiny_model(arch))
+        fields = backend.cache_manifest_fields()
+        if name == "Gemma3ForCausalLM":
+            assert backend.model_cls.__module__.endswith("models.gemma3.modeling_gemma3")
         return set(fields["versions"]["nxdi_patches"].split(","))
 
-    assert GEMMA3 <= key_patches("gemma3", "Gemma3ForCausalLM")
-    llama = key_patches("llama", "LlamaForCausalLM")
-    assert "prefix-prefill-mask" in llama and not GEMMA3 & llama
+    try:
+        assert key_patches("gemma3", "Gemma3ForCausalLM") & GEMMA3 == expected
+        llama = key_patches("llama", "LlamaForCausalLM")
+        assert "prefix-prefill-mask" in llama and not GEMMA3 & llama
+    finally:
+        purge()

@@ -158,12 +158,12 @@ def test_contiguous_decode_batch_covers_the_highest_seq_id(seq_ids, rows):
 
 def test_decode_block_layout_slots_and_tables():
     s = settings(prefix_caching=True, token_generation_buckets=[64, 128, 256])
-    inputs = token_generation_inputs(s, np.array([7, 8]), np.array([16, 40]),
-                                     np.array([0, 1]), [[3, 6], [1, 2, 9]])
-    assert inputs.bucket == (4, 64)
-    assert inputs.slot_mapping[:2, 0].tolist() == [6 * 16 + 0, 9 * 16 + 8]
-    assert (inputs.slot_mapping[2:] == PAD_SLOT).all()
-    assert inputs.block_table[2:].sum() == 0
+    inputs = token_generation_inputs(s, np.array([7, 8, 9]), np.array([16, 40, 1]),
+                                     np.array([0, 1, 2]), [[3, 6], [1, 2, 9], [4]])
+    assert inputs.bucket == (4, 64)  # the default decode batches are 1, 2 and 4 rows
+    assert inputs.slot_mapping[:3, 0].tolist() == [6 * 16 + 0, 9 * 16 + 8, 4 * 16 + 1]
+    assert (inputs.slot_mapping[3:] == PAD_SLOT).all()
+    assert inputs.block_table[3:].sum() == 0
 
 
 def test_prefill_vectorised_cost_independent_of_max_model_len():
@@ -184,7 +184,7 @@ def test_one_token_block_prompt_is_a_decode():
     # NxDI routes a block-layout call with one input token to token generation.
     s = settings(prefix_caching=True, token_generation_buckets=[64, 128, 256])
     inputs = context_encoding_inputs(s, np.array([42]), start=0, seq_id=2, block_ids=[7])
-    assert inputs.phase == TOKEN_GENERATION and inputs.bucket == (4, 64)
+    assert inputs.phase == TOKEN_GENERATION and inputs.bucket == (1, 64)
     assert inputs.num_real == 1 and inputs.seq_ids[0] == 2
     assert inputs.full_context_lens[0] == 1 and inputs.computed_context_lens[0] == 0
     assert inputs.slot_mapping[0, 0] == 7 * 16

@@ -162,6 +162,39 @@ def test_mapped_architectures_resolve_without_warnings(release, caplog):
         "NxDI MODEL_TYPES['dbrx']['causal-lm']"
 
 
+def test_nxdi_0_8_serves_mistral_and_gemma3_with_classes_it_ships(tiny_model, monkeypatch,
+                                                                 tmp_path):
+    """0.8 (inf2/trn1) lists neither in MODEL_TYPES. Mistral is built with 0.8's Llama
+    class, which applies the checkpoint's sliding_window (the double's graphs honour it as
+    NxDI's rolling cache line): a prompt longer than the window decodes attending the
+    newest 16 tokens. Gemma3 is built with the module 0.8 ships unlisted, its config
+    patched to the checkpoint's values (gemma3-config)."""
+    use_release("0.8", monkeypatch, tmp_path)
+    try:
+        from neuronx_distributed_inference.models.gemma3 import modeling_gemma3
+        from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+
+        assert "mistral" not in MODEL_TYPES and "gemma3" not in MODEL_TYPES
+        s = settings({"tp_degree": 1}, architecture="MistralForCausalLM")
+        mistral = loaded(s, tiny_model("mistral"), tmp_path / "graphs")
+        assert mistral.model_cls is MODEL_TYPES["llama"]["causal-lm"]
+        assert mistral.model.config.sliding_window == 16
+        prompt = np.random.default_rng(5).integers(1, VOCAB, 40)
+        first = mistral.forward(context_encoding_inputs(s, prompt, 0, 0, None)).argmax(-1)
+        assert first.tolist() == [expected(prompt[-16:])]
+        step = token_generation_inputs(s, first, np.array([40]), np.array([0]), None)
+        context = [*prompt.tolist(), int(first[0])]
+        assert mistral.forward(step).argmax(-1).tolist() == [expected(context[-16:])]
+
+        gemma = NxDBackend(settings(architecture="Gemma3ForCausalLM"), tiny_model("gemma3"))
+        assert gemma.model_cls is modeling_gemma3.NeuronGemma3ForCausalLM
+        config = gemma._new_model().config
+        assert (config.vocab_size, config.rope_scaling) == (977, None)  # not 262208, 8.0
+        assert "gemma3-scale" in gemma.nxdi.patches_for("Gemma3ForCausalLM")
+    finally:
+        purge()
+
+
 def test_builtin_architecture_missing_from_installed_nxdi(release):
     """The table's MODEL_TYPES key absent from the installed release's MODEL_TYPES."""
     with pytest.raises(NeuronConfigError, match="NxD Inference 0.9.3 has no 'qwen3'") as info:

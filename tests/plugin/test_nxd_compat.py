@@ -27,13 +27,13 @@ APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
 def problems(config: dict, block: bool = False, max_model_len: int = 256,
-             patches: dict | None = None) -> list[str]:
+             patches: dict | None = None, version: str = "0.9.0") -> list[str]:
     limits = dataclasses.replace(LIMITS, max_model_len=max_model_len,
                                  max_num_batched_tokens=max_model_len,
                                  enable_prefix_caching=block, block_size=32 if block else None)
     settings = resolve_settings(limits, {}, backend="nxd",
                                 architecture=config["architectures"][0])
-    return compat.problems(settings, config, "0.9.0", APPLIED if patches is None else patches)
+    return compat.problems(settings, config, version, APPLIED if patches is None else patches)
 
 
 def config_of(tiny_model, arch: str, **changes) -> dict:
@@ -56,17 +56,31 @@ def test_every_mapped_architecture_states_every_feature_per_checked_release(rele
 
 
 def test_what_differs_between_checked_releases():
-    """NxDI 0.8 (inf2/trn1) lists no Mistral or Gemma3 and loads no adapter at run time;
-    windowed architectures refuse speculation on 0.9."""
+    """NxDI 0.8 (inf2/trn1) lists no Mistral or Gemma3: it serves Mistral with its Llama
+    class and Gemma3 with the module it ships unlisted, each equal to transformers where
+    0.9's own class is (measured); it loads no adapter at run time; windowed
+    architectures refuse speculation on both."""
     old, new = nxdi_releases.NXDI_0_8, nxdi_releases.NXDI_0_9
     for name in ("MistralForCausalLM", "Gemma3ForCausalLM"):
-        assert all(v.startswith("refused: not in NxDI 0.8's MODEL_TYPES")
-                   for v in compat.support(name, old).values())
-        assert compat.support(name, new)["contiguous"].startswith(support.EQUAL)
+        for release in (old, new):
+            table = compat.support(name, release)
+            assert {f: v.split(":")[0] for f, v in table.items()
+                    if f in ("contiguous", "block", "prefix_hit", "on_device_sampling")} == \
+                dict.fromkeys(["contiguous", "block", "prefix_hit", "on_device_sampling"],
+                              support.EQUAL), (name, release)
+            assert table["speculation"].startswith("refused: sliding-window")
+    assert "NxDI 0.8's Llama class" in compat.support("MistralForCausalLM", old)["contiguous"]
+    assert "max_model_len <= sliding_window" in compat.support("MistralForCausalLM", old)["block"]
+    gemma_old = compat.support("Gemma3ForCausalLM", old)["contiguous"]
+    gemma_new = compat.support("Gemma3ForCausalLM", new)["contiguous"]
+    assert "unlisted models/gemma3" in gemma_old and "gemma3-scale" in gemma_old
+    assert "gemma3-norms" not in gemma_old
+    assert "gemma3-norms" in gemma_new and "gemma3-scale" not in gemma_new
     assert "loads no adapter at run time" in compat.support("LlamaForCausalLM", old)["lora"]
+    assert "loads no adapter at run time" in compat.support("Gemma3ForCausalLM", old)["lora"]
     assert "run time" not in compat.support("LlamaForCausalLM", new)["lora"]
-    for windowed in ("MistralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):
-        assert compat.support(windowed, new)["speculation"].startswith("refused: sliding-window")
+    assert compat.support("GptOssForCausalLM", new)["speculation"].startswith(
+        "refused: sliding-window")
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
@@ -83,13 +97,29 @@ def test_tiny_checkpoints_pass_in_the_block_layout(arch, tiny_model):
 
 
 # -- sliding windows ----------------------------------------------------------------------
-def test_mistral_window_in_the_block_layout_is_refused(tiny_model):
-    found = problems(config_of(tiny_model, "mistral"), block=True)
+@pytest.mark.parametrize("version", ["0.8.0+cd3abf3", "0.9.0"])
+def test_mistral_window_in_the_block_layout_is_refused(tiny_model, version):
+    """On both releases (0.8 through its Llama class: the same windowed attention and
+    BlockKVCacheManager, measured failing at the first prefill)."""
+    found = problems(config_of(tiny_model, "mistral"), block=True, version=version)
     assert len(found) == 1
     assert "MistralForCausalLM with sliding_window=16 below max_model_len=256 in the block " \
            "KV layout" in found[0]
-    assert "NxDI 0.9.0" in found[0] and "get_last_kv_window" in found[0]
+    assert f"NxDI {version}" in found[0] and "get_last_kv_window" in found[0]
     assert "serve without --enable-prefix-caching and chunked prefill" in found[0]
+
+
+def test_mistral_windows_are_transformers_on_every_release(tiny_model):
+    """NxDI's model (0.9's Mistral, 0.8's Llama: both read config.sliding_window for every
+    layer) applies the window transformers' Mistral applies, so nothing is refused in the
+    contiguous layout; at max_model_len <= window both drop it."""
+    from neuron_plugin.backends.nxd.families import transformers_windows
+
+    text = config_of(tiny_model, "mistral")
+    assert compat.nxdi_windows("MistralForCausalLM", text, 256) == \
+        transformers_windows("MistralForCausalLM", text) == (16, 16)
+    for version in ("0.8.0+cd3abf3", "0.9.0"):
+        assert problems(text, version=version) == []
 
 
 def test_a_window_no_sequence_reaches_is_dropped(tiny_model):
@@ -156,11 +186,14 @@ def test_gpt_oss_checkpoints_nxdi_reads_otherwise_are_refused(changes, wanted, t
 
 
 # -- Gemma3 -------------------------------------------------------------------------------
-def test_gemma3_without_its_patches_is_refused(tiny_model):
+@pytest.mark.parametrize("version, patch", [("0.9.0", "gemma3-rope"),
+                                            ("0.8.0+cd3abf3", "gemma3-scale")])
+def test_gemma3_without_its_patches_is_refused(tiny_model, version, patch):
     config = config_of(tiny_model, "gemma3")
-    found = problems(config, patches={**APPLIED, "gemma3-rope": "disabled"})
+    found = problems(config, patches={**APPLIED, patch: "disabled"}, version=version)
     assert len(found) == 1
-    assert "Gemma3ForCausalLM on NxDI 0.9.0 without the plugin's patches gemma3-rope" in found[0]
+    assert f"Gemma3ForCausalLM on NxDI {version} without the plugin's patches {patch}" in \
+        found[0]
     assert "VLLM_NEURON_DISABLE_PATCHES" in found[0]
     # a fixed NxDI needs none
     assert problems(config, patches=dict.fromkeys(gemma3.PATCHES, "not needed")) == []
@@ -179,12 +212,14 @@ def test_gemma3_keys_nxdi_does_not_implement_are_refused(changes, wanted, tiny_m
 
 
 # -- through the backend, before anything compiles ------------------------------------------
-def test_backend_refuses_before_compiling(tiny_model, monkeypatch, tmp_path):
+@pytest.mark.parametrize("release", ["0.8", "0.9-ef2731e"])
+def test_backend_refuses_before_compiling(tiny_model, monkeypatch, tmp_path, release):
+    """On 0.8 too: Mistral through its Llama class, Gemma3 through its unlisted module."""
     from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
     from neuron_plugin.backends.nxd.backend import NxDBackend
 
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0")
-    load_release("0.9-ef2731e", monkeypatch)
+    load_release(release, monkeypatch)
     try:
         limits = dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)
         settings = resolve_settings(limits, {}, backend="nxd",
@@ -199,10 +234,12 @@ def test_backend_refuses_before_compiling(tiny_model, monkeypatch, tmp_path):
         purge()
 
 
+@pytest.mark.parametrize("release", ["0.8", "0.9-ef2731e"])
 def test_without_the_refusal_nxdi_fails_at_the_first_prefill(tiny_model, monkeypatch,
-                                                             tmp_path):
+                                                             tmp_path, release):
     """What the Mistral refusal prevents: NxDI's windowed prefill in the block layout
-    fails (the double reproduces BlockKVCacheManager's failure, measured on NxDI 0.9)."""
+    fails (the double reproduces BlockKVCacheManager's failure, measured on NxDI 0.9 and
+    on 0.8's Llama class: block_kv_cache_manager.py line 299 in both)."""
     import numpy as np
 
     from tests.plugin.fake_nxdi.nxdi_release import load_release, purge
@@ -213,7 +250,7 @@ def test_without_the_refusal_nxdi_fails_at_the_first_prefill(tiny_model, monkeyp
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "neuronx-cc"))
     monkeypatch.setenv("VLLM_NEURON_CACHE_URL", str(tmp_path / "cache"))
     monkeypatch.setattr(compat, "problems", lambda *args: [])
-    load_release("0.9-ef2731e", monkeypatch)
+    load_release(release, monkeypatch)
     try:
         limits = dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)
         settings = resolve_settings(limits, {}, backend="nxd",

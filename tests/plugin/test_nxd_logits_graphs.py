@@ -249,7 +249,9 @@ def test_model_runner_moves_logits_only_for_host_rows(tiny, monkeypatch, tmp_pat
         model=str(tiny), dtype="float32", max_model_len=64, max_num_seqs=4,
         enable_prefix_caching=False, enable_chunked_prefill=False,
         additional_config={"override_neuron_config": {
-            "context_encoding_buckets": [16, 32], "token_generation_buckets": [64]}},
+            "context_encoding_buckets": [16, 32], "token_generation_buckets": [64],
+            # resolved for the reference backend here: the nxd default, one batch size
+            "max_batch_buckets": 1}},
     ).create_engine_config()
     prompts = {"a": [3, 4, 5], "b": [6, 7], "c": [8, 9, 10, 11]}
     params = {"a": SamplingParams(temperature=0.0, max_tokens=8),

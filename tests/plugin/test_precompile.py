@@ -14,8 +14,10 @@ from pathlib import Path
 from bucketing.cost import load_cost_table
 
 CLI = Path(sys.executable).with_name("neuron-plugin")
+# One decode batch size (max_batch_buckets 1): five graphs to compile, not seven.
 GRID = json.dumps({"override_neuron_config": {"context_encoding_buckets": [16, 64, 128],
-                                              "token_generation_buckets": [64, 128]}})
+                                              "token_generation_buckets": [64, 128],
+                                              "max_batch_buckets": 1}})
 # graph_specs order: context encoding, then (batch, length) token generation.
 GRAPHS = ["cte_16", "cte_64", "cte_128", "tkg_2x64", "tkg_2x128"]
 

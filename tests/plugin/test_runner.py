@@ -113,6 +113,21 @@ def test_logits_do_not_depend_on_where_the_checkpoint_file_puts_its_tensors(
         assert np.array_equal(first.numpy(), second.numpy())
 
 
+def test_runner_takes_servings_thread_count_once_loaded(model_dirs, cache_url, monkeypatch):
+    """The runner computes the reference model: it sets its torch threads by the serving
+    rule (core.threads) after loading, here the count VLLM_NEURON_TORCH_THREADS asks for
+    (an OMP_NUM_THREADS, which these tests set, would be kept instead)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("VLLM_NEURON_TORCH_THREADS", "3")
+    remote = open_backend(settings_for(False, backend_python=sys.executable),
+                          model_dirs["llama"], cache_url)
+    try:
+        assert isinstance(remote, RunnerBackend)
+        assert remote.torch_threads == 3
+    finally:
+        remote.close()
+
+
 def remote_vocab(model_dirs) -> int:
     from neuron_plugin.core.checkpoint import vocab_size
 

@@ -211,10 +211,11 @@ def test_fused_decode_inputs_take_one_token_and_slots_for_every_position(model_d
     inputs = token_generation_inputs(
         settings, np.array([11]), np.array([62]), np.array([0]), [[3, 9, 4]], None,
         np.array([2]))
-    assert inputs.input_ids.shape == (4, 1) and inputs.width == 4  # the batch bucket: 4
+    # one row: the one-row bucket of the default decode batches
+    assert inputs.input_ids.shape == (1, 1) and inputs.width == 4
     # positions 62, 63 (block 9) | 64 (block 4), and none past the budget of 2 drafts
     assert inputs.slot_mapping[0].tolist() == [9 * 32 + 30, 9 * 32 + 31, 4 * 32, PAD_SLOT]
-    assert inputs.padded_tokens == 4 * 4 - 3
+    assert inputs.padded_tokens == 1 * 4 - 3
 
 
 # -- acceptance -------------------------------------------------------------------------

@@ -245,3 +245,33 @@ def test_loaded_graphs_compute_exactly_what_the_decoder_computes(model_dirs, tmp
         assert len(outputs[0]) == len(outputs[1])
         for expected, got in zip(*outputs):
             assert torch.equal(expected, got), graph.name
+
+
+class _Conversions(torch.nn.Module):
+    def forward(self, x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return x.float() * 2 + i.to(torch.float32)  # x is float32 already: a no-op
+
+
+def test_calls_that_do_nothing_are_left_out_of_graph_files(tmp_path):
+    """Export's metadata asserts and a conversion to the dtype a value already has cost
+    a call each on every step and change nothing: the file holds neither, and the graph
+    computes the same."""
+    from neuron_plugin.backends.reference.graph_file import save_graph
+
+    x, i = torch.randn(3), torch.arange(3)
+    save_graph(torch.export.export(_Conversions(), (x, i)), tmp_path, "g")
+    ops = [node["op"] for node in json.loads((tmp_path / "g.json").read_text())["nodes"]]
+    assert "aten._assert_tensor_metadata.default" not in ops
+    assert ops.count("aten.to.dtype") == 1  # the int64 -> float32 one
+    assert torch.equal(load_graph(tmp_path, "g")(x, i), _Conversions()(x, i))
+
+
+def test_graph_files_written_with_metadata_asserts_still_load(tmp_path):
+    (tmp_path / "g.safetensors").write_bytes(b'\x02\x00\x00\x00\x00\x00\x00\x00{}')
+    (tmp_path / "g.json").write_text(json.dumps({
+        "format": "neuron-reference-graph/1", "inputs": [{"user": 0}],
+        "nodes": [{"op": "aten._assert_tensor_metadata.default", "args": [{"ref": 0}],
+                   "kwargs": {"dtype": {"dtype": "float32"}}},
+                  {"op": "aten.add.Tensor", "args": [{"ref": 0}, {"ref": 0}], "kwargs": {}}],
+        "outputs": [{"ref": 2}]}))
+    assert load_graph(tmp_path, "g")(torch.ones(2)).tolist() == [2.0, 2.0]

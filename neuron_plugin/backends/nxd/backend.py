@@ -253,11 +253,17 @@ class NxDBackend(InlineCalls):
         neuron_config = self.model_cls.get_neuron_config_cls()(**kwargs)
         ignored = unknown_kwargs(neuron_config, kwargs)
         if ignored:
+            batches = (
+                " (token_generation_batches are the decode batch buckets, on by default: "
+                "override_neuron_config max_batch_buckets: 1 compiles one decode batch size)"
+                if "token_generation_batches" in ignored
+                else ""
+            )
             raise NeuronConfigError(
                 f"the installed NxD Inference {self.nxdi.version or ''} does not know "
                 f"{', '.join(ignored)} (its NeuronConfig would ignore them and compile "
-                f"other graphs); remove them from override_neuron_config or install a "
-                f"newer Neuron SDK."
+                f"other graphs){batches}; remove them from override_neuron_config or "
+                f"install a newer Neuron SDK."
             )
         config = self.model_cls.get_config_cls()(
             neuron_config, load_config=self.nxdi.load_pretrained_config(str(self.model_dir))

@@ -80,7 +80,7 @@ def import_nxdi() -> NxDI:
             hf_adapter,
             attention_base,
             sampling,
-            _gemma3_module(MODEL_TYPES),
+            _gemma3_module(),
         )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
@@ -100,12 +100,11 @@ def import_nxdi() -> NxDI:
     )
 
 
-def _gemma3_module(model_types: Mapping[str, object]) -> ModuleType | None:
-    """NxDI's Gemma3 modelling (models/gemma3/modeling_gemma3.py) where the release serves
-    it, None otherwise: 0.7 has none, and 0.8 ships the module without listing it in
-    MODEL_TYPES (so no Gemma3 is served and its patches would change nothing)."""
-    if "gemma3" not in model_types:
-        return None
+def _gemma3_module() -> ModuleType | None:
+    """NxDI's Gemma3 modelling (models/gemma3/modeling_gemma3.py) where the release ships
+    it, None otherwise: 0.7 has none; 0.8 ships it without listing it in MODEL_TYPES
+    (the architecture table names the module there, `models.table` NxDIModule), 0.9
+    lists it. Its patches probe and fix whichever release's module is installed."""
     try:
         from neuronx_distributed_inference.models.gemma3 import modeling_gemma3
     except ImportError:

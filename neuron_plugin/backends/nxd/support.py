@@ -53,9 +53,6 @@ QUANTIZED = Support(
     UNTESTED,
     "NxDI's CPU mode loads quantized weights without converting them (application_base.py to_cpu)",
 )
-NOT_LISTED_0_8 = Support(
-    REFUSED, "not in NxDI 0.8's MODEL_TYPES (listed from 0.9, which supports Trn2 and newer only)"
-)
 COMMON: Table = {
     "contiguous": Support(EQUAL),
     "block": Support(EQUAL),
@@ -74,8 +71,3 @@ def by_release(table_0_9: Table, table_0_8: Table | None = None) -> dict[str, Ta
         nxdi_releases.NXDI_0_8.release: table_0_8 or {**table_0_9, "lora": LORA_0_8},
         nxdi_releases.NXDI_0_9.release: table_0_9,
     }
-
-
-def not_listed_0_8(table_0_9: Table) -> dict[str, Table]:
-    """A family NxDI 0.8 does not list in MODEL_TYPES."""
-    return by_release(table_0_9, dict.fromkeys(FEATURES, NOT_LISTED_0_8))

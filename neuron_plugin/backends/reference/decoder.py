@@ -80,9 +80,10 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 # Bumped whenever what a graph computes changes (the vision graphs' too), so compiled
 # graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
 # 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
-# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: hybrid models'
-# state inputs).
-COMPUTATION = 5
+# 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: K and V gathered
+# by whole rows and never copied per head group, `attend`; 6: hybrid models' state
+# inputs).
+COMPUTATION = 6
 
 __all__ = [
     "DecoderGraph",
@@ -595,14 +596,16 @@ class Step:
         """Cache row `row`'s keys and values [batch, width, kv_heads, head_dim] at the
         read slots."""
         if (kv_heads, head_dim) == tuple(self.k_cache.shape[-2:]):
-            return self.k_cache[row][self.read_slots], self.v_cache[row][self.read_slots]
+            return gather(self.k_cache[row], self.read_slots), gather(
+                self.v_cache[row], self.read_slots
+            )
         line = self.k_cache.shape[-2] * self.k_cache.shape[-1]
-        shape = (*self.read_slots.shape, kv_heads, head_dim)
         keys, values = (
-            c[row].reshape(c.shape[1], line)[:, : kv_heads * head_dim][self.read_slots].view(shape)
+            gather(c[row].reshape(c.shape[1], line)[:, : kv_heads * head_dim], self.read_slots)
             for c in (self.k_cache, self.v_cache)
         )
-        return keys, values
+        shape = (*self.read_slots.shape, kv_heads, head_dim)
+        return keys.view(shape), values.view(shape)
 
 
 @dataclass
@@ -697,6 +700,13 @@ def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tens
     return y if delta is None else y + delta
 
 
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows [slots, kv_heads, d] of `slots` [b, width]: [b, width, kv_heads, d],
+    `cache[slots]` copied row by row (index_select copies whole rows; indexing copies
+    element by element, several times slower)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def attend(
     s: DecoderSpec,
     q: torch.Tensor,
@@ -707,22 +717,32 @@ def attend(
 ) -> torch.Tensor:
     """Grouped-query attention of q [b, active, heads, d] over keys/values
     [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
-    logit whose probability is dropped."""
+    logit whose probability is dropped. The heads that share a KV head are stacked along
+    the queries ([b, kv_heads, groups x active, d]), so K and V are not broadcast to every
+    head of a group: that copied them, transposed, in each layer of each call, which cost
+    more than the products themselves at decode. (torch's fused attention would need K
+    zeroed at unseen slots as well as V, which costs what it saves.)"""
     batch, active = q.shape[:2]
-    kv_heads, head_dim = keys.shape[-2:]  # the layer's (Gemma 4's layer types differ)
-    groups = s.num_heads // kv_heads
-    qg = q.view(batch, active, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
-    kt = keys.permute(0, 2, 3, 1).unsqueeze(2)  # [b, kv, 1, d, width]
-    scores = softcap((qg @ kt) * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
-    scores = scores.masked_fill(~visible, torch.finfo(q.dtype).min)
+    width, kv, dim = keys.shape[1:]  # the layer's (Gemma 4's layer types differ)
+    groups = s.num_heads // kv
+    qg = q.view(batch, active, kv, groups, dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, kv, groups * active, dim)
+    # [b, kv_heads, width, d], whole rows of d copied: the product takes it transposed
+    # (as gathered, [b, width, kv_heads, d], the product copied it element by element)
+    keys = keys.transpose(1, 2).contiguous()
+    scores = (qg @ keys.transpose(2, 3)).view(batch, kv, groups, active, width)
+    scores = softcap(scores * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
+    scores = torch.where(visible, scores, torch.finfo(q.dtype).min)
     if sinks is not None:
-        sink = sinks.to(scores.dtype).view(1, kv_heads, groups, 1, 1)
+        sink = sinks.to(scores.dtype).view(1, kv, groups, 1, 1)
         scores = torch.cat((scores, sink.expand(batch, -1, -1, active, 1)), dim=-1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if sinks is not None:
         probs = probs[..., :-1]
     # stale slots no query of the row sees: zero, so a NaN there cannot reach the output
     seen = visible.any(dim=-2).view(visible.shape[0], -1, 1, 1)  # [b or 1, width, 1, 1]
-    values = values.masked_fill(~seen, 0)
-    vg = values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kv, 1, width, d]
-    return (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
+    values = torch.where(seen, values, 0.0)
+    out = probs.reshape(batch, kv, groups * active, width) @ values.transpose(1, 2)
+    return (
+        out.view(batch, kv, groups, active, dim).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
+    )

@@ -35,7 +35,7 @@ from neuron_plugin.backends.reference.architectures import (
     UnsupportedModelError,
     rope_tables,
 )
-from neuron_plugin.backends.reference.decoder import DecoderGraph, attend, owned
+from neuron_plugin.backends.reference.decoder import DecoderGraph, attend, gather, owned
 from neuron_plugin.backends.reference.layers import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import mlp
 from neuron_plugin.backends.reference.sampler import sample, verify
@@ -158,7 +158,12 @@ class HeadGraph(nn.Module):
             k_cache.index_put_((layer_idx, flat_write), k.reshape(-1, s.num_kv_heads, s.head_dim))
             v_cache.index_put_((layer_idx, flat_write), v.reshape(-1, s.num_kv_heads, s.head_dim))
             out = attend(
-                s, q, k_cache[layer][read_slots], v_cache[layer][read_slots], visible, None
+                s,
+                q,
+                gather(k_cache[layer], read_slots),
+                gather(v_cache[layer], read_slots),
+                visible,
+                None,
             )
             x = x + out @ hw[a + "o_proj.weight"].t()
             h = rms_norm("rms", x, hw[p + "post_attention_layernorm.weight"], eps)

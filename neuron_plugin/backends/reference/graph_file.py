@@ -13,6 +13,11 @@ resolves each op only through `torch.ops.aten` and only if its name is in ALLOWE
 builds a `torch.fx.Graph` from those callables and literal values, and lets FX generate
 the call code (names and literals are its own).
 
+Calls that do nothing at run time are left out, each a call on every step: export's
+metadata checks (`_assert_tensor_metadata`, which returns None) are skipped when written
+and when read, and a conversion to the dtype its input already has (`to.dtype`, which
+returns its input) is written as that input.
+
 Torch versions: uses only `torch.export.export`, `ExportedProgram.graph_module /
 graph_signature / state_dict / constants`, `torch.export.graph_signature.InputKind /
 OutputKind`, `torch.fx.Graph / GraphModule`, `torch.ops.aten` overload packets and
@@ -161,6 +166,7 @@ ALLOWED_OPS = frozenset(
     }
 )
 _GETITEM = "getitem"
+_ASSERT_NAME = "aten._assert_tensor_metadata.default"
 _OP_RE = re.compile(r"aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 _DEVICE_RE = re.compile(r"cpu(:\d+)?")
 _DTYPES = {
@@ -243,10 +249,15 @@ def save_graph(exported: torch.export.ExportedProgram, folder: Path, name: str) 
                 f"input {node.name} of kind {spec.kind.name} cannot be "
                 "stored in the reference graph format"
             )
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     for node in graph.nodes:
+        if node.op == "call_function" and node.target is _ASSERT_METADATA and not node.users:
+            continue
+        if node.op == "call_function" and _same_dtype_conversion(node):
+            index[node] = index[node.args[0]]
+            continue
         if node.op == "call_function":
-            index[node] = len(index)
+            index[node] = len(placeholders) + len(nodes)
             nodes.append(
                 {
                     "op": _op_name(node.target),
@@ -274,6 +285,26 @@ def save_graph(exported: torch.export.ExportedProgram, folder: Path, name: str) 
     (folder / f"{name}.json").write_text(json.dumps(document, allow_nan=False))
     # Serialised in memory and written by Python, so a full disk is a plain ENOSPC.
     (folder / f"{name}.safetensors").write_bytes(save_tensors(constants))
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _same_dtype_conversion(node: torch.fx.Node) -> bool:
+    """`aten.to.dtype(x, dtype)` where x already has that dtype and no copy or memory
+    format is asked for: the call returns x itself."""
+    if node.target is not torch.ops.aten.to.dtype or len(node.args) < 2:
+        return False
+    source, dtype = node.args[0], node.args[1]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    options = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:], strict=False))
+    options.update(node.kwargs)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == dtype
+        and not options.get("copy", False)
+        and options.get("memory_format") in (None, torch.preserve_format)
+    )
 
 
 def _encode_kwargs(kwargs: dict[str, Any], index: dict[torch.fx.Node, int]) -> dict:
@@ -306,7 +337,7 @@ class _Decoder:
 
     def __init__(self, path: Path):
         self.path = path
-        self.values: list[torch.fx.Node] = []
+        self.values: list[torch.fx.Node | None] = []
 
     def __call__(self, value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -376,6 +407,9 @@ def load_graph(folder: Path, name: str) -> LoadedGraph:
             and isinstance(spec.get("kwargs"), dict)
         ):
             raise _fail(path, f"node {json.dumps(spec)[:80]} is malformed")
+        if spec.get("op") == _ASSERT_NAME:  # returns None (files written before skipping it)
+            decode.values.append(None)
+            continue
         decode.values.append(
             graph.call_function(
                 _resolve_op(spec.get("op"), path),

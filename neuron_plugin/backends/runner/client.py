@@ -375,6 +375,7 @@ class RunnerBackend:
         self.last_backend_s = 0.0
         self._in_flight = False  # a submitted "run" whose reply is not read yet
         self.adapter_loading = AdapterLoading()  # the loaded backend's, once loaded
+        self.torch_threads: int | None = None  # the runner's for serving (core.threads)
         self._kv_geometry: KVGeometry | None = None
         logger.info(self.runner.describe())
 
@@ -394,6 +395,7 @@ class RunnerBackend:
             cache_url=cache_url,
         )
         self.adapter_loading = AdapterLoading.from_dict(reply["adapter_loading"])
+        self.torch_threads = reply.get("torch_threads")
         return _cache_result(reply["cache"])
 
     def compile(self, cache_url: str | None = None) -> CacheResult:

@@ -35,6 +35,13 @@ from neuron_plugin.backends.runner.protocol import (
 )
 from neuron_plugin.core.lifecycle import die_with_parent
 from neuron_plugin.core.settings import NeuronSettings
+from neuron_plugin.core.threads import (
+    RUNNER,
+    apply_serving_threads,
+    available_cores,
+    model_on_host,
+    serving_threads,
+)
 
 logger = logging.getLogger("neuron_plugin.runner")
 
@@ -107,12 +114,22 @@ class Runner:
     def load(self, message: dict[str, Any]) -> dict[str, Any]:
         from neuron_plugin.backends.loader import load_backend
 
+        settings = self._settings(message)
         self.backend, result = load_backend(
-            self._settings(message), message["model_dir"], message.get("cache_url")
+            settings, message["model_dir"], message.get("cache_url")
+        )
+        # serving's thread count once loaded (loading keeps torch's own): core.threads
+        choice = serving_threads(
+            RUNNER,
+            cores=available_cores(),
+            engines=settings.dp_degree,
+            model_on_host=model_on_host(settings.backend, settings.passthrough),
+            runner=True,
         )
         return {
             "cache": _cache_result(result),
             "adapter_loading": self.backend.adapter_loading.to_dict(),
+            "torch_threads": apply_serving_threads(RUNNER, choice, logger),
         }
 
     def compile(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """MODEL_TYPES as in NxDI, reduced to the text models this double implements: "mistral"
 only from the ef2731e sync on (0.7 to 0.9 as released have no entry, which the plugin
-must report clearly), "gemma3" from 0.9."""
+must report clearly), "gemma3" from 0.9 (0.8 ships models/gemma3 without an entry)."""
 
 from neuronx_distributed_inference._release import RELEASE
 from neuronx_distributed_inference.models.llama.modeling_llama import NeuronLlamaForCausalLM

@@ -1,36 +1,46 @@
-"""models/gemma3/modeling_gemma3.py of NxDI 0.9 (ef2731e), the parts the plugin's gemma3
-patches meet, with NxDI's defects:
-- NeuronGemma3RMSNorm (lines 45-59): the weight declared bfloat16, the norm in float32;
-- get_updated_configs (lines 69-92): every sixth layer global ((i + 1) % 6), whatever
-  the checkpoint's layer_types;
-- Gemma3InferenceConfig.__init__ (lines 102-140): after loading the checkpoint's config,
-  fixed vocab_size, RoPE bases and factor, max_position_embeddings, pad_token_id,
-  rms_norm_eps, hidden_act;
-- NeuronGemma3Attention (lines 153-189): the global or local RoPE by the layer config's
-  sliding_window, the window given to NeuronAttentionBase (which then keeps no
-  transposed K cache, attention_base.py line 238), softmax scale sqrt(query_pre_attn_scalar);
-- NeuronGemma3DecoderLayer (lines 192-273): the local mask only where the model passes
-  one, the embedding scaled in layer 0, four norms, and the attention's cos/sin
-  returned (handed to the next layer by model_base.py get_model_output);
-- NeuronGemma3TextModel.setup_attr_for_model (lines 278-285): no sliding_window;
-- NeuronGemma3ForCausalLM.convert_hf_to_neuron_state_dict (lines 358-416): q_norm /
-  k_norm renamed, 1 added to every norm weight in the checkpoint's dtype.
+"""models/gemma3/modeling_gemma3.py of NxDI 0.9 (ef2731e) and of 0.8 (cd3abf3, which
+ships it without listing it in MODEL_TYPES; 0.7 has no models/gemma3), the parts the
+plugin's gemma3 patches meet, with each release's defects:
+- NeuronGemma3RMSNorm: 0.9 declares the weight bfloat16 and multiplies by it (lines
+  45-59); 0.8 declares it float32 and multiplies by 1 + weight (0.8 lines 44-58);
+- get_rmsnorm_cls: 0.9 NeuronGemma3RMSNorm unless asked for the offset norm on the CPU
+  (lines 62-66); 0.8 transformers' Gemma3RMSNorm (whose constructor takes `dim`) in NxD's
+  CPU mode (`cpu_mode()`: NXD_CPU_MODE > 0, neuronx-distributed 73ab227
+  utils/__init__.py lines 6-8), NeuronGemma3RMSNorm otherwise (0.8 lines 61-65);
+- get_updated_configs (lines 69-92; 0.8 68-91): every sixth layer global ((i + 1) % 6),
+  whatever the checkpoint's layer_types;
+- Gemma3InferenceConfig.__init__ (lines 102-140; 0.8 101-138): after loading the
+  checkpoint's config, fixed vocab_size, RoPE bases and factor, max_position_embeddings,
+  pad_token_id, rms_norm_eps, hidden_act (0.8 lists no query_pre_attn_scalar among its
+  attributes);
+- NeuronGemma3Attention (lines 153-189; 0.8 151-189): the global or local RoPE by the
+  layer config's sliding_window, the window given to NeuronAttentionBase (which then
+  keeps no transposed K cache, attention_base.py line 238; 0.8 line 316), 0.9 the
+  softmax scale sqrt(query_pre_attn_scalar), 0.8 none (its "TODO: Enable this": scores
+  divided by sqrt(head_dim)); the q/k norms built with `hidden_size=`;
+- NeuronGemma3DecoderLayer (lines 192-273; 0.8 192-266): the local mask only where the
+  model passes one, the embedding scaled in layer 0, four norms, and the attention's
+  cos/sin returned (handed to the next layer by model_base.py get_model_output);
+- NeuronGemma3TextModel.setup_attr_for_model (lines 278-285; 0.8 271-278): no
+  sliding_window;
+- NeuronGemma3ForCausalLM.convert_hf_to_neuron_state_dict: 0.9 (lines 358-416) q_norm /
+  k_norm renamed, 1 added to every norm weight in the checkpoint's dtype; 0.8 (lines
+  321-353) q_norm / k_norm renamed only (its norms add the 1 themselves).
 The attention's and the MLP's math run on the device (the double's runtime), not here:
 calling them raises."""
 
 import copy
+import os
 
 import torch
 from torch import nn
 
 from neuronx_distributed_inference._release import RELEASE
 
-# MODEL_TYPES lists gemma3 from 0.9. 0.8 (cd3abf3) ships an earlier models/gemma3 that
-# it does not list; the plugin patches and serves Gemma3 only where MODEL_TYPES lists it
-# (backends/nxd/nxdi.py _gemma3_module), so that module is not reproduced: importing it
-# here fails before 0.9, as in 0.7.
-if not RELEASE.startswith("0.9"):
-    raise ImportError(f"the NxDI double reproduces no models/gemma3 of NxDI {RELEASE}")
+if RELEASE == "0.7":
+    raise ImportError("NxDI 0.7 has no models/gemma3")
+
+IS_0_8 = RELEASE == "0.8"
 
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
 from neuronx_distributed_inference.models.model_base import (
@@ -44,19 +54,33 @@ class NeuronGemma3RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=torch.bfloat16))
+        dtype = torch.float32 if IS_0_8 else torch.bfloat16
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
 
     def _norm(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
         output = self._norm(x.float())
-        output = output * self.weight.float()
+        output = output * ((1.0 + self.weight.float()) if IS_0_8 else self.weight.float())
         return output.type_as(x)
 
 
-def get_rmsnorm_cls(offset: bool = False):
-    return NeuronGemma3RMSNorm
+def cpu_mode():
+    """neuronx_distributed.utils.cpu_mode (73ab227 utils/__init__.py lines 6-8)."""
+    return int(os.environ.get("NXD_CPU_MODE", "0")) > 0
+
+
+if IS_0_8:
+    def get_rmsnorm_cls():
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+        return Gemma3RMSNorm if cpu_mode() else NeuronGemma3RMSNorm
+else:
+    def get_rmsnorm_cls(offset: bool = False):
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+        return Gemma3RMSNorm if (cpu_mode() and offset) else NeuronGemma3RMSNorm
 
 
 def get_updated_configs(config):
@@ -81,6 +105,8 @@ class Gemma3InferenceConfig(InferenceConfig):
         self.attributes = ["head_dim", "hidden_size", "intermediate_size",
                            "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                            "query_pre_attn_scalar", "sliding_window"]
+        if IS_0_8:
+            self.attributes.remove("query_pre_attn_scalar")
         self.neuron_config = neuron_config
         self.fused_spec_config = fused_spec_config
         if load_config is not None:
@@ -130,9 +156,10 @@ class NeuronGemma3Attention(NeuronAttentionBase):
                                             base=config.global_rope_theta,
                                             factor=config.rope_scaling)
         sliding_window = config.sliding_window
+        scale = {} if IS_0_8 else {"softmax_scale": config.query_pre_attn_scalar ** 0.5}
         super().__init__(
             num_key_value_groups=config.num_attention_heads // config.num_key_value_heads,
-            head_dim=head_dim, softmax_scale=config.query_pre_attn_scalar ** 0.5,
+            head_dim=head_dim, **scale,
             k_cache_transposed=bool(getattr(config.neuron_config, "k_cache_transposed", False))
             and sliding_window is None)
         self.rotary_emb = global_rotary_emb if sliding_window is None else local_rotary_emb
@@ -212,6 +239,14 @@ class NeuronGemma3ForCausalLM(NeuronBaseForCausalLM):
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict, config):
+        if IS_0_8:
+            for i in range(config.num_hidden_layers):
+                prefix = f"layers.{i}.self_attn."
+                state_dict[prefix + "q_layernorm.weight"] = (
+                    state_dict.pop(prefix + "q_norm.weight").detach().clone())
+                state_dict[prefix + "k_layernorm.weight"] = (
+                    state_dict.pop(prefix + "k_norm.weight").detach().clone())
+            return state_dict
         if "model.norm.weight" in state_dict.keys():
             state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         state_dict["norm.weight"] += 1.0

@@ -1,0 +1,346 @@
+"""Load test against plain vLLM: `vllm bench serve` (vLLM's own load client) at several
+concurrencies against `vllm serve MODEL --device neuron` and against plain vLLM's own
+platform (the same venv with VLLM_PLUGINS set to load no plugin), one server after the
+other, on the same checkpoint and flags, streamed completions.
+
+Per side and concurrency: output tokens/s, inter-token latency (ITL) and time to first
+token percentiles, failed requests; for the plugin the padded share of its decode work
+read from its own telemetry (`neuron:bucket_real_rows_total` against
+`neuron:bucket_rows_total` of the token-generation buckets, and
+`neuron:padded_tokens_total`), and the decode batch buckets used. With `--busy`, the
+same levels run again with one busy process per core beside the server (the same for
+both sides).
+
+The servers get no OMP_NUM_THREADS from this script's environment: each runs with its
+own thread defaults (`--omp-num-threads N` gives both N). Writes OUT.json and OUT.md.
+
+    python scripts/bench_load.py --out bench-results/load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_report import run_meta, write_results  # noqa: E402
+
+SIDES = ("plugin", "plain")
+METRICS = (
+    "completed",
+    "failed",
+    "output_throughput",
+    "median_itl_ms",
+    "p90_itl_ms",
+    "median_tpot_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see its log")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+
+def decode_counters(url: str) -> dict[str, Any]:
+    """The plugin's decode rows (real and all), padded tokens and the rows of each
+    token-generation bucket, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found: dict[str, Any] = {"rows": 0.0, "real_rows": 0.0, "padded_tokens": 0.0, "buckets": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "neuron:padded_tokens_total":
+                found["padded_tokens"] += sample.value
+            if labels.get("phase") != "token_generation":
+                continue
+            if sample.name == "neuron:bucket_rows_total":
+                found["rows"] += sample.value
+                bucket = labels.get("bucket", "?")
+                found["buckets"][bucket] = found["buckets"].get(bucket, 0.0) + sample.value
+            elif sample.name == "neuron:bucket_real_rows_total":
+                found["real_rows"] += sample.value
+    return found
+
+
+def padding(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    rows = after["rows"] - before["rows"]
+    real = after["real_rows"] - before["real_rows"]
+    used = {
+        bucket: rows_after - before["buckets"].get(bucket, 0.0)
+        for bucket, rows_after in after["buckets"].items()
+        if rows_after - before["buckets"].get(bucket, 0.0) > 0
+    }
+    return {
+        "decode_rows": rows,
+        "decode_real_rows": real,
+        "padded_row_share": round(1 - real / rows, 4) if rows else None,
+        "padded_tokens": after["padded_tokens"] - before["padded_tokens"],
+        "decode_buckets": sorted(used, key=lambda b: -used[b])[:3],
+    }
+
+
+def run_client(args: argparse.Namespace, url: str, concurrency: int, prompts: int, name: str):
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    subprocess.run(
+        [
+            vllm,
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--base-url",
+            url,
+            "--model",
+            str(args.model),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--random-range-ratio",
+            "0",
+            "--num-prompts",
+            str(prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--seed",
+            str(args.seed),
+            "--percentile-metrics",
+            "ttft,tpot,itl",
+            "--metric-percentiles",
+            "50,90,99",
+            "--save-result",
+            "--result-dir",
+            str(args.out.parent),
+            "--result-filename",
+            name,
+            "--disable-tqdm",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    result = json.loads((args.out.parent / name).read_text())
+    result["failed"] = int(result.get("num_prompts", prompts)) - int(result.get("completed", 0))
+    return result
+
+
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """One pure-Python spinning process per core: the same load beside either server."""
+    return [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(count)]
+
+
+def server_command(args: argparse.Namespace, side: str, port: int) -> list[str]:
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    command = [vllm, "serve", str(args.model)]
+    if side == "plugin":
+        command += ["--device", "neuron"]
+    command += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
+    if side == "plain":
+        # vLLM's CPU platform sizes its KV cache from host memory otherwise
+        command += ["--kv-cache-memory-bytes", str(args.plain_kv_bytes)]
+    return command + args.server_arg
+
+
+def server_env(args: argparse.Namespace, side: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if args.omp_num_threads:
+        env["OMP_NUM_THREADS"] = str(args.omp_num_threads)
+    if side == "plain":
+        env = {k: v for k, v in env.items() if not k.startswith("VLLM_NEURON")}
+        env["VLLM_PLUGINS"] = ""  # no platform plugin: vLLM's own CPU platform
+    return env
+
+
+def bench_side(args: argparse.Namespace, side: str, cores: int) -> list[dict[str, Any]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = args.out.with_name(f"{args.out.name}-{side}.server.log")
+    rows = []
+    with log.open("w") as server_log:
+        server = subprocess.Popen(
+            server_command(args, side, port),
+            stdout=server_log,
+            stderr=subprocess.STDOUT,
+            env=server_env(args, side),
+        )
+        try:
+            wait_healthy(url, server, args.startup_timeout)
+            run_client(args, url, 4, 8, f"{args.out.name}-{side}-warmup.json")
+            for condition in ("quiet", "busy") if args.busy else ("quiet",):
+                spinning = busy_processes(cores) if condition == "busy" else []
+                try:
+                    for level in args.concurrency:
+                        prompts = max(args.min_prompts, args.rounds * level)
+                        before = decode_counters(url) if side == "plugin" else None
+                        name = f"{args.out.name}-{side}-{condition}-c{level}.json"
+                        result = run_client(args, url, level, prompts, name)
+                        row = {
+                            "side": side,
+                            "condition": condition,
+                            "concurrency": level,
+                            "prompts": prompts,
+                            **{k: result.get(k) for k in METRICS},
+                        }
+                        if before is not None:
+                            time.sleep(1.0)  # engines publish their counters every 0.5 s
+                            row.update(padding(before, decode_counters(url)))
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                finally:
+                    for proc in spinning:
+                        proc.kill()
+                        proc.wait()
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[list[str]]:
+    plain = {(r["condition"], r["concurrency"]): r for r in rows if r["side"] == "plain"}
+    out = []
+    for r in rows:
+        base = plain.get((r["condition"], r["concurrency"]))
+        ratio = itl = "-"
+        if r["side"] == "plugin" and base:
+            if base["output_throughput"]:
+                ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}"
+            if base["median_itl_ms"]:
+                itl = f"{r['median_itl_ms'] / base['median_itl_ms']:.2f}"
+        share = r.get("padded_row_share")
+        out.append(
+            [
+                r["condition"],
+                str(r["concurrency"]),
+                r["side"],
+                f"{r['output_throughput']:.1f}",
+                f"{r['median_itl_ms']:.2f} / {r['p90_itl_ms']:.2f}",
+                f"{r['median_ttft_ms']:.1f}",
+                str(r["failed"]),
+                ratio,
+                itl,
+                "-" if share is None else f"{100 * share:.1f}%",
+                ", ".join(r.get("decode_buckets", [])) or "-",
+            ]
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-qwen3")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32]
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="prompts = rounds x concurrency")
+    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument("--sides", default=",".join(SIDES), help="plugin,plain")
+    parser.add_argument(
+        "--busy", action="store_true", help="then again with one busy process per core"
+    )
+    parser.add_argument("--omp-num-threads", type=int, help="OMP_NUM_THREADS for both servers")
+    parser.add_argument("--plain-kv-bytes", type=int, default=256 << 20)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="one more vllm serve argument"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "load")
+    args = parser.parse_args(argv)
+    if args.model == ROOT / "models" / "tiny-qwen3":
+        from build_tiny_model import build
+
+        build("qwen3", args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cores = len(os.sched_getaffinity(0))
+    load_before = os.getloadavg()[0]
+    rows = []
+    for side in args.sides.split(","):
+        if side not in SIDES:
+            parser.error(f"--sides: {side!r} is not one of {', '.join(SIDES)}")
+        rows += bench_side(args, side, cores)
+    meta = run_meta(
+        "bench_load.py",
+        argv,
+        client="vllm bench serve (streamed completions, random prompts, ignore_eos)",
+        workload=f"{args.input_len} prompt tokens, {args.output_len} output tokens",
+        servers=" ".join(server_command(args, "plugin", 0)[1:]),
+        load_average_at_start=load_before,
+        cores=cores,
+    )
+    write_results(
+        args.out,
+        meta,
+        {"rows": rows},
+        [
+            "condition",
+            "concurrency",
+            "server",
+            "output tok/s",
+            "ITL p50 / p90 ms",
+            "TTFT p50 ms",
+            "failed",
+            "tok/s vs plain",
+            "ITL p50 vs plain",
+            "padded decode rows",
+            "decode buckets (most rows)",
+        ],
+        table(rows),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
