@@ -159,6 +159,13 @@ class NeuronPlatform(Platform):
         return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
 
     @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        """vLLM's hybrid KV cache manager allocates a hybrid model's state blocks beside
+        its attention blocks (core.recurrent_state); every other model the plugin serves
+        reports one full-attention spec per layer, one group, which it leaves as it was."""
+        return True
+
+    @classmethod
     def inference_mode(cls):
         return torch.no_grad()
 

@@ -17,6 +17,12 @@ The contract (see NEURON_FINDINGS.md):
 
 Padding: pad tokens have slot -1 (write nothing) and id 0; pad batch rows have seq_id -1
 and full_context_len 0, so a backend can tell them apart without extra arguments.
+
+A hybrid model's per-sequence state (core.recurrent_state): in the block layout each row
+names, per state layer, the vLLM block its state is read from (-1: it starts from zeros)
+and the block it is left in (`state_slots`, from the blocks the request owns in its
+state layers' KV cache groups); in the contiguous layout the sequence slot is the state
+slot and nothing more is passed.
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ class ForwardInputs:
     # [1, active] int64, a context encoding that asks for prompt logprobs only: the
     # prompt token each position scores, core.prompt_logprobs.NO_TARGET where none.
     prompt_targets: np.ndarray | None = None
+    # [batch, 2, state layers] int64, a hybrid model's block layout only: each row's
+    # state slot to read per state layer (-1: zeros, a sequence's start) and to write
+    # (-1 for pad rows); see `state_slots`.
+    state_slots: np.ndarray | None = None
 
     @property
     def draft_budget(self) -> np.ndarray:
@@ -204,6 +214,37 @@ def _adapter_slots(
     return slots
 
 
+def state_slots(
+    group_blocks: Sequence[Sequence[int]],
+    layer_groups: Sequence[int],
+    computed: int,
+    end: int,
+    block_size: int,
+) -> np.ndarray:
+    """[2, state layers]: where a request's state is read from and left, per state layer
+    (in the group `layer_groups` names), for a call computing its tokens [computed, end)
+    from the blocks it owns in each state group (`group_blocks`, vLLM's block ids of the
+    group, one per `block_size` positions). As vLLM's GPU runner reads them
+    (v1/worker/mamba_utils.py preprocess_mamba): the state after position p lives in the
+    block holding p, so a call starts from the block of its first computed token's
+    predecessor (none at the start: zeros) and leaves the state in the block of its last
+    token; with one block per request ('none' mode, block_size = max_model_len) both are
+    that block. vLLM's null block 0 is never a real state: reading it raises."""
+    read_column = (computed - 1) // block_size
+    write_column = (end - 1) // block_size
+    groups = np.full((2, len(group_blocks)), -1, dtype=np.int64)
+    for g, blocks in enumerate(group_blocks):
+        if computed > 0:
+            groups[0, g] = blocks[read_column]
+        groups[1, g] = blocks[write_column]
+    if computed > 0 and (groups[0] <= 0).any():
+        raise RuntimeError(
+            f"a request's state at position {computed - 1} is in vLLM's null block "
+            f"(state blocks {[list(b) for b in group_blocks]}); please report this"
+        )
+    return groups[:, list(layer_groups)]
+
+
 def context_encoding_inputs(
     settings: NeuronSettings,
     context_ids: np.ndarray,
@@ -211,9 +252,12 @@ def context_encoding_inputs(
     seq_id: int,
     block_ids: Sequence[int] | None,
     adapter_slot: int = 0,
+    state: np.ndarray | None = None,
 ) -> ForwardInputs:
     """One prefill (batch 1) of tokens [start, len(context_ids)) of a request, whose
-    first `start` tokens are already in the KV cache (a prefix hit or earlier chunks).
+    first `start` tokens are already in the KV cache (a prefix hit or earlier chunks);
+    `state` [2, state layers]: a hybrid model's state slots in the block layout
+    (`state_slots`).
 
     In the block layout NxDI routes a call whose input_ids have one column to its
     token-generation graph (model_base._get_model_outputs: context encoding needs more
@@ -228,6 +272,7 @@ def context_encoding_inputs(
             np.array([seq_id], dtype=np.int64),
             [block_ids or []],
             adapter_slots=[adapter_slot],
+            state=None if state is None else state[None],
         )
     bucket = context_encoding_bucket(settings, count, start)
     active = bucket[0]
@@ -253,6 +298,7 @@ def context_encoding_inputs(
         num_real=1,
         context_ids=context_ids,
         adapter_slots=_adapter_slots(settings, 1, [adapter_slot]),
+        state_slots=None if state is None else np.asarray(state, dtype=np.int64)[None],
     )
 
 
@@ -277,10 +323,12 @@ def token_generation_inputs(
     budget: np.ndarray | None = None,
     logits: bool = False,
     adapter_slots: np.ndarray | Sequence[int] | None = None,
+    state: np.ndarray | None = None,
 ) -> ForwardInputs:
     """One decode batch: row i generates from token_ids[i] at positions[i] (with the
     adapter in slot adapter_slots[i], LoRA on); `logits`: some row needs its logits (see
-    token_generation_bucket).
+    token_generation_bucket); `state` [rows, 2, state layers]: a hybrid model's state
+    slots in the block layout (`state_slots`).
 
     With speculation row i may also accept up to budget[i] drafts (the n-gram drafts
     `drafts[i]` [num_speculative_tokens], negative where there is none; a fused draft
@@ -349,7 +397,18 @@ def token_generation_inputs(
         num_real=real,
         width=width if width > active else None,
         adapter_slots=_adapter_slots(settings, rows, adapter_slots),
+        state_slots=_padded_state(state, rows),
     )
+
+
+def _padded_state(state: np.ndarray | None, rows: int) -> np.ndarray | None:
+    """[rows, 2, state layers]: the given rows' state slots, -1 for the pad rows."""
+    if state is None:
+        return None
+    state = np.asarray(state, dtype=np.int64)
+    padded = np.full((rows, *state.shape[1:]), -1, dtype=np.int64)
+    padded[: state.shape[0]] = state
+    return padded
 
 
 def padding_inputs(settings: NeuronSettings, phase: str, shape: tuple[int, ...]) -> ForwardInputs:

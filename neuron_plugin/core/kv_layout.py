@@ -50,10 +50,23 @@ def resolve_kv_layout(limits: EngineLimits, override: Mapping[str, Any]) -> tupl
     return CONTIGUOUS, "prefix caching and chunked prefill off"
 
 
-def required_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+def required_blocks(
+    max_num_seqs: int, max_model_len: int, block_size: int, state_blocks: int = 0
+) -> int:
     """Blocks for `max_num_seqs` full-length sequences plus vLLM's null block
-    (true ceiling division: a partial last block is still a block)."""
-    return max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    (true ceiling division: a partial last block is still a block); a hybrid model's
+    sequence also holds `state_blocks` blocks of state (`state_blocks_per_seq`)."""
+    return max_num_seqs * (math.ceil(max_model_len / block_size) + state_blocks) + 1
+
+
+def state_blocks_per_seq(limits: EngineLimits, kv_layout: str) -> int:
+    """The state blocks one sequence of a hybrid model holds in the block layout (none in
+    the contiguous one: its state slot is its sequence slot): one per state group, two
+    with prefix caching (vLLM's 'align' mode keeps the previous block's state while the
+    next one is written, MambaSpec.max_memory_usage_bytes)."""
+    if limits.state is None or kv_layout == CONTIGUOUS:
+        return 0
+    return limits.state.groups() * (2 if limits.enable_prefix_caching else 1)
 
 
 def resolve_blocks(
@@ -91,18 +104,21 @@ def resolve_blocks(
             f"num_gpu_blocks_override={override_blocks}; both count the same blocks "
             f"(including vLLM's null block), so set one of them."
         )
-    needed = required_blocks(limits.max_num_seqs, limits.max_model_len, block_size)
+    state_blocks = state_blocks_per_seq(limits, kv_layout)
+    needed = required_blocks(limits.max_num_seqs, limits.max_model_len, block_size, state_blocks)
     given = pa_num_blocks if pa_num_blocks is not None else override_blocks
     if given is None:
         return block_size, needed
     if given < needed:
         per_seq = math.ceil(limits.max_model_len / block_size)
         name = "pa_num_blocks" if pa_num_blocks is not None else "num_gpu_blocks_override"
+        state = f" + {state_blocks} state blocks" if state_blocks else ""
         raise NeuronConfigError(
             f"{name}={given} is too small: max_num_seqs={limits.max_num_seqs} sequences "
             f"of max_model_len={limits.max_model_len} tokens need "
-            f"{limits.max_num_seqs} x ceil({limits.max_model_len}/{block_size})="
-            f"{limits.max_num_seqs * per_seq} blocks plus vLLM's null block = {needed}; "
-            f"set {name} >= {needed} or lower max_num_seqs / max_model_len."
+            f"{limits.max_num_seqs} x (ceil({limits.max_model_len}/{block_size}){state})="
+            f"{limits.max_num_seqs * (per_seq + state_blocks)} blocks plus vLLM's null "
+            f"block = {needed}; set {name} >= {needed} or lower max_num_seqs / "
+            f"max_model_len."
         )
     return block_size, given

@@ -16,6 +16,7 @@ from typing import Any
 
 from bucketing.fit import prefix_caching_need
 from neuron_plugin.core.quantization import Quantization
+from neuron_plugin.core.recurrent_state import StateGeometry
 from neuron_plugin.core.vision import VisionLimits
 
 CONTIGUOUS = "contiguous"
@@ -110,6 +111,9 @@ class EngineLimits:
     # ModelConfig.get_diff_sampling_param: the model's generation_config.json under
     # --generation-config auto, then --override-generation-config).
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
+    # A hybrid model's state layers (Qwen3.5's gated DeltaNet, core.recurrent_state),
+    # None for a model whose every layer attends over a KV cache.
+    state: StateGeometry | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,11 @@ class NeuronSettings:
     # Why the decode steps run in one batch size (max_num_seqs) by default; empty where
     # they get decode batch buckets (core.settings.one_batch_reason). Changes no graph.
     token_generation_batches_reason: str = ""
+    # A hybrid model's state layers (core.recurrent_state; 0: none) and the KV cache
+    # groups vLLM makes of them in the block layout (each request owns a state block per
+    # group, `state_block_size` positions each).
+    state_layers: int = 0
+    state_groups: int = 0
 
     @property
     def quantization(self) -> Quantization | None:
@@ -217,6 +226,23 @@ class NeuronSettings:
         """The fused drafter is an EAGLE or EAGLE-3 head reading the target's hidden
         states (NxDI's enable_eagle_speculation)."""
         return self.speculation_method in (EAGLE, EAGLE3)
+
+    @property
+    def state_block_size(self) -> int:
+        """Positions per state block of a hybrid model in the block layout: vLLM's
+        mamba_block_size, the KV block size with prefix caching (its 'align' mode keeps
+        the state at every block boundary), else max_model_len (its 'none' mode: one
+        block per request)."""
+        return self.block_size if self.is_prefix_caching else self.max_model_len
+
+    @property
+    def state_blocks(self) -> int:
+        """The blocks of the block layout's count that hold a hybrid model's states,
+        not KV (core.kv_layout.state_blocks_per_seq for each sequence slot)."""
+        if not self.state_layers or not self.is_block_layout:
+            return 0
+        per_group = 2 if self.is_prefix_caching else 1
+        return self.max_num_seqs * self.state_groups * per_group
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -285,11 +311,16 @@ class NeuronSettings:
                 f"({self.max_num_seqs * self.max_model_len:,} tokens); vLLM's \"KV cache "
                 f'size" line also counts its null block ({vllm_tokens:,} tokens)'
             )
-        usable = self.num_blocks - 1  # never fewer than max_num_seqs full sequences
+        usable = self.num_blocks - 1 - self.state_blocks  # >= max_num_seqs sequences
+        states = (
+            f" (and {self.state_blocks} blocks of the state layers' states)"
+            if self.state_blocks
+            else ""
+        )
         return (
-            f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}, "
-            f"{self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens at "
-            f'once; vLLM\'s "KV cache size" line also counts its null block '
+            f"{usable * self.block_size:,} tokens in {usable} blocks of {self.block_size}"
+            f"{states}, {self.max_num_seqs} sequences of up to {self.max_model_len:,} tokens "
+            f'at once; vLLM\'s "KV cache size" line also counts its null block '
             f"({vllm_tokens:,} tokens)"
         )
 

@@ -363,6 +363,8 @@ def resolve_settings(
         )
     if prompt_k is not None and backend == "nxd":
         refuse_last_token_only(override)
+    if limits.state is not None:
+        _refuse_for_state_layers(limits, method, prompt_k)
     # Refused here, with the arithmetic, rather than when the last engine starts.
     rank_cores = (
         ()
@@ -422,10 +424,38 @@ def resolve_settings(
         max_cpu_loras=lora.max_cpu_loras,
         lora_options=dict(lora.nxd_options or {}),
         vision_buckets=resolve_vision_buckets(override, limits.vision),
+        state_layers=len(limits.state.layers) if limits.state else 0,
+        state_groups=limits.state.groups() if limits.state else 0,
     )
     if backend == "nxd":
         refuse_what_the_cpu_mode_cannot_run(settings)
     return settings
+
+
+def _refuse_for_state_layers(
+    limits: EngineLimits, method: str | None, prompt_k: int | None
+) -> None:
+    """What a hybrid model's per-sequence state (core.recurrent_state) does not serve
+    yet, refused by flag: a speculative step computes positions past those it keeps,
+    and the state cannot be rolled back to the accepted ones; a KV connector moves KV
+    blocks, not the state; the prompt-logprob graphs take no state."""
+    arch = "a model with gated DeltaNet (state) layers"
+    if method:
+        raise NeuronConfigError(
+            f"--speculative-config (method {method}) with {arch}: a speculative step "
+            f"writes the per-sequence state past the drafts it rejects, which the state "
+            f"cannot take back; remove --speculative-config."
+        )
+    if limits.kv_transfer is not None:
+        raise NeuronConfigError(
+            f"--kv-transfer-config with {arch}: the KV connector moves KV blocks, not "
+            f"the per-sequence state of those layers; serve it without disaggregation."
+        )
+    if prompt_k is not None:
+        raise NeuronConfigError(
+            f"additional_config.{PROMPT_LOGPROBS_KEY}=true with {arch}: the "
+            f"prompt-logprob graphs take no per-sequence state; drop {PROMPT_LOGPROBS_KEY}."
+        )
 
 
 def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
@@ -456,6 +486,16 @@ def engine_updates(settings: NeuronSettings) -> tuple[EngineUpdate, ...]:
             "parallel_config", "worker_cls", WORKER_CLS, "the Neuron worker drives the backend"
         ),
     ]
+    if settings.state_layers and settings.is_block_layout:
+        updates.append(
+            EngineUpdate(
+                "cache_config",
+                "mamba_block_size",
+                settings.state_block_size,
+                "a hybrid model's state blocks: one per block of positions with prefix "
+                "caching (vLLM's 'align' mode), else one per sequence (max_model_len)",
+            )
+        )
     if not settings.on_device_sampling:
         updates.append(
             EngineUpdate(

@@ -104,6 +104,10 @@ def _per_release(**sources: NxDSource) -> Mapping[str, NxDSource]:
 _GEMMA4_NXD = PluginClass(
     "neuron_plugin.backends.nxd.families.gemma4.modeling:NeuronGemma4ForCausalLM"
 )
+# NxDI has no Qwen3.5 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9).
+_QWEN3_5_NXD = Refused(
+    "NxDI has no Qwen3.5 in any release, and the plugin's own NxD class is not built yet"
+)
 _NO_MROPE = (
     "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
     "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
@@ -193,6 +197,37 @@ ROWS: tuple[ModelRow, ...] = (
         "gemma4",
         _every_release(_GEMMA4_NXD),
         tiny=("gemma4_mm",),
+        note="its text model, served with --language-model-only",
+    ),
+    ModelRow(
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5",),
+        note="gated DeltaNet layers beside gated attention",
+    ),
+    ModelRow(
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5_moe",),
+        note="gated DeltaNet layers beside gated attention",
+    ),
+    ModelRow(
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3.5 (multimodal checkpoint)",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
+        tiny=("qwen3_5_mm",),
+        note="its text model, served with --language-model-only",
+    ),
+    ModelRow(
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3.5-MoE (multimodal checkpoint)",
+        "qwen3_5",
+        _every_release(_QWEN3_5_NXD),
         note="its text model, served with --language-model-only",
     ),
     ModelRow(

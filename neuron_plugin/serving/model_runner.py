@@ -65,7 +65,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
@@ -86,6 +86,7 @@ from neuron_plugin.core.inputs import (
     token_generation_inputs,
 )
 from neuron_plugin.core.prompt_logprobs import prompt_targets, scored_positions
+from neuron_plugin.core.recurrent_state import state_geometry
 from neuron_plugin.core.sampling import SamplingInputs, on_device_refusal
 from neuron_plugin.core.seq_slots import SeqSlots
 from neuron_plugin.core.settings import NeuronSettings
@@ -98,6 +99,7 @@ from neuron_plugin.serving.kv_steps import KVTransferSteps
 from neuron_plugin.serving.observers import FinishedRequest, StepObserver
 from neuron_plugin.serving.prompt_logprobs import PromptScores
 from neuron_plugin.serving.request_errors import RunnerOutput, can_fail_requests
+from neuron_plugin.serving.state_blocks import StateBlocks
 from neuron_plugin.serving.steps import AsyncStepOutput, BackendCall, PendingStep
 
 logger = plugin_logger(__name__)
@@ -176,6 +178,9 @@ class NeuronModelRunner:
             if settings.vision_buckets
             else None
         )
+        # A hybrid model's state blocks (serving.state_blocks); None for other models.
+        geometry = state_geometry(model_config.hf_config.to_dict())
+        self.state = None if geometry is None else StateBlocks(settings, geometry)
 
     # -- KV cache spec -------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -190,9 +195,26 @@ class NeuronModelRunner:
             head_size=model_config.get_head_size(),
             dtype=getattr(torch, self.settings.dtype),
         )
+        if self.state is not None:  # a hybrid model: its state layers' too
+            return self.state.kv_cache_spec(spec)
         return {
             f"model.layers.{i}.self_attn": spec for i in range(self.hf_config.num_hidden_layers)
         }
+
+    def bind_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """vLLM's KV cache groups: where a hybrid model's state blocks are."""
+        if self.state is not None:
+            self.state.bind(kv_cache_config)
+
+    def _attention_blocks(self, state: CachedRequestState) -> list[int]:
+        """The request's blocks of the attention layers' KV cache group."""
+        return state.block_ids[self.state.attention_group if self.state else 0]
+
+    def _state_slots(self, state: CachedRequestState, computed: int, end: int) -> np.ndarray | None:
+        """A hybrid model's state slots for a block-layout call of [computed, end)."""
+        if self.state is None or not self.settings.is_block_layout:
+            return None
+        return self.state.slots(state.block_ids, computed, end)
 
     # -- request state -------------------------------------------------------------
     def _new_state(self, data) -> CachedRequestState:
@@ -510,11 +532,19 @@ class NeuronModelRunner:
                     [self._seq_id(s, int(i)) for s, i in zip(states, rows, strict=True)],
                     dtype=np.int64,
                 ),
-                [s.block_ids[0] for s in states] if self.settings.is_block_layout else None,
+                [self._attention_blocks(s) for s in states]
+                if self.settings.is_block_layout
+                else None,
                 drafts,
                 budget,
                 logits=step.sampling is None or bool(step.sampling.needs_logits[rows].any()),
                 adapter_slots=slots[rows],
+                state=_stacked(
+                    [
+                        self._state_slots(s, int(p), int(p) + 1)
+                        for s, p in zip(states, positions, strict=True)
+                    ]
+                ),
             )
             if self.images is not None:
                 inputs = self.images.decode([req_ids[i] for i in rows], inputs)
@@ -534,8 +564,9 @@ class NeuronModelRunner:
                 batch.token_ids_cpu[index, : start + count],
                 start,
                 self._seq_id(state, int(index)),
-                state.block_ids[0],
+                self._attention_blocks(state),
                 adapter_slot=int(slots[index]),
+                state=self._state_slots(state, start, start + count),
             )
             inputs = self._prompt_targets(state, inputs)
             if self.prompt_scores.wants(state.req_id) and start + count >= state.num_prompt_tokens:
@@ -661,6 +692,12 @@ class NeuronModelRunner:
         """The drafts for the requests' next step (vLLM calls this after each step with
         speculative decoding), once."""
         return self.drafts.take()
+
+
+def _stacked(rows: list[np.ndarray | None]) -> np.ndarray | None:
+    """Each row's state slots as one [rows, 2, state layers] array (None without)."""
+    present = [row for row in rows if row is not None]  # a model's rows all have them or none
+    return np.stack(present) if present else None
 
 
 def _accepted(tokens: np.ndarray, inputs: ForwardInputs, host: np.ndarray) -> int:

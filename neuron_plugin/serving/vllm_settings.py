@@ -39,6 +39,7 @@ from neuron_plugin.core.memory import (
 from neuron_plugin.core.neuron_settings import FUSED_METHODS, KVTransferLimits
 from neuron_plugin.core.prompt_logprobs import PROMPT_LOGPROBS_KEY
 from neuron_plugin.core.quantization import Quantization, quantized_weight_bytes
+from neuron_plugin.core.recurrent_state import state_geometry
 from neuron_plugin.core.sampling import DISABLED_ENV as SAMPLING_DISABLED_ENV
 from neuron_plugin.core.sampling import EXACT_SAMPLING_KEY
 from neuron_plugin.core.settings import (
@@ -122,6 +123,7 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         max_logprobs=model.max_logprobs,
         logprobs_mode=str(model.logprobs_mode),
         default_sampling=dict(model.get_diff_sampling_param()),
+        state=state_geometry(model.hf_config.to_dict()),
     )
 
 

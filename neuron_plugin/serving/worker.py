@@ -232,6 +232,7 @@ class NeuronWorker(WorkerBase):
                 f"--num-gpu-blocks-override {self.settings.num_blocks} or remove "
                 f"conflicting overrides."
             )
+        self._runner().bind_kv_cache(kv_cache_config)
         if self.vllm_config.kv_transfer_config is not None:
             self._start_kv_transfer(kv_cache_config)
 

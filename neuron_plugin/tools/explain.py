@@ -341,6 +341,7 @@ def build_report(
             "kv_heads": kv_heads_report(hf_config, settings.tp_degree),
             **memory.to_dict(),
         },
+        "state": state_report(settings, hf_config, memory),
         "speculation": speculation_report(settings),
         "lora": lora_report(settings, model),
         "data_parallel": {
@@ -352,6 +353,50 @@ def build_report(
         "warnings": problems + warnings_for(settings, memory, instance),
         "notes": notes_for(settings, *host) + logits_notes(settings, hf_config),
         "settings": settings.to_dict(),
+    }
+
+
+def state_report(
+    settings: NeuronSettings, hf_config: dict, memory: MemoryEstimate
+) -> dict[str, Any] | None:
+    """A hybrid model's state layers (core.recurrent_state): which layers keep a state
+    instead of a KV cache, what one sequence's state takes, where vLLM keeps it (None for
+    a model without state layers)."""
+    from neuron_plugin.core.memory import state_sequences
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    geometry = state_geometry(hf_config)
+    if geometry is None:
+        return None
+    block = settings.is_block_layout
+    return {
+        "layers": list(geometry.layers),
+        "attention_layers": list(geometry.attention_layers),
+        "conv_shape": list(geometry.conv_shape),
+        "recurrent_shape": list(geometry.recurrent_shape),
+        "bytes_per_sequence_per_core": memory.state_bytes_per_sequence_per_core,
+        "sequences": state_sequences(settings),
+        "per_core_bytes": memory.state_per_core_bytes,
+        "groups": settings.state_groups if block else None,
+        "block_size": settings.state_block_size if block else None,
+        "mamba_cache_mode": ("align" if settings.is_prefix_caching else "none") if block else None,
+        "summary": (
+            f"{len(geometry.layers)} of {geometry.num_layers} layers keep a state instead "
+            f"of a KV cache, {human_size(memory.state_bytes_per_sequence_per_core)} a "
+            f"sequence per NeuronCore whatever its length; "
+            + (
+                f"in vLLM's hybrid KV cache, the state layers in {settings.state_groups} "
+                f"groups: a state block per group and sequence"
+                + (
+                    f", at every {settings.state_block_size} positions with prefix caching "
+                    f"('align': the last full block's kept while the next is written)"
+                    if settings.is_prefix_caching
+                    else " ('none')"
+                )
+                if block
+                else "a state slot per sequence slot, beside its KV cache line"
+            )
+        ),
     }
 
 

@@ -118,12 +118,27 @@ def render(report: dict[str, Any]) -> str:
         *([f"vision buckets   {buckets['vision']} patches per image"] if buckets["vision"] else []),
         f"graphs           {graphs['total']} ({_graph_counts(graphs)})",
         f"memory/core      weights {human_size(mem['weights_per_core_bytes'])} + KV cache "
-        f"{human_size(mem['kv_cache_per_core_bytes'])} of "
+        f"{human_size(mem['kv_cache_per_core_bytes'])}"
+        + (
+            f" + state {human_size(mem['state_per_core_bytes'])}"
+            if mem.get("state_per_core_bytes")
+            else ""
+        )
+        + " of "
         f"{human_size(mem['device_memory_per_core_bytes'])} HBM per NeuronCore of "
         f"{mem['instance_type']} ({mem['instance_source']}); TP {mem['tp_degree']} of "
         f"{mem['instance_cores']} cores",
         f"KV heads/core    {mem['kv_heads']['summary']}; "
         f"{human_size(mem['kv_bytes_per_token_per_core'])} of KV per token per NeuronCore",
+        *(
+            [
+                f"state/core       {report['state']['summary']}; "
+                f"{human_size(mem['state_per_core_bytes'])} for "
+                f"{report['state']['sequences']} at once"
+            ]
+            if report.get("state")
+            else []
+        ),
         f"engines          {_engines_line(report['data_parallel'])}",
     ]
     if mem.get("unquantized_weights_per_core_bytes"):

@@ -57,6 +57,34 @@ _GEMMA4 = {
     },
 }
 
+# Qwen3.5's text model (families/qwen3_5.py) at test sizes: six layers, gated DeltaNet
+# linear attention (2 key heads, 4 value heads of 32, a 4-tap causal convolution) beside
+# gated full attention every third layer (4 query heads with their output gate, 2 KV
+# heads, RoPE on a quarter of the head: partial_rotary_factor 0.25), norms of (1 +
+# weight). Six layers, two of them full: vLLM groups the state layers two to a group, as
+# it groups the Hub's models (16 full, 48 linear in 27B: three state groups of 16).
+_QWEN3_5 = {
+    **_SMALL,
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 6,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+
 # Small but structurally faithful: head_dim 64, GQA (2 KV heads for 4 query heads).
 ARCHITECTURES: dict[str, dict] = {
     "llama": {
@@ -254,6 +282,18 @@ ARCHITECTURES: dict[str, dict] = {
         "top_k_experts": 2,
         "moe_intermediate_size": 64,
         "hidden_size_per_layer_input": 0,
+    },
+    "qwen3_5": dict(_QWEN3_5),
+    # Qwen3.5-MoE (as 35B-A3B): every layer's MLP a MoE block of 4 experts, top 2,
+    # renormalised, beside a shared expert scaled by its sigmoid gate.
+    "qwen3_5_moe": {
+        **{k: v for k, v in _QWEN3_5.items() if k != "intermediate_size"},
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
     },
     "dbrx": {
         "architectures": ["DbrxForCausalLM"],

@@ -503,11 +503,45 @@ def _write_gemma4_mm(
         (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
 
 
+def _write_qwen3_5_mm(
+    out: Path, wanted: dict[str, Any], seed: int, vocab_size: int, max_positions: int
+) -> None:
+    """Qwen3_5ForConditionalGeneration, as the Hub ships Qwen3.5's dense models, with
+    `qwen3_5`'s text model and a one-block vision tower, saved with the Hub's names
+    (model.language_model.*, model.visual.*): served text-only (--language-model-only)."""
+    from transformers import AutoConfig
+
+    tokenizer = _vlm_tokenizer(vocab_size, CHAT_TEMPLATE, ())
+    fields = {k: v for k, v in ARCHITECTURES["qwen3_5"].items() if k != "perturb"}
+    fields.pop("architectures")
+    fields["model_type"] = "qwen3_5_text"
+    text = _vlm_text_config(fields, tokenizer, max_positions)
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": text["hidden_size"],
+        "num_position_embeddings": 64,
+    }
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype="float32",
+        initializer_range=0.08,
+    )
+    with _saving_vlm(out, config, seed, tokenizer, lambda saved: None) as staging:
+        (staging / "tiny_model_recipe.json").write_text(json.dumps(wanted, indent=2))
+
+
 # Architectures with a writer of their own (their config is not a VISION_LANGUAGE recipe).
 OWN_WRITERS: dict[str, Callable[[Path, dict[str, Any], int, int, int], None]] = {
     "pixtral": _write_pixtral,
     "llama4": _write_llama4,
     "gemma4_mm": _write_gemma4_mm,
+    "qwen3_5_mm": _write_qwen3_5_mm,
 }
 
 

@@ -192,6 +192,54 @@ def test_estimate_block_layout_counts_blocks():
     assert got.weights_per_core_bytes is None and got.fraction_of_core_memory is None
 
 
+# Qwen3.5-27B's text config as the Hub's config.json states it (text_config of
+# Qwen3_5ForConditionalGeneration): 64 layers, full attention every fourth.
+QWEN3_5_27B = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
+    "num_hidden_layers": 64, "full_attention_interval": 4, "num_attention_heads": 24,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 5120,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}}
+
+
+def test_the_memory_plan_counts_a_hybrid_models_state_beside_its_kv_cache():
+    """Qwen3.5-27B: 16 full-attention layers hold the KV cache (64 KiB a token in
+    bfloat16, not the 256 KiB of 64 layers), the 48 gated DeltaNet layers a state of
+    147 MiB a sequence whatever its length (conv: 10240 channels x 3 in bfloat16;
+    recurrent: 48 heads x 128 x 128 in float32), per sequence slot (contiguous) or in
+    vLLM's state blocks (two kept a sequence with prefix caching); the block layout's
+    capacity leaves those blocks out."""
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    state = state_geometry(QWEN3_5_27B)
+    per_sequence = 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+    assert state is not None and state.groups() == 3
+    for cached in (False, True):
+        settings = resolve_settings(
+            limits(tp_degree=1, max_num_seqs=4, max_model_len=32768, state=state,
+                   enable_prefix_caching=cached, enable_chunked_prefill=cached,
+                   block_size=256 if cached else None),
+            {}, backend="reference", architecture="Qwen3_5ForConditionalGeneration")
+        report = explain.build_report(settings, "m", QWEN3_5_27B, None,
+                                      INSTANCE_TYPES["trn2.3xlarge"], "x", (None, "x"))
+        memory, summary = report["memory"], report["state"]
+        assert memory["kv_bytes_per_token_per_core"] == 2 * 16 * 4 * 256 * 2
+        assert memory["state_bytes_per_sequence_per_core"] == per_sequence
+        assert summary["sequences"] == (8 if cached else 4)
+        assert memory["state_per_core_bytes"] == summary["sequences"] * per_sequence
+        assert summary["layers"] == [i for i in range(64) if i % 4 != 3]
+        if cached:  # three state groups, two blocks each a sequence, beside 4 x 128 blocks
+            assert settings.num_blocks == 4 * (128 + 3 * 2) + 1
+            # the attention blocks and vLLM's null block
+            per_token = 2 * 16 * 4 * 256 * 2
+            assert memory["kv_cache_per_core_bytes"] == per_token * (4 * 32768 + 256)
+            assert (summary["groups"], summary["mamba_cache_mode"]) == (3, "align")
+            assert "(and 24 blocks of the state layers' states)" in settings.capacity()
+        else:
+            assert memory["kv_cache_per_core_bytes"] == 2 * 16 * 4 * 256 * 2 * 4 * 32768
+        assert "48 of 64 layers keep a state instead of a KV cache, 146.8 MiB a sequence" in (
+            explain.render(report))
+
+
 # -- explain-config -----------------------------------------------------------------------
 def test_build_report_warns_about_memory_and_refuses_too_few_cores():
     settings = nxd_settings(max_num_seqs=32)

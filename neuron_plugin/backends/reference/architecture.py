@@ -87,6 +87,9 @@ class Architecture:
     spec_fields: SpecFields | None = None
     # RoPE parameters per layer type where the config has none (Gemma 4's defaults)
     default_rope: Mapping[str, Mapping[str, Any]] | None = None
+    # RoPE rotates this share of each head where the config says no
+    # partial_rotary_factor (Qwen3.5's 0.25); None: the config's, or the whole head
+    partial_rotary: float | None = None
     # the family's own graph (a decoder.DecoderGraph subclass) and its weight inputs
     # (decoder.weight_sources' form), where its layers are not the generic decoder's
     graph: type[DecoderGraph] | None = None

@@ -25,6 +25,7 @@ from neuron_plugin.backends.reference.architecture import (
     UnsupportedModelError,
 )
 from neuron_plugin.core.checkpoint import text_config
+from neuron_plugin.core.recurrent_state import StateGeometry
 
 __all__ = [
     "CHUNKED",
@@ -84,6 +85,9 @@ class DecoderSpec:
     kv_rows: tuple[int, ...] = ()
     per_layer_input: int = 0  # Gemma 4's per-layer embeddings' width (0: none)
     values_from_keys: tuple[bool, ...] = ()  # Gemma 4's attention_k_eq_v, per layer
+    # A hybrid model's state layers (Qwen3.5's gated DeltaNet, core.recurrent_state);
+    # None: every layer attends over a KV cache
+    state: StateGeometry | None = None
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -160,7 +164,7 @@ class DecoderSpec:
             arch=arch,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=int(config.get("intermediate_size") or 0),  # none: MoE only
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
@@ -248,6 +252,10 @@ def rope_parameters(config: dict, spec: DecoderSpec, layer_type: str) -> dict[st
     else:
         params = dict(config.get("rope_scaling") or {})
     params.setdefault("rope_theta", config.get("rope_theta", spec.arch.default_rope_theta))
+    if spec.arch.partial_rotary is not None:  # RoPE on the head's first share (Qwen3.5)
+        params.setdefault(
+            "partial_rotary_factor", config.get("partial_rotary_factor", spec.arch.partial_rotary)
+        )
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] == "mrope":  # M-RoPE's frequencies are the default ones
         params["rope_type"] = "default"
@@ -275,6 +283,9 @@ def _inv_freq(
 ) -> tuple[torch.Tensor, float]:
     rope_type, theta = params["rope_type"], params["rope_theta"]
     if rope_type in ("default", "linear"):
+        # the rotary share of the head (transformers' default RoPE with
+        # partial_rotary_factor: frequencies over that width only)
+        head_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (theta**exponents)
         return (inv_freq / params["factor"] if rope_type == "linear" else inv_freq), 1.0

@@ -16,6 +16,14 @@ A vision-language model (core.vision) adds one vision-tower graph per vision buc
 (`vision`), whose weights are inputs too; `encode_image` pads an image's patches to its
 bucket and returns only its real embeddings.
 
+A hybrid model (Qwen3.5's gated DeltaNet layers, core.recurrent_state) also holds each
+state layer's per-sequence state, its conv and recurrent state tensors mutated by the
+graphs like the KV cache: in the contiguous layout a state slot per sequence slot
+(slot = seq_id, the extra slot max_num_seqs takes padding rows), in the block layout a
+state slot per vLLM block id (the block a request owns in its state layer's KV cache
+group; block 0, vLLM's null block, takes padding rows), named per row by the call's
+`state_slots` (core.inputs).
+
 With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
 zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
 so adapters come and go without recompiling and a compiled graph never holds one.
@@ -77,6 +85,7 @@ from neuron_plugin.backends.reference.speculative import (
     FusedDraftGraph,
     VerifyGraph,
 )
+from neuron_plugin.backends.reference.states import States
 from neuron_plugin.backends.reference.vision import Tower, vision_tower
 from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
 from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
@@ -159,6 +168,10 @@ class ReferenceBackend(InlineCalls):
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # a hybrid model's per-sequence state (None for other models)
+        self.states = (
+            None if self.spec.state is None else States(settings, self.spec.state, self.dtype)
+        )
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -191,6 +204,7 @@ class ReferenceBackend(InlineCalls):
                 # absent without LoRA / quantization, so other records stay put
                 **({"lora_slots": self._lora_shapes()} if self.lora else {}),
                 **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
+                **({"state_slots": self.states.slots} if self.states else {}),
             },
         )
 
@@ -344,6 +358,7 @@ class ReferenceBackend(InlineCalls):
             kwargs={
                 **self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
                 **self._vision_decoder_inputs(graph.phase, positions, None, None, None),
+                **(self.states.inputs(None, batch) if self.states else {}),
             },
         )
 
@@ -370,15 +385,19 @@ class ReferenceBackend(InlineCalls):
         self.k_cache = k_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self.v_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self._empty_lora_slots()
+        if self.states is not None:
+            self.states.load()
         if self.draft is not None:
             self.draft.load(self.num_slots, self.dtype)
         logger.info(
-            "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots (%.1f MiB)",
+            "reference backend: loaded %d graphs from %s; KV cache %s layout, %d slots "
+            "(%.1f MiB)%s",
             len(self.graphs),
             folder,
             self.settings.kv_layout,
             self.num_slots,
             2 * k_cache.numel() * k_cache.element_size() / 2**20,
+            "" if self.states is None else f"; {self.states.describe()}",
         )
 
     # -- run -------------------------------------------------------------------------
@@ -452,6 +471,7 @@ class ReferenceBackend(InlineCalls):
                     inputs.vision_embeddings,
                     inputs.vision_mask,
                 ).values(),
+                *(self.states.inputs(inputs, len(inputs.seq_ids)) if self.states else {}).values(),
             )
         outputs = list(out) if isinstance(out, tuple) else [out]
         scored = None

@@ -45,6 +45,13 @@ the mask is set (zeros and False in a call without images); Qwen3-VL's further h
 values per DeepStack level are added to the output of layer 0, 1, ... there.
 Their vision towers are graphs of their own (`vision`).
 
+A hybrid model's graphs (Qwen3.5's gated DeltaNet layers, core.recurrent_state) also
+take each state layer's per-sequence state, mutated in place like the KV cache:
+conv_state [state layers, state slots, conv channels, kernel - 1] (the model's dtype) and
+recurrent_state [state layers, state slots, value heads, key dim, value dim] (float32),
+and state_slots [batch, 2, state layers]: the slot each row's state is read from (-1: it
+starts from zeros, a new sequence) and the slot it is left in (`StateStep`).
+
 Speculative decoding's graphs (`speculative`) are built from the same pieces (`hidden`,
 `head`).
 """
@@ -74,8 +81,9 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 # graphs of earlier code are cache misses (2: values of unseen key positions zeroed;
 # 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
 # 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: K and V gathered
-# by whole rows and never copied per head group, `attend`).
-COMPUTATION = 5
+# by whole rows and never copied per head group, `attend`; 6: hybrid models' state
+# inputs).
+COMPUTATION = 6
 
 __all__ = [
     "DecoderGraph",
@@ -272,10 +280,14 @@ class DecoderGraph(nn.Module):
         vision_mask: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
         prompt_k: int = 0,
+        state_slots: torch.Tensor | None = None,
+        conv_state: torch.Tensor | None = None,
+        recurrent_state: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The last real token's logits (and with a sampler its token); with
         `prompt_targets` [batch, active] also every position's prompt logprobs at
-        `prompt_k` (backends.prompt_logprobs), appended to the answer."""
+        `prompt_k` (backends.prompt_logprobs), appended to the answer; a hybrid model's
+        state inputs as the module docstring says."""
         w = self.named(weights)
         vision = None
         if vision_embeddings is not None and vision_mask is not None:
@@ -295,6 +307,9 @@ class DecoderGraph(nn.Module):
             adapt,
             rope_positions,
             vision,
+            state=None
+            if state_slots is None or conv_state is None or recurrent_state is None
+            else (state_slots, conv_state, recurrent_state),
         )
         logits = self.head(w, x[torch.arange(x.shape[0]), last_index])
         scores = (
@@ -367,6 +382,7 @@ class DecoderGraph(nn.Module):
         lora: list[Adapt] | None = None,
         rope_positions: torch.Tensor | None = None,
         vision: tuple[torch.Tensor, torch.Tensor] | None = None,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states [batch, active, hidden] of every input token,
         each token's keys and values written to its cache slot first; `lora`: per layer,
@@ -374,7 +390,8 @@ class DecoderGraph(nn.Module):
         rotates by `rope_positions` [3, batch, active], and `vision` (embeddings
         [batch, active, hidden x (1 + DeepStack levels)], mask [batch, active]) replaces
         the token embeddings where the mask is set (transformers' masked_scatter of the
-        image features), its DeepStack levels added after the first layers there."""
+        image features), its DeepStack levels added after the first layers there. A
+        hybrid model's `state`: (state_slots, conv_state, recurrent_state)."""
         return self.hidden_states(
             w,
             input_ids,
@@ -387,6 +404,7 @@ class DecoderGraph(nn.Module):
             lora,
             rope_positions=rope_positions,
             vision=vision,
+            state=state,
         )[0]
 
     def hidden_states(
@@ -403,6 +421,7 @@ class DecoderGraph(nn.Module):
         rope_positions: torch.Tensor | None = None,
         vision: tuple[torch.Tensor, torch.Tensor] | None = None,
         capture: tuple[int, ...] = (),
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`hidden`, and the residual stream entering each layer of `capture` (index
         num_layers: leaving the last layer, before the final norm), in `capture`'s
@@ -426,6 +445,7 @@ class DecoderGraph(nn.Module):
             k_cache=k_cache,
             v_cache=v_cache,
             per_layer=self.per_layer_inputs(w, input_ids, x),
+            state=None if state is None else StateStep.of(state, positions, full_context_lens),
         )
         for layer in range(s.num_layers):
             if layer in capture:
@@ -553,6 +573,7 @@ class Step:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     per_layer: torch.Tensor | None = None
+    state: StateStep | None = None
 
     def mask(self, s: DecoderSpec, layer: int) -> torch.Tensor:
         return self.masks[(s.windows[layer], s.chunk(layer))]
@@ -585,6 +606,47 @@ class Step:
         )
         shape = (*self.read_slots.shape, kv_heads, head_dim)
         return keys.view(shape), values.view(shape)
+
+
+@dataclass
+class StateStep:
+    """A hybrid model's per-sequence state in one call (see the module docstring): each
+    row's slots per state layer, the state tensors, and how many of its tokens are real
+    (the rest are the bucket's padding, which must leave the state as it is)."""
+
+    read: torch.Tensor  # [batch, state layers]: slot, -1 where the state starts at zero
+    write: torch.Tensor  # [batch, state layers]: slot the new state goes to
+    conv: torch.Tensor  # [state layers, slots, conv channels, kernel - 1]
+    recurrent: torch.Tensor  # [state layers, slots, value heads, key dim, value dim]
+    tokens: torch.Tensor  # [batch] real tokens per row
+
+    @classmethod
+    def of(
+        cls,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        full_context_lens: torch.Tensor,
+    ) -> StateStep:
+        slots, conv, recurrent = state
+        # a row computes positions[0] .. full_context_len - 1; a padding row none
+        tokens = (full_context_lens - positions[:, 0]).clamp(min=0, max=positions.shape[1])
+        return cls(slots[:, 0], slots[:, 1], conv, recurrent, tokens)
+
+    def load(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """State layer `index`'s (conv [batch, channels, kernel - 1], recurrent [batch,
+        heads, key dim, value dim]) of every row: zeros where it starts anew."""
+        read = self.read[:, index]
+        fresh = (read < 0).view(-1, 1, 1)
+        slots = read.clamp(min=0)
+        conv = torch.where(fresh, 0, self.conv[index][slots])
+        recurrent = torch.where(fresh.unsqueeze(-1), 0, self.recurrent[index][slots])
+        return conv, recurrent
+
+    def store(self, index: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Every row's new state of state layer `index` into its write slot."""
+        rows = torch.full_like(self.write[:, index], index)
+        self.conv.index_put_((rows, self.write[:, index]), conv.to(self.conv.dtype))
+        self.recurrent.index_put_((rows, self.write[:, index]), recurrent.float())
 
 
 def _restricted(

@@ -25,7 +25,8 @@ shape, offset]}); the runner answers with the output arena's layout. Operations:
   A vision-language model's calls also carry vision_embeddings [rows, active, width]
   float32 (width: VisionGeometry.embedding_width, the hidden size times 1 + Qwen3-VL's
   DeepStack levels) and vision_mask [rows, active] bool (context encoding with images) and
-  rope_positions [3, rows, active] int64 (M-RoPE), ForwardInputs arrays like the others.
+  rope_positions [3, rows, active] int64 (M-RoPE), ForwardInputs arrays like the others;
+  a hybrid model's block-layout calls state_slots [rows, 2, state layers] int64.
 - "encode_image": one image's pixel_values [patches, patch_dim] float32 and grid_thw
   [3] int64; it answers its embeddings [embedding_tokens, width] float32.
 - "set_adapter": a LoRA adapter's A and B arrays (float32, per target module) for a
@@ -81,8 +82,9 @@ from neuron_plugin.core.vision import VISION_ENCODING, VisionGeometry
 # "set_adapter" (LoRA); 5: KV blocks and the KV arena (prefill/decode disaggregation);
 # 6: messages on pipes of their own, lengths capped; KVGeometry.computation; 7: the
 # vision arrays of ForwardInputs and "encode_image" (vision-language models)
-# 8: prompt_targets and the prompt logprobs of a run's answer
-PROTOCOL_VERSION = 8
+# 8: prompt_targets and the prompt logprobs of a run's answer; 9: state_slots (a hybrid
+# model's state layers, core.recurrent_state)
+PROTOCOL_VERSION = 9
 # Control messages carry settings, layouts and manifests (arrays go through the arenas).
 MAX_MESSAGE_BYTES = 16 << 20
 # Array names of a call's SamplingInputs (ForwardInputs fields never start with it).
@@ -377,6 +379,10 @@ def input_arena_bytes(
         inputs = padding_inputs(settings, graph.phase, graph.shape)
         if vision is not None:
             inputs = with_vision_arrays(inputs, vision.embedding_width)
+        if settings.state_layers and settings.is_block_layout:  # each row's state slots
+            rows = inputs.input_ids.shape[0]
+            slots = np.zeros((rows, 2, settings.state_layers), dtype=np.int64)
+            inputs = dataclasses.replace(inputs, state_slots=slots)
         _, arrays = encode_inputs(inputs)
         if graph.prompt_logprobs:  # [1, active] int64, as input_ids
             arrays["prompt_targets"] = inputs.input_ids

@@ -20,6 +20,7 @@ from neuron_plugin.backends.reference.families import (
     qwen2,
     qwen2_vl,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_vl,
 )
@@ -36,6 +37,7 @@ FAMILIES: dict[str, ModuleType] = {
         qwen3_moe,
         gemma3,
         gemma4,
+        qwen3_5,
         gpt_oss,
         qwen2_vl,
         qwen3_vl,
