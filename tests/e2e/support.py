@@ -129,9 +129,12 @@ class LoopbackProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        # The in-process engine switch is this process's own (make_llm's, and vLLM's
+        # external_launcher sets it in os.environ for good): a server starts its engine
+        # core as users' servers do.
+        env = {k: v for k, v in (os.environ if env is None else env).items() if k != IN_PROCESS}
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env if env is not None else dict(os.environ))
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

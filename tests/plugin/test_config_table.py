@@ -229,6 +229,10 @@ def clean_env(monkeypatch):
     """Only the variables a row sets; the rest of the environment is restored after."""
     for name in VLLM_NEURON_ENV:
         monkeypatch.delenv(name, raising=False)
+    # vLLM's own value (its default), recorded so that what vLLM writes there for a row
+    # (external_launcher turns in-process engines on in os.environ) is undone after it
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    monkeypatch.setenv(name, os.environ.get(name, "1"))
     return monkeypatch
 
 
