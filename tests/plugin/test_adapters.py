@@ -221,7 +221,7 @@ def test_store_holds_pins_evicts_and_fills_slots(model_dirs, lora_adapters, cach
     assert store.prepare_step({2: b}) == ({2: 2}, {})
     # c was evicted from the host: read again from its path, into a's slot (LRU)
     assert store.prepare_step({3: c}) == ({3: 1}, {}) and store.ids() == {1, 3}
-    q_a = backend.lora_slots[0]  # layer 0 q_proj A [slots, rank, in]
+    q_a = backend.lora.tensors[0]  # layer 0 q_proj A [slots, rank, in]
     want = store.read(c).a["q_proj"][0]
     torch.testing.assert_close(q_a[1, : want.shape[0]], torch.from_numpy(want))
     assert store.pin(3)
@@ -250,7 +250,7 @@ def test_reload_in_place_rewrites_the_slot_even_after_host_eviction(model_dirs, 
     assert store.add(new)
     assert store.prepare_step({1: new}) == ({1: 1}, {})
     want = store.read(new).a["q_proj"][0]
-    torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]],
+    torch.testing.assert_close(backend.lora.tensors[0][1, : want.shape[0]],
                                torch.from_numpy(want))
 
 
@@ -318,7 +318,7 @@ def test_an_evicted_adapter_is_rebuilt_from_its_verified_copy_not_its_folder(
     assert store.prepare_step({2: b, 3: c}) == ({2: 1, 3: 2}, {})  # ev in no slot either
     shutil.rmtree(ev_path)  # the folder gone: the verified copy serves
     assert store.prepare_step({1: ev})[0] == {1: 1}
-    torch.testing.assert_close(backend.lora_slots[0][1, : want.shape[0]], torch.from_numpy(want))
+    torch.testing.assert_close(backend.lora.tensors[0][1, : want.shape[0]], torch.from_numpy(want))
     # the verified copy itself changed: refused, the slot left empty, the others served
     kept = store._verified[1]
     (store.copies.folder(kept.digest) / "adapter_model.safetensors").write_bytes(b"changed")

@@ -82,7 +82,7 @@ def image(grid, seed=0, patch=14) -> ImageInputs:
 
 def model_image(backend, grid, seed=0) -> ImageInputs:
     """An image of the backend's model's patch size (Qwen3-VL's patches are 16 pixels)."""
-    return image(grid, seed, patch=int((backend.vision.patch_dim // 6) ** 0.5))
+    return image(grid, seed, patch=int((backend.images.tower.patch_dim // 6) ** 0.5))
 
 
 def transformers_visual(hf_model, pixel_values, grid_thw) -> np.ndarray:
@@ -205,7 +205,7 @@ def prefill_with_images(backend, image_token, ids, images, rope):
     active = inputs.input_ids.shape[1]
     mask = np.zeros((1, active), dtype=bool)
     mask[0, : len(ids)] = np.array(ids) == image_token
-    embeddings = np.zeros((1, active, backend.vision.embedding_width), dtype=np.float32)
+    embeddings = np.zeros((1, active, backend.images.tower.embedding_width), dtype=np.float32)
     embeddings[0, mask[0]] = np.concatenate([backend.encode_image(i) for i in images])
     rope_positions = np.zeros((3, 1, active), dtype=np.int64)
     rope_positions[:, 0, : len(ids)] = rope
@@ -373,7 +373,7 @@ def test_images_cross_the_runner_boundary(backend, hf_model, vlm, arch, sdk_pyth
         active = inputs.input_ids.shape[1]
         mask = np.zeros((1, active), dtype=bool)
         mask[0, : len(ids)] = np.array(ids) == hf_model.config.image_token_id
-        embeddings = np.zeros((1, active, backend.vision.embedding_width), dtype=np.float32)
+        embeddings = np.zeros((1, active, backend.images.tower.embedding_width), dtype=np.float32)
         embeddings[0, mask[0]] = backend.encode_image(images[0])
         rope = np.random.default_rng(0).integers(0, 40, (3, 1, active))
         inputs = dataclasses.replace(inputs, vision_embeddings=embeddings, vision_mask=mask,

@@ -13,8 +13,7 @@ The KV cache is one tensor per K and V of shape [layers, slots, kv_heads, head_d
   is vLLM's null block and takes padding writes).
 
 A vision-language model (core.vision) adds one vision-tower graph per vision bucket
-(`vision`), whose weights are inputs too; `encode_image` pads an image's patches to its
-bucket and returns only its real embeddings.
+(`image_encoder`).
 
 A hybrid model (Qwen3.5's gated DeltaNet layers, core.recurrent_state) also holds each
 state layer's per-sequence state, its conv and recurrent state tensors mutated by the
@@ -24,9 +23,8 @@ state slot per vLLM block id (the block a request owns in its state layer's KV c
 group; block 0, vLLM's null block, takes padding rows), named per row by the call's
 `state_slots` (core.inputs).
 
-With LoRA the graphs take the adapter slots (core.lora) as inputs, like the weights:
-zero at load, an adapter's weights written into a slot by `set_adapter` between calls,
-so adapters come and go without recompiling and a compiled graph never holds one.
+With LoRA the graphs take the adapter slots as inputs, like the weights (`lora_slots`);
+with a fused draft model its decoder and cache come beside the target's (`draft`).
 """
 
 from __future__ import annotations
@@ -66,6 +64,7 @@ from neuron_plugin.backends.reference.decoder import (
     rope_tables,
     weight_shapes,
 )
+from neuron_plugin.backends.reference.draft import Draft
 from neuron_plugin.backends.reference.eagle import (
     EagleDecodeGraph,
     EaglePrefillGraph,
@@ -73,6 +72,8 @@ from neuron_plugin.backends.reference.eagle import (
 )
 from neuron_plugin.backends.reference.graph_file import FORMAT as GRAPH_FORMAT
 from neuron_plugin.backends.reference.graph_file import LoadedGraph, load_graph, save_graph
+from neuron_plugin.backends.reference.image_encoder import image_encoder
+from neuron_plugin.backends.reference.lora_slots import LoraSlots
 from neuron_plugin.backends.reference.prompt_graph import PromptLogprobsGraph
 from neuron_plugin.backends.reference.quantized import (
     load_quantized_weights,
@@ -86,9 +87,6 @@ from neuron_plugin.backends.reference.speculative import (
     VerifyGraph,
 )
 from neuron_plugin.backends.reference.states import States
-from neuron_plugin.backends.reference.vision import Tower, vision_tower
-from neuron_plugin.backends.reference.vision import load_weights as load_vision_weights
-from neuron_plugin.backends.reference.vision import weight_shapes as vision_weight_shapes
 from neuron_plugin.core.adapters import BASE_SLOT, AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, safetensors_shapes
 from neuron_plugin.core.inputs import (
@@ -103,7 +101,7 @@ from neuron_plugin.core.prompt_logprobs import PromptLogprobs, scored_positions
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
-from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, vision_bucket
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs
 
 logger = plugin_logger(__name__)
 
@@ -142,11 +140,12 @@ class ReferenceBackend(InlineCalls):
             self.quantized = quantized_modules(
                 self.spec, safetensors_shapes(model_dir), self.quantization
             )
-        self.lora: LoraGeometry | None = None
+        self.lora: LoraSlots | None = None
         if settings.max_loras:
-            self.lora = LoraGeometry.from_checkpoint(
+            geometry = LoraGeometry.from_checkpoint(
                 safetensors_shapes(model_dir), self.spec.num_layers, settings.lora_target_modules
             )
+            self.lora = LoraSlots(settings, geometry, self.dtype)
         self.module = decoder_graph(
             self.spec,
             rope_tables(self.hf_config, self.spec),
@@ -160,10 +159,7 @@ class ReferenceBackend(InlineCalls):
             self.draft = EagleState(settings.speculation_method, settings.draft_model, self.module)
         elif settings.draft_model:
             self.draft = Draft(settings, self.spec)
-        self.vision = _vision_spec(settings, self.spec, self.hf_config)
-        self.vision_module = None if self.vision is None else self.vision.graph()
-        self.vision_weights: list[torch.Tensor] = []
-        self.lora_slots: list[torch.Tensor] = []
+        self.images = image_encoder(settings, self.spec, self.hf_config, self.model_dir, self.dtype)
         self.graphs: dict[tuple[str, tuple[int, ...], bool], LoadedGraph] = {}
         self.weights: list[torch.Tensor] = []
         self.k_cache: torch.Tensor | None = None
@@ -202,34 +198,31 @@ class ReferenceBackend(InlineCalls):
                 "computation": COMPUTATION,
                 "draft_architecture": self.draft.architecture if self.draft else None,
                 # absent without LoRA / quantization, so other records stay put
-                **({"lora_slots": self._lora_shapes()} if self.lora else {}),
+                **({"lora_slots": self.lora.shapes()} if self.lora else {}),
                 **({"quantized_modules": sorted(self.quantized)} if self.quantized else {}),
                 **({"state_slots": self.states.slots} if self.states else {}),
             },
         )
 
-    def _empty_lora_slots(self) -> None:
-        """Every adapter slot zero (the base model's), for compiling and at load."""
-        if self.lora is not None:
-            self.lora_slots = [torch.zeros(s, dtype=self.dtype) for s in self._lora_shapes()]
-
-    def _lora_shapes(self) -> list[list[int]]:
-        """The adapter slot tensors' shapes, in the graphs' `lora_weights` order: per
-        layer, per target module, A [slots, rank, in] then B [slots, out, rank]."""
-        assert self.lora is not None
-        slots, rank = self.settings.lora_slots, self.settings.max_lora_rank
-        shapes = []
-        for _ in range(self.lora.num_layers):
-            for module in self.settings.lora_target_modules:
-                in_features, out_features = self.lora.shapes[module]
-                shapes += [[slots, rank, in_features], [slots, out_features, rank]]
-        return shapes
-
     def _lora_inputs(self, adapter_slots: torch.Tensor) -> dict[str, Any]:
         """The graphs' LoRA keyword inputs (none without LoRA)."""
-        if self.lora is None:
+        return {} if self.lora is None else self.lora.inputs(adapter_slots)
+
+    def _vision_inputs(
+        self, phase: str, position_ids: np.ndarray, inputs: ForwardInputs | None = None
+    ) -> dict[str, torch.Tensor]:
+        """A vision-language model's extra decoder inputs (none for a text model)."""
+        if self.images is None:
             return {}
-        return {"lora_weights": self.lora_slots, "adapter_slots": adapter_slots}
+        if inputs is None:
+            return self.images.decoder_inputs(phase, position_ids, None, None, None)
+        return self.images.decoder_inputs(
+            phase,
+            position_ids,
+            inputs.rope_positions,
+            inputs.vision_embeddings,
+            inputs.vision_mask,
+        )
 
     def cache_manifest_fields(self) -> dict[str, Any]:
         return {
@@ -345,10 +338,8 @@ class ReferenceBackend(InlineCalls):
         self, graph: GraphSpec, weights: list[torch.Tensor]
     ) -> torch.export.ExportedProgram:
         if graph.phase == VISION_ENCODING:
-            assert self.vision_module is not None  # _vision_spec: no vision buckets otherwise
-            return torch.export.export(
-                self.vision_module, self._vision_example_inputs(graph.shape[0])
-            )
+            assert self.images is not None  # image_encoder: no vision buckets otherwise
+            return self.images.export(graph.shape[0])
         batch = 1 if graph.phase == CONTEXT_ENCODING else graph.shape[0]
         active = graph.shape[0] if graph.phase == CONTEXT_ENCODING else decode_active(self.settings)
         positions = np.zeros((batch, active), dtype=np.int64)
@@ -357,7 +348,7 @@ class ReferenceBackend(InlineCalls):
             self._example_inputs(graph, weights),
             kwargs={
                 **self._lora_inputs(torch.zeros(batch, dtype=torch.int64)),
-                **self._vision_decoder_inputs(graph.phase, positions, None, None, None),
+                **self._vision_inputs(graph.phase, positions),
                 **(self.states.inputs(None, batch) if self.states else {}),
             },
         )
@@ -366,7 +357,8 @@ class ReferenceBackend(InlineCalls):
         folder = Path(folder)
         (folder / "graphs").mkdir(parents=True, exist_ok=True)
         weights = self._weight_placeholders()
-        self._empty_lora_slots()
+        if self.lora is not None:
+            self.lora.clear()
         for graph in graph_specs(self.settings):
             save_graph(self._export(graph, weights), folder / "graphs", graph.name)
             if progress:
@@ -380,11 +372,12 @@ class ReferenceBackend(InlineCalls):
             g.key: load_graph(folder / "graphs", g.name) for g in graph_specs(self.settings)
         }
         self.weights = self._load_weights()
-        if self.vision is not None:
-            self.vision_weights = load_vision_weights(self.model_dir, self.vision, self.dtype)
+        if self.images is not None:
+            self.images.load()
         self.k_cache = k_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
         self.v_cache = torch.zeros(self._cache_shape(), dtype=self.dtype)
-        self._empty_lora_slots()
+        if self.lora is not None:
+            self.lora.clear()
         if self.states is not None:
             self.states.load()
         if self.draft is not None:
@@ -464,13 +457,7 @@ class ReferenceBackend(InlineCalls):
                 *(() if targets is None else (t(targets),)),
                 *extra,
                 *self._lora_inputs(self._row_slots(inputs)).values(),
-                *self._vision_decoder_inputs(
-                    inputs.phase,
-                    inputs.position_ids,
-                    inputs.rope_positions,
-                    inputs.vision_embeddings,
-                    inputs.vision_mask,
-                ).values(),
+                *self._vision_inputs(inputs.phase, inputs.position_ids, inputs).values(),
                 *(self.states.inputs(inputs, len(inputs.seq_ids)) if self.states else {}).values(),
             )
         outputs = list(out) if isinstance(out, tuple) else [out]
@@ -484,87 +471,15 @@ class ReferenceBackend(InlineCalls):
         return outputs[0], outputs[1] if len(outputs) > 1 else None, scored
 
     # -- vision-language models (core.vision) ------------------------------------------
-    def _vision_decoder_inputs(
-        self,
-        phase: str,
-        position_ids: np.ndarray,
-        rope_positions: np.ndarray | None,
-        embeddings: np.ndarray | None,
-        mask: np.ndarray | None,
-    ) -> dict[str, torch.Tensor]:
-        """A vision-language model's extra decoder inputs (none for a text model):
-        M-RoPE positions in both phases (every axis the KV position when the call has
-        none), and in context encoding the image embeddings and their mask (zeros and
-        False in a call without images)."""
-        if self.vision is None:
-            return {}
-        batch, active = position_ids.shape
-        if rope_positions is None:
-            rope_positions = np.broadcast_to(position_ids, (3, batch, active))
-        _check_shape("rope_positions", rope_positions, (3, batch, active))
-        out = {"rope_positions": torch.from_numpy(np.ascontiguousarray(rope_positions, np.int64))}
-        if phase != CONTEXT_ENCODING:
-            return out
-        width = self.vision.embedding_width
-        if embeddings is None or mask is None:
-            embeddings = np.zeros((batch, active, width), dtype=np.float32)
-            mask = np.zeros((batch, active), dtype=bool)
-        _check_shape("vision_embeddings", embeddings, (batch, active, width))
-        _check_shape("vision_mask", mask, (batch, active))
-        out["vision_embeddings"] = torch.from_numpy(np.ascontiguousarray(embeddings, np.float32))
-        out["vision_mask"] = torch.from_numpy(np.ascontiguousarray(mask, bool))
-        return out
-
-    def _vision_example_inputs(self, patches: int) -> tuple:
-        assert self.vision is not None
-        shapes = vision_weight_shapes(self.vision, safetensors_shapes(self.model_dir))
-        arrays = self.vision.image_inputs(np.zeros(3, dtype=np.int64), patches)
-        return (
-            [torch.zeros(shape, dtype=self.dtype) for shape in shapes],
-            torch.zeros(patches, self.vision.patch_dim),
-            *(torch.from_numpy(a) for a in arrays),
-        )
-
     def encode_image(self, image: ImageInputs) -> np.ndarray:
         """The image's embeddings [embedding_tokens, embedding_width] float32 from the
-        graph of its vision bucket: its patches padded to the bucket, the padding's rows
-        dropped (none for a padding image, core.vision.padding_image)."""
-        vision = self.vision
-        if vision is None:
+        graph of its vision bucket (image_encoder.ImageEncoder.encode)."""
+        if self.images is None:
             raise NeuronConfigError(
                 f"{self.spec.architecture} is a text model: it has no vision encoder for images"
             )
-        bucket = self._image_bucket(image, vision)
-        padded = np.zeros((bucket, vision.patch_dim), dtype=np.float32)
-        if not image.is_padding:
-            padded[: image.patches] = image.pixel_values
-        arrays = vision.image_inputs(image.grid_thw, bucket)
-        graph = self.graphs[(VISION_ENCODING, (bucket,), False)]
-        with torch.inference_mode():
-            merged = graph(
-                self.vision_weights,
-                torch.from_numpy(padded),
-                *(torch.from_numpy(a) for a in arrays),
-            )
-        return merged[: image.embedding_tokens(vision.spatial_merge_size)].float().numpy()
-
-    def _image_bucket(self, image: ImageInputs, vision: Tower) -> int:
-        """The vision bucket `image` runs in, its arrays checked."""
-        buckets = self.settings.vision_buckets
-        if image.is_padding:
-            bucket = image.pixel_values.shape[0]
-            if bucket not in buckets:
-                raise ValueError(f"a padding image of {bucket} patches: no vision bucket {buckets}")
-            return bucket
-        t, h, w = (int(n) for n in image.grid_thw)
-        merge = vision.spatial_merge_size
-        if h % merge or w % merge or t < 1:
-            raise ValueError(
-                f"image grid_thw={[t, h, w]}: height and width must be multiples of the "
-                f"spatial merge size {merge} (the model's processor makes them so)"
-            )
-        _check_shape("pixel_values", image.pixel_values, (image.patches, vision.patch_dim))
-        return vision_bucket(buckets, image.patches)
+        bucket = self.images.bucket(image)
+        return self.images.encode(image, bucket, self.graphs[(VISION_ENCODING, (bucket,), False)])
 
     def _row_slots(self, inputs: ForwardInputs) -> torch.Tensor:
         slots = inputs.adapter_slots
@@ -574,24 +489,10 @@ class ReferenceBackend(InlineCalls):
 
     # -- adapters ----------------------------------------------------------------------
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
-        """Write an adapter into slot `slot` (1..max_loras) of every slot tensor: its A
-        and B zero-padded to the slots' rank, zero for the modules it does not train.
-        Called between calls only, so no call in flight reads a half-written slot."""
+        """Write an adapter into slot `slot` between calls (lora_slots.LoraSlots.write)."""
         if self.lora is None:
             raise ValueError("set_adapter without LoRA slots (settings.max_loras is 0)")
-        if not 1 <= slot <= self.settings.max_loras:
-            raise ValueError(f"adapter slot {slot} is outside 1..{self.settings.max_loras}")
-        tensors = iter(self.lora_slots)
-        with torch.inference_mode():
-            for layer in range(self.lora.num_layers):
-                for module in self.settings.lora_target_modules:
-                    a_slots, b_slots = next(tensors), next(tensors)
-                    a_slots[slot].zero_()
-                    b_slots[slot].zero_()
-                    if module in adapter.a:
-                        rank = adapter.rank
-                        a_slots[slot, :rank] = torch.from_numpy(adapter.a[module][layer])
-                        b_slots[slot, :, :rank] = torch.from_numpy(adapter.b[module][layer])
+        self.lora.write(slot, adapter)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         sampling = (
@@ -659,69 +560,6 @@ class ReferenceBackend(InlineCalls):
         self.v_cache.index_copy_(1, slots, rows[:, 1])
 
 
-class Draft:
-    """A fused draft model (NxDI's fused speculation): its decoder, weights and KV cache,
-    which has the target's slots (see `speculative`)."""
-
-    def __init__(self, settings: NeuronSettings, target: DecoderSpec):
-        assert settings.draft_model is not None
-        self.model_dir = Path(settings.draft_model)
-        self.hf_config = read_hf_config(self.model_dir)
-        self.spec = DecoderSpec.from_hf_config(self.hf_config)
-        if self.spec.vocab_size != target.vocab_size:
-            raise NeuronConfigError(
-                f"--speculative-config model={settings.draft_model}: the draft's vocabulary "
-                f"has {self.spec.vocab_size} tokens, the target's {target.vocab_size}; a "
-                f"draft model must share the target's tokenizer and vocabulary."
-            )
-        self.module = decoder_graph(self.spec, rope_tables(self.hf_config, self.spec))
-        self.architecture = self.spec.architecture
-        self.weights: list[torch.Tensor] = []
-        self.state: tuple[torch.Tensor, ...] = ()  # its KV cache (K, V)
-
-    def placeholders(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        shapes = weight_shapes(self.spec, safetensors_shapes(self.model_dir))
-        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
-
-    def caches(self, slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
-        k_cache = torch.zeros(s.num_layers, slots, s.num_kv_heads, s.head_dim, dtype=dtype)
-        return k_cache, k_cache.clone()
-
-    def load(self, slots: int, dtype: torch.dtype) -> None:
-        self.weights = load_weights(self.model_dir, self.spec, dtype)
-        self.state = self.caches(slots, dtype)
-
-
-def _vision_spec(
-    settings: NeuronSettings, spec: DecoderSpec, hf_config: dict[str, Any]
-) -> Tower | None:
-    """A vision-language model's vision tower (None for a text model), its buckets
-    checked against it."""
-    if not spec.vision:
-        if settings.vision_buckets:
-            raise NeuronConfigError(
-                f"vision_buckets={list(settings.vision_buckets)}: {spec.architecture} has no "
-                f"vision encoder; remove vision_buckets from override_neuron_config."
-            )
-        return None
-    if settings.draft_model or settings.speculation_length:
-        raise NeuronConfigError(
-            f"{spec.architecture}: speculative decoding of a vision-language model is not "
-            f"supported by the reference backend; remove --speculative-config."
-        )
-    vision = vision_tower(hf_config)
-    odd = [n for n in settings.vision_buckets if n % vision.merge_patches]
-    if odd:
-        raise NeuronConfigError(
-            f"vision_buckets={list(settings.vision_buckets)}: {odd} are not multiples of "
-            f"{vision.merge_patches} patches (spatial_merge_size**2, the patches of one "
-            f"image embedding; Llama 4: a tile's); round them up to multiples of "
-            f"{vision.merge_patches}."
-        )
-    return vision
-
-
 # A feature a family's own graph may not take (Architecture.refuses) -> the flag it comes from.
 _FEATURE_FLAGS = {
     "lora": "--enable-lora",
@@ -746,11 +584,6 @@ def _refuse_features(settings: NeuronSettings, spec: DecoderSpec) -> None:
             f"{spec.family}.py, which has no adapter slots, int8 weights or EAGLE head "
             f"input); remove {flags}."
         )
-
-
-def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
-    if array.shape != shape:
-        raise ValueError(f"{name} has shape {list(array.shape)}; this call needs {list(shape)}")
 
 
 def _sampling_tensors(sampling: SamplingInputs) -> tuple[torch.Tensor, ...]:
