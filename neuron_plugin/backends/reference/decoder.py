@@ -19,9 +19,10 @@ Sliding-window and chunked layers keep the full-length cache line (or block tabl
 mask the keys outside the window or chunk, rather than NxDI's rolling window-sized cache:
 the same attention, a larger cache. Masked scores
 use the dtype's minimum (not -inf) so fully padded rows stay finite and never poison the
-cache with NaNs. Values at key positions no query of a row sees are zeroed before the
-probabilities multiply them: a masked weight is 0, but 0 x NaN is NaN, and a cache slot
-a row does not see holds whatever an earlier request left there (`COMPUTATION` counts
+cache with NaNs. Key positions no query of a row sees are read from a slot the row
+does see before the probabilities multiply their values: a masked weight is 0, but
+0 x NaN is NaN, and a cache slot a row does not see holds whatever an earlier request
+left there (`seen_slots`; `COMPUTATION` counts
 such changes in what a graph computes: it is part of the compile-cache key).
 
 With on-device sampling the graph also takes the call's `SamplingInputs` arrays
@@ -82,8 +83,9 @@ from neuron_plugin.core.checkpoint import canonical_tensor_name, safetensors_fil
 # 3: prompt logprobs through the vocabulary-sharded log-sum-exp, backends.prompt_logprobs;
 # 4: Qwen3-VL's and Pixtral's graphs, built on branches beside 3; 5: K and V gathered
 # by whole rows and never copied per head group, `attend`; 6: hybrid models' state
-# inputs).
-COMPUTATION = 6
+# inputs; 7: K and V gathered kv-head-major, in the layout the products read, `gather`,
+# and a row's unseen key positions read from a slot it sees, `seen_slots`).
+COMPUTATION = 7
 
 __all__ = [
     "DecoderGraph",
@@ -545,8 +547,9 @@ class DecoderGraph(nn.Module):
         elif s.temperature_tuning is not None:
             q = _tuned_temperature(q, step.positions, *s.temperature_tuning)
         step.write(layer, k, v)
-        keys, values = step.read(layer, s.num_kv_heads, s.head_dim)
-        attn = attend(s, q, keys, values, step.mask(s, layer), w.get(a + "sinks"))
+        visible = step.mask(s, layer)
+        keys, values = step.read(layer, s.num_kv_heads, s.head_dim, visible)
+        attn = attend(s, q, keys, values, visible, w.get(a + "sinks"))
         out = _with_delta(self.linear(w, a + "o_proj", attn), adapt, "o_proj", attn)
         if s.arch.gemma:  # Gemma normalises the attention output too
             out = rms_norm(norm, out, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
@@ -592,20 +595,17 @@ class Step:
                 flat = torch.cat((flat, pad), dim=-1)
             cache.index_put_((rows, self.write_slots), flat.view(-1, *cache.shape[-2:]))
 
-    def read(self, row: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache row `row`'s keys and values [batch, width, kv_heads, head_dim] at the
-        read slots."""
-        if (kv_heads, head_dim) == tuple(self.k_cache.shape[-2:]):
-            return gather(self.k_cache[row], self.read_slots), gather(
-                self.v_cache[row], self.read_slots
-            )
-        line = self.k_cache.shape[-2] * self.k_cache.shape[-1]
-        keys, values = (
-            gather(c[row].reshape(c.shape[1], line)[:, : kv_heads * head_dim], self.read_slots)
-            for c in (self.k_cache, self.v_cache)
+    def read(
+        self, row: int, kv_heads: int, head_dim: int, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache row `row`'s keys and values [batch, kv_heads, width, head_dim] at the
+        read slots (the start of each line where the layer is narrower than it), the
+        positions the layer's mask `visible` hides from a row read from one it sees."""
+        slots = seen_slots(self.read_slots, visible)
+        return (
+            gather(self.k_cache[row], slots, kv_heads, head_dim),
+            gather(self.v_cache[row], slots, kv_heads, head_dim),
         )
-        shape = (*self.read_slots.shape, kv_heads, head_dim)
-        return keys.view(shape), values.view(shape)
 
 
 @dataclass
@@ -700,11 +700,38 @@ def _with_delta(y: torch.Tensor, adapt: Adapt | None, module: str, x: torch.Tens
     return y if delta is None else y + delta
 
 
-def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The cache rows [slots, kv_heads, d] of `slots` [b, width]: [b, width, kv_heads, d],
-    `cache[slots]` copied row by row (index_select copies whole rows; indexing copies
-    element by element, several times slower)."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def seen_slots(slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`slots` [b, width] with each key position that no query of its row sees (mask
+    `visible` [b or 1, 1, 1, active, width]) pointed at one the row does see. Its
+    weight is 0, but 0 x NaN is NaN, and such a slot holds whatever an earlier request
+    left there; the row's own keys and values are finite wherever its output is. (Zeroing
+    the gathered values instead was one more pass over them per layer.)"""
+    seen = visible.any(dim=-2).reshape(visible.shape[0], -1).expand(slots.shape)
+    some = seen.to(torch.int64).max(dim=-1, keepdim=True).indices  # a seen position
+    return torch.where(seen, slots, slots.gather(1, some))
+
+
+def gather(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> torch.Tensor:
+    """The first `kv_heads` heads of `head_dim` values (the cache's own by default) of
+    each cache line [slots, line] at `slots` [b, width], kv-head-major: [b, kv_heads,
+    width, head_dim], the layout both attention products read, so neither copies K or V
+    again (transposing them after the gather was a pass over each per layer, as large as
+    the gather). Each head's values are copied as one row (index_select copies whole
+    rows; indexing copies element by element, several times slower)."""
+    kv = cache.shape[-2] if kv_heads is None else kv_heads
+    dim = cache.shape[-1] if head_dim is None else head_dim
+    line = cache.shape[-2] * cache.shape[-1]
+    if line % dim or kv * dim > line:
+        raise ValueError(f"{kv} heads of {dim} values do not tile a cache line of {line}")
+    heads = torch.arange(kv, dtype=slots.dtype).view(1, kv, 1)
+    rows = slots.unsqueeze(1) * (line // dim) + heads  # [b, kv, width]
+    picked = cache.reshape(-1, dim).index_select(0, rows.reshape(-1))
+    return picked.view(slots.shape[0], kv, slots.shape[1], dim)
 
 
 def attend(
@@ -716,20 +743,17 @@ def attend(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Grouped-query attention of q [b, active, heads, d] over keys/values
-    [b, width, kv_heads, d]; `sinks` [heads] (gpt-oss) join each softmax as one more
+    [b, kv_heads, width, d] (`gather`); `sinks` [heads] (gpt-oss) join each softmax as one more
     logit whose probability is dropped. The heads that share a KV head are stacked along
     the queries ([b, kv_heads, groups x active, d]), so K and V are not broadcast to every
     head of a group: that copied them, transposed, in each layer of each call, which cost
     more than the products themselves at decode. (torch's fused attention would need K
     zeroed at unseen slots as well as V, which costs what it saves.)"""
     batch, active = q.shape[:2]
-    width, kv, dim = keys.shape[1:]  # the layer's (Gemma 4's layer types differ)
+    kv, width, dim = keys.shape[1:]  # the layer's (Gemma 4's layer types differ)
     groups = s.num_heads // kv
     qg = q.view(batch, active, kv, groups, dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(batch, kv, groups * active, dim)
-    # [b, kv_heads, width, d], whole rows of d copied: the product takes it transposed
-    # (as gathered, [b, width, kv_heads, d], the product copied it element by element)
-    keys = keys.transpose(1, 2).contiguous()
     scores = (qg @ keys.transpose(2, 3)).view(batch, kv, groups, active, width)
     scores = softcap(scores * s.score_scale, s.attn_softcap)  # [b, kv, g, active, width]
     scores = torch.where(visible, scores, torch.finfo(q.dtype).min)
@@ -739,10 +763,8 @@ def attend(
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if sinks is not None:
         probs = probs[..., :-1]
-    # stale slots no query of the row sees: zero, so a NaN there cannot reach the output
-    seen = visible.any(dim=-2).view(visible.shape[0], -1, 1, 1)  # [b or 1, width, 1, 1]
-    values = torch.where(seen, values, 0.0)
-    out = probs.reshape(batch, kv, groups * active, width) @ values.transpose(1, 2)
+    # positions a row does not see hold its own values (seen_slots): 0 x finite
+    out = probs.reshape(batch, kv, groups * active, width) @ values
     return (
         out.view(batch, kv, groups, active, dim).permute(0, 3, 1, 2, 4).reshape(batch, active, -1)
     )

@@ -35,7 +35,13 @@ from neuron_plugin.backends.reference.architectures import (
     UnsupportedModelError,
     rope_tables,
 )
-from neuron_plugin.backends.reference.decoder import DecoderGraph, attend, gather, owned
+from neuron_plugin.backends.reference.decoder import (
+    DecoderGraph,
+    attend,
+    gather,
+    owned,
+    seen_slots,
+)
 from neuron_plugin.backends.reference.layers import rms_norm, rotate_half
 from neuron_plugin.backends.reference.mlp import mlp
 from neuron_plugin.backends.reference.sampler import sample, verify
@@ -160,8 +166,8 @@ class HeadGraph(nn.Module):
             out = attend(
                 s,
                 q,
-                gather(k_cache[layer], read_slots),
-                gather(v_cache[layer], read_slots),
+                gather(k_cache[layer], seen_slots(read_slots, visible)),
+                gather(v_cache[layer], seen_slots(read_slots, visible)),
                 visible,
                 None,
             )

@@ -161,8 +161,9 @@ class Qwen35Graph(DecoderGraph):
         q, k = (_partial_rotate(t, cos, sin) for t in (q, k))
         row = s.kv_row(layer)
         step.write(row, k, v)
-        keys, values = step.read(row, kv_heads, head_dim)
-        out = attend(s, q, keys, values, step.mask(s, layer), None)
+        visible = step.mask(s, layer)
+        keys, values = step.read(row, kv_heads, head_dim, visible)
+        out = attend(s, q, keys, values, visible, None)
         return self.linear(w, a + "o_proj", out * torch.sigmoid(gate))
 
     def _linear_attention(
