@@ -776,6 +776,18 @@ def test_kv_cache_tensors_in_vllm_neuron_order(release, tiny, tmp_path):
     assert tensors[0].shape == (4, 1, 256, 1)
 
 
+def test_gemma4_kv_blocks_are_not_transferred(tiny_model):
+    """The Gemma 4 class's packed cache rows are no blocks of [KV heads, head_dim] per
+    layer: a disaggregated server says so before reading any (the model is never read)."""
+    from neuron_plugin.backends.nxd.kv_state import NxDKVState
+    from neuron_plugin.core.checkpoint import read_hf_config
+
+    config = read_hf_config(tiny_model("gemma4"))
+    with pytest.raises(NeuronConfigError, match="Gemma 4 on the nxd backend with "
+                       "--kv-transfer-config: .* serve it without --kv-transfer-config"):
+        NxDKVState(None, settings(), True, config, "nxd")
+
+
 def test_run_returns_logits_of_the_rows_that_need_them(seam, tiny, tmp_path):
     s = settings(override={"on_device_sampling_config": {"global_topk": 8}})
     backend = loaded(s, tiny, tmp_path / "graphs")

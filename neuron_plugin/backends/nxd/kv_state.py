@@ -64,6 +64,7 @@ from neuron_plugin.backends.kv_blocks import (
     check_blocks_tensor,
     dtype_name,
 )
+from neuron_plugin.core.gemma4 import is_gemma4
 from neuron_plugin.core.kv_heads import HeadSharding, model_head_sharding
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -135,6 +136,14 @@ class NxDKVState:
         self.settings = settings
         self.on_cpu = on_cpu
         self.computation = computation  # how the values are computed (KVGeometry)
+        if is_gemma4(hf_config):
+            raise NeuronConfigError(
+                "Gemma 4 on the nxd backend with --kv-transfer-config: the plugin's Gemma 4 "
+                "class packs each writing layer's keys and values into cache rows of its "
+                "own width (core.gemma4: sliding and full layers differ in KV heads and "
+                "head size), which the transfer's blocks of [KV heads, head_dim] per layer "
+                "do not describe; serve it without --kv-transfer-config."
+            )
         config = model.neuron_config
         if getattr(config, "kv_quant_config", None) is not None:
             raise NeuronConfigError(
