@@ -48,6 +48,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("NXD_CPU_MODE", "1")
 
 import dataclasses
+import gc
 import json
 import sys
 import tempfile
@@ -60,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuron_plugin.backends.base import graph_specs
+from neuron_plugin.backends.base import GraphSpec, graph_specs
 from neuron_plugin.backends.nxd.backend import NxDBackend
 from neuron_plugin.core.inputs import (
     CONTEXT_ENCODING,
@@ -103,8 +104,9 @@ def measured_call(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> tupl
     the forward (tracing) and at the sync (the graph's execution), outputs on the host."""
     torch_xla = xla()
     device = torch_xla.device()
+    gc.collect()  # tensors a failed trace left in reference cycles would join the graph
     on_device = [a.to(device) for a in args]
-    torch_xla.sync()  # the uploads: data, nothing to compile
+    torch_xla.sync()  # the uploads (and anything pending): before the counts
     start = time.perf_counter()
     compiles0, transfers0 = _counts()
     with torch.no_grad():
@@ -112,7 +114,8 @@ def measured_call(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> tupl
     compiles1, transfers1 = _counts()
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
-    graph = str(torch_xla._XLAC._get_graph_hash(tensors))
+    found = torch_xla._XLAC._get_graph_hash(tensors)
+    graph = found.hex() if isinstance(found, bytes) else str(found)
     torch_xla.sync()
     compiles2, transfers2 = _counts()
     seconds = time.perf_counter() - start
@@ -235,9 +238,11 @@ def greedy(rows: int, host: Sequence[bool] = ()) -> SamplingInputs:
     return dataclasses.replace(SamplingInputs.greedy(rows), needs_logits=needs)
 
 
-def drive_every_graph(backend: NxDBackend, seed: int = 0) -> Callable[[], None]:
+def drive_every_graph(backend: NxDBackend, errors: list[str], seed: int = 0) -> Callable[[], None]:
     """A call of each graph the settings run (graph_specs), through the backend's own
-    serving calls with inputs of core.inputs (token ids at random)."""
+    serving calls with inputs of core.inputs (token ids at random); a call that fails
+    adds the graph's name and the error to `errors` (its graph is then replayed with the
+    example's values only)."""
     settings = backend.settings
     rng = np.random.default_rng(seed)
     vocab = backend.vocab_size
@@ -247,37 +252,43 @@ def drive_every_graph(backend: NxDBackend, seed: int = 0) -> Callable[[], None]:
     def blocks(slot: int) -> list[int] | None:
         return [1 + per_seq * slot + j for j in range(per_seq)] if block else None
 
+    def prefill(spec: GraphSpec) -> None:
+        new, cached = context_encoding_need(settings, spec.shape)
+        ids = rng.integers(1, vocab, new + cached)
+        inputs = context_encoding_inputs(settings, ids, cached, 0, blocks(0))
+        if spec.prompt_logprobs:
+            width = inputs.input_ids.shape[1]
+            targets = prompt_targets(ids, cached, new, width)
+            inputs = dataclasses.replace(inputs, prompt_targets=targets)
+            backend.run(inputs, SamplingInputs.host_rows(1))
+        elif settings.on_device_sampling:
+            backend.run(inputs, greedy(1))
+        else:
+            backend.forward(inputs)
+
+    def decode(spec: GraphSpec) -> None:
+        rows, length = spec.shape
+        lengths = sorted({n for _, n in settings.token_generation_shapes()})
+        below = max([n for n in lengths if n < length], default=0)
+        top = min(length, settings.max_model_len) - 2  # need = position + 1 < length
+        positions = np.array([max(top - row, below) for row in range(rows)])
+        tokens = rng.integers(1, vocab, rows)
+        tables = [blocks(slot) for slot in range(rows)] if block else None
+        logits = spec.logits or not settings.on_device_sampling
+        inputs = token_generation_inputs(
+            settings, tokens, positions, np.arange(rows), tables, logits=logits
+        )
+        if settings.on_device_sampling:
+            backend.run(inputs, greedy(rows, [spec.logits]))
+        else:
+            backend.forward(inputs)
+
     def run() -> None:
         for spec in graph_specs(settings):
-            if spec.phase == CONTEXT_ENCODING:
-                new, cached = context_encoding_need(settings, spec.shape)
-                ids = rng.integers(1, vocab, new + cached)
-                inputs = context_encoding_inputs(settings, ids, cached, 0, blocks(0))
-                if spec.prompt_logprobs:
-                    width = inputs.input_ids.shape[1]
-                    targets = prompt_targets(ids, cached, new, width)
-                    inputs = dataclasses.replace(inputs, prompt_targets=targets)
-                    backend.run(inputs, SamplingInputs.host_rows(1))
-                elif settings.on_device_sampling:
-                    backend.run(inputs, greedy(1))
-                else:
-                    backend.forward(inputs)
-                continue
-            rows, length = spec.shape
-            lengths = sorted({n for _, n in settings.token_generation_shapes()})
-            below = max([n for n in lengths if n < length], default=0)
-            top = min(length, settings.max_model_len) - 2  # need = position + 1 < length
-            positions = np.array([max(top - row, below) for row in range(rows)])
-            tokens = rng.integers(1, vocab, rows)
-            tables = [blocks(slot) for slot in range(rows)] if block else None
-            logits = spec.logits or not settings.on_device_sampling
-            inputs = token_generation_inputs(
-                settings, tokens, positions, np.arange(rows), tables, logits=logits
-            )
-            if settings.on_device_sampling:
-                backend.run(inputs, greedy(rows, [spec.logits]))
-            else:
-                backend.forward(inputs)
+            try:
+                (prefill if spec.phase == CONTEXT_ENCODING else decode)(spec)
+            except Exception as exc:  # a served call that fails is a finding
+                errors.append(f"{spec.name}: {type(exc).__name__}: {exc}")
 
     return run
 
@@ -361,6 +372,14 @@ def call_problems(
 
 
 # -- one graph ---------------------------------------------------------------------------
+class ReplayError(Exception):
+    """A call that cannot be replayed on the XLA device: what failed, its traceback."""
+
+    def __init__(self, message: str, trace: str):
+        super().__init__(message)
+        self.trace = trace
+
+
 @dataclasses.dataclass
 class DeviceModule:
     """A submodel's module as NxDI's tracing builds it (DecoderModelInstance), on XLA."""
@@ -375,17 +394,27 @@ def device_module(wrapper: Any) -> DeviceModule:
     instance.load_module()
     module = instance.module
     module.load_state_dict(wrapper.model.state_dict(), strict=True)
-    # The buffers a forward computes once and keeps (NxDI's RotaryEmbedding.inv_freq,
-    # registered as None: modules/attention/utils.py, ef2731e line 333), as the eager
-    # module holds them; otherwise the first call of the module computes them inside its
-    # graph and every later call takes them as an input: two graphs for one bucket.
-    for name, buffer in wrapper.model.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        if target._buffers.get(leaf) is None:
-            target._buffers[leaf] = buffer.detach().clone()
     rebuild_on_device(module, device)
+    keep_cached_state(wrapper.model, module, device)
     return DeviceModule(instance, device)
+
+
+def keep_cached_state(eager_module: torch.nn.Module, module: torch.nn.Module, device: Any) -> None:
+    """What a forward computes once and keeps, as the eager module holds it: a buffer
+    registered as None (RotaryEmbedding.inv_freq, modules/attention/utils.py ef2731e and
+    cd3abf3 lines 320, 333) or an attribute left None (gpt-oss's YaRN `concentration`,
+    modeling_gpt_oss.py ef2731e lines 579-580, 625). Without it the module's first call
+    computes them inside its graph and every later call takes them as inputs: two graphs
+    for one bucket (Neuron traces each bucket once)."""
+    for ours, theirs in zip(module.modules(), eager_module.modules(), strict=True):
+        for name, buffer in theirs._buffers.items():
+            if buffer is not None and name in ours._buffers and ours._buffers[name] is None:
+                ours._buffers[name] = buffer.detach().clone().to(device)
+        for name, value in vars(theirs).items():
+            if name.startswith("_") or value is None or ours.__dict__.get(name, 0) is not None:
+                continue
+            tensor = torch.is_tensor(value)
+            ours.__dict__[name] = value.detach().clone().to(device) if tensor else value
 
 
 def replay_call(dev: DeviceModule, rank: int, call: Call) -> tuple[list, dict, list[str], dict]:
@@ -406,8 +435,17 @@ def check_call(
     tolerance: float,
     compiles_expected: int,
 ) -> dict[str, Any]:
+    try:
+        got, counts, aliasing, sizes = replay_call(dev, rank, call)
+    except Exception as exc:
+        trace = traceback.format_exc()[-2000:]
+        try:
+            eager(wrapper, call)
+            also = "the eager forward runs"
+        except Exception as eager_exc:
+            also = f"the eager forward too: {type(eager_exc).__name__}"
+        raise ReplayError(f"{step} on XLA: {type(exc).__name__}: {exc} ({also})", trace) from exc
     want, eager_sizes = eager(wrapper, call)
-    got, counts, aliasing, sizes = replay_call(dev, rank, call)
     label = f"{wrapper.tag} {wrapper.neuron_config.buckets[rank]}"
     first = COMPILED.setdefault(counts["graph_hash"], label)
     if step == "trace" and first != label:
@@ -457,8 +495,12 @@ def replay_submodel(
             entry["problems"] = entry["trace"].pop("problems") + entry["again"].pop("problems")
             if entry["again"]["graph_hash"] != entry["trace"]["graph_hash"]:
                 entry["problems"].append("again: another XLA graph than the trace's")
-        except Exception as exc:  # a graph that cannot be replayed is a finding, not a crash
-            entry["problems"] = [f"{type(exc).__name__}: {exc}"]
+        except ReplayError as exc:  # a graph that cannot be traced is a finding
+            entry["problems"] = [str(exc)]
+            entry["traceback"] = exc.trace
+            dev = device_module(wrapper)  # what the failed forward left set stays there
+        except Exception as exc:  # so is one whose eager forward fails
+            entry["problems"] = [f"eager: {type(exc).__name__}: {exc}"]
             entry["traceback"] = traceback.format_exc()[-3000:]
         graphs.append(entry)
     return graphs
@@ -479,7 +521,8 @@ def run_case(settings: NeuronSettings, model: str, tolerance: float) -> dict[str
         backend = build(settings, model)
     except NeuronConfigError as exc:
         return {"refused": str(exc)}
-    recorded = record_calls(backend, drive_every_graph(backend))
+    drive_errors: list[str] = []
+    recorded = record_calls(backend, drive_every_graph(backend, drive_errors))
     graphs = []
     for index in range(len(backend.model.models)):
         graphs += replay_submodel(backend, index, recorded, tolerance)
@@ -488,6 +531,7 @@ def run_case(settings: NeuronSettings, model: str, tolerance: float) -> dict[str
         "submodels": [str(w.tag) for w in backend.model.models],
         "buckets": sum(len(w.neuron_config.buckets) for w in backend.model.models),
         "served_calls": len(recorded),
+        "drive_errors": drive_errors,
         "patches": list(backend.nxdi.patches_for(settings.architecture)),
         "seconds": round(time.perf_counter() - start, 1),
         "backend": backend,

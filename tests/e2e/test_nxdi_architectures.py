@@ -42,10 +42,13 @@ MAX_MODEL_LEN = 256
 PREFIX = 128  # cached tokens of the prefix-cache hit
 OVERRIDE = {"on_cpu": True, "context_encoding_buckets": [32, 64, 128, 256],
             "token_generation_buckets": [64, 128, 256]}
-# gpt-oss's 128-token window: NxDI's CPU mode cannot prefill in a bucket shorter than the
-# window less one (the backend refuses [32, 64]: backends/nxd/families/llama.py
-# short_bucket_problems).
-CONTEXT_BUCKETS = {"GptOssForCausalLM": [128, 256]}
+# NxDI's gpt-oss decodes at one length only (nxd families/gpt_oss.py), and the CPU mode
+# refuses prefill buckets shorter than its 128-token window (families/llama.py): the
+# prompts here are longer than the window anyway and decode in the 256 bucket.
+ARCH_OVERRIDE = {
+    "GptOssForCausalLM": {"context_encoding_buckets": [128, 256],
+                          "token_generation_buckets": [256]},
+}
 # Logits of NxDI's float32 CPU mode against transformers' (measured up to ~1e-5).
 TOLERANCE = 1e-4
 # What the backend refuses, by (architecture, layout), on every release: pieces of the
@@ -71,9 +74,7 @@ def _settings(arch_name: str, block: bool) -> dict:
                           block_size=32 if block else None, enable_prefix_caching=block,
                           enable_chunked_prefill=False, max_num_batched_tokens=MAX_MODEL_LEN,
                           dtype="float32", tp_degree=1)
-    override = dict(OVERRIDE)
-    if arch_name in CONTEXT_BUCKETS:
-        override["context_encoding_buckets"] = CONTEXT_BUCKETS[arch_name]
+    override = {**OVERRIDE, **ARCH_OVERRIDE.get(arch_name, {})}
     return resolve_settings(limits, override, backend="nxd",
                             architecture=arch_name).to_dict()
 

@@ -180,9 +180,15 @@ def table_models() -> list[XlaModel]:
     from neuron_plugin.models.table import ROWS, Refused
 
     served_instead = {"Qwen3MoeForCausalLM": "qwen3_moe_hub"}
-    # gpt-oss's 128-token window: the CPU mode refuses shorter prefill buckets (nxd
-    # families/llama.py short_bucket_problems)
-    overrides = {"GptOssForCausalLM": {"context_encoding_buckets": [128]}}
+    # gpt-oss: the CPU mode refuses prefill buckets shorter than its 128-token window
+    # (nxd families/llama.py short_bucket_problems), and it decodes at one length only
+    # (families/gpt_oss.py)
+    overrides = {
+        "GptOssForCausalLM": {
+            "context_encoding_buckets": [128],
+            "token_generation_buckets": [MAX_MODEL_LEN],
+        }
+    }
     tolerances = dict.fromkeys(
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), GEMMA4_TOLERANCE
     )
@@ -255,7 +261,7 @@ def _case(replayed, name: str) -> dict[str, Any]:
 def test_every_graph_is_one_static_graph_equal_to_eager(replayed, name):
     case = _case(replayed, name)
     assert case["graphs"], "no graph replayed"
-    failing = [
+    failing = [f"served call of {error}" for error in case["drive_errors"]] + [
         f"{g['graph']} {g['bucket']}: " + "; ".join(g["problems"])
         for g in case["graphs"]
         if g["problems"]

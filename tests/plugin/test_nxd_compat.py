@@ -167,14 +167,15 @@ def test_the_cpu_mode_refuses_context_buckets_shorter_than_a_window(arch, window
     device is left alone."""
     config = config_of(tiny_model, arch)
     keep = window - 1
-    short = {"context_encoding_buckets": [8, max_model_len]}
+    short = {"context_encoding_buckets": [8, max_model_len],
+             "token_generation_buckets": [max_model_len]}
     found = problems(config, max_model_len=max_model_len, override={"on_cpu": True, **short})
     assert len(found) == 1, found
     assert f"context_encoding_buckets [8] are shorter than sliding_window - 1 = {keep}" in \
         found[0]
     assert "get_last_kv_window" in found[0] and "IndexError" in found[0]
     assert problems(config, max_model_len=max_model_len, override=short) == []
-    enough = {"on_cpu": True, "context_encoding_buckets": [keep, max_model_len]}
+    enough = {**short, "on_cpu": True, "context_encoding_buckets": [keep, max_model_len]}
     assert problems(config, max_model_len=max_model_len, override=enough) == []
 
 
@@ -187,12 +188,30 @@ def test_qwen3_moe_dense_layers_are_refused(tiny_model):
 
 
 # -- gpt-oss ------------------------------------------------------------------------------
+ONE_DECODE_LENGTH = {"token_generation_buckets": [256]}
+
+
 def test_gpt_oss_as_openai_ships_it_passes_contiguous_and_refuses_block(tiny_model):
     config = config_of(tiny_model, "gpt_oss")
-    assert problems(config) == []
-    found = problems(config, block=True)
+    assert problems(config, override=ONE_DECODE_LENGTH) == []
+    found = problems(config, block=True, override=ONE_DECODE_LENGTH)
     assert len(found) == 1 and "GptOssForCausalLM on NxDI 0.9.0 in the block KV layout" in \
         found[0] and "GptOssKVCacheManager" in found[0]
+
+
+def test_gpt_oss_decodes_at_one_length_only(tiny_model):
+    """Found by the XLA test (tests/e2e/test_nxdi_xla.py) on NxDI 0.8 and 0.9: NxDI's
+    gpt-oss cache manager reads a full-attention layer's cache over max_length whatever
+    the bucket (gpt_oss_kv_cache_manager.py get_kv_by_layer_id), so a shorter
+    token-generation bucket's graph fails to trace (its mask is the bucket's width):
+    the compile on a device, every decode in that bucket in the CPU mode."""
+    config = config_of(tiny_model, "gpt_oss")
+    found = problems(config)  # the default grid: 128 and 256
+    assert len(found) == 1, found
+    assert "token_generation_buckets [128] are shorter than the largest, 256" in found[0]
+    assert "get_kv_by_layer_id" in found[0]
+    assert '"token_generation_buckets": [256]' in found[0]
+    assert problems(config, override={"token_generation_buckets": [64, 256]})[0].count("[64]")
 
 
 @pytest.mark.parametrize("changes, wanted", [
@@ -205,7 +224,7 @@ def test_gpt_oss_as_openai_ships_it_passes_contiguous_and_refuses_block(tiny_mod
     ({"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, "rope type 'default'"),
 ])
 def test_gpt_oss_checkpoints_nxdi_reads_otherwise_are_refused(changes, wanted, tiny_model):
-    found = problems(config_of(tiny_model, "gpt_oss", **changes))
+    found = problems(config_of(tiny_model, "gpt_oss", **changes), override=ONE_DECODE_LENGTH)
     assert any(wanted in p for p in found), found
 
 
