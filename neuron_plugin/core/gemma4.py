@@ -102,7 +102,7 @@ def read_layout(config: Mapping[str, Any]) -> Gemma4Layout:
         raise Gemma4ConfigError("; ".join(problems))
     layers = int(text["num_hidden_layers"])
     types = layer_types(text, layers)
-    geometry = _geometry(text, types)
+    geometry = layer_geometry(text, types)
     shared = int(text.get("num_kv_shared_layers") or 0)
     first_shared = layers - shared
     sources = [
@@ -208,7 +208,7 @@ def layer_types(text: Mapping[str, Any], layers: int) -> list[str]:
     return types
 
 
-def _geometry(text: Mapping[str, Any], types: list[str]) -> list[tuple[int, int]]:
+def layer_geometry(text: Mapping[str, Any], types: list[str]) -> list[tuple[int, int]]:
     """Each layer's (KV heads, head dim): per_layer_config's overrides where config.json
     has them (they win over global_head_dim, as in transformers), else the full layers'
     global_head_dim (default 512) and, with attention_k_eq_v, num_global_key_value_heads."""

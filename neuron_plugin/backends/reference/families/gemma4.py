@@ -42,6 +42,7 @@ from neuron_plugin.backends.reference.architectures import DecoderSpec
 from neuron_plugin.backends.reference.decoder import DecoderGraph, Step, attend
 from neuron_plugin.backends.reference.layers import l2_norm, rms_norm, rotate
 from neuron_plugin.backends.reference.mlp import Adapt, activation, mlp, mlp_weights
+from neuron_plugin.core.gemma4 import layer_geometry, layer_types
 
 NORM = "rms_float"  # Gemma4RMSNorm: normed * weight in float32, then the input's dtype
 DEFAULT_ROPE = {  # Gemma4TextConfig's, where config.json has no rope_parameters
@@ -57,11 +58,8 @@ def gemma4_fields(arch: Architecture, config: dict, layers: int) -> dict[str, An
             "Gemma 4 with use_bidirectional_attention='all' attends in both directions, "
             "which a causal language model server does not serve"
         )
-    types = list(config.get("layer_types") or [])[:layers] or [
-        FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)
-    ]
-    types[-1] = FULL  # transformers forces it
-    geometry = _layer_geometry(config, types)
+    types = layer_types(config, layers)
+    geometry = layer_geometry(config, types)
     shared = int(config.get("num_kv_shared_layers") or 0)
     first_shared = layers - shared
     kv_rows = []
@@ -95,30 +93,6 @@ def gemma4_fields(arch: Architecture, config: dict, layers: int) -> dict[str, An
         "experts_per_token": int(config.get("top_k_experts") or 0) if moe else 0,
         "moe_intermediate_size": int(config.get("moe_intermediate_size") or 0) if moe else 0,
     }
-
-
-def _layer_geometry(config: dict, types: list[str]) -> list[tuple[int, int]]:
-    """Each layer's (KV heads, head dim): per_layer_config's overrides (keys are layer
-    indices, zero-padded strings once transformers 5 saves them) where config.json has
-    them, else the full layers' global_head_dim (default 512) and, with attention_k_eq_v,
-    num_global_key_value_heads."""
-    heads, head_dim = int(config["num_key_value_heads"]), int(config.get("head_dim") or 256)
-    overrides: dict[int, dict[str, Any]] = {}
-    if isinstance(config.get("per_layer_config"), dict):
-        overrides = {int(k): dict(v) for k, v in config["per_layer_config"].items()}
-    else:
-        full: dict[str, Any] = {"head_dim": config.get("global_head_dim", 512)}
-        global_heads = config.get("num_global_key_value_heads")
-        if config.get("attention_k_eq_v") and global_heads is not None:
-            full["num_key_value_heads"] = global_heads
-        overrides = {i: full for i, kind in enumerate(types) if kind == FULL}
-    return [
-        (
-            int(overrides.get(i, {}).get("num_key_value_heads", heads)),
-            int(overrides.get(i, {}).get("head_dim", head_dim)),
-        )
-        for i in range(len(types))
-    ]
 
 
 def weight_sources(spec: DecoderSpec, own_head: bool) -> list[tuple[str, tuple[str, ...]]]:
