@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_client import bench_serve, free_port, wait_healthy  # noqa: E402
 from bench_report import run_meta, write_results  # noqa: E402
 
 SIDES = ("plugin", "plain")
@@ -46,25 +46,6 @@ METRICS = (
     "median_ttft_ms",
     "p90_ttft_ms",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
 
 
 def decode_counters(url: str) -> dict[str, Any]:
@@ -109,50 +90,20 @@ def padding(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_client(args: argparse.Namespace, url: str, concurrency: int, prompts: int, name: str):
-    vllm = str(Path(sys.executable).with_name("vllm"))
-    subprocess.run(
-        [
-            vllm,
-            "bench",
-            "serve",
-            "--backend",
-            "vllm",
-            "--base-url",
-            url,
-            "--model",
-            str(args.model),
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            str(args.input_len),
-            "--random-output-len",
-            str(args.output_len),
-            "--random-range-ratio",
-            "0",
-            "--num-prompts",
-            str(prompts),
-            "--max-concurrency",
-            str(concurrency),
-            "--request-rate",
-            "inf",
-            "--ignore-eos",
-            "--seed",
-            str(args.seed),
-            "--percentile-metrics",
-            "ttft,tpot,itl",
-            "--metric-percentiles",
-            "50,90,99",
-            "--save-result",
-            "--result-dir",
-            str(args.out.parent),
-            "--result-filename",
-            name,
-            "--disable-tqdm",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    result = json.loads((args.out.parent / name).read_text())
+    result = bench_serve(
+        url,
+        args.model,
+        args.out.parent / name,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=0,
+        prompts=prompts,
+        seed=args.seed,
+        extra=(
+            "--max-concurrency", str(concurrency), "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,90,99", "--disable-tqdm",
+        ),
+    )  # fmt: skip
     result["failed"] = int(result.get("num_prompts", prompts)) - int(result.get("completed", 0))
     return result
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_client import bench_serve, free_port, wait_healthy  # noqa: E402
 from bench_report import run_meta, write_results  # noqa: E402
 
 METRICS = (
@@ -35,25 +33,6 @@ METRICS = (
     "median_tpot_ms",
     "p99_tpot_ms",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vllm serve was not healthy after {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,42 +86,16 @@ def main(argv: list[str] | None = None) -> int:
             wait_healthy(url, server, 600)
             for rate in args.request_rates.split(","):
                 name = f"rate-{rate}.json"
-                subprocess.run(
-                    [
-                        vllm,
-                        "bench",
-                        "serve",
-                        "--backend",
-                        "vllm",
-                        "--base-url",
-                        url,
-                        "--model",
-                        str(args.model),
-                        "--dataset-name",
-                        "random",
-                        "--random-input-len",
-                        str(args.input_len),
-                        "--random-output-len",
-                        str(args.output_len),
-                        "--random-range-ratio",
-                        str(args.range_ratio),
-                        "--num-prompts",
-                        str(args.num_prompts),
-                        "--request-rate",
-                        rate,
-                        "--ignore-eos",
-                        "--seed",
-                        "0",
-                        "--save-result",
-                        "--result-dir",
-                        str(args.out.parent),
-                        "--result-filename",
-                        f"{args.out.name}-{name}",
-                    ],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
+                result = bench_serve(
+                    url,
+                    args.model,
+                    args.out.parent / f"{args.out.name}-{name}",
+                    input_len=args.input_len,
+                    output_len=args.output_len,
+                    range_ratio=args.range_ratio,
+                    prompts=args.num_prompts,
+                    request_rate=rate,
                 )
-                result = json.loads((args.out.parent / f"{args.out.name}-{name}").read_text())
                 rows.append({"request_rate": rate, **{k: result.get(k) for k in METRICS}})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
