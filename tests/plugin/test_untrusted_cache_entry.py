@@ -236,15 +236,40 @@ def test_loaded_graphs_compute_exactly_what_the_decoder_computes(model_dirs, tmp
         args[5] = torch.full(args[5].shape, 3 if graph.phase == CONTEXT_ENCODING else width)
         caches = [torch.randn(args[7].shape, generator=generator) for _ in range(2)]
         outputs = []
-        for run in (backend.module, backend.graphs[graph.key]):
+        loaded = backend.graphs[graph.key]
+        # the loaded graph twice: its first call records the trace, the second runs it
+        for run in (backend.module, loaded, loaded):
             call = [*args[:7], caches[0].clone(), caches[1].clone(), *args[9:]]
             with torch.inference_mode():
                 result = run(*call)  # logits, or (logits, tokens) with on-device sampling
             outputs.append((*(result if isinstance(result, tuple) else (result,)),
                             call[7], call[8]))
-        assert len(outputs[0]) == len(outputs[1])
-        for expected, got in zip(*outputs):
-            assert torch.equal(expected, got), graph.name
+        assert loaded.traced is not None
+        for got in outputs[1:]:
+            assert len(outputs[0]) == len(got)
+            for expected, value in zip(outputs[0], got):
+                assert torch.equal(expected, value), graph.name
+
+
+class _Accumulate(torch.nn.Module):
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_put_((slots,), x, accumulate=True)
+        return cache.sum()
+
+
+def test_a_loaded_graph_writes_its_inputs_once_per_call_traced_or_not(tmp_path):
+    """The first call runs the graph while recording its trace, later calls run the
+    trace: each adds to the cache exactly once, as the exported module does."""
+    from neuron_plugin.backends.reference.graph_file import save_graph
+
+    x, slots, cache = torch.tensor([1.0, 10.0]), torch.tensor([0, 2]), torch.zeros(3)
+    save_graph(torch.export.export(_Accumulate(), (x, slots, cache.clone())), tmp_path, "g")
+    graph = load_graph(tmp_path, "g")
+    assert graph.traced is None
+    assert graph(x, slots, cache).item() == 11.0 and cache.tolist() == [1.0, 0.0, 10.0]
+    assert graph.traced is not None
+    assert graph(2 * x, slots.flip(0), cache).item() == 33.0
+    assert cache.tolist() == [21.0, 0.0, 12.0]
 
 
 class _Conversions(torch.nn.Module):

