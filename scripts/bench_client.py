@@ -20,17 +20,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float, name: str = "the server"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see its log")
+            raise RuntimeError(f"{name} exited with {proc.returncode}; see its log")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2):
                 return
         except OSError:
             time.sleep(1)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+    raise RuntimeError(f"{name} was not healthy after {timeout:.0f} s")
 
 
 def bench_serve(
