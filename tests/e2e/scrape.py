@@ -30,9 +30,15 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 def wait_for(base_url: str, done: Callable[[Samples], bool], timeout: float = 30) -> Samples:
     """Scrape until `done` holds (engines publish every 0.5 s); the last scrape either way."""
+    return wait_for_hosts([base_url], lambda samples: done(samples[0]), timeout)[0]
+
+
+def wait_for_hosts(base_urls: list[str], done: Callable[[list[Samples]], bool],
+                   timeout: float = 30) -> list[Samples]:
+    """`wait_for` over several servers scraped together: `done` sees one scrape of each."""
     deadline = time.monotonic() + timeout
     while True:
-        samples = neuron_samples(base_url)
+        samples = [neuron_samples(url) for url in base_urls]
         if done(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)

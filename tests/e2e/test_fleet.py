@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.scrape import neuron_samples, total
+from tests.e2e.scrape import neuron_samples, total, wait_for, wait_for_hosts
 from tests.e2e.support import LoopbackProcess, Server, corpus_token_ids, free_port
 
 pytestmark = pytest.mark.server
@@ -163,9 +163,13 @@ def test_the_router_spreads_the_load_and_both_hosts_report_it(fleet, model_dirs,
     assert [status for _, status, _ in outcomes] == ["ok"] * len(prompts), outcomes
     for prompt, _, tokens in outcomes:
         assert tokens == oracles("llama").generate(prompt, 4)
-    time.sleep(1.5)  # engines publish every 0.5 s
-    served = [total(neuron_samples(h.url), "neuron:bucket_calls_total",
-                    phase="context_encoding") - b for h, b in zip(hosts, before)]
+
+    def served_since(scrapes: list) -> list[float]:
+        return [total(s, "neuron:bucket_calls_total", phase="context_encoding") - b
+                for s, b in zip(scrapes, before)]
+
+    served = served_since(wait_for_hosts([h.url for h in hosts],
+                                         lambda s: sum(served_since(s)) >= len(prompts)))
     assert all(n >= 1 for n in served), served
     assert sum(served) == len(prompts)
 
@@ -195,7 +199,7 @@ def test_killing_a_host_mid_load_leaves_the_other_serving(fleet, model_dirs, ora
     after = _send(router, model_dirs["llama"], _prompts(model_dirs, 6, offset=900),
                   max_tokens=4)
     assert [status for _, status, _ in after] == ["ok"] * 6, after
-    time.sleep(1.5)
-    served = total(neuron_samples(survivor.url), "neuron:bucket_calls_total",
-                   phase="context_encoding") - before
+    served = total(wait_for(survivor.url, lambda s: total(
+        s, "neuron:bucket_calls_total", phase="context_encoding") - before >= 6),
+        "neuron:bucket_calls_total", phase="context_encoding") - before
     assert served >= 6, served  # at least everything sent after the kill

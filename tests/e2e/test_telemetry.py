@@ -73,13 +73,20 @@ def traced_run(model_dirs, tmp_path_factory):
 
 
 def _wait_for_metrics() -> dict:
+    """The engine publishes its counters off the step path, every PUBLISH_INTERVAL_S:
+    wait until every prompt and every decoded token has arrived (or 10 s), so that the
+    tests below compare complete counts."""
     expected_calls = len(LENGTHS) + 1
+    expected_decoded = len(LENGTHS) * (MAX_TOKENS - 1) + LONE_TOKENS - 1
     deadline = time.monotonic() + 10
     while True:
         values = _metrics()
         calls = sum(v for (name, phase, _), v in values.items()
                     if name == "neuron:bucket_calls_total" and phase == "context_encoding")
-        if calls >= expected_calls or time.monotonic() > deadline:
+        decoded = sum(v for (name, phase, _), v in values.items()
+                      if name == "neuron:real_tokens_total" and phase == "token_generation")
+        done = calls >= expected_calls and decoded >= expected_decoded
+        if done or time.monotonic() > deadline:
             return values
         time.sleep(0.2)
 
