@@ -25,8 +25,8 @@ gpt-oss is written as openai ships it: its experts in MXFP4 (`*_blocks` / `*_sca
 `quantization_config` quant_method mxfp4; neuron_plugin.core.mxfp4),
 `initial_context_length`, and a 128-token window (NxDI sizes the window cache in
 multiples of 128); gpt_oss_float is one with float experts and a 16-token window. The
-variants mistral_wide, qwen3_moe_hub and gemma3_nxdi are shapes the real-NxDI checks
-need (scripts/tiny_models/text.py).
+variants mistral_wide, mistral_small, qwen3_moe_hub and gemma3_nxdi are shapes the
+real-NxDI checks need (scripts/tiny_models/text.py).
 
 Vision-language checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl) carry their processor too: the tiny
 tokenizer with Qwen2-VL's vision special tokens, a chat template that renders image

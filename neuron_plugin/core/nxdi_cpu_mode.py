@@ -11,8 +11,26 @@ Serving a quantized checkpoint is refused at load instead (`cpu_mode.refuse_quan
 
 from __future__ import annotations
 
+import os
+
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.neuron_settings import NeuronSettings
+
+
+def sharded_sampler_problem(settings: NeuronSettings) -> str | None:
+    """Why NxDI's CPU mode cannot sample on the device at TP > 1 (None where it can): its
+    sampler takes each rank's own vocabulary shard (sampling.py Sampler._argmax_sample,
+    whose on_cpu branch skips the distributed argmax; measured on 0.8 and 0.9 at TP 2:
+    every token below the shard size, different per rank). Its logits are right (the
+    logits graphs gather the shards whole), so only `run` is refused."""
+    if not settings.passthrough.get("on_cpu") or settings.tp_degree == 1:
+        return None
+    return (
+        f"NxDI's CPU mode samples each rank's own vocabulary shard at "
+        f"--tensor-parallel-size {settings.tp_degree} (Sampler._argmax_sample's on_cpu "
+        f"branch has no distributed argmax), so its tokens are wrong there; read the "
+        f"logits (forward) instead, or sample on NeuronCores"
+    )
 
 
 def refuse_what_the_cpu_mode_cannot_run(settings: NeuronSettings) -> None:
@@ -21,10 +39,12 @@ def refuse_what_the_cpu_mode_cannot_run(settings: NeuronSettings) -> None:
     if not settings.passthrough.get("on_cpu"):
         return
     problems = []
-    if settings.tp_degree > 1:
+    if settings.tp_degree > 1 and os.environ.get("WORLD_SIZE") != str(settings.tp_degree):
         problems.append(
-            f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one "
-            f"process per rank under torchrun, the backend runs one; use 1"
+            f"--tensor-parallel-size {settings.tp_degree}: to_cpu() needs one process per "
+            f"rank, started by torchrun (WORLD_SIZE={settings.tp_degree}), and vLLM runs "
+            f"the backend in one; use 1, or drive the backend under `torchrun "
+            f"--nproc-per-node {settings.tp_degree}` to check a sharded model's accuracy"
         )
     if settings.max_loras:
         problems.append(

@@ -127,8 +127,12 @@ ROWS: tuple[ModelRow, ...] = (
         "MistralForCausalLM",
         "Mistral",
         "mistral",
-        _per_release(r0_8=NxDIModelType("llama"), r0_9=NxDIModelType("mistral")),
-        tiny=("mistral", "mistral_wide"),
+        # NxDI's Llama class on every release: 0.8 has no Mistral, and 0.9's sizes each
+        # head as hidden / heads, ignoring the checkpoint's head_dim (Mistral Small 3's
+        # 128 where that is 160: measured, its load fails); Llama's reads head_dim and
+        # applies sliding_window as 0.9's Mistral does.
+        _every_release(NxDIModelType("llama")),
+        tiny=("mistral", "mistral_wide", "mistral_small"),
     ),
     ModelRow(
         "MixtralForCausalLM",

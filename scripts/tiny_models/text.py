@@ -210,7 +210,8 @@ ARCHITECTURES: dict[str, dict] = {
     },
     # Variants for the checks against real NxDI (tests/e2e/test_nxdi_architectures.py):
     # Qwen3-MoE without dense layers (NxDI's has none); Mistral with Mistral-7B-v0.1's
-    # window, wider than any test sequence; Gemma3 in the
+    # window, wider than any test sequence, and in Mistral Small 3's shape (heads of 128
+    # where hidden / heads is 160); Gemma3 in the
     # shape NxDI 0.9 hard-codes (its vocabulary, every sixth layer global, a linear RoPE
     # factor of 8 on global layers; modeling_gemma3.py Gemma3InferenceConfig).
     "qwen3_moe_hub": {  # every layer MoE, as the Hub's Qwen3-MoE checkpoints
@@ -234,6 +235,15 @@ ARCHITECTURES: dict[str, dict] = {
         "model_type": "mistral",
         "sliding_window": 4096,
         "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "mistral_small": {  # Mistral Small 3's shape: head_dim apart from hidden / heads
+        **_SMALL,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "head_dim": 48,
+        "sliding_window": None,
+        "rope_theta": 100000000.0,
         "tie_word_embeddings": False,
     },
     "gemma3_nxdi": {

@@ -9,7 +9,8 @@ PLAN: {"model": dir, "steps": N, "layouts": {"contiguous": SETTINGS, "block": SE
 (settings resolved by the test: this side has no vLLM). Per layout:
 - batch1: prompt a prefilled, then N greedy decode steps (logits: `forward`);
 - batch2: prompts a and b prefilled, then decoded together;
-- device_sampling: batch2 with NxDI's on-device sampler (greedy rows: `run`);
+- device_sampling: batch2 with NxDI's on-device sampler (greedy rows: `run`), where the
+  settings compile it in and the CPU mode can run it (not sharded);
 and in the block layout
 - prefix_hit: c's first `prefix` tokens cached by a shorter prompt (c[:prefix + 1]),
   then c prefilled over them (a prefill over a cached prefix) and decoded;
@@ -17,12 +18,14 @@ and in the block layout
 Each case gives every row's tokens (the prefill's and N decoded); the logits cases write
 every step's logits of every row to OUT_DIR/LAYOUT-CASE.npy (float32 [rows, N + 1,
 vocab]). A layout the backend refuses gives its error message instead ({"refused":
-message}): refusals come before anything compiles.
+message}): refusals come before anything compiles. Under torchrun (one process per
+rank of a sharded model) each rank writes into OUT_DIR/rankN and rank 0 prints.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ import numpy as np
 
 from neuron_plugin.backends.nxd.backend import NxDBackend
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
+from neuron_plugin.core.nxdi_cpu_mode import sharded_sampler_problem
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 
@@ -133,8 +137,9 @@ def run_layout(
     cases = {
         "batch1": driver.generate([prompts["a"]], steps),
         "batch2": driver.generate([prompts["a"], prompts["b"]], steps),
-        "device_sampling": driver.generate([prompts["a"], prompts["b"]], steps, device=True),
     }
+    if settings.on_device_sampling and sharded_sampler_problem(settings) is None:
+        cases["device_sampling"] = driver.generate([prompts["a"], prompts["b"]], steps, True)
     if settings.is_block_layout:
         prefix, c, d = plan["prefix"], prompts["c"], prompts["d"]
         cases["prefix_hit"] = prefix_case(driver, c[: prefix + 1], c, prefix, steps)
@@ -154,4 +159,11 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))))
+    # Under torchrun (a sharded model, one process per rank) each rank compiles into its
+    # own folder and rank 0 reports.
+    rank = os.environ.get("RANK")
+    out = Path(sys.argv[2]) if rank is None else Path(sys.argv[2]) / f"rank{rank}"
+    out.mkdir(exist_ok=True)
+    report = main(json.loads(Path(sys.argv[1]).read_text()), out)
+    if rank in (None, "0"):
+        print(json.dumps(report))

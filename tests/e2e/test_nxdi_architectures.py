@@ -34,9 +34,9 @@ from tests.e2e.support import GreedyOracle, corpus_token_ids
 
 pytestmark = [pytest.mark.nxdi]
 
-ARCHS = ["llama", "mistral", "mistral_wide", "mixtral", "qwen2", "qwen3", "qwen3_moe",
-         "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi", "gemma4", "gemma4_moe",
-         "gemma4_mm"]
+ARCHS = ["llama", "mistral", "mistral_wide", "mistral_small", "mixtral", "qwen2", "qwen3",
+         "qwen3_moe", "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi", "gemma4",
+         "gemma4_moe", "gemma4_mm"]
 STEPS = 8  # decode steps after the prefill's token
 MAX_MODEL_LEN = 256
 PREFIX = 128  # cached tokens of the prefix-cache hit
@@ -67,19 +67,20 @@ PROBE = Path(__file__).with_name("nxdi_architecture_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _settings(arch_name: str, block: bool) -> dict:
+def nxd_settings(arch_name: str, block: bool, tp_degree: int = 1,
+                 extra: dict | None = None) -> dict:
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
 
     limits = EngineLimits(max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
                           block_size=32 if block else None, enable_prefix_caching=block,
                           enable_chunked_prefill=False, max_num_batched_tokens=MAX_MODEL_LEN,
-                          dtype="float32", tp_degree=1)
-    override = {**OVERRIDE, **ARCH_OVERRIDE.get(arch_name, {})}
+                          dtype="float32", tp_degree=tp_degree)
+    override = {**OVERRIDE, **ARCH_OVERRIDE.get(arch_name, {}), **(extra or {})}
     return resolve_settings(limits, override, backend="nxd",
                             architecture=arch_name).to_dict()
 
 
-def _prompts(model_dir: Path, config: dict) -> dict[str, list[int]]:
+def probe_prompts(model_dir: Path, config: dict) -> dict[str, list[int]]:
     """a and b cross the longest window (gpt-oss: 128) and decode past it; c and d share
     nothing and are long enough for a (128, 128) prefix-cache prefill."""
     window = max([16] + [w for w in [config.get("sliding_window")] if w and w < MAX_MODEL_LEN])
@@ -96,10 +97,10 @@ def probed(request, nxdi_python, tiny_model, tmp_path_factory):
     model_dir = tiny_model(arch)
     config = json.loads((model_dir / "config.json").read_text())
     name = config["architectures"][0]
-    prompts = _prompts(model_dir, config)
+    prompts = probe_prompts(model_dir, config)
     out = tmp_path_factory.mktemp(f"nxdi-{arch}")
     plan = {"model": str(model_dir), "steps": STEPS, "prefix": PREFIX, "prompts": prompts,
-            "layouts": {"contiguous": _settings(name, False), "block": _settings(name, True)}}
+            "layouts": {"contiguous": nxd_settings(name, False), "block": nxd_settings(name, True)}}
     (out / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "NXD_CPU_MODE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -110,7 +111,7 @@ def probed(request, nxdi_python, tiny_model, tmp_path_factory):
     return arch, prompts, report, out, GreedyOracle(model_dir), nxdi_release(nxdi_python)
 
 
-def _expect_equal(probed, layout: str, case: str, rows: list[str]) -> None:
+def expect_equal(probed, layout: str, case: str, rows: list[str]) -> None:
     """The case's rows give transformers' greedy tokens, logits within TOLERANCE."""
     arch, prompts, report, out, oracle, _ = probed
     result = report[layout][case]
@@ -140,25 +141,30 @@ def _refused(probed, layout: str) -> bool:
 def test_contiguous_layout_equals_transformers_or_is_refused(probed):
     if _refused(probed, "contiguous"):
         return
-    _expect_equal(probed, "contiguous", "batch1", ["a"])
-    _expect_equal(probed, "contiguous", "batch2", ["a", "b"])
+    expect_equal(probed, "contiguous", "batch1", ["a"])
+    expect_equal(probed, "contiguous", "batch2", ["a", "b"])
 
 
 def test_block_layout_equals_transformers_or_is_refused(probed):
     if _refused(probed, "block"):
         return
-    _expect_equal(probed, "block", "batch1", ["a"])
-    _expect_equal(probed, "block", "batch2", ["a", "b"])
+    expect_equal(probed, "block", "batch1", ["a"])
+    expect_equal(probed, "block", "batch2", ["a", "b"])
 
 
 def test_prefix_cache_hit_reads_the_cached_prefix(probed):
     """A prefill over 128 cached tokens gives transformers' tokens; with another prompt's
     KV in those blocks its logits are far from them (the hit reads the cache: a local
     layer's window may not reach the cached part, the global layers do)."""
-    if _refused(probed, "block"):
-        return
+    if not _refused(probed, "block"):
+        expect_prefix_hit(probed)
+
+
+def expect_prefix_hit(probed) -> None:
+    """The prefix-hit case equals transformers, and the control's first logits (another
+    prompt's KV in the cached blocks) are far from them."""
     arch, prompts, _, out, oracle, _ = probed
-    _expect_equal(probed, "block", "prefix_hit", ["c"])
+    expect_equal(probed, "block", "prefix_hit", ["c"])
     control = torch.from_numpy(np.load(out / "block-prefix_control.npy", allow_pickle=False)[0])
     gap = float((control[0] - oracle.trace(prompts["c"], 1)[1][0]).abs().max())
     assert gap > 100 * TOLERANCE, f"{arch}: another prompt's cached KV moved logits by {gap}"
@@ -167,4 +173,4 @@ def test_prefix_cache_hit_reads_the_cached_prefix(probed):
 def test_on_device_sampling_equals_transformers(probed):
     for layout in ("contiguous", "block"):
         if not _refused(probed, layout):
-            _expect_equal(probed, layout, "device_sampling", ["a", "b"])
+            expect_equal(probed, layout, "device_sampling", ["a", "b"])

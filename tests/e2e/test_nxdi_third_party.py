@@ -24,9 +24,9 @@ from tests.e2e.test_nxdi_architectures import (
     PROBE,
     ROOT,
     STEPS,
-    _expect_equal,
-    _prompts,
-    _settings,
+    expect_equal,
+    nxd_settings,
+    probe_prompts,
 )
 
 pytestmark = [pytest.mark.nxdi]
@@ -72,11 +72,11 @@ def model(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def probed(nxdi_python, contrib, model, tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
-    prompts = _prompts(model, config)
+    prompts = probe_prompts(model, config)
     out = tmp_path_factory.mktemp("nxdi-contrib")
     plan = {"model": str(model), "steps": STEPS, "prefix": PREFIX, "prompts": prompts,
-            "layouts": {"contiguous": _settings(ARCHITECTURE, False),
-                        "block": _settings(ARCHITECTURE, True)}}
+            "layouts": {"contiguous": nxd_settings(ARCHITECTURE, False),
+                        "block": nxd_settings(ARCHITECTURE, True)}}
     (out / "plan.json").write_text(json.dumps(plan))
     path = [str(contrib), str(ROOT), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "NXD_CPU_MODE": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
@@ -90,17 +90,17 @@ def probed(nxdi_python, contrib, model, tmp_path_factory):
 def test_the_registered_class_serves_both_layouts_equal_to_transformers(probed):
     for layout in ("contiguous", "block"):
         assert "refused" not in probed[2][layout], probed[2][layout].get("refused")
-        _expect_equal(probed, layout, "batch1", ["a"])
-        _expect_equal(probed, layout, "batch2", ["a", "b"])
-        _expect_equal(probed, layout, "device_sampling", ["a", "b"])
-    _expect_equal(probed, "block", "prefix_hit", ["c"])
+        expect_equal(probed, layout, "batch1", ["a"])
+        expect_equal(probed, layout, "batch2", ["a", "b"])
+        expect_equal(probed, layout, "device_sampling", ["a", "b"])
+    expect_equal(probed, "block", "prefix_hit", ["c"])
 
 
 def test_without_the_entry_point_the_architecture_is_refused(nxdi_python, model, tmp_path):
     """The same checkpoint where the package is not installed: refused, naming the group."""
     probe = (f"from neuron_plugin.backends.nxd.backend import NxDBackend\n"
              f"from neuron_plugin.core.settings import NeuronSettings\n"
-             f"settings = NeuronSettings.from_dict({_settings(ARCHITECTURE, False)!r})\n"
+             f"settings = NeuronSettings.from_dict({nxd_settings(ARCHITECTURE, False)!r})\n"
              f"NxDBackend(settings, {str(model)!r})\n")
     env = {**os.environ, "NXD_CPU_MODE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -582,8 +582,8 @@ def test_5_batch_bucketing_decode_runs_the_plugins_bucket(seam, tiny, tmp_path):
     """NxDI's 2-D token-generation choice fits lengths with <=, its 1-D choice with <; and
     a batch bucket b serves seq_ids 0..b-1 only. (Without on-device sampling: forward()
     then runs the batch-bucketed graphs, which return logits.)"""
-    s = settings(override={"token_generation_batches": [1, 2, 4],
-                           "on_device_sampling_config": None})
+    s = settings({"tp_degree": 1}, {"token_generation_batches": [1, 2, 4],
+                                     "on_device_sampling_config": None})
     backend = loaded(s, tiny, tmp_path / "graphs")
     prompts = {0: np.arange(1, 129), 3: np.array([5, 6])}
     for seq, prompt in prompts.items():
@@ -806,7 +806,7 @@ def test_run_returns_logits_of_the_rows_that_need_them(seam, tiny, tmp_path):
 
 
 def test_run_needs_on_device_sampling(release, tiny, tmp_path):
-    s = settings(override={"on_device_sampling_config": None})
+    s = settings({"tp_degree": 1}, {"on_device_sampling_config": None})
     backend = loaded(s, tiny, tmp_path / "graphs")
     inputs = context_encoding_inputs(s, np.array([3, 4]), 0, 0, None)
     assert backend.forward(inputs).argmax(-1).tolist() == [expected([3, 4])]

@@ -28,10 +28,11 @@ APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 def problems(config: dict, block: bool = False, max_model_len: int = 256,
              patches: dict | None = None, version: str = "0.9.0",
-             override: dict | None = None) -> list[str]:
+             override: dict | None = None, tp_degree: int = 1) -> list[str]:
     limits = dataclasses.replace(LIMITS, max_model_len=max_model_len,
                                  max_num_batched_tokens=max_model_len,
-                                 enable_prefix_caching=block, block_size=32 if block else None)
+                                 enable_prefix_caching=block, block_size=32 if block else None,
+                                 tp_degree=tp_degree)
     settings = resolve_settings(limits, override or {}, backend="nxd",
                                 architecture=config["architectures"][0])
     return compat.problems(settings, config, version, APPLIED if patches is None else patches)
@@ -86,14 +87,15 @@ def test_what_differs_between_checked_releases():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
                                   "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
-                                  "mistral_wide", "gemma4", "gemma4_moe", "gemma4_mm"])
+                                  "mistral_wide", "mistral_small", "gemma4", "gemma4_moe",
+                                  "gemma4_mm"])
 def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch)) == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe_hub",
-                                  "dbrx", "gemma3", "gemma3_nxdi", "mistral_wide", "gemma4",
-                                  "gemma4_moe", "gemma4_mm"])
+                                  "dbrx", "gemma3", "gemma3_nxdi", "mistral_wide",
+                                  "mistral_small", "gemma4", "gemma4_moe", "gemma4_mm"])
 def test_tiny_checkpoints_pass_in_the_block_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch), block=True) == []
 
@@ -409,3 +411,19 @@ def test_without_the_refusal_nxdi_fails_at_the_first_prefill(tiny_model, monkeyp
             backend.forward(inputs)
     finally:
         purge()
+
+
+def test_host_sampling_is_refused_where_nxdi_masks_real_tokens(tiny_model):
+    """A TP degree that does not divide the vocabulary: NxDI cuts the lm_head's padding
+    off the gathered logits and then masks their tail as padding (measured at TP 2 on
+    real 0.8 and 0.9, tests/e2e/test_nxdi_tensor_parallel.py). On-device sampling reads
+    the logits before the cut, and a dividing TP degree has no padding."""
+    config = config_of(tiny_model, "llama")  # a vocabulary of 977
+    host = {"on_device_sampling_config": None}
+    [found] = problems(config, override=host, tp_degree=2)
+    assert ("on-device sampling off (on_device_sampling_config: null) at "
+            "--tensor-parallel-size 2 with a vocabulary of 977") in found
+    assert "masks the last 1 real tokens' logits" in found and "so token 976 could never" in found
+    assert problems(config, tp_degree=2) == []
+    assert problems(config, override=host) == []
+    assert problems({**config, "vocab_size": 976}, override=host, tp_degree=2) == []

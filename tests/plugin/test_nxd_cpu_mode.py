@@ -12,6 +12,7 @@ import torch
 from neuron_plugin.backends.nxd import cpu_mode, graphs
 from neuron_plugin.backends.nxd.backend import NxDBackend
 from neuron_plugin.core.inputs import CONTEXT_ENCODING, TOKEN_GENERATION
+from neuron_plugin.core.nxdi_cpu_mode import sharded_sampler_problem
 from neuron_plugin.core.settings import NeuronConfigError
 from tests.plugin.test_nxd_backend import (  # noqa: F401  (fixtures)
     PREFIX,
@@ -35,6 +36,20 @@ def test_cpu_mode_is_off_unless_asked():
 def test_cpu_mode_refuses_what_nxdis_cpu_mode_cannot_run(limits, override, message):
     with pytest.raises(NeuronConfigError, match=message):
         cpu_mode.requested(settings(limits, {**CPU, **override}))
+
+
+def test_cpu_mode_shards_under_torchrun_and_refuses_its_sharded_sampler(monkeypatch):
+    """One process per rank (torchrun's WORLD_SIZE equal to the TP degree) is what
+    to_cpu() shards with. NxDI's CPU sampler would take each rank's own vocabulary shard,
+    so sampling on the device is refused there (its logits are right)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sharded = settings({}, CPU)
+    assert cpu_mode.requested(sharded)
+    assert "each rank's own vocabulary shard" in sharded_sampler_problem(sharded)
+    assert sharded_sampler_problem(settings({"tp_degree": 1}, CPU)) is None
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's ranks must be the TP degree's
+    with pytest.raises(NeuronConfigError, match=r"started by torchrun \(WORLD_SIZE=2\)"):
+        cpu_mode.requested(settings({}, CPU))
 
 
 def test_cpu_mode_runs_batch_bucketing_with_on_device_sampling():

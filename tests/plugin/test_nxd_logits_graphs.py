@@ -120,7 +120,7 @@ def test_submodels_and_the_graphs_they_compile(seam, tiny, tmp_path):
     assert model.traced_model.nxd_model.output_logits == {
         "context_encoding_model": True, "token_generation_model": False, LOGITS_TAG: True}
     assert model.neuron_config.output_logits  # NxDI's own parsing between calls
-    off = settings(override={"on_device_sampling_config": None})
+    off = settings({"tp_degree": 1}, {"on_device_sampling_config": None})
     assert off.token_generation_logits_shapes() == [] and off.graph_count() == 4
     plain = NxDBackend(off, tiny)._new_model()
     assert [w.tag for w in plain.models] == ["context_encoding_model", "token_generation_model"]
@@ -135,7 +135,7 @@ def test_logits_graphs_key_the_compile_cache(release, tiny):
     on = settings(override=ODS)
     manifest = cache_manifest(on, NxDBackend(on, tiny))
     assert manifest["neuron"]["token_generation_logits_shapes"] == [[4, 256]]
-    off = settings(override={"on_device_sampling_config": None})
+    off = settings({"tp_degree": 1}, {"on_device_sampling_config": None})
     assert "token_generation_logits_shapes" not in cache_manifest(off, NxDBackend(off, tiny))[
         "neuron"]
 

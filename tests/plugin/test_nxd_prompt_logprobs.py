@@ -173,8 +173,8 @@ def test_every_context_bucket_has_its_prompt_logprob_graph(seam, tiny, tmp_path)
 def test_on_device_sampling_off_answers_logits_and_prompt_logprobs(tiny, tmp_path, seam):
     """Without on-device sampling every row goes to the host: the prompt-logprob call
     answers its row of logits (the last prompt token's) beside the prompt logprobs."""
-    s = plp_settings(sampling_off=True)
-    assert not s.on_device_sampling
+    s = plp_settings({"tp_degree": 1}, sampling_off=True)  # host sampling: a TP that
+    assert not s.on_device_sampling  # divides the vocabulary (compat, padded vocabulary)
     backend = loaded(s, tiny, tmp_path / "graphs")
     prompt = np.array([4, 9, 2, 7, 7, 1])
     host = SamplingInputs.host_rows(1)

@@ -96,6 +96,7 @@ from neuron_plugin.core.instances import (
     lnc,
     package_version,
 )
+from neuron_plugin.core.nxdi_cpu_mode import sharded_sampler_problem
 from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
@@ -491,6 +492,9 @@ class NxDBackend(InlineCalls):
         on-device sampling off too (its row then needs its logits)."""
         targets = inputs.prompt_targets
         on_device = self.settings.on_device_sampling
+        problem = sharded_sampler_problem(self.settings) if on_device else None
+        if problem:
+            raise NeuronConfigError(problem)
         if not on_device and targets is None:
             raise ValueError(
                 "run() needs on-device sampling compiled in "

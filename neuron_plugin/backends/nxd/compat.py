@@ -116,9 +116,37 @@ def problems(
     ("applied", "already applied", "not needed", "disabled")."""
     text = text_config(dict(hf_config))
     release = f"NxDI {nxdi_version or '(unknown version)'}"
-    found = _window_problems(settings, text, release)
+    found = _window_problems(settings, text, release) + _padded_vocabulary_problems(
+        settings, text, release
+    )
     own = family_of(settings.architecture).problems
     return found + own(settings, hf_config, text, release, patch_status)
+
+
+def _padded_vocabulary_problems(
+    settings: NeuronSettings, text: Mapping[str, Any], release: str
+) -> list[str]:
+    """Host sampling at a TP degree that does not divide the vocabulary. NxDI's lm_head
+    (neuronx-distributed ColumnParallelLinear, pad=True) pads the vocabulary to a multiple
+    of the TP degree; without on-device sampling it gathers the logits and cuts the
+    padding off (_cpl_maybe_gather_output), and NeuronBaseModel.forward then masks the last
+    pad columns as if they were still there (model_base.py mask_padded_logits with
+    world_size 1: 0.8 lines 1031-1039, 0.9 lines 990-999), which are real tokens by then.
+    Measured in NxDI 0.8's and 0.9's CPU mode at TP 2 on a 977-token vocabulary: token
+    976's logit is the float minimum."""
+    vocab, tp = int(text.get("vocab_size") or 0), settings.tp_degree
+    if settings.on_device_sampling or tp == 1 or not vocab or vocab % tp == 0:
+        return []
+    pad = -vocab % tp
+    hidden = f"token {vocab - 1}" if pad == 1 else f"tokens {vocab - pad}..{vocab - 1}"
+    return [
+        f"on-device sampling off (on_device_sampling_config: null) at "
+        f"--tensor-parallel-size {tp} with a vocabulary of {vocab} (not a multiple of {tp}) "
+        f"on {release}: NxDI masks the last {pad} real tokens' logits to the float minimum "
+        f"(its lm_head's padding is cut off before the pad mask runs), so {hidden} "
+        f"could never be sampled; keep on-device sampling on, or "
+        f"use a --tensor-parallel-size that divides {vocab}."
+    ]
 
 
 def _window_problems(settings: NeuronSettings, text: Mapping[str, Any], release: str) -> list[str]:

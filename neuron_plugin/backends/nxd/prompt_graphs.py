@@ -13,10 +13,11 @@ every output NxDI returns (so the KV caches keep their aliasing indices,
 model_wrapper.py DecoderModelInstance.get):
 - from the hidden state of every position (NxDI's `get_model_output`, the final norm
   applied), the lm_head's logits, their vocabulary padding masked as NxDI masks it
-  (`mask_padded_logits`), and for each position the logprob and rank of the next input
-  token and the top k (k = --max-logprobs), with the vocabulary left sharded across the
-  ranks of the column-parallel lm_head (backends.prompt_logprobs.sharded_top_logprobs;
-  only k candidates and a few statistics per position and rank are gathered);
+  (`mask_padded_logits`) where they still hold it, and for each position the logprob
+  and rank of the next input token and the top k (k = --max-logprobs), with the
+  vocabulary left sharded across the ranks of the column-parallel lm_head
+  (backends.prompt_logprobs.sharded_top_logprobs; only k candidates and a few statistics
+  per position and rank are gathered);
 - the position of the graph's first row, which says which prompt position each row is:
   in the block layout NxDI re-encodes part of the cached prefix in front of the new
   tokens (model_wrapper.py `_pad_prefix_caching_inputs`).
@@ -153,7 +154,10 @@ def prompt_outputs(
                 tensor, partition_dim=tensor.dim() - 1, process_group=group
             )
 
-    if hasattr(head, "pad_size"):
+    # Gathered logits keep the lm_head's padding only with keep_padded_output (the full
+    # padded width); otherwise ColumnParallelLinear has cut it off, and masking their tail
+    # would hide real tokens (NxDI's own forward does: compat._padded_vocabulary_problems).
+    if hasattr(head, "pad_size") and (not whole or logits.shape[-1] == head.output_size):
         world = 1 if whole else torch.distributed.get_world_size(group=head.tensor_parallel_group)
         rank_id = torch.tensor(0, dtype=torch.int32) if whole else rank
         logits = model_base.mask_padded_logits(logits, rank_id, world, pad_size=head.pad_size)
