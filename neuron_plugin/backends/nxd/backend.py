@@ -300,9 +300,9 @@ class NxDBackend(InlineCalls):
     def _new_image_to_text(self) -> Any:
         """NxDI's image-to-text application (nxd.image_to_text), every wrapper run on
         the host side. Its decode graphs keep their logits (no logits-free split,
-        `graphs`): NxDI's Qwen3-VL text wrapper traces inputs for its own two tags only
-        (modeling_qwen3_vl_text.py input_generator raises for any other), so the split's
-        third submodel cannot be built."""
+        `graphs`; NeuronSettings.token_generation_logits_shapes has none for a vision
+        model): NxDI's Qwen3-VL text wrapper traces inputs for its own two tags only
+        (modeling_qwen3_vl_text.py input_generator raises for any other)."""
         model = image_to_text.new_image_to_text(
             self.model_cls,
             self.settings,

@@ -14,6 +14,10 @@ positions and decode deltas), never through the models' own `forward`.
   and the vision embeddings must come back to the host for vLLM's encoder cache.
 - What NxDI's image-to-text applications cannot serve is refused before anything is
   built (`refuse_unsupported`).
+- Every decode graph returns logits: NxDI's image-to-text text wrappers trace inputs for
+  their own two submodels only, so the logits-free split of `graphs` is not made
+  (NeuronSettings.token_generation_logits_shapes has no twins for a vision model, whatever
+  token_generation_logits_buckets says).
 """
 
 from __future__ import annotations
