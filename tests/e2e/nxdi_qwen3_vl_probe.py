@@ -11,7 +11,8 @@ row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}
 (settings resolved by the test: this side has no vLLM). Each case prefills its rows one
 by one (row i in sequence slot i), then decodes them together N steps with logits
 (`forward`; a case named *device_sampling: NxDI's greedy on-device sampler, `run`). The
-report: {case: tokens per row}; OUT_DIR/CASE.npy holds the logits (float32 [rows, N + 1,
+report: {case: tokens per row, "padding": the answer's shape of a padding call per vision
+bucket}; OUT_DIR/CASE.npy holds the logits (float32 [rows, N + 1,
 vocab]; a device-sampling case: its tokens). A refusal gives {"refused": message}.
 """
 
@@ -31,6 +32,7 @@ from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import padding_image
 from neuron_plugin.serving.images import Images
 
 
@@ -123,6 +125,11 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {
         "patches": backend.nxdi.patches,
         "status": dict(backend.nxdi.patch_status),
+        # a padding call of each vision bucket (warm-up): the shape of its answer
+        "padding": {
+            bucket: list(backend.encode_image(padding_image(bucket)).shape)
+            for bucket in settings.vision_buckets
+        },
     }
     for name, rows in plan["cases"].items():
         tokens, logits = run_case(backend, images, name, rows, plan["steps"], merge)

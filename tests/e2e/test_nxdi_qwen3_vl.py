@@ -197,6 +197,15 @@ def test_full_bucket_case_fills_its_bucket(cases):
     assert len(cases["full_bucket"][0]["prompt"]) == BUCKETS["context_encoding_buckets"][0]
 
 
+def test_a_padding_call_runs_each_vision_bucket_and_answers_no_rows(probed, hf_model):
+    """Warm-up runs every vision graph with a padding image (core.vision.padding_image):
+    no rows, each as wide as an embedding and its DeepStack levels."""
+    report, _ = probed
+    levels = len(hf_model.config.vision_config.deepstack_visual_indexes)
+    width = hf_model.config.text_config.hidden_size * (1 + levels)
+    assert report["padding"] == {str(b): [0, width] for b in VISION_BUCKETS}
+
+
 def test_the_scatter_patch_is_in_effect(probed):
     """The full-bucket case passes because of patch vision-scatter-scratch-row, which the
     probe finds in both releases' Qwen3-VL text model (and i2t-capture-hook on 0.8)."""
