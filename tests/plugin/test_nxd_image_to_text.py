@@ -90,6 +90,14 @@ def test_vision_config_has_one_graph_per_vision_bucket():
             dataclasses.replace(chosen, vision_buckets=()), {})
 
 
+def test_vision_buckets_must_fit_the_longest_context_encoding():
+    config = {"vision_config": {"spatial_merge_size": 2}}
+    image_to_text.check_vision_fits(settings(), config)  # 256 patches: 64 tokens
+    too_large = dataclasses.replace(settings(), vision_buckets=(64, 2048))
+    with pytest.raises(NeuronConfigError, match="at most 1024 patches"):
+        image_to_text.check_vision_fits(too_large, config)
+
+
 def test_a_vision_model_decodes_with_logits_in_every_graph():
     assert settings().token_generation_logits_shapes() == []
 

@@ -156,6 +156,7 @@ class NxDBackend(InlineCalls):
         )
         if self.image_to_text:
             image_to_text.refuse_unsupported(settings)
+            image_to_text.check_vision_fits(settings, self.hf_config)
             image_to_text.encoder_for(settings.architecture)
         elif settings.vision_buckets:
             raise NeuronConfigError(

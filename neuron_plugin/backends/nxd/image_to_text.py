@@ -22,7 +22,7 @@ positions and decode deltas), never through the models' own `forward`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -112,6 +112,24 @@ def refuse_unsupported(settings: NeuronSettings) -> None:
             f"{name} on the nxd backend (NxDI's image-to-text application) cannot serve "
             + "; ".join(found)
             + "."
+        )
+
+
+def check_vision_fits(settings: NeuronSettings, hf_config: Mapping[str, Any]) -> None:
+    """The largest vision bucket's image tokens fit the longest context encoding: NxDI's
+    Qwen3VLInferenceConfig asserts it (vision seq_len // spatial_merge_size**2 <= text
+    max_context_length), an AssertionError otherwise."""
+    vision = hf_config.get("vision_config") or {}
+    merge = int(vision.get("spatial_merge_size", 1))
+    largest = max(settings.vision_buckets, default=0)
+    if largest // (merge * merge) > settings.max_context_length:
+        raise NeuronConfigError(
+            f"override_neuron_config.vision_buckets has {largest} patches, "
+            f"{largest // (merge * merge)} image tokens: more than the longest context "
+            f"encoding ({settings.max_context_length} tokens), which NxDI's "
+            f"{settings.architecture} requires to hold them; use vision buckets of at "
+            f"most {settings.max_context_length * merge * merge} patches (and lower the "
+            f"processor's max_pixels to match), or raise --max-model-len."
         )
 
 
