@@ -288,10 +288,12 @@ class NeuronSettings:
         n-gram speculation splits NxDI's speculation model, which replaces its
         token-generation model, the same way (its logits are [batch, speculation_length,
         vocab] a call); fused speculation compiles no logits at all
-        (backends/nxd/neuron_config.py)."""
+        (backends/nxd/neuron_config.py). A vision-language model's decode graphs keep
+        their logits too: NxDI's image-to-text text wrappers trace inputs for their own
+        two submodels only (backends/nxd/image_to_text.py)."""
         if self.backend != "nxd" or not self.on_device_sampling or self.is_fused_speculation:
             return []
-        if self.passthrough.get("tensor_capture_config"):
+        if self.passthrough.get("tensor_capture_config") or self.vision_buckets:
             return []
         lengths = self.token_generation_logits_buckets or self.token_generation_buckets
         return [(self.max_num_seqs, n) for n in lengths]

@@ -254,14 +254,11 @@ ROWS: tuple[ModelRow, ...] = (
         "Qwen3VLForConditionalGeneration",
         "Qwen3-VL",
         "qwen3_vl",
-        _every_release(
-            Refused(
-                "NxDI's CPU mode cannot build it (to_cpu reads vocab_size from the top level "
-                "of its config), so nothing about it is checked"
-            )
-        ),
+        _every_release(NxDIModelType("qwen3_vl")),
         vision=True,
         tiny=("qwen3_vl",),
+        note="NxDI's image-to-text application driven by the plugin (contiguous layout, "
+        "no prefix caching, chunked prefill, speculation or LoRA)",
     ),
     ModelRow(
         "LlavaForConditionalGeneration",

@@ -21,9 +21,11 @@ from neuron_plugin.patches import (
     bucket_fit,
     cpu_captured_offset,
     gemma3,
+    i2t_capture_hook,
     prefix_lens,
     prefix_prefill_mask,
     sampler_top_p,
+    vision_scatter,
 )
 from neuron_plugin.patches.base import NxDIModules, Patch
 
@@ -38,6 +40,8 @@ PATCHES: tuple[Patch, ...] = (
     sampler_top_p.PATCH,
     cpu_captured_offset.PATCH,
     *gemma3.PATCHES,
+    i2t_capture_hook.PATCH,
+    vision_scatter.PATCH,
 )
 
 __all__ = [

@@ -23,6 +23,10 @@ class NxDIModules:
     sampling: ModuleType  # neuronx_distributed_inference.modules.generation.sampling
     # neuronx_distributed_inference.models.gemma3.modeling_gemma3 (None before NxDI 0.9)
     gemma3: ModuleType | None = None
+    # neuronx_distributed_inference.models.image_to_text_model_base (None: not shipped)
+    image_to_text_model_base: ModuleType | None = None
+    # neuronx_distributed_inference.models.qwen3_vl.modeling_qwen3_vl_text (None before 0.8)
+    qwen3_vl_text: ModuleType | None = None
 
 
 @dataclass(frozen=True)

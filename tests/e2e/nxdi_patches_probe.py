@@ -6,7 +6,12 @@ model (the forward-time ones run through the backend in the other -m nxdi tests)
   first bucket (bucket_fit's stand-in wrapper, buckets [2, 4]);
 - sampler-top-p: the probabilities NxDI's on-device Sampler._multinomial_sample draws
   from, per top_p, for one row of logits (the test compares them with vLLM's own
-  apply_top_k_top_p, which this environment has not).
+  apply_top_k_top_p, which this environment has not);
+- vision-scatter-scratch-row: Qwen3-VL's text module's scatter_by_index_put on a
+  three-token target, rows for positions 0 and 2 and a padding entry at 3 (the scratch
+  row);
+- i2t-capture-hook: whether NeuronBaseForImageToText.forward's tensor_capture_hook
+  resolves (a parameter, or the module global the patch defines).
 
     python nxdi_patches_probe.py LOGITS_JSON TOP_PS_JSON
 """
@@ -40,8 +45,18 @@ def main(logits: list[float], top_ps: list[float]) -> dict:
         nucleus = torch.zeros_like(row)
         nucleus[indices[0]] = probs[0]
         nuclei.append(nucleus.tolist())
+    from neuronx_distributed_inference.models import image_to_text_model_base
+    from neuronx_distributed_inference.models.qwen3_vl import modeling_qwen3_vl_text
+
+    scattered = modeling_qwen3_vl_text.scatter_by_index_put(
+        torch.zeros(1, 3, 2), torch.tensor([[1.0, 1.0], [2.0, 2.0], [5.0, 5.0]]),
+        torch.tensor([[[0], [2], [3]]]))
+    forward = image_to_text_model_base.NeuronBaseForImageToText.forward
+    hook = "tensor_capture_hook"
     return {"version": nxdi.version, "status": dict(nxdi.patch_status),
-            "cte_bucket": int(chosen), "nuclei": nuclei}
+            "cte_bucket": int(chosen), "nuclei": nuclei, "scattered": scattered.tolist(),
+            "capture_hook_resolves": hook in forward.__code__.co_varnames
+            or hasattr(image_to_text_model_base, hook)}
 
 
 if __name__ == "__main__":

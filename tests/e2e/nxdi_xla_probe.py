@@ -35,6 +35,12 @@ against the aliasing map (shape and dtype), and the sizes `get()` sets against t
 plugin's hook sets. The report gives per graph its submodel, bucket, both calls' counts,
 largest difference and graph hash, and the problems found.
 
+An image-to-text application (Qwen3-VL) adds its vision encoder's graphs, one per vision
+bucket (its wrapper's `EncoderModelInstance`, no KV cache), driven through
+`NxDBackend.encode_image` with an image of each bucket's size; its context encodings are
+driven with image inputs (the positions, embeddings and DeepStack levels of a few image
+tokens, M-RoPE positions), so the patched image merge is traced with served values.
+
 "self_check": the first graph of the first case again, with a `.item()` injected before
 its lm_head: the metrics must show the transfer and the extra compile, so the checks
 cannot pass vacuously.
@@ -72,6 +78,7 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.prompt_logprobs import prompt_targets
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
+from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, VisionGeometry
 
 TOLERANCE = 1e-5
 # Integer outputs decided by comparing floats (a sampled token, the prompt logprobs'
@@ -110,9 +117,8 @@ def measured_call(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> tupl
     start = time.perf_counter()
     compiles0, transfers0 = _counts()
     with torch.no_grad():
-        outputs = module(*on_device)
+        outputs = flat(module(*on_device))
     compiles1, transfers1 = _counts()
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
     found = torch_xla._XLAC._get_graph_hash(tensors)
     graph = found.hex() if isinstance(found, bytes) else str(found)
@@ -128,6 +134,27 @@ def measured_call(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> tupl
         "transfers_sync": transfers2 - transfers1,
         "seconds": round(seconds, 3),
     }
+
+
+def flat(outputs: Any) -> list:
+    """A module's outputs as one list (Qwen3-VL's 0.8 vision graph answers a tensor and a
+    list of DeepStack tensors)."""
+    if not isinstance(outputs, (list, tuple)):
+        return [outputs]
+    return [leaf for output in outputs for leaf in flat(output)]
+
+
+def submodels(backend: NxDBackend) -> list[Any]:
+    """Every wrapper whose graphs the backend compiles: the application's `models` and,
+    for an image-to-text application, its vision encoder's."""
+    return [*backend.model.models, *getattr(backend.model, "vision_models", [])]
+
+
+def buckets_of(wrapper: Any) -> list:
+    """A wrapper's buckets: a vision encoder's are its vision config's (its wrapper's
+    neuron_config is the application's text copy)."""
+    vision = getattr(wrapper, "vision_config", None)
+    return list((vision or wrapper.config).neuron_config.buckets)
 
 
 def rebuild_on_device(module: torch.nn.Module, device: Any) -> None:
@@ -151,9 +178,10 @@ def rebuild_on_device(module: torch.nn.Module, device: Any) -> None:
 
 
 def kv_params(module: torch.nn.Module) -> Any:
-    """The KV cache Parameters, where DecoderModelInstance.get finds them."""
+    """The KV cache Parameters, where DecoderModelInstance.get finds them (none in an
+    encoder's module)."""
     manager = getattr(module, "kv_mgr", None)
-    return manager.past_key_values if manager is not None else module.past_key_values
+    return manager.past_key_values if manager is not None else getattr(module, "past_key_values", [])
 
 
 def set_kv(module: torch.nn.Module, values: Sequence[torch.Tensor], device: Any) -> None:
@@ -186,12 +214,11 @@ def eager(wrapper: Any, call: Call) -> tuple[list, dict[str, int]]:
         for p, value in zip(params, call.kv, strict=True):
             p.data = value.clone()
         with torch.inference_mode():
-            outputs = module(*[a.clone() for a in call.args])
+            outputs = flat(module(*[a.clone() for a in call.args]))
         sizes = {name: int(getattr(module, name)) for name in SIZES if hasattr(module, name)}
     finally:
         for p, value in zip(params, saved, strict=True):
             p.data = value
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     return [o.clone() for o in outputs], sizes
 
 
@@ -203,7 +230,7 @@ def record_calls(backend: NxDBackend, drive: Callable[[], None]) -> dict[tuple[i
     """(submodel index, bucket rank) -> the first call NxDI handed that submodel's module
     while `drive` ran, with the KV cache before it."""
     found: dict[tuple[int, int], Call] = {}
-    wrappers = list(backend.model.models)
+    wrappers = submodels(backend)
     saved = []
     for index, wrapper in enumerate(wrappers):
         ranks = {_shapes(e): r for r, e in enumerate(wrapper.input_generator())}
@@ -252,10 +279,38 @@ def drive_every_graph(backend: NxDBackend, errors: list[str], seed: int = 0) -> 
     def blocks(slot: int) -> list[int] | None:
         return [1 + per_seq * slot + j for j in range(per_seq)] if block else None
 
+    geometry = VisionGeometry.from_hf_config(backend.hf_config)
+
+    def with_image(inputs: Any) -> Any:
+        """An image-to-text context encoding with a few image tokens (after the first
+        one): their embeddings and DeepStack levels at random, M-RoPE positions with the
+        image's rows and columns; unchanged for a text model."""
+        if geometry is None:
+            return inputs
+        active = inputs.input_ids.shape[1]
+        tokens = min(4, int(inputs.full_context_lens[0]) - 1)
+        mask = np.zeros((1, active), dtype=bool)
+        mask[0, 1 : 1 + tokens] = True
+        embeddings = np.zeros((1, active, geometry.embedding_width), dtype=np.float32)
+        embeddings[mask] = rng.standard_normal((tokens, geometry.embedding_width))
+        rope = np.broadcast_to(inputs.position_ids, (3, *inputs.position_ids.shape)).copy()
+        rope[1:, 0, 1 : 1 + tokens] = 1 + np.arange(tokens) % 2
+        return dataclasses.replace(
+            inputs, vision_embeddings=embeddings, vision_mask=mask, rope_positions=rope
+        )
+
+    def encode(spec: GraphSpec) -> None:
+        """An image that fills vision bucket spec.shape (patches: 2 rows)."""
+        if geometry is None:
+            raise ValueError(f"a vision graph {spec.shape} for a model without vision_config")
+        patches = spec.shape[0]
+        pixels = rng.standard_normal((patches, geometry.patch_dim)).astype(np.float32)
+        backend.encode_image(ImageInputs(pixels, np.array([1, 2, patches // 2])))
+
     def prefill(spec: GraphSpec) -> None:
         new, cached = context_encoding_need(settings, spec.shape)
         ids = rng.integers(1, vocab, new + cached)
-        inputs = context_encoding_inputs(settings, ids, cached, 0, blocks(0))
+        inputs = with_image(context_encoding_inputs(settings, ids, cached, 0, blocks(0)))
         if spec.prompt_logprobs:
             width = inputs.input_ids.shape[1]
             targets = prompt_targets(ids, cached, new, width)
@@ -284,9 +339,10 @@ def drive_every_graph(backend: NxDBackend, errors: list[str], seed: int = 0) -> 
             backend.forward(inputs)
 
     def run() -> None:
+        calls = {CONTEXT_ENCODING: prefill, VISION_ENCODING: encode}
         for spec in graph_specs(settings):
             try:
-                (prefill if spec.phase == CONTEXT_ENCODING else decode)(spec)
+                calls.get(spec.phase, decode)(spec)
             except Exception as exc:  # a served call that fails is a finding
                 errors.append(f"{spec.name}: {type(exc).__name__}: {exc}")
 
@@ -446,7 +502,7 @@ def check_call(
             also = f"the eager forward too: {type(eager_exc).__name__}"
         raise ReplayError(f"{step} on XLA: {type(exc).__name__}: {exc} ({also})", trace) from exc
     want, eager_sizes = eager(wrapper, call)
-    label = f"{wrapper.tag} {wrapper.neuron_config.buckets[rank]}"
+    label = f"{wrapper.tag} {buckets_of(wrapper)[rank]}"
     first = COMPILED.setdefault(counts["graph_hash"], label)
     if step == "trace" and first != label:
         counts["same_graph_as"] = first  # e.g. windowed decode buckets: one cache size
@@ -466,18 +522,50 @@ def check_call(
 
 
 def other_values(example: Sequence[torch.Tensor], seed: int, vocab: int) -> tuple:
-    """The example with other token ids (same shapes and dtypes)."""
+    """The example with other token ids (same shapes and dtypes); a vision graph's,
+    other pixel values."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, tuple(example[0].shape), generator=generator)
-    return (ids.to(example[0].dtype), *example[1:])
+    first = example[0]
+    if first.is_floating_point():
+        values = torch.randn(tuple(first.shape), generator=generator)
+    else:
+        values = torch.randint(1, vocab, tuple(first.shape), generator=generator)
+    return (values.to(first.dtype), *example[1:])
+
+
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, SAMPLING_PARAMS = 0, 1, 2, 4  # text graph inputs
+VISION_EMBEDDINGS = 22  # an image-to-text text graph's (image_to_text_model_wrapper.py)
+
+
+def defined_example(example: Sequence[torch.Tensor]) -> tuple:
+    """A trace example whose attention mask is all zeros (NxDI's Qwen3-VL text wrapper,
+    modeling_qwen3_vl_text.py input_generator: every position masked, position ids,
+    sampling_params and the image positions zeros too, so the image merge zeroes
+    position 0, where the answer is read) with the values of a real call of the same
+    shapes and dtypes: ones in the mask, the sampling params (greedy) and the token ids,
+    positions counting up. Its logits are otherwise all equal (all zero on a checkpoint
+    whose token 0 is a padding token with a zero embedding, as the tiny Qwen3-VL's), so
+    the sampled token is undefined and XLA and eager may pick different ones. Any other
+    example as it is (a text model's block-layout example has a zero mask of one value
+    where its prefix is empty: it stays NxDI's)."""
+    found = list(example)
+    if len(found) <= VISION_EMBEDDINGS or bool(found[ATTENTION_MASK].any()):
+        return tuple(found)
+    for index in (INPUT_IDS, ATTENTION_MASK, SAMPLING_PARAMS):
+        found[index] = torch.ones_like(found[index])
+    positions = found[POSITION_IDS]
+    width = positions.shape[-1]
+    if width > 1:
+        found[POSITION_IDS] = torch.arange(width, dtype=positions.dtype).expand_as(positions)
+    return tuple(found)
 
 
 def replay_submodel(
     backend: NxDBackend, index: int, recorded: dict, tolerance: float, only: int | None = None
 ) -> list[dict[str, Any]]:
-    wrapper = backend.model.models[index]
+    wrapper = submodels(backend)[index]
     examples = wrapper.input_generator()
-    buckets = wrapper.neuron_config.buckets
+    buckets = buckets_of(wrapper)
     dev = device_module(wrapper)
     graphs = []
     for rank, example in enumerate(examples):
@@ -486,7 +574,7 @@ def replay_submodel(
         entry: dict[str, Any] = {"graph": str(wrapper.tag), "bucket": buckets[rank], "rank": rank}
         try:
             kv = kv_snapshot(wrapper.model)
-            trace = Call(tuple(example), kv, "example")
+            trace = Call(defined_example(example), kv, "example")
             again = recorded.get((index, rank)) or Call(
                 other_values(example, rank + 1, backend.vocab_size), kv, "example"
             )
@@ -524,12 +612,12 @@ def run_case(settings: NeuronSettings, model: str, tolerance: float) -> dict[str
     drive_errors: list[str] = []
     recorded = record_calls(backend, drive_every_graph(backend, drive_errors))
     graphs = []
-    for index in range(len(backend.model.models)):
+    for index in range(len(submodels(backend))):
         graphs += replay_submodel(backend, index, recorded, tolerance)
     return {
         "graphs": graphs,
-        "submodels": [str(w.tag) for w in backend.model.models],
-        "buckets": sum(len(w.neuron_config.buckets) for w in backend.model.models),
+        "submodels": [str(w.tag) for w in submodels(backend)],
+        "buckets": sum(len(buckets_of(w)) for w in submodels(backend)),
         "served_calls": len(recorded),
         "drive_errors": drive_errors,
         "patches": list(backend.nxdi.patches_for(settings.architecture)),

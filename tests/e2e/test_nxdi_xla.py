@@ -19,7 +19,9 @@ computes what the eager forward computes.
 Models: every architecture of the table (neuron_plugin/models/table.py) the nxd backend
 maps, on its first tiny checkpoint (the same ones test_nxdi_architectures.py serves);
 one the table refuses on a release is skipped with the table's reason, a layout the
-backend refuses (compat.py) with its message. A class of the plugin's own (a
+backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL) runs
+VISION_CASES: its text graphs take image inputs (the patched image merge traced with
+served positions and embeddings) and its vision encoder's graphs are replayed too. A class of the plugin's own (a
 `PluginClass` row) comes in with its row; a model folder outside the table is one entry
 of EXTRA_MODELS. Each model runs one probe process per NxDI release
 (NEURON_TEST_NXDI_PYTHONS, tests/e2e/conftest.py) over every case of CASES; without an
@@ -64,6 +66,8 @@ class XlaCase:
     override: Mapping[str, Any]
     prompt_logprobs: bool = True
     max_model_len: int = MAX_MODEL_LEN
+    # a vision-language model's processor range: (min patches, max patches, step)
+    vision: tuple[int, int, int] | None = None
 
 
 CASES: dict[str, XlaCase] = {
@@ -95,9 +99,42 @@ CASES: dict[str, XlaCase] = {
 }
 
 
+# A vision-language model (an image-to-text application: the contiguous layout only, one
+# decode batch size, no prompt logprobs): its text graphs with image inputs and its
+# vision encoder's, one per vision bucket (patches per image).
+VISION = (16, 256, 4)
+VISION_CASES: dict[str, XlaCase] = {
+    "contiguous": XlaCase(
+        False,
+        {
+            "context_encoding_buckets": [32, 128],
+            "token_generation_buckets": [64, 160],
+            "max_batch_buckets": 1,
+            "vision_buckets": [64, 256],
+        },
+        prompt_logprobs=False,
+        vision=VISION,
+    ),
+    "host-sampling": XlaCase(
+        False,
+        {
+            "context_encoding_buckets": [32],
+            "token_generation_buckets": [160],
+            "on_device_sampling_config": None,
+            "max_batch_buckets": 1,
+            # not contiguous's: the same vision graph would come from XLA's cache
+            "vision_buckets": [128],
+        },
+        prompt_logprobs=False,
+        vision=VISION,
+    ),
+}
+
+
 def xla_settings(architecture: str, case: XlaCase) -> dict[str, Any]:
     """The backend's settings for `case`, resolved as the platform resolves them."""
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
+    from neuron_plugin.core.vision import VisionLimits
 
     length = case.max_model_len
     limits = EngineLimits(
@@ -110,6 +147,7 @@ def xla_settings(architecture: str, case: XlaCase) -> dict[str, Any]:
         dtype="float32",
         tp_degree=1,
         max_logprobs=2,
+        vision=VisionLimits(*case.vision) if case.vision else None,
     )
     settings = resolve_settings(
         limits,
@@ -171,12 +209,13 @@ class XlaModel:
     # override_neuron_config keys of every case for this model
     override: Mapping[str, Any] = field(default_factory=dict)
     tolerance: float = TOLERANCE
+    cases: Mapping[str, XlaCase] = field(default_factory=lambda: CASES)
 
 
 def table_models() -> list[XlaModel]:
-    """The first tiny checkpoint of every text architecture the nxd backend maps on some
+    """The first tiny checkpoint of every architecture the nxd backend maps on some
     release (the builder's first Qwen3-MoE has a dense layer the backend refuses: its
-    hub-shaped one instead)."""
+    hub-shaped one instead); a vision-language one with VISION_CASES."""
     from neuron_plugin.models.table import ROWS, Refused
 
     served_instead = {"Qwen3MoeForCausalLM": "qwen3_moe_hub"}
@@ -194,7 +233,7 @@ def table_models() -> list[XlaModel]:
     )
     found = []
     for row in ROWS:
-        if row.vision or not row.tiny or all(isinstance(s, Refused) for s in row.nxd.values()):
+        if not row.tiny or all(isinstance(s, Refused) for s in row.nxd.values()):
             continue
         tiny = served_instead.get(row.architecture, row.tiny[0])
         found.append(
@@ -204,6 +243,7 @@ def table_models() -> list[XlaModel]:
                 row.architecture,
                 overrides.get(row.architecture, {}),
                 tolerances.get(row.architecture, TOLERANCE),
+                VISION_CASES if row.vision else CASES,
             )
         )
     return found
@@ -239,7 +279,7 @@ def replayed(request, nxdi_python, tiny_model, tmp_path_factory):
         name: xla_settings(
             architecture, replace(case, override={**case.override, **model.override})
         )
-        for name, case in CASES.items()
+        for name, case in model.cases.items()
     }
     out = tmp_path_factory.mktemp(f"xla-{model.name}")
     return (
@@ -251,6 +291,8 @@ def replayed(request, nxdi_python, tiny_model, tmp_path_factory):
 
 def _case(replayed, name: str) -> dict[str, Any]:
     model, report, _ = replayed
+    if name not in report["cases"]:
+        pytest.skip(f"{model.name}: no {name} case (its cases: {', '.join(report['cases'])})")
     case = report["cases"][name]
     if "refused" in case:
         pytest.skip(f"{model.name} {name}: the backend refuses it: {case['refused']}")
@@ -284,6 +326,8 @@ def test_every_graph_the_backend_compiles_is_replayed(replayed, name):
         expected.add("token_generation_logits_model")
     if settings.prompt_logprobs is not None:
         expected.add("context_encoding_prompt_logprobs_model")
+    if settings.vision_buckets:
+        expected.add("vision_encoder_model")
     assert set(case["submodels"]) == expected
     served = [g for g in case["graphs"] if g.get("again", {}).get("values") == "served"]
     assert len(served) == len(graph_specs(settings)) == case["served_calls"]

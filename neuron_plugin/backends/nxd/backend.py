@@ -60,7 +60,7 @@ from neuron_plugin.backends.base import (
     write_artifact_record,
 )
 from neuron_plugin.backends.kv_blocks import KVGeometry, checked_block_ids, require_block_layout
-from neuron_plugin.backends.nxd import compat, cpu_mode, graphs, prompt_graphs
+from neuron_plugin.backends.nxd import compat, cpu_mode, graphs, image_to_text, prompt_graphs
 from neuron_plugin.backends.nxd.arguments import model_arguments, padding_arguments
 from neuron_plugin.backends.nxd.eagle import check_eagle, write_nxdi_head
 from neuron_plugin.backends.nxd.kv_state import NxDKVState
@@ -84,10 +84,15 @@ from neuron_plugin.backends.nxd.quantized import (
     refuse_quantized_draft,
     untie_quantized_head,
 )
+from neuron_plugin.backends.nxd.vision_arguments import (
+    VisionExample,
+    examples_by_width,
+    vision_arguments,
+)
 from neuron_plugin.backends.nxd.work_dir import compile_work_dir
 from neuron_plugin.core.adapters import AdapterWeights
 from neuron_plugin.core.checkpoint import read_hf_config, text_config
-from neuron_plugin.core.inputs import ForwardInputs
+from neuron_plugin.core.inputs import CONTEXT_ENCODING, ForwardInputs
 from neuron_plugin.core.instances import (
     INSTANCE_TYPES,
     check_tp_fits,
@@ -101,7 +106,7 @@ from neuron_plugin.core.quantization import check_checkpoint_folder
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.speculation import NO_TOKEN
-from neuron_plugin.core.vision import ImageInputs
+from neuron_plugin.core.vision import ImageInputs, vision_bucket
 from neuron_plugin.models.third_party import entry_points
 
 logger = plugin_logger(__name__)
@@ -146,7 +151,15 @@ class NxDBackend(InlineCalls):
         self.model_cls = resolve_model_class(
             settings.architecture, self.nxdi.model_types, entry_points(), self.nxdi.version
         )
-        if settings.vision_buckets:
+        # NxDI's image-to-text application (a vision-language model: image_to_text)
+        self.image_to_text = image_to_text.is_image_to_text(
+            self.model_cls, self.nxdi.image_to_text_model_base
+        )
+        if self.image_to_text:
+            image_to_text.refuse_unsupported(settings)
+            image_to_text.check_vision_fits(settings, self.hf_config)
+            image_to_text.encoder_for(settings.architecture)
+        elif settings.vision_buckets:
             raise NeuronConfigError(
                 f"vision_buckets={list(settings.vision_buckets)}: the nxd backend serves no "
                 f"vision encoder ({settings.architecture} is served as a text model); "
@@ -168,6 +181,10 @@ class NxDBackend(InlineCalls):
         if found:
             raise NeuronConfigError(" ".join(found))
         self.model: Any = None  # the NxDI application (NeuronBaseForCausalLM) once loaded
+        # an image-to-text model's image-input examples: context encoding by input width,
+        # and token generation's (load)
+        self._context_examples: dict[int, VisionExample] = {}
+        self._decode_example: VisionExample | None = None
         self.tied_head = False  # NxDI's tie of a quantized lm_head undone (_new_model)
         self._kv: NxDKVState | None = None  # KV blocks of the loaded model (_kv_state)
         self.adapters: NxDAdapters | None = None
@@ -248,6 +265,8 @@ class NxDBackend(InlineCalls):
         }
 
     def _new_model(self) -> Any:
+        if self.image_to_text:
+            return self._new_image_to_text()
         kwargs = neuron_config_kwargs(self.settings)
         if self.adapters is not None:
             kwargs["lora_config"] = self.adapters.config_kwargs()
@@ -278,6 +297,22 @@ class NxDBackend(InlineCalls):
         model = self.model_cls(str(self.model_dir), config)
         graphs.add_logits_graphs(model, self.settings)
         prompt_graphs.add_prompt_logprobs_graphs(model, self.settings, self.nxdi.model_base)
+        return model
+
+    def _new_image_to_text(self) -> Any:
+        """NxDI's image-to-text application (nxd.image_to_text), every wrapper run on
+        the host side. Its decode graphs keep their logits (no logits-free split,
+        `graphs`; NeuronSettings.token_generation_logits_shapes has none for a vision
+        model): NxDI's Qwen3-VL text wrapper traces inputs for its own two tags only
+        (modeling_qwen3_vl_text.py input_generator raises for any other)."""
+        model = image_to_text.new_image_to_text(
+            self.model_cls,
+            self.settings,
+            neuron_config_kwargs(self.settings),
+            self._config_loader(),
+            str(self.model_dir),
+        )
+        image_to_text.run_wrappers_on_the_host(model)
         return model
 
     def _config_loader(self) -> Any:
@@ -407,11 +442,19 @@ class NxDBackend(InlineCalls):
         self._quantized_folder()
         if self.on_cpu:
             cpu_mode.refuse_quantized(self.settings)
-            cpu_mode.load(model, self.nxdi.layer_boundary_marker)
+            if self.image_to_text:
+                cpu_mode.load_image_to_text(model, self.nxdi.layer_boundary_marker)
+            else:
+                cpu_mode.load(model, self.nxdi.layer_boundary_marker)
         else:
             # The loader warms every graph up (run_graph_once) unless skip_warmup is set.
             model.load(str(folder), skip_warmup=True)
             graphs.route_by_tag(model)
+        if self.image_to_text:
+            self._context_examples = examples_by_width(model.context_encoding_model)
+            self._decode_example = next(
+                iter(examples_by_width(model.token_generation_model).values())
+            )
         self.model = model
 
     def set_adapter(self, slot: int, adapter: AdapterWeights) -> None:
@@ -421,12 +464,20 @@ class NxDBackend(InlineCalls):
         self.adapters.set(self.model, slot, adapter)
 
     def encode_image(self, image: ImageInputs) -> np.ndarray:
-        """Never reached: vision-language architectures are refused at construction
-        (models.resolve_model_class), text models have no vision buckets."""
-        raise NeuronConfigError(
-            f"{self.settings.architecture}: the nxd backend does not drive NxDI's image "
-            f"encoding; serve vision-language models with VLLM_NEURON_BACKEND=reference."
+        """An image's embeddings from the vision graph of its vision bucket (a padding
+        image: the bucket it fills), by the architecture's encoder (nxd.image_to_text)."""
+        if not self.image_to_text:  # text models have no vision buckets (__init__)
+            raise NeuronConfigError(
+                f"{self.settings.architecture} takes no images on the nxd backend; this is "
+                f"a plugin bug, please report it."
+            )
+        bucket = (
+            int(image.pixel_values.shape[0])
+            if image.is_padding
+            else vision_bucket(self.settings.vision_buckets, image.patches)
         )
+        encode = image_to_text.encoder_for(self.settings.architecture)
+        return encode(self.model.vision_encoder_model, image, bucket)
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The KV cache as NxDI holds it: on the device each state tensor of the
@@ -481,7 +532,8 @@ class NxDBackend(InlineCalls):
                 "run(), or use n-gram speculation where logits are needed."
             )
         args, answer = model_arguments(self.settings, inputs, logits=True)
-        return self._logits(self._call(args, inputs.phase, True), answer)
+        images = self._image_arguments(inputs, args)
+        return self._logits(self._call(args, inputs.phase, True, images=images), answer)
 
     def run(self, inputs: ForwardInputs, sampling: SamplingInputs) -> StepOutput:
         """One serving call: NxDI's on-device sampler draws every real row's token with
@@ -508,7 +560,13 @@ class NxDBackend(InlineCalls):
         needs = bool(sampling.needs_logits.any())
         args, answer = model_arguments(self.settings, inputs, needs)
         output = self._call(
-            args, inputs.phase, needs, sampling if on_device else None, answer, prompt
+            args,
+            inputs.phase,
+            needs,
+            sampling if on_device else None,
+            answer,
+            prompt,
+            self._image_arguments(inputs, args),
         )
         scored = None
         if targets is not None:
@@ -533,7 +591,29 @@ class NxDBackend(InlineCalls):
 
     def _padding_call(self, inputs: ForwardInputs, logits: bool, prompt: bool = False) -> None:
         args = padding_arguments(self.settings, inputs, logits)
-        self._call(args, inputs.phase, logits, prompt=prompt)
+        images = self._image_arguments(inputs, args)
+        self._call(args, inputs.phase, logits, prompt=prompt, images=images)
+
+    def _image_arguments(
+        self, inputs: ForwardInputs, args: Mapping[str, np.ndarray]
+    ) -> dict[str, torch.Tensor]:
+        """An image-to-text model's image inputs of the call (nxd.vision_arguments),
+        in the shapes of the graph the call runs; none for a text model."""
+        if not self.image_to_text:
+            return {}
+        positions = np.asarray(args["position_ids"])
+        if inputs.phase == CONTEXT_ENCODING:
+            example = self._context_examples.get(int(positions.shape[-1]))
+        else:
+            example = self._decode_example
+        if example is None:
+            raise ValueError(
+                f"a {inputs.phase} call of width {positions.shape[-1]} has no image-to-text "
+                f"graph (context widths {sorted(self._context_examples)}); this is a "
+                f"plugin bug, please report it with your override_neuron_config."
+            )
+        hidden = int(text_config(self.hf_config)["hidden_size"])
+        return vision_arguments(inputs, positions, example, hidden)
 
     def _logits(self, output: Any, rows: np.ndarray) -> torch.Tensor:
         """The logits of NxDI output `rows` at their first computed position (the only
@@ -549,11 +629,15 @@ class NxDBackend(InlineCalls):
         sampling: SamplingInputs | None = None,
         answer: np.ndarray | None = None,
         prompt: bool = False,
+        images: Mapping[str, torch.Tensor] | None = None,
     ) -> Any:
         """The model call of `phase` (`logits`: a decode runs the logits variant;
         `prompt`: a context encoding runs the prompt-logprob submodel) with
         `sampling_params` of exactly the call's rows: `sampling`'s values at the
-        `answer` rows, greedy elsewhere (pads, or no sampling asked)."""
+        `answer` rows, greedy elsewhere (pads, or no sampling asked). An image-to-text
+        application is called through NeuronBaseForImageToText.forward with its
+        `images` inputs: the models' own forward computes on the host what the plugin
+        already has (positions, encoder runs) and orders its arguments differently."""
         width = int(args["seq_ids"].shape[0])
         if self.adapters is not None:  # the rows' plugin slots as NxDI's adapter_ids
             args = {
@@ -571,6 +655,15 @@ class NxDBackend(InlineCalls):
             width, *(column.tolist() for column in columns)
         )
         with graphs.selected(self.model, phase, logits, prompt), torch.inference_mode():
+            if self.image_to_text and self.nxdi.image_to_text_model_base is not None:
+                forward = self.nxdi.image_to_text_model_base.NeuronBaseForImageToText.forward
+                return forward(
+                    self.model,
+                    input_ids=tensors.pop("input_ids"),
+                    attention_mask=tensors.pop("attention_mask", None),
+                    **tensors,
+                    **(images or {}),
+                )
             return self.model(
                 tensors.pop("input_ids"),
                 attention_mask=tensors.pop("attention_mask", None),

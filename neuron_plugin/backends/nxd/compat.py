@@ -38,6 +38,7 @@ from neuron_plugin.backends.nxd.families import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_vl,
     transformers_windows,
 )
 from neuron_plugin.backends.nxd.support import FEATURES, REFUSED, UNTESTED, Support, Table
@@ -48,7 +49,19 @@ from neuron_plugin.models.table import TABLE, Refused
 
 FAMILIES: dict[str, NxDFamily] = {
     module.__name__.rsplit(".", 1)[1]: family(module)
-    for module in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, dbrx, gpt_oss, gemma3, gemma4)
+    for module in (
+        llama,
+        mistral,
+        mixtral,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+        qwen3_vl,
+        dbrx,
+        gpt_oss,
+        gemma3,
+        gemma4,
+    )
 }
 # A class of nobody's family (an entry point's, or an architecture outside the table).
 _UNKNOWN = NxDFamily(support={})

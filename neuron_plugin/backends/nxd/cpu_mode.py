@@ -154,15 +154,8 @@ def _inputs(self: torch.nn.Module, *args: Any) -> Any:
     return args[0] if len(args) == 1 else args
 
 
-def load(model: Any, markers: ModuleType) -> None:
-    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes, with
-    NxD's layer-boundary markers as the identity (`identity_markers`). The
-    token-generation logits submodel (`graphs`) and the prompt-logprob one
-    (`prompt_graphs`) read the KV cache of the submodel they stand in for: NxDI copies
-    each call's cache into token_generation_model and context_encoding_model only
-    (model_base.py `_copy_past_key_values`).
-
-    to_cpu() starts a gloo process group of one on MASTER_PORT, 29500 unless set
+def _free_master_port() -> None:
+    """to_cpu() starts a gloo process group of one on MASTER_PORT, 29500 unless set
     (application_base.py to_cpu, ef2731e lines 579-586): a second engine on the host (data
     parallelism, a second server) would fail with "address already in use", so an unset
     MASTER_PORT becomes a free one."""
@@ -170,8 +163,22 @@ def load(model: Any, markers: ModuleType) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+
+
+def load(model: Any, markers: ModuleType) -> None:
+    """Build NxDI's eager submodels on the CPU and hook their per-bucket attributes, with
+    NxD's layer-boundary markers as the identity (`identity_markers`). The
+    token-generation logits submodel (`graphs`) and the prompt-logprob one
+    (`prompt_graphs`) read the KV cache of the submodel they stand in for: NxDI copies
+    each call's cache into token_generation_model and context_encoding_model only
+    (model_base.py `_copy_past_key_values`). See `_free_master_port` for the port."""
+    _free_master_port()
     identity_markers(markers)
     model.to_cpu()
+    _share_caches_and_hook(model)
+
+
+def _share_caches_and_hook(model: Any) -> None:
     prompt = prompt_variant(model)
     # The prompt-logprob submodel stands in for context_encoding_model during its calls,
     # so NxDI's copy would miss the context encoder's own cache then: it shares it too.
@@ -188,6 +195,56 @@ def load(model: Any, markers: ModuleType) -> None:
         by_module.setdefault(id(wrapper.model), (wrapper.model, []))[1].append(wrapper)
     for module, wrappers in by_module.values():
         _install_bucket_hook(module, wrappers)
+
+
+def load_image_to_text(model: Any, markers: ModuleType) -> None:
+    """NxDI's CPU mode for an image-to-text application, which `to_cpu()` cannot load:
+    without continuous batching it builds the text module from the full config, whose
+    top level lacks the text model's sizes (Qwen3-VL: vocab_size, hidden_size), and it
+    never builds the vision encoder (it loads `self.models`, the text wrappers:
+    application_base.py to_cpu, 0.8 cd3abf3 lines 554-626, 0.9 ef2731e 556-628). This
+    does what to_cpu does (the gloo group of one, model parallel state, a sharded
+    checkpoint per module), with one module per text wrapper from that wrapper's config
+    (to_cpu's continuous-batching rule, for every application) and one for the vision
+    encoder from its own; the checkpoint is always sharded, at TP 1 too. The text
+    modules then get the per-bucket hook and the shared caches of `load`."""
+    from neuronx_distributed.parallel_layers.parallel_state import initialize_model_parallel
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
+
+    _free_master_port()
+    identity_markers(markers)
+    os.environ["NXD_CPU_MODE"] = "1"
+    neuron_config = model.neuron_config
+    if not torch.distributed.is_initialized():
+        if neuron_config.world_size != 1:
+            raise NeuronConfigError(
+                f"NxDI's CPU mode with world_size={neuron_config.world_size}: start the "
+                f"engine under torchrun (one process per rank), or serve at tp_degree 1."
+            )
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        torch.distributed.init_process_group(backend="gloo", world_size=1, rank=0)
+    initialize_model_parallel(
+        tensor_model_parallel_size=neuron_config.tp_degree,
+        pipeline_model_parallel_size=neuron_config.pp_degree,
+        expert_model_parallel_size=neuron_config.ep_degree,
+        skip_collective_init=True,
+    )
+
+    def built(wrapper: Any) -> torch.nn.Module:
+        module = wrapper.model_cls(wrapper.config)
+        if wrapper.config.neuron_config.torch_dtype == torch.bfloat16:
+            module.bfloat16()
+        weights = model.checkpoint_loader_fn()
+        get_sharded_checkpoint(
+            weights, module, torch.distributed.get_rank(), neuron_config.tp_degree
+        )
+        module.load_state_dict(weights, strict=False)
+        return module.eval()
+
+    for wrapper in [*model.text_models, *model.vision_models]:
+        wrapper.model = built(wrapper)
+    model.eval()
+    _share_caches_and_hook(model)
 
 
 def kv_cache_tensors(model: Any) -> list[torch.Tensor]:

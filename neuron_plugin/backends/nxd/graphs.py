@@ -180,13 +180,27 @@ def _standing_in(model: Any, name: str, chosen: Any) -> Iterator[None]:
     """`chosen` as the application's submodel `name` (none: as it is) and its
     output_logits as the application's, both restored after."""
     plain = getattr(model, name) if name else None
-    saved = model.neuron_config.output_logits
+    configs = _application_configs(model)
+    saved = [config.output_logits for config in configs]
     if name:
         setattr(model, name, chosen)
-    model.neuron_config.output_logits = chosen.neuron_config.output_logits
+    for config in configs:
+        config.output_logits = chosen.neuron_config.output_logits
     try:
         yield
     finally:
         if name:
             setattr(model, name, plain)
-        model.neuron_config.output_logits = saved
+        for config, value in zip(configs, saved, strict=True):
+            config.output_logits = value
+
+
+def _application_configs(model: Any) -> list[Any]:
+    """The NeuronConfigs whose output_logits NxDI's forward reads: the application's,
+    and an image-to-text application's text config's, a copy of it that
+    NeuronBaseForImageToText._get_constructed_outputs reads instead."""
+    configs = [model.neuron_config]
+    text = getattr(getattr(model, "text_config", None), "neuron_config", None)
+    if text is not None and text is not model.neuron_config:
+        configs.append(text)
+    return configs

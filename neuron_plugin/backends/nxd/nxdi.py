@@ -38,6 +38,9 @@ class NxDI:
     # models/model_base.py: the helpers its forward uses (mask_padded_logits,
     # get_tp_group, _gather_along_dim), for the prompt-logprob submodel's.
     model_base: ModuleType
+    # models/image_to_text_model_base.py: NeuronBaseForImageToText, the application of
+    # the vision-language models (backends/nxd/image_to_text.py); None where not shipped.
+    image_to_text_model_base: ModuleType | None
 
     def patches_for(self, architecture: str) -> tuple[str, ...]:
         """The patches in effect that change `architecture`'s graphs (the cache key's)."""
@@ -81,6 +84,8 @@ def import_nxdi() -> NxDI:
             attention_base,
             sampling,
             _gemma3_module(),
+            _image_to_text_module(),
+            _qwen3_vl_text_module(),
         )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
@@ -97,6 +102,7 @@ def import_nxdi() -> NxDI:
         {o.name: o.status for o in outcomes},
         layer_boundary_marker,
         model_base,
+        _image_to_text_module(),
     )
 
 
@@ -110,3 +116,24 @@ def _gemma3_module() -> ModuleType | None:
     except ImportError:
         return None
     return modeling_gemma3
+
+
+def _image_to_text_module() -> ModuleType | None:
+    """NxDI's image-to-text application base (models/image_to_text_model_base.py), None
+    where the installed NxDI has none (then no architecture is served as one)."""
+    try:
+        from neuronx_distributed_inference.models import image_to_text_model_base
+    except ImportError:
+        return None
+    return image_to_text_model_base
+
+
+def _qwen3_vl_text_module() -> ModuleType | None:
+    """NxDI's Qwen3-VL text model (models/qwen3_vl/modeling_qwen3_vl_text.py, shipped
+    from 0.8), None where the release has none: the vision-scatter patch replaces the
+    merge function it looks up."""
+    try:
+        from neuronx_distributed_inference.models.qwen3_vl import modeling_qwen3_vl_text
+    except ImportError:
+        return None
+    return modeling_qwen3_vl_text

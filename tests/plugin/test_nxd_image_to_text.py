@@ -1,0 +1,247 @@
+"""The nxd backend's image-to-text driver without NxDI (backends/nxd/image_to_text.py,
+vision_arguments.py, families/qwen3_vl.py, patches vision_scatter and i2t_capture_hook):
+what it refuses for a vision-language model and how each message names the setting and
+the fix, the vision encoder's NeuronConfig, the image inputs of each call in the shapes
+of the graph's example, and the two patches on stand-ins of the NxDI code they fix (each
+names its NxDI file and function). The driver on real NxDI 0.8 and 0.9 against
+transformers: tests/e2e/test_nxdi_qwen3_vl.py, its graphs on XLA: test_nxdi_xla.py, the
+patches on the real code: test_nxdi_patches.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_plugin.backends.nxd import compat, image_to_text, qwen3_vl_vision
+from neuron_plugin.backends.nxd.models import describe_architecture
+from neuron_plugin.backends.nxd.vision_arguments import VisionExample, vision_arguments
+from neuron_plugin.core import nxdi_releases
+from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
+from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
+from neuron_plugin.core.vision import VisionLimits
+from neuron_plugin.patches import NxDIModules, i2t_capture_hook, vision_scatter
+
+ARCH = "Qwen3VLForConditionalGeneration"
+LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
+                      enable_prefix_caching=False, enable_chunked_prefill=False,
+                      max_num_batched_tokens=256, dtype="float32", tp_degree=1,
+                      vision=VisionLimits(16, 256, 4))
+OVERRIDE = {"context_encoding_buckets": [128, 256], "token_generation_buckets": [256],
+            "max_batch_buckets": 1, "vision_buckets": [64, 256]}
+HIDDEN, LEVELS = 8, 2
+
+
+def settings(limits=LIMITS, **override):
+    return resolve_settings(limits, {**OVERRIDE, **override}, backend="nxd", architecture=ARCH)
+
+
+def test_the_served_configuration_is_not_refused():
+    image_to_text.refuse_unsupported(settings())
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (dict(limits=dataclasses.replace(LIMITS, enable_prefix_caching=True, block_size=32)),
+     "--no-enable-prefix-caching"),
+    (dict(max_batch_buckets=2), "max_batch_buckets: 1"),
+])
+def test_what_image_to_text_apps_cannot_run_is_refused_by_name(change, named):
+    limits = change.pop("limits", LIMITS)
+    chosen = settings(limits, **change)
+    with pytest.raises(NeuronConfigError) as info:
+        image_to_text.refuse_unsupported(chosen)
+    assert named in str(info.value)
+    assert ARCH in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("is_chunked_prefill", True, "--no-enable-chunked-prefill"),
+    ("speculation_method", "ngram", "--speculative-config"),
+    ("max_loras", 2, "--enable-lora"),
+    ("prompt_logprobs", 2, "prompt_logprobs"),
+    # refused for every model when settings are resolved; the driver checks it again
+    ("ctx_batch_size", 2, "ctx_batch_size: 1"),
+])
+def test_refusals_of_engine_features(field, value, named):
+    with pytest.raises(NeuronConfigError, match=named):
+        image_to_text.refuse_unsupported(dataclasses.replace(settings(), **{field: value}))
+
+
+def test_every_refusal_is_named_at_once():
+    chosen = dataclasses.replace(settings(), max_loras=1, prompt_logprobs=1)
+    with pytest.raises(NeuronConfigError) as info:
+        image_to_text.refuse_unsupported(chosen)
+    assert "--enable-lora" in str(info.value) and "prompt_logprobs" in str(info.value)
+
+
+def test_vision_config_has_one_graph_per_vision_bucket():
+    chosen = settings()
+    kwargs = image_to_text.vision_neuron_config_kwargs(
+        chosen, {"tp_degree": 1, "torch_dtype": "float32", "on_cpu": True, "batch_size": 2})
+    assert kwargs == {"tp_degree": 1, "torch_dtype": "float32", "on_cpu": True,
+                      "batch_size": 1, "seq_len": 256, "enable_bucketing": True,
+                      "buckets": [64, 256], "fused_qkv": True}
+    with pytest.raises(NeuronConfigError, match="vision_buckets"):
+        image_to_text.vision_neuron_config_kwargs(
+            dataclasses.replace(chosen, vision_buckets=()), {})
+
+
+def test_vision_buckets_must_fit_the_longest_context_encoding():
+    config = {"vision_config": {"spatial_merge_size": 2}}
+    image_to_text.check_vision_fits(settings(), config)  # 256 patches: 64 tokens
+    too_large = dataclasses.replace(settings(), vision_buckets=(64, 2048))
+    with pytest.raises(NeuronConfigError, match="at most 1024 patches"):
+        image_to_text.check_vision_fits(too_large, config)
+
+
+def test_a_vision_model_decodes_with_logits_in_every_graph():
+    assert settings().token_generation_logits_shapes() == []
+
+
+def test_an_architecture_without_an_encoder_is_refused():
+    assert image_to_text.encoder_for(ARCH) is qwen3_vl_vision.encode
+    with pytest.raises(NeuronConfigError, match="VLLM_NEURON_BACKEND=reference"):
+        image_to_text.encoder_for("Qwen2VLForConditionalGeneration")
+
+
+@pytest.mark.parametrize("release", nxdi_releases.CHECKED, ids=lambda r: r.release)
+def test_qwen3_vl_is_served_on_every_checked_release(release, tiny_model):
+    assert describe_architecture(ARCH, [], release) == "NxDI MODEL_TYPES['qwen3_vl']['causal-lm']"
+    table = compat.support(ARCH, release)
+    assert table["contiguous"].startswith("equal") and table["block"].startswith("refused")
+    config = json.loads((tiny_model("qwen3_vl") / "config.json").read_text())
+    assert compat.problems(settings(), config, release.release, {}) == []
+    disabled = compat.problems(settings(), config, release.release,
+                               {vision_scatter.NAME: "disabled"})
+    assert len(disabled) == 1 and "VLLM_NEURON_DISABLE_PATCHES" in disabled[0]
+
+
+# -- image inputs of a call ---------------------------------------------------------------
+def context_example(width: int, embeddings: int) -> VisionExample:
+    """A Qwen3-VL context-encoding example's image inputs (modeling_qwen3_vl_text.py
+    NeuronQwen3VLTextModelWrapper.get_dummy_vision_inputs: embeddings [1, E, hidden],
+    positions int32 [1, bucket, 1], DeepStack [levels, 1, E, hidden])."""
+    return VisionExample(
+        rotary=True,
+        embeddings=torch.zeros(1, embeddings, HIDDEN),
+        mask=torch.zeros(1, width, 1, dtype=torch.int32),
+        deepstack=torch.zeros(LEVELS, 1, embeddings, HIDDEN),
+    )
+
+
+def test_context_image_inputs_are_positions_rows_and_deepstack_levels():
+    chosen = settings()
+    inputs = context_encoding_inputs(chosen, np.arange(1, 11), 0, 0, None)
+    width = inputs.input_ids.shape[1]
+    mask = np.zeros((1, width), dtype=bool)
+    mask[0, [3, 4, 7]] = True
+    rows = np.arange(3 * HIDDEN * (1 + LEVELS), dtype=np.float32).reshape(3, -1)
+    embeddings = np.zeros((1, width, HIDDEN * (1 + LEVELS)), dtype=np.float32)
+    embeddings[mask] = rows
+    rope = np.stack([inputs.position_ids, inputs.position_ids + 1, inputs.position_ids + 2])
+    inputs = dataclasses.replace(inputs, vision_embeddings=embeddings, vision_mask=mask,
+                                 rope_positions=rope)
+    args = vision_arguments(inputs, inputs.position_ids, context_example(width, 256), HIDDEN)
+    assert args["vision_mask"].dtype == torch.int32
+    assert args["vision_mask"][0, :, 0].tolist() == [3, 4, 7] + [width] * (width - 3)
+    assert args["vision_embeddings"].shape == (1, 256, HIDDEN)
+    assert torch.equal(args["vision_embeddings"][0, :3], torch.from_numpy(rows[:, :HIDDEN]))
+    assert not args["vision_embeddings"][0, 3:].any()
+    for level in range(LEVELS):
+        part = rows[:, HIDDEN * (1 + level) : HIDDEN * (2 + level)]
+        assert torch.equal(args["deepstack_vision_embeds"][level, 0, :3], torch.from_numpy(part))
+    assert args["rotary_position_ids"].dtype == torch.int32
+    assert args["rotary_position_ids"].tolist() == rope.tolist()
+
+
+def test_a_text_only_call_passes_empty_image_inputs_of_the_graph_shapes():
+    chosen = settings()
+    inputs = context_encoding_inputs(chosen, np.arange(1, 11), 0, 0, None)
+    width = inputs.input_ids.shape[1]
+    args = vision_arguments(inputs, inputs.position_ids, context_example(width, width), HIDDEN)
+    assert args["vision_mask"][0, :, 0].tolist() == [width] * width  # the scratch row only
+    assert not args["vision_embeddings"].any() and not args["deepstack_vision_embeds"].any()
+    assert args["rotary_position_ids"].tolist() == [inputs.position_ids.tolist()] * 3
+
+
+def test_decode_image_inputs_are_the_example_and_shifted_positions():
+    chosen = settings()
+    inputs = token_generation_inputs(chosen, np.array([5, 6]), np.array([40, 12]),
+                                     np.arange(2), None)
+    shifted = np.stack([inputs.position_ids + np.array([[-7], [0]])] * 3)
+    inputs = dataclasses.replace(inputs, rope_positions=shifted)
+    empty = VisionExample(True, torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(0))
+    args = vision_arguments(inputs, inputs.position_ids, empty, HIDDEN)
+    assert args["vision_embeddings"] is empty.embeddings and args["vision_mask"] is empty.mask
+    assert args["rotary_position_ids"][:, :, 0].tolist() == [[33, 12]] * 3
+
+
+# -- the patches on stand-ins -------------------------------------------------------------
+def nxdi_scatter(target: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+    """NxDI's merge as models/llama4/utils/encoder_utils.py scatter_by_index_put does it
+    (cd3abf3 and ef2731e lines 248-281): the batch flattened, the first len(positions)
+    rows written at the positions with index_put_ (an out-of-range position raises)."""
+    width = target.shape[-1]
+    out = target.clone()
+    flat_positions = positions.view(-1)
+    out.view(-1, width).index_put_((flat_positions,),
+                                   rows.view(-1, width)[: len(flat_positions)])
+    return out
+
+
+def modules(**fields) -> NxDIModules:
+    return NxDIModules(*(types.ModuleType(n) for n in (
+        "model_base", "model_wrapper", "hf_adapter", "attention_base", "sampling")), **fields)
+
+
+def test_scatter_patch_keeps_a_full_buckets_last_token():
+    text = types.ModuleType("modeling_qwen3_vl_text")
+    text.scatter_by_index_put = nxdi_scatter
+    found = modules(qwen3_vl_text=text)
+    target = torch.arange(6, dtype=torch.float32).view(1, 3, 2)
+    rows = torch.full((3, 2), -1.0)
+    positions = torch.tensor([[[1], [3], [3]]])  # one image token, two pads at L
+    with pytest.raises(IndexError):
+        text.scatter_by_index_put(target, rows, positions)
+    assert "modeling_qwen3_vl_text" in vision_scatter.probe(found)
+    assert vision_scatter.apply(found)
+    assert not vision_scatter.apply(found)  # idempotent
+    out = text.scatter_by_index_put(target, rows, positions)
+    assert out.tolist() == [[[0.0, 1.0], [-1.0, -1.0], [4.0, 5.0]]]
+    # NxDI's own L - 1 padding still writes there, as before
+    legacy = text.scatter_by_index_put(target, rows, torch.tensor([[[1], [2], [2]]]))
+    assert legacy.tolist() == nxdi_scatter(target, rows, torch.tensor([[[1], [2], [2]]])).tolist()
+    assert vision_scatter.probe(modules()) is None  # a release without Qwen3-VL
+
+
+def image_to_text_base(source: str) -> types.ModuleType:
+    """A stand-in of models/image_to_text_model_base.py holding `source`'s class."""
+    module = types.ModuleType("image_to_text_model_base")
+    exec(source, module.__dict__)
+    return module
+
+
+def test_capture_hook_patch_defines_the_global_only_where_it_is_read():
+    # 0.8 (cd3abf3 image_to_text_model_base.py line 625): the forward reads a global
+    base = image_to_text_base(
+        "class NeuronBaseForImageToText:\n"
+        "    def forward(self):\n"
+        "        return tensor_capture_hook\n")
+    found = modules(image_to_text_model_base=base)
+    with pytest.raises(NameError):
+        base.NeuronBaseForImageToText().forward()
+    assert "NameError" in i2t_capture_hook.probe(found)
+    assert i2t_capture_hook.apply(found) and not i2t_capture_hook.apply(found)
+    assert base.NeuronBaseForImageToText().forward() is None
+    assert i2t_capture_hook.probe(found) is not None  # still recognised as patched
+    # 0.9 (ef2731e line 539): a parameter
+    fixed = image_to_text_base(
+        "class NeuronBaseForImageToText:\n"
+        "    def forward(self, tensor_capture_hook=None):\n"
+        "        return tensor_capture_hook\n")
+    assert i2t_capture_hook.probe(modules(image_to_text_model_base=fixed)) is None
+    assert i2t_capture_hook.probe(modules()) is None  # a release without the base
