@@ -361,6 +361,13 @@ def resolve_settings(
             f"the prompt-logprob graphs take no image embeddings; drop "
             f"{PROMPT_LOGPROBS_KEY} for this model."
         )
+    if backend == "nxd" and limits.vision is not None and LOGITS_KEY in override:
+        raise NeuronConfigError(
+            f"override_neuron_config.{LOGITS_KEY}={override[LOGITS_KEY]!r} with a "
+            f"vision-language model: every decode graph of NxDI's image-to-text "
+            f"application returns its logits (its text wrappers trace their own two "
+            f"submodels only, so no logits-free twin is built); remove {LOGITS_KEY}."
+        )
     if prompt_k is not None and backend == "nxd":
         refuse_last_token_only(override)
     if limits.state is not None:

@@ -71,6 +71,15 @@ def test_refusals_of_engine_features(field, value, named):
         image_to_text.refuse_unsupported(dataclasses.replace(settings(), **{field: value}))
 
 
+def test_logits_twins_are_refused_for_a_vision_model():
+    """Every decode graph of an image-to-text model returns its logits: no logits-free
+    twin whose lengths the key would choose."""
+    with pytest.raises(NeuronConfigError, match=r"token_generation_logits_buckets=\[256\] "
+                       r"with a vision-language model.*remove token_generation_logits"):
+        settings(token_generation_logits_buckets=[256])
+    assert settings().token_generation_logits_shapes() == []
+
+
 def test_every_refusal_is_named_at_once():
     chosen = dataclasses.replace(settings(), max_loras=1, prompt_logprobs=1)
     with pytest.raises(NeuronConfigError) as info:

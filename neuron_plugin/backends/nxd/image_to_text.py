@@ -16,8 +16,8 @@ positions and decode deltas), never through the models' own `forward`.
   built (`refuse_unsupported`).
 - Every decode graph returns logits: NxDI's image-to-text text wrappers trace inputs for
   their own two submodels only, so the logits-free split of `graphs` is not made
-  (NeuronSettings.token_generation_logits_shapes has no twins for a vision model, whatever
-  token_generation_logits_buckets says).
+  (NeuronSettings.token_generation_logits_shapes has no twins for a vision model, and
+  core.settings refuses token_generation_logits_buckets for one).
 """
 
 from __future__ import annotations
