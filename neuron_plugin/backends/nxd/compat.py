@@ -37,6 +37,7 @@ from neuron_plugin.backends.nxd.families import (
     mixtral,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     transformers_windows,
 )
@@ -48,7 +49,19 @@ from neuron_plugin.models.table import TABLE, Refused
 
 FAMILIES: dict[str, NxDFamily] = {
     module.__name__.rsplit(".", 1)[1]: family(module)
-    for module in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, dbrx, gpt_oss, gemma3, gemma4)
+    for module in (
+        llama,
+        mistral,
+        mixtral,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+        dbrx,
+        gpt_oss,
+        gemma3,
+        gemma4,
+        qwen3_5,
+    )
 }
 # A class of nobody's family (an entry point's, or an architecture outside the table).
 _UNKNOWN = NxDFamily(support={})
