@@ -14,7 +14,16 @@ PLAN: {"model": dir, "steps": N, "layouts": {"contiguous": SETTINGS, "block": SE
 and in the block layout
 - prefix_hit: c's first `prefix` tokens cached by a shorter prompt (c[:prefix + 1]),
   then c prefilled over them (a prefill over a cached prefix) and decoded;
-- prefix_control: the same, the cached blocks holding d's prefix instead: must differ.
+- prefix_control: the same, the cached blocks holding d's prefix instead: must differ;
+and with "staggered" in the plan (a model with per-sequence state), in the contiguous
+layout
+- staggered: continuous batching with b arriving later: a prefilled (slot 0) and decoded
+  alone, b prefilled (slot 1), a decoded alone again (slot 1, b's live state, is then a
+  pad row), then both together, each row until it has N + 1 tokens;
+- long: c (past two 64-token DeltaNet chunks, in the 256 bucket) prefilled and decoded;
+- cast_dtypes: the dtype of every cache entry (`past_key_values`) once the cache manager
+  is cast to bfloat16 as NxDI casts a model (to_cpu's .bfloat16(), load_module's .to()),
+  after the other cases.
 Each case gives every row's tokens (the prefill's and N decoded); the logits cases write
 every step's logits of every row to OUT_DIR/LAYOUT-CASE.npy (float32 [rows, N + 1,
 vocab]). A layout the backend refuses gives its error message instead ({"refused":
@@ -115,6 +124,45 @@ class Driver:
         return {"tokens": tokens, "logits": logits}
 
 
+def staggered_case(driver: Driver, first: list[int], second: list[int], steps: int):
+    """See the module docstring: rows (slots) 0 and 1 of the result are `first` and
+    `second`."""
+    prompts = [first, second]
+    tokens: list[list[int]] = [[], []]
+    logits: list[list[list[float]]] = [[], []]
+
+    def prefill(slot: int) -> None:
+        token, row = driver.prefill(prompts[slot], 0, slot, None, device=False)
+        tokens[slot].append(token)
+        logits[slot].append(row)
+
+    def decode(slots: list[int]) -> None:
+        positions = np.array([len(prompts[s]) + len(tokens[s]) - 1 for s in slots])
+        inputs = token_generation_inputs(
+            driver.settings,
+            np.array([tokens[s][-1] for s in slots]),
+            positions,
+            np.array(slots),
+            None,
+            logits=True,
+        )
+        step_tokens, step_logits = driver.step(inputs, len(slots), device=False)
+        for row, slot in enumerate(slots):
+            tokens[slot].append(step_tokens[row])
+            logits[slot].append(step_logits[row])
+
+    prefill(0)
+    decode([0])
+    decode([0])
+    prefill(1)
+    decode([0])
+    while True:
+        slots = [s for s in (0, 1) if len(tokens[s]) < steps + 1]
+        if not slots:
+            return {"tokens": tokens, "logits": logits}
+        decode(slots)
+
+
 def prefix_case(driver: Driver, cached: list[int], prompt: list[int], prefix: int, steps: int):
     """`cached` prefilled into slot 0's blocks, then `prompt` over its first `prefix`
     tokens' blocks (slot 1's for the rest)."""
@@ -140,6 +188,9 @@ def run_layout(
     }
     if settings.on_device_sampling and sharded_sampler_problem(settings) is None:
         cases["device_sampling"] = driver.generate([prompts["a"], prompts["b"]], steps, True)
+    if plan.get("staggered") and not settings.is_block_layout:
+        cases["staggered"] = staggered_case(driver, prompts["a"], prompts["b"], steps)
+        cases["long"] = driver.generate([prompts["c"]], steps)
     if settings.is_block_layout:
         prefix, c, d = plan["prefix"], prompts["c"], prompts["d"]
         cases["prefix_hit"] = prefix_case(driver, c[: prefix + 1], c, prefix, steps)
@@ -148,6 +199,10 @@ def run_layout(
         logits = result.pop("logits")
         if logits[0]:
             np.save(out / f"{name}-{case}.npy", np.array(logits, dtype=np.float32))
+    if plan.get("staggered") and not settings.is_block_layout:
+        manager = driver.backend.model.token_generation_model.model.kv_mgr
+        manager.bfloat16()
+        cases["cast_dtypes"] = [str(p.dtype) for p in manager.past_key_values]
     return cases
 
 

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.nxdi]
 
 ARCHS = ["llama", "mistral", "mistral_wide", "mistral_small", "mixtral", "qwen2", "qwen3",
          "qwen3_moe", "qwen3_moe_hub", "dbrx", "gpt_oss", "gemma3", "gemma3_nxdi", "gemma4",
-         "gemma4_moe", "gemma4_mm"]
+         "gemma4_moe", "gemma4_mm", "qwen3_5", "qwen3_5_mm"]
 STEPS = 8  # decode steps after the prefill's token
 MAX_MODEL_LEN = 256
 PREFIX = 128  # cached tokens of the prefix-cache hit
@@ -62,7 +62,16 @@ REFUSED = {
     # the builder's Qwen3-MoE has a dense layer (mlp_only_layers), NxDI's model none
     ("qwen3_moe", "contiguous"): ["layers [1] have a dense MLP"],
     ("qwen3_moe", "block"): ["layers [1] have a dense MLP"],
+    # the plugin's Qwen3.5 class keeps the DeltaNet state in the sequence slot
+    ("qwen3_5", "block"): ["(the plugin's own Qwen3.5 class) in the block KV layout",
+                           "on NxDI {release}", "--enable-prefix-caching"],
+    ("qwen3_5_mm", "block"): ["(the plugin's own Qwen3.5 class) in the block KV layout"],
 }
+# Models with per-sequence state (gated DeltaNet layers): their prompts cross the 64-token
+# chunks of the chunked delta rule and the prefill buckets (a: 100 tokens, two chunks,
+# the 128 bucket; b: 23, inside one chunk, the 32 bucket; c: 230, four chunks, the 256
+# bucket), and the probe's staggered and long cases run for them.
+STATE_ARCHS = {"qwen3_5", "qwen3_5_mm"}
 PROBE = Path(__file__).with_name("nxdi_architecture_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,12 +89,14 @@ def nxd_settings(arch_name: str, block: bool, tp_degree: int = 1,
                             architecture=arch_name).to_dict()
 
 
-def probe_prompts(model_dir: Path, config: dict) -> dict[str, list[int]]:
-    """a and b cross the longest window (gpt-oss: 128) and decode past it; c and d share
-    nothing and are long enough for a (128, 128) prefix-cache prefill."""
+def probe_prompts(model_dir: Path, config: dict, state: bool = False) -> dict[str, list[int]]:
+    """a and b cross the longest window (gpt-oss: 128) and decode past it (a state
+    model's: see STATE_ARCHS); c and d share nothing and are long enough for a (128, 128)
+    prefix-cache prefill."""
     window = max([16] + [w for w in [config.get("sliding_window")] if w and w < MAX_MODEL_LEN])
-    return {"a": corpus_token_ids(model_dir, window + 24, offset=11),
-            "b": corpus_token_ids(model_dir, window + 7, offset=300),
+    lengths = (100, 23) if state else (window + 24, window + 7)
+    return {"a": corpus_token_ids(model_dir, lengths[0], offset=11),
+            "b": corpus_token_ids(model_dir, lengths[1], offset=300),
             "c": corpus_token_ids(model_dir, PREFIX + 102, offset=600),
             "d": corpus_token_ids(model_dir, PREFIX + 102, offset=1200)}
 
@@ -97,10 +108,12 @@ def probed(request, nxdi_python, tiny_model, tmp_path_factory):
     model_dir = tiny_model(arch)
     config = json.loads((model_dir / "config.json").read_text())
     name = config["architectures"][0]
-    prompts = probe_prompts(model_dir, config)
+    prompts = probe_prompts(model_dir, config, arch in STATE_ARCHS)
     out = tmp_path_factory.mktemp(f"nxdi-{arch}")
     plan = {"model": str(model_dir), "steps": STEPS, "prefix": PREFIX, "prompts": prompts,
-            "layouts": {"contiguous": nxd_settings(name, False), "block": nxd_settings(name, True)}}
+            "layouts": {"contiguous": nxd_settings(name, False),
+                        "block": nxd_settings(name, True)},
+            "staggered": arch in STATE_ARCHS}
     (out / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "NXD_CPU_MODE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -143,6 +156,32 @@ def test_contiguous_layout_equals_transformers_or_is_refused(probed):
         return
     expect_equal(probed, "contiguous", "batch1", ["a"])
     expect_equal(probed, "contiguous", "batch2", ["a", "b"])
+
+
+def test_state_model_continuous_batching_and_long_prompt(probed):
+    """A model with per-sequence state: b prefilled while a decodes (its slot a pad row
+    of a's lone decodes, which must leave b's state alone), then both decoded together;
+    and a prompt of four DeltaNet chunks: transformers' tokens and logits."""
+    arch = probed[0]
+    if arch not in STATE_ARCHS:
+        pytest.skip("a model without per-sequence state")
+    expect_equal(probed, "contiguous", "staggered", ["a", "b"])
+    expect_equal(probed, "contiguous", "long", ["c"])
+
+
+def test_state_model_keeps_its_recurrent_state_float32_through_casts(probed):
+    """Cast to bfloat16 as NxDI casts a model, the cache's K/V and convolution states
+    follow, its recurrent states stay float32 (as transformers keeps them)."""
+    arch, _, report, _, oracle, _ = probed
+    if arch not in STATE_ARCHS:
+        pytest.skip("a model without per-sequence state")
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    geometry = state_geometry(oracle.model.config.to_dict())
+    kv = 2 * len(geometry.attention_layers)
+    state = len(geometry.layers)
+    expected = ["torch.bfloat16"] * (kv + state) + ["torch.float32"] * state
+    assert report["contiguous"]["cast_dtypes"] == expected
 
 
 def test_block_layout_equals_transformers_or_is_refused(probed):

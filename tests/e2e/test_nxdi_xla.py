@@ -273,11 +273,21 @@ def replayed(request, nxdi_python, tiny_model, tmp_path_factory):
         source = TABLE[model.architecture].nxd.get(release)
         if isinstance(source, Refused):
             pytest.skip(f"{model.architecture} on NxDI {release}: {source.reason}")
+    from neuron_plugin.core.recurrent_state import state_geometry
+
     folder = model.folder(tiny_model)
-    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
+    config = json.loads((folder / "config.json").read_text())
+    # a model with per-sequence state has no prompt-logprob graphs (core.settings
+    # refuses them: they take no state)
+    stateful = state_geometry(config) is not None
     settings = {
         name: xla_settings(
-            architecture, replace(case, override={**case.override, **model.override})
+            config["architectures"][0],
+            replace(
+                case,
+                override={**case.override, **model.override},
+                prompt_logprobs=case.prompt_logprobs and not stateful,
+            ),
         )
         for name, case in model.cases.items()
     }

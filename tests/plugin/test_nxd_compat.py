@@ -13,7 +13,7 @@ import json
 import pytest
 
 from neuron_plugin.backends.nxd import compat, support
-from neuron_plugin.backends.nxd.families import gemma3, gemma4
+from neuron_plugin.backends.nxd.families import gemma3, gemma4, qwen3_5
 from neuron_plugin.core import nxdi_releases
 from neuron_plugin.core.settings import EngineLimits, NeuronConfigError, resolve_settings
 
@@ -22,7 +22,8 @@ LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
                       max_num_batched_tokens=256, dtype="float32", tp_degree=1)
 MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
-          "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"]
+          "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"]
 APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
@@ -88,7 +89,7 @@ def test_what_differs_between_checked_releases():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
                                   "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
                                   "mistral_wide", "mistral_small", "gemma4", "gemma4_moe",
-                                  "gemma4_mm"])
+                                  "gemma4_mm", "qwen3_5", "qwen3_5_mm"])
 def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch)) == []
 
@@ -427,3 +428,65 @@ def test_host_sampling_is_refused_where_nxdi_masks_real_tokens(tiny_model):
     assert problems(config, tp_degree=2) == []
     assert problems(config, override=host) == []
     assert problems({**config, "vocab_size": 976}, override=host, tp_degree=2) == []
+
+
+# -- Qwen3.5: the plugin's own class (dense text) -------------------------------------------
+def test_qwen3_5_dense_is_the_plugins_own_class_on_both_releases_moe_is_refused():
+    from neuron_plugin.models.table import TABLE, PluginClass, Refused
+
+    for release in nxdi_releases.CHECKED:
+        for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+            assert TABLE[name].nxd[release.release] == PluginClass(qwen3_5.CLASS)
+            table = compat.support(name, release)
+            assert all(table[f].startswith(support.EQUAL) for f in
+                       ("contiguous", "on_device_sampling"))
+            assert all(table[f].startswith("refused: ") for f in
+                       ("block", "prefix_hit", "speculation", "lora", "quantization"))
+        for name in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+            source = TABLE[name].nxd[release.release]
+            assert isinstance(source, Refused) and "only the dense model" in source.reason
+
+
+@pytest.mark.parametrize("limits, wanted", [
+    ({"enable_prefix_caching": True, "block_size": 32},
+     ["in the block KV layout (", "serve it without --enable-prefix-caching"]),
+    ({"enable_chunked_prefill": True, "block_size": 32, "max_num_batched_tokens": 64},
+     ["in the block KV layout (", "--enable-chunked-prefill"]),
+    ({"tp_degree": 2}, ["with --tensor-parallel-size 2", "serve it with --tensor-parallel-size 1"]),
+])
+def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, tiny_model):
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    config = config_of(tiny_model, "qwen3_5")
+    settings = resolve_settings(
+        dataclasses.replace(LIMITS, state=state_geometry(config), **limits), {},
+        backend="nxd", architecture="Qwen3_5ForCausalLM")
+    found = compat.problems(settings, config, "0.8.0+cd3abf3", {})
+    assert len(found) == 1, found
+    assert "Qwen3_5ForCausalLM on NxDI 0.8.0+cd3abf3 (the plugin's own Qwen3.5 class)" in found[0]
+    assert all(w in found[0] for w in wanted), found[0]
+
+
+@pytest.mark.parametrize("changes, wanted", [
+    ({"num_experts": 4}, "it has MoE layers (num_experts)"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 3},
+     "layer_types ['sliding_attention'] are not Qwen3.5's"),
+])
+def test_qwen3_5_configs_the_class_does_not_compute_are_refused(changes, wanted, tiny_model):
+    found = problems(config_of(tiny_model, "qwen3_5", **changes))
+    assert len(found) == 1 and wanted in found[0], found
+    assert "VLLM_NEURON_BACKEND=reference" in found[0]
+
+
+def test_qwen3_5_neuron_config_keys_the_class_does_not_take_are_refused(tiny_model):
+    found = problems(config_of(tiny_model, "qwen3_5"), override={"fused_qkv": True})
+    assert len(found) == 1 and "override_neuron_config fused_qkv=True" in found[0], found
+    assert found[0].endswith("remove it from override_neuron_config.")
+
+
+def test_qwen3_5_adjustment_gives_the_class_max_model_len(tiny_model):
+    """The class keeps the state of decode rows at max_model_len - 1 (pad rows)."""
+    settings = resolve_settings(LIMITS, {}, backend="nxd", architecture="Qwen3_5ForCausalLM")
+    assert compat.config_adjustments(settings, config_of(tiny_model, "qwen3_5")) == {
+        qwen3_5.MAX_MODEL_LEN: 256}

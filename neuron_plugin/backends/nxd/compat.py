@@ -37,6 +37,7 @@ from neuron_plugin.backends.nxd.families import (
     mixtral,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_vl,
     transformers_windows,
@@ -61,6 +62,7 @@ FAMILIES: dict[str, NxDFamily] = {
         gpt_oss,
         gemma3,
         gemma4,
+        qwen3_5,
     )
 }
 # A class of nobody's family (an entry point's, or an architecture outside the table).

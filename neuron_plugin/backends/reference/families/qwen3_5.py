@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from neuron_plugin.backends.gated_delta import CHUNK, gated_norm, prepared, recurrent_rule
 from neuron_plugin.backends.reference.architecture import Architecture, UnsupportedModelError
 from neuron_plugin.backends.reference.architectures import DecoderSpec
 from neuron_plugin.backends.reference.decoder import DecoderGraph, Step, attend
@@ -50,8 +51,6 @@ from neuron_plugin.core.recurrent_state import (
 )
 
 NORM = "rms_one_plus"  # Qwen3_5RMSNorm: normed * (1 + weight) in float32
-CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size
-L2_EPS = 1e-6  # its l2norm's
 
 
 def qwen3_5_fields(arch: Architecture, config: dict, layers: int) -> dict[str, Any]:
@@ -204,11 +203,11 @@ class Qwen35Graph(DecoderGraph):
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         if active == 1:
-            out, recurrent = _recurrent_rule(q, k, v, g, beta, recurrent)
+            out, recurrent = recurrent_rule(q, k, v, g, beta, recurrent)
         else:
             out, recurrent = _chunked_rule(q, k, v, g, beta, recurrent)
         state.store(index, new_conv, recurrent)
-        normed = _gated_norm(out, z, w[a + "norm.weight"], s.rms_norm_eps)
+        normed = gated_norm(out, z, w[a + "norm.weight"], s.rms_norm_eps)
         return self.linear(w, a + "out_proj", normed.reshape(batch, active, -1))
 
 
@@ -217,54 +216,6 @@ def _partial_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     width = cos.shape[-1]
     rotated, kept = x[..., :width], x[..., width:]
     return torch.cat((rotated * cos + rotate_half(rotated) * sin, kept), dim=-1)
-
-
-def _gated_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Qwen3_5RMSNormGated: weight x normed (in x's dtype), times SiLU(gate) in float32."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * normed.to(x.dtype)
-    return (out * functional.silu(gate.float())).to(x.dtype)
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
-
-
-def _prepared(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """[batch, tokens, heads, ...] -> float32 [batch, heads, tokens, ...], q and k
-    L2-normed, q scaled by key_dim^-0.5 (use_qk_l2norm_in_kernel)."""
-    q, k, v, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (q, k, v, beta, g)
-    )
-    q, k = _l2norm(q), _l2norm(k)
-    return q * q.shape[-1] ** -0.5, k, v, g, beta
-
-
-def _recurrent_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_recurrent_gated_delta_rule of one token per row from `state` [b, heads,
-    key dim, value dim]: (output [b, 1, heads, value dim] in v's dtype, new state)."""
-    dtype = v.dtype
-    q, k, v, g, beta = _prepared(q, k, v, g, beta)
-    q_t, k_t, v_t = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-    state = state * g[:, :, 0].exp()[..., None, None]
-    memory = (state * k_t.unsqueeze(-1)).sum(dim=-2)
-    delta = (v_t - memory) * beta[:, :, 0].unsqueeze(-1)
-    state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (state * q_t.unsqueeze(-1)).sum(dim=-2)
-    return out.unsqueeze(2).transpose(1, 2).contiguous().to(dtype), state
 
 
 def _chunked_rule(
@@ -280,7 +231,7 @@ def _chunked_rule(
     the state after the last token whose beta and g are not zero)."""
     dtype = v.dtype
     batch, tokens = q.shape[:2]
-    q, k, v, g, beta = _prepared(q, k, v, g, beta)
+    q, k, v, g, beta = prepared(q, k, v, g, beta)
     pad = (CHUNK - tokens % CHUNK) % CHUNK
     q, k, v = (functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (functional.pad(x, (0, pad)) for x in (beta, g))

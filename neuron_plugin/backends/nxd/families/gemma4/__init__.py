@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuron_plugin.backends.nxd.families import NxDFamily, Text
+from neuron_plugin.backends.nxd.own_classes import refusals
 from neuron_plugin.backends.nxd.support import EQUAL, REFUSED, Support, by_release
 from neuron_plugin.core.gemma4 import (
     SLIDING,
@@ -71,38 +72,7 @@ def problems(
     name = f"{settings.architecture} on {release} (the plugin's own Gemma 4 class)"
     reference = "serve it on the reference backend (VLLM_NEURON_BACKEND=reference)"
     found = [f"{name}: {problem}; {reference}." for problem in config_problems(text)]
-    passthrough = settings.passthrough
-    for key, why in UNSUPPORTED_KEYS.items():
-        if passthrough.get(key):
-            found.append(
-                f"{name}: override_neuron_config {key}={passthrough[key]!r}: {why}; remove "
-                f"it from override_neuron_config."
-            )
-    for key, what in UNSUPPORTED_DEGREES.items():
-        if int(passthrough.get(key) or 1) > 1:
-            found.append(
-                f"{name}: override_neuron_config {key}={passthrough[key]!r}: the class does "
-                f"not implement {what}; remove it from override_neuron_config."
-            )
-    if settings.speculation_method or settings.draft_model:
-        found.append(
-            f"{name} with speculative decoding ({settings.speculation_method}): NxDI's "
-            f"fused speculation builds its drafts and verifies them with its own attention "
-            f"(model_base.py NeuronFusedSpecModel), which the class does not implement; "
-            f"remove --speculative-config."
-        )
-    if settings.max_loras:
-        found.append(
-            f"{name} with LoRA (--max-loras {settings.max_loras}): the class's projections "
-            f"are not NxDI's LoRA modules (modules/lora_serving); remove --enable-lora."
-        )
-    if settings.quantization is not None:
-        found.append(
-            f"{name} with a quantized checkpoint: the class's layers are NxD's float "
-            f"parallel linears, which NxDI's quantization does not convert; serve the "
-            f"float checkpoint."
-        )
-    return found
+    return found + refusals.problems(name, settings, UNSUPPORTED_KEYS, UNSUPPORTED_DEGREES)
 
 
 def windows(text: Text, max_model_len: int) -> tuple[int | None, ...]:

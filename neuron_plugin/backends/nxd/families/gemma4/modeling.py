@@ -71,10 +71,8 @@ speculation, LoRA, quantization) are refused before anything compiles
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,19 +83,16 @@ from neuronx_distributed.modules.moe.moe_parallel_layers import (
 from neuronx_distributed.parallel_layers.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
-    RowParallelLinear,
 )
 from neuronx_distributed_inference.models.config import (
     InferenceConfig,
     NeuronConfig,
-    to_torch_dtype,
 )
 from neuronx_distributed_inference.models.model_base import (
     NeuronBaseForCausalLM,
     NeuronBaseModel,
 )
 from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
-from neuronx_distributed_inference.modules.attention.utils import repeat_kv
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler
 from neuronx_distributed_inference.modules.kvcache.block_kv_cache_manager import (
     BlockKVCacheManager,
@@ -108,7 +103,18 @@ from torch import nn
 from torch.nn import functional
 
 from neuron_plugin.backends.nxd.families.gemma4 import UNSUPPORTED_DEGREES, UNSUPPORTED_KEYS
-from neuron_plugin.core.checkpoint import text_config
+from neuron_plugin.backends.nxd.own_classes import refusals
+from neuron_plugin.backends.nxd.own_classes.attention import (
+    attend,
+    causal_masks,
+    rope_tables,
+    rotate,
+)
+from neuron_plugin.backends.nxd.own_classes.config_loader import (
+    json_config_loader,
+    language_model_tensors,
+)
+from neuron_plugin.backends.nxd.own_classes.parallel_mlp import GatedMLP
 from neuron_plugin.core.gemma4 import (
     FULL,
     SLIDING,
@@ -117,20 +123,6 @@ from neuron_plugin.core.gemma4 import (
     cache_geometry,
     read_layout,
 )
-
-# config.json keys not copied onto the InferenceConfig (the towers of a multimodal
-# checkpoint; dtype goes to the NeuronConfig as NxDI's own loader does)
-_NOT_COPIED = ("text_config", "vision_config", "audio_config", "dtype", "torch_dtype")
-# what transformers' PretrainedConfig adds to every config, which NxDI's forward reads
-# (model_base.py NeuronBaseForCausalLM._setup_func_config)
-_PRETRAINED_DEFAULTS = {
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "return_dict": True,
-}
-# the tensors of a Gemma4ForConditionalGeneration checkpoint's language model, after
-# NxDI's loader took "model." off (application_base.get_state_dict)
-_LANGUAGE_MODEL = "language_model."
 
 
 def layout_of(config: Any) -> Gemma4Layout:
@@ -181,25 +173,6 @@ class Gemma4RMSNorm(nn.Module):
         if self.weight is not None:
             normed = normed * self.weight.float()
         return normed.type_as(x)
-
-
-def rope_tables(
-    frequencies: list[float], position_ids: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [batch, tokens, 1, head dim] (Gemma4TextRotaryEmbedding.forward): the
-    frequencies are constants made on the host in float32, so a cast of the module to
-    bfloat16 cannot round them."""
-    inverse = torch.tensor(frequencies, dtype=torch.float32, device=position_ids.device)
-    angles = position_ids[..., None].float() * inverse
-    emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary_pos_emb on [batch, tokens, heads, dim] (rotate_half over the whole
-    head dim; proportional RoPE's unrotated pairs have cos 1, sin 0)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class SoftcappedHead(ColumnParallelLinear):
@@ -280,53 +253,9 @@ class NeuronGemma4Attention(NeuronAttentionBase):
         else:
             assert shared is not None, "a KV-shared layer runs after its source layer"
             k, v = shared
-        out = self._attend(q, k, v, masks, prior)
+        out = attend(q, k, v, masks, prior, self.num_key_value_groups)
         out = out.transpose(1, 2).reshape(batch, tokens, self.num_heads * self.head_dim)
         return self.get_o_proj()(out), own
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        masks: tuple[torch.Tensor | None, torch.Tensor],
-        prior: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """softmax(q k^T, float32, masked) v over [prior keys; active keys], scaling 1:
-        the scores of the two parts apart (each is its own dot product), the values in
-        one matmul, as transformers' eager attention rounds them."""
-        groups = self.num_key_value_groups
-        prior_mask, active_mask = masks
-        scores = torch.matmul(q, repeat_kv(k, groups).transpose(2, 3))
-        scores = torch.where(active_mask, scores, torch.finfo(scores.dtype).min)
-        if prior is None:
-            weights = functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.matmul(weights, repeat_kv(v, groups))
-        k_prior, v_prior = prior
-        assert prior_mask is not None, "cached keys come with their mask"
-        before = torch.matmul(q, repeat_kv(k_prior, groups).transpose(2, 3))
-        before = torch.where(prior_mask, before, torch.finfo(before.dtype).min)
-        weights = functional.softmax(
-            torch.cat((before, scores), dim=-1), dim=-1, dtype=torch.float32
-        ).to(q.dtype)
-        return torch.matmul(weights, repeat_kv(torch.cat((v_prior, v), dim=2), groups))
-
-
-class NeuronGemma4MLP(nn.Module):
-    """The dense MLP: down(act(gate(x)) * up(x)), NxD's column/row parallel layers."""
-
-    def __init__(self, config: InferenceConfig, layout: Gemma4Layout, width: int):
-        super().__init__()
-        dtype, group = config.neuron_config.torch_dtype, get_tp_group(config)
-        hidden = layout.hidden_size
-        common = {"bias": False, "dtype": dtype, "pad": True, "tensor_model_parallel_group": group}
-        self.gate_proj = ColumnParallelLinear(hidden, width, gather_output=False, **common)
-        self.up_proj = ColumnParallelLinear(hidden, width, gather_output=False, **common)
-        self.down_proj = RowParallelLinear(width, hidden, input_is_parallel=True, **common)
-        self.act = activation(layout.activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gemma4Router(nn.Module):
@@ -391,7 +320,7 @@ class NeuronGemma4DecoderLayer(nn.Module):
             return Gemma4RMSNorm(dim, eps, dtype)
 
         self.self_attn = NeuronGemma4Attention(config, layout, layer)
-        self.mlp = NeuronGemma4MLP(config, layout, layout.mlp_widths[layer])
+        self.mlp = GatedMLP(config, hidden, layout.mlp_widths[layer], activation(layout.activation))
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
@@ -602,23 +531,16 @@ class NeuronGemma4TextModel(NeuronBaseModel):
         tokens: int,
         prior: bool,
     ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
-        """Per layer type (prior mask or None, active mask), bool. The active keys are the
-        call's tokens in order (causal over their index: their positions are consecutive
-        where they are real); the prior keys are cache positions 0.. (NxDI's prior mask:
-        [batch, 1, 1, n] in a decode, [batch, prefix] in a prefill over a cached prefix,
-        true below the first active position). Sliding layers also hide keys `window` or
-        more positions before the query (transformers' sliding_window_overlay)."""
+        """Per layer type (prior mask or None, active mask), bool: `causal_masks`, and
+        sliding layers also hide keys `window` or more positions before the query
+        (transformers' sliding_window_overlay)."""
         window = self.layout.sliding_window
-        device = position_ids.device
-        index = torch.arange(tokens, device=device)
-        causal = (index[None, :] <= index[:, None])[None, None]
+        visible, causal = causal_masks(attention_mask, position_ids, tokens, prior)
+        index = torch.arange(tokens, device=position_ids.device)
         local = causal & (index[:, None] - index[None, :] < window)[None, None]
-        if not prior:
+        if visible is None:
             return {FULL: (None, causal), SLIDING: (None, local)}
-        visible = attention_mask.to(torch.bool)
-        if visible.dim() == 2:
-            visible = visible[:, None, None, :]
-        cached = torch.arange(visible.shape[-1], device=device)
+        cached = torch.arange(visible.shape[-1], device=position_ids.device)
         distance = position_ids[:, None, :, None] - cached[None, None, None, :]
         return {FULL: (visible, causal), SLIDING: (visible & (distance < window), local)}
 
@@ -728,30 +650,9 @@ class Gemma4InferenceConfig(InferenceConfig):
 
 
 def config_loader(model_path: str | os.PathLike[str]) -> Callable[[InferenceConfig], None]:
-    """The `load_config` hook NxDI's InferenceConfig calls (as its
-    utils/hf_adapter.load_pretrained_config's), reading config.json itself: the text
-    model's keys (a multimodal checkpoint's `text_config` over its outer keys) become
-    attributes, the checkpoint's dtype the NeuronConfig's unless it sets its own."""
-
-    def load_config(self: InferenceConfig) -> None:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-        text = text_config(raw)
-        read_layout(raw)  # a config the class cannot serve fails here, by name
-        dtype = raw.get("dtype", raw.get("torch_dtype", text.get("dtype")))
-        neuron_config = self.neuron_config
-        if (
-            dtype is not None
-            and neuron_config is not None
-            and not neuron_config.overrides_torch_dtype
-        ):
-            neuron_config.torch_dtype = to_torch_dtype(dtype) if isinstance(dtype, str) else dtype
-        attributes = {k: v for k, v in text.items() if k not in _NOT_COPIED}
-        self.__dict__.update(_PRETRAINED_DEFAULTS)
-        self.__dict__.update(attributes)
-        self.gemma4_text = attributes
-        self._name_or_path = str(model_path)
-
-    return load_config
+    """`json_config_loader` keeping the text keys as `gemma4_text`, refusing by name
+    what `read_layout` cannot serve."""
+    return json_config_loader(model_path, read_layout, "gemma4_text")
 
 
 class NeuronGemma4ForCausalLM(NeuronBaseForCausalLM):
@@ -782,21 +683,7 @@ class NeuronGemma4ForCausalLM(NeuronBaseForCausalLM):
         refuses them before building it: families.gemma4.problems; this guards a direct
         use of the class)."""
         super().validate_config(config)
-        neuron_config = config.neuron_config
-        taken = [
-            name
-            for name in (*UNSUPPORTED_KEYS, "kv_cache_tiling", "enable_fused_speculation")
-            if getattr(neuron_config, name, None)
-        ]
-        taken += [
-            name
-            for name in (*UNSUPPORTED_DEGREES, "speculation_length")
-            if int(getattr(neuron_config, name, 0) or 0)
-            > (0 if name == "speculation_length" else 1)
-        ]
-        taken += [
-            name for name in ("lora_config", "quantized") if getattr(neuron_config, name, None)
-        ]
+        taken = refusals.taken(config.neuron_config, UNSUPPORTED_KEYS, UNSUPPORTED_DEGREES)
         if taken:
             raise ValueError(
                 f"NeuronGemma4ForCausalLM does not implement NeuronConfig {taken} "
@@ -808,12 +695,7 @@ class NeuronGemma4ForCausalLM(NeuronBaseForCausalLM):
         state_dict: dict[str, torch.Tensor], config: InferenceConfig
     ) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (NxDI took "model." off) as this model names them."""
-        if any(k.startswith(_LANGUAGE_MODEL) for k in state_dict):
-            state_dict = {
-                k[len(_LANGUAGE_MODEL) :]: v
-                for k, v in state_dict.items()
-                if k.startswith(_LANGUAGE_MODEL) or k == "lm_head.weight"
-            }
+        state_dict = language_model_tensors(state_dict)
         layout = layout_of(config)
         tp = config.neuron_config.tp_degree
         for i in range(layout.num_layers):
