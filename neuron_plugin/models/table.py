@@ -270,11 +270,7 @@ ROWS: tuple[ModelRow, ...] = (
         "LlavaForConditionalGeneration",
         "Pixtral (Llava format)",
         "pixtral",
-        _every_release(
-            Refused(
-                "NxDI's CPU mode does not implement it (to_cpu), so nothing about it is checked"
-            )
-        ),
+        _every_release(NxDIModelType("pixtral")),
         vision=True,
         tiny=("pixtral",),
     ),

@@ -25,8 +25,9 @@ class NxDIModules:
     gemma3: ModuleType | None = None
     # neuronx_distributed_inference.models.image_to_text_model_base (None: not shipped)
     image_to_text_model_base: ModuleType | None = None
-    # neuronx_distributed_inference.models.qwen3_vl.modeling_qwen3_vl_text (None before 0.8)
-    qwen3_vl_text: ModuleType | None = None
+    # The image-to-text text models the release ships (backends.nxd.nxdi
+    # VISION_TEXT_MODULES: Qwen3-VL's, Pixtral's), which look up the embedding merge
+    vision_text: tuple[ModuleType, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ free to take the padding, so the fix scatters into the target with one scratch r
 appended and drops that row: the plugin pads positions with L (backends/nxd
 /vision_arguments.py), and NxDI's own L - 1 padding behaves as before. The replacement
 is the module global each text model looks up (Qwen3-VL:
-qwen3_vl/modeling_qwen3_vl_text.py, `from ...encoder_utils import
-scatter_by_index_put`), so it is traced into the context-encoding graphs; their input
-shapes do not change.
+qwen3_vl/modeling_qwen3_vl_text.py, Pixtral: pixtral/modeling_pixtral.py, both `from
+...encoder_utils import scatter_by_index_put`), so it is traced into the
+context-encoding graphs; their input shapes do not change.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpat
 
 NAME = "vision-scatter-scratch-row"
 FUNCTION = "scatter_by_index_put"
-ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration"})
+ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration"})
 
 
 def _text_modules(modules: NxDIModules) -> list[ModuleType]:
-    return [m for m in (modules.qwen3_vl_text,) if m is not None and hasattr(m, FUNCTION)]
+    return [m for m in modules.vision_text if hasattr(m, FUNCTION)]
 
 
 def _writes_past_the_target(scatter: Callable) -> bool:

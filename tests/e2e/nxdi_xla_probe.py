@@ -299,13 +299,19 @@ def drive_every_graph(backend: NxDBackend, errors: list[str], seed: int = 0) -> 
             inputs, vision_embeddings=embeddings, vision_mask=mask, rope_positions=rope
         )
 
+    vision = backend.hf_config.get("vision_config") or {}
+    # Pixtral's rotary table covers image_size / patch_size patches a side
+    side = vision["image_size"] // vision["patch_size"] if vision.get("model_type") == "pixtral" else 0
+
     def encode(spec: GraphSpec) -> None:
-        """An image that fills vision bucket spec.shape (patches: 2 rows)."""
+        """An image that fills vision bucket spec.shape (patches: 2 rows, or as many
+        rows of the widest side as it takes where the tower has one)."""
         if geometry is None:
             raise ValueError(f"a vision graph {spec.shape} for a model without vision_config")
         patches = spec.shape[0]
+        columns = min(patches // 2, side) if side else patches // 2
         pixels = rng.standard_normal((patches, geometry.patch_dim)).astype(np.float32)
-        backend.encode_image(ImageInputs(pixels, np.array([1, 2, patches // 2])))
+        backend.encode_image(ImageInputs(pixels, np.array([1, patches // columns, columns])))
 
     def prefill(spec: GraphSpec) -> None:
         new, cached = context_encoding_need(settings, spec.shape)

@@ -1,6 +1,6 @@
 """Qwen3-VL on the nxd backend: NxDI's image-to-text application on real NxD Inference in
 its CPU mode, driven by the plugin's NxDBackend and its host-side image path
-(nxdi_qwen3_vl_probe.py: serving.images.Images, NxDBackend.encode_image, forward),
+(nxdi_image_to_text_probe.py: serving.images.Images, NxDBackend.encode_image, forward),
 against transformers' Qwen3VLForConditionalGeneration (this environment's, float32) on
 the tiny checkpoint of scripts/build_tiny_model.py, with synthetic pixel_values in the
 processor's layout [patches, 3 * 2 * 16 * 16]. Greedy tokens and every step's logits:
@@ -45,7 +45,7 @@ GRIDS = {"small": (1, 8, 8), "wide": (1, 8, 12)}  # 64 and 96 patches: 16 and 24
 PATCH_DIM = 3 * 2 * 16 * 16
 # Logits of NxDI's float32 CPU mode against transformers' (measured up to ~1e-5).
 TOLERANCE = 1e-4
-PROBE = Path(__file__).with_name("nxdi_qwen3_vl_probe.py")
+PROBE = Path(__file__).with_name("nxdi_image_to_text_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 

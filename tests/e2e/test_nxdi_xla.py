@@ -19,8 +19,8 @@ computes what the eager forward computes.
 Models: every architecture of the table (neuron_plugin/models/table.py) the nxd backend
 maps, on its first tiny checkpoint (the same ones test_nxdi_architectures.py serves);
 one the table refuses on a release is skipped with the table's reason, a layout the
-backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL) runs
-VISION_CASES: its text graphs take image inputs (the patched image merge traced with
+backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL, Pixtral) runs
+its VISION_CASES: its text graphs take image inputs (the patched image merge traced with
 served positions and embeddings) and its vision encoder's graphs are replayed too. A class of the plugin's own (a
 `PluginClass` row) comes in with its row; a model folder outside the table is one entry
 of EXTRA_MODELS. Each model runs one probe process per NxDI release
@@ -99,35 +99,46 @@ CASES: dict[str, XlaCase] = {
 }
 
 
-# A vision-language model (an image-to-text application: the contiguous layout only, one
-# decode batch size, no prompt logprobs): its text graphs with image inputs and its
-# vision encoder's, one per vision bucket (patches per image).
-VISION = (16, 256, 4)
-VISION_CASES: dict[str, XlaCase] = {
-    "contiguous": XlaCase(
-        False,
-        {
-            "context_encoding_buckets": [32, 128],
-            "token_generation_buckets": [64, 160],
-            "max_batch_buckets": 1,
-            "vision_buckets": [64, 256],
-        },
-        prompt_logprobs=False,
-        vision=VISION,
-    ),
-    "host-sampling": XlaCase(
-        False,
-        {
-            "context_encoding_buckets": [32],
-            "token_generation_buckets": [160],
-            "on_device_sampling_config": None,
-            "max_batch_buckets": 1,
-            # not contiguous's: the same vision graph would come from XLA's cache
-            "vision_buckets": [128],
-        },
-        prompt_logprobs=False,
-        vision=VISION,
-    ),
+def vision_cases(
+    vision: tuple[int, int, int], buckets: list[int], host_buckets: list[int]
+) -> dict[str, XlaCase]:
+    """A vision-language model's cases (an image-to-text application: the contiguous
+    layout only, one decode batch size, no prompt logprobs): its text graphs with image
+    inputs and its vision encoder's, one per vision bucket (patches per image), within
+    its processor range `vision`. The host-sampling case's buckets differ from the
+    other's: the same vision graph would come from XLA's cache."""
+    return {
+        "contiguous": XlaCase(
+            False,
+            {
+                "context_encoding_buckets": [32, 128],
+                "token_generation_buckets": [64, 160],
+                "max_batch_buckets": 1,
+                "vision_buckets": buckets,
+            },
+            prompt_logprobs=False,
+            vision=vision,
+        ),
+        "host-sampling": XlaCase(
+            False,
+            {
+                "context_encoding_buckets": [32],
+                "token_generation_buckets": [160],
+                "on_device_sampling_config": None,
+                "max_batch_buckets": 1,
+                "vision_buckets": host_buckets,
+            },
+            prompt_logprobs=False,
+            vision=vision,
+        ),
+    }
+
+
+# By architecture; Qwen3-VL's by default. The tiny Pixtral's images are at most 8 x 8
+# patches (image_size 128 of 16-pixel patches), one embedding each.
+VISION_CASES: dict[str | None, dict[str, XlaCase]] = {
+    None: vision_cases((16, 256, 4), [64, 256], [128]),
+    "LlavaForConditionalGeneration": vision_cases((1, 64, 1), [16, 64], [32]),
 }
 
 
@@ -243,7 +254,7 @@ def table_models() -> list[XlaModel]:
                 row.architecture,
                 overrides.get(row.architecture, {}),
                 tolerances.get(row.architecture, TOLERANCE),
-                VISION_CASES if row.vision else CASES,
+                VISION_CASES.get(row.architecture, VISION_CASES[None]) if row.vision else CASES,
             )
         )
     return found

@@ -222,8 +222,6 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
 @pytest.mark.parametrize(("architecture", "why", "fix"), [
     ("Qwen2VLForConditionalGeneration", "instead of Qwen2-VL's M-RoPE",
      "serve it with VLLM_NEURON_BACKEND=reference"),
-    ("LlavaForConditionalGeneration", "does not implement it (to_cpu)",
-     "serve it with VLLM_NEURON_BACKEND=reference"),
     ("MllamaForConditionalGeneration", "supported until vLLM 0.10.2",
      "the reference backend does not serve it either"),
     ("Llama4ForConditionalGeneration", "ignores attn_temperature_tuning",

@@ -210,7 +210,7 @@ def modules(**fields) -> NxDIModules:
 def test_scatter_patch_keeps_a_full_buckets_last_token():
     text = types.ModuleType("modeling_qwen3_vl_text")
     text.scatter_by_index_put = nxdi_scatter
-    found = modules(qwen3_vl_text=text)
+    found = modules(vision_text=(text,))
     target = torch.arange(6, dtype=torch.float32).view(1, 3, 2)
     rows = torch.full((3, 2), -1.0)
     positions = torch.tensor([[[1], [3], [3]]])  # one image token, two pads at L
@@ -254,3 +254,29 @@ def test_capture_hook_patch_defines_the_global_only_where_it_is_read():
         "        return tensor_capture_hook\n")
     assert i2t_capture_hook.probe(modules(image_to_text_model_base=fixed)) is None
     assert i2t_capture_hook.probe(modules()) is None  # a release without the base
+
+
+def test_pixtral_vision_inputs_are_its_wrappers_patchify_padded_to_the_bucket():
+    """pixtral_vision.graph_inputs for a 2 x 3-patch image in an 8-patch bucket: the
+    patches as given, a block mask over them (zero for padding: the wrapper's
+    pad_inputs), positions row x (image_size / patch) + column
+    (modeling_pixtral_vision.py position_ids_in_meshgrid, max_width image_size / patch),
+    0 for padding; a padding image is all padding."""
+    from neuron_plugin.backends.nxd import pixtral_vision
+    from neuron_plugin.core.vision import ImageInputs, padding_image
+
+    vision = types.SimpleNamespace(
+        num_channels=3, patch_size=2, image_size=8,
+        neuron_config=types.SimpleNamespace(torch_dtype=torch.float32))
+    wrapper = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=vision))
+    pixels = np.arange(6 * 12, dtype=np.float32).reshape(6, 12)
+    embeds, mask, positions = pixtral_vision.graph_inputs(
+        wrapper, ImageInputs(pixels, np.array([1, 2, 3])), 8)
+    assert embeds.shape == (1, 8, 12)
+    assert embeds[0, :6].numpy().tolist() == pixels.tolist()
+    assert not embeds[0, 6:].any()
+    assert mask.dtype == torch.int32 and mask.shape == (1, 1, 8, 8)
+    assert mask[0, 0, :6, :6].all() and mask.sum() == 36
+    assert positions.tolist() == [0, 1, 2, 4, 5, 6, 0, 0]
+    padded = pixtral_vision.graph_inputs(wrapper, padding_image(8), 8)
+    assert not any(t.any() for t in padded)

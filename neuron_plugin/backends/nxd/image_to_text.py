@@ -27,14 +27,20 @@ from typing import Any
 
 import numpy as np
 
-from neuron_plugin.backends.nxd import qwen3_vl_vision
+from neuron_plugin.backends.nxd import pixtral_vision, qwen3_vl_vision
+from neuron_plugin.backends.nxd.families import NxDFamily, Text
+from neuron_plugin.backends.nxd.support import EQUAL, QUANTIZED, REFUSED, Support, by_release
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.vision import ImageInputs
+from neuron_plugin.patches import i2t_capture_hook, vision_scatter
 
 # An architecture's image encoding: (vision wrapper, image, vision bucket) -> embeddings
 # [tokens, width] in the plugin's layout (core.vision.VisionGeometry.embedding_width).
 Encoder = Callable[[Any, ImageInputs, int], np.ndarray]
-ENCODERS: dict[str, Encoder] = {"Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode}
+ENCODERS: dict[str, Encoder] = {
+    "Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode,
+    "LlavaForConditionalGeneration": pixtral_vision.encode,
+}
 # The vision NeuronConfig keys an architecture's NxDI weights need: Qwen3-VL's converter
 # always writes the vision attention's fused qkv (qwen3_vl/modeling_qwen3_vl_vision.py
 # convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`).
@@ -116,9 +122,10 @@ def refuse_unsupported(settings: NeuronSettings) -> None:
 
 
 def check_vision_fits(settings: NeuronSettings, hf_config: Mapping[str, Any]) -> None:
-    """The largest vision bucket's image tokens fit the longest context encoding: NxDI's
-    Qwen3VLInferenceConfig asserts it (vision seq_len // spatial_merge_size**2 <= text
-    max_context_length), an AssertionError otherwise."""
+    """The largest vision bucket's image tokens fit the longest context encoding: an
+    image that fills it could never be in a prompt (a graph compiled for nothing), and
+    NxDI's Qwen3VLInferenceConfig asserts it (vision seq_len // spatial_merge_size**2 <=
+    text max_context_length), an AssertionError otherwise."""
     vision = hf_config.get("vision_config") or {}
     merge = int(vision.get("spatial_merge_size", 1))
     largest = max(settings.vision_buckets, default=0)
@@ -126,8 +133,8 @@ def check_vision_fits(settings: NeuronSettings, hf_config: Mapping[str, Any]) ->
         raise NeuronConfigError(
             f"override_neuron_config.vision_buckets has {largest} patches, "
             f"{largest // (merge * merge)} image tokens: more than the longest context "
-            f"encoding ({settings.max_context_length} tokens), which NxDI's "
-            f"{settings.architecture} requires to hold them; use vision buckets of at "
+            f"encoding ({settings.max_context_length} tokens) holds, so no image that "
+            f"size fits a prompt of {settings.architecture}; use vision buckets of at "
             f"most {settings.max_context_length * merge * merge} patches (and lower the "
             f"processor's max_pixels to match), or raise --max-model-len."
         )
@@ -189,3 +196,48 @@ def encoder_for(architecture: str) -> Encoder:
             f"{', '.join(sorted(ENCODERS))}); serve it with VLLM_NEURON_BACKEND=reference."
         )
     return encoder
+
+
+# The plugin's patches without which no image-to-text application can be driven: it pads
+# image positions with vision-scatter-scratch-row's scratch row, and NxDI 0.8's forward
+# raises NameError without i2t-capture-hook.
+PATCHES = (vision_scatter.NAME, i2t_capture_hook.NAME)
+
+
+def family(model: str, config_class: str, images: str) -> NxDFamily:
+    """The nxd family of a model NxDI serves as an image-to-text application (its
+    families/ module's FAMILY): equal to transformers in the contiguous layout with
+    `images`, on 0.8 and 0.9; the block layout refused (NxDI's `config_class` raises),
+    and so are LoRA and speculation (`refuse_unsupported`)."""
+    no_blocks = Support(
+        REFUSED, f"NxDI's {model} takes the contiguous KV layout only ({config_class} raises)"
+    )
+    table = {
+        "contiguous": Support(EQUAL, f"text and images ({images})"),
+        "block": no_blocks,
+        "prefix_hit": no_blocks,
+        "on_device_sampling": Support(EQUAL),
+        "speculation": Support(REFUSED, "NxDI's image-to-text application has no speculation"),
+        "lora": Support(REFUSED, "NxDI's image-to-text forward passes no adapter ids"),
+        "quantization": QUANTIZED,
+    }
+
+    def problems(
+        settings: NeuronSettings,
+        hf_config: Mapping[str, object],
+        text: Text,
+        release: str,
+        patch_status: Mapping[str, str],
+    ) -> list[str]:
+        disabled = [p for p in PATCHES if patch_status.get(p) == "disabled"]
+        if not disabled:
+            return []
+        return [
+            f"{settings.architecture} on {release} without the plugin's patches "
+            f"{', '.join(disabled)} (VLLM_NEURON_DISABLE_PATCHES): NxDI's image merge "
+            f"would overwrite a full context bucket's last token, and NxDI 0.8's "
+            f"image-to-text forward raises NameError; remove them from "
+            f"VLLM_NEURON_DISABLE_PATCHES."
+        ]
+
+    return NxDFamily(support=by_release(table, table), problems=problems)

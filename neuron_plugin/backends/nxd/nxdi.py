@@ -4,6 +4,7 @@ patched where the installed release has a known defect."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def import_nxdi() -> NxDI:
             sampling,
             _gemma3_module(),
             _image_to_text_module(),
-            _qwen3_vl_text_module(),
+            _vision_text_modules(),
         )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
@@ -128,12 +129,17 @@ def _image_to_text_module() -> ModuleType | None:
     return image_to_text_model_base
 
 
-def _qwen3_vl_text_module() -> ModuleType | None:
-    """NxDI's Qwen3-VL text model (models/qwen3_vl/modeling_qwen3_vl_text.py, shipped
-    from 0.8), None where the release has none: the vision-scatter patch replaces the
-    merge function it looks up."""
-    try:
-        from neuronx_distributed_inference.models.qwen3_vl import modeling_qwen3_vl_text
-    except ImportError:
-        return None
-    return modeling_qwen3_vl_text
+# NxDI's image-to-text text models (under neuronx_distributed_inference.models), each
+# shipped from 0.8: the vision-scatter patch replaces the merge function they look up.
+VISION_TEXT_MODULES = ("qwen3_vl.modeling_qwen3_vl_text", "pixtral.modeling_pixtral")
+
+
+def _vision_text_modules() -> tuple[ModuleType, ...]:
+    """The VISION_TEXT_MODULES the installed release ships."""
+    found = []
+    for name in VISION_TEXT_MODULES:
+        try:
+            found.append(importlib.import_module(f"neuronx_distributed_inference.models.{name}"))
+        except ImportError:
+            continue
+    return tuple(found)

@@ -1,13 +1,15 @@
-"""Run under an interpreter with NxD Inference (its CPU mode): Qwen3-VL's tiny checkpoint
+"""Run under an interpreter with NxD Inference (its CPU mode): a vision-language tiny
+checkpoint (Qwen3-VL's, Pixtral's)
 through the plugin's NxDBackend and its host-side image path (serving.images.Images:
 encoder runs through NxDBackend.encode_image, placeholders, M-RoPE positions, decode
-deltas), in the cases test_nxdi_qwen3_vl.py compares with transformers; prints one JSON
+deltas), in the cases test_nxdi_qwen3_vl.py and test_nxdi_pixtral.py compare with transformers; prints one JSON
 object.
 
-    python nxdi_qwen3_vl_probe.py PLAN_JSON OUT_DIR
+    python nxdi_image_to_text_probe.py PLAN_JSON OUT_DIR
 
 PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]}}, a
-row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]}
+row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]} (a
+Pixtral image: "is_embed" [...] instead of "grid", pixels [C, H, W])
 (settings resolved by the test: this side has no vLLM). Each case prefills its rows one
 by one (row i in sequence slot i), then decodes them together N steps with logits
 (`forward`; a case named *device_sampling: NxDI's greedy on-device sampler, `run`). The
@@ -37,8 +39,18 @@ from neuron_plugin.serving.images import Images
 
 
 def feature(name: str, image: dict[str, Any], merge: int) -> SimpleNamespace:
-    """One image as vLLM's multimodal feature carries it (the fields serving.images reads)."""
+    """One image as vLLM's multimodal feature carries it (the fields serving.images
+    reads): the Qwen-VL processors' patches and grid, or a Pixtral image [C, H, W] with
+    its placeholders' is_embed (an image without a grid)."""
     pixels = torch.from_numpy(np.load(image["pixels"]))
+    if "grid" not in image:
+        embed = torch.tensor(image["is_embed"], dtype=torch.bool)
+        return SimpleNamespace(
+            modality="image",
+            identifier=name,
+            mm_position=SimpleNamespace(offset=image["offset"], length=len(embed), is_embed=embed),
+            data={"pixel_values": SimpleNamespace(data=pixels)},
+        )
     grid = np.asarray(image["grid"], dtype=np.int64)
     tokens = int(np.prod(grid)) // (merge * merge)
     return SimpleNamespace(
@@ -120,7 +132,7 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
     backend.compile(folder)
     backend.load(folder)
     hf_config = read_hf_config(plan["model"])
-    merge = int(hf_config["vision_config"]["spatial_merge_size"])
+    merge = int(hf_config["vision_config"].get("spatial_merge_size", 1))
     images = Images(backend, hf_config)
     report: dict[str, Any] = {
         "patches": backend.nxdi.patches,
