@@ -278,18 +278,7 @@ ROWS: tuple[ModelRow, ...] = (
         "Llama4ForConditionalGeneration",
         "Llama 4",
         "llama4",
-        _every_release(
-            Refused(
-                "measured on NxDI 0.8 and 0.9 (tests/e2e/test_nxdi_llama4.py), its text model "
-                "ignores attn_temperature_tuning (NeuronLlama4Attention never scales the NoPE "
-                "layers' queries) and the checkpoint's llama3 rope_scaling (NxD's "
-                "precompute_freqs_cis applies its fixed ROPE_DEFAULTS: factor 8, frequency "
-                "factors 1 and 4, original context 8192), so its logits differ from "
-                "transformers'; a prompt that fills its context bucket comes out wrong; and on "
-                "0.8 every forward raises NameError (tensor_capture_hook). Its vision encoder "
-                "equals transformers'"
-            )
-        ),
+        _every_release(NxDIModelType("llama4")),
         vision=True,
         tiny=("llama4",),
     ),

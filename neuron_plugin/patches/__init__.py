@@ -22,6 +22,7 @@ from neuron_plugin.patches import (
     cpu_captured_offset,
     gemma3,
     i2t_capture_hook,
+    llama4_rope,
     prefix_lens,
     prefix_prefill_mask,
     sampler_top_p,
@@ -42,6 +43,7 @@ PATCHES: tuple[Patch, ...] = (
     *gemma3.PATCHES,
     i2t_capture_hook.PATCH,
     vision_scatter.PATCH,
+    llama4_rope.PATCH,
 )
 
 __all__ = [

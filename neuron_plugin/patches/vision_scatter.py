@@ -14,9 +14,10 @@ free to take the padding, so the fix scatters into the target with one scratch r
 appended and drops that row: the plugin pads positions with L (backends/nxd
 /vision_arguments.py), and NxDI's own L - 1 padding behaves as before. The replacement
 is the module global each text model looks up (Qwen3-VL:
-qwen3_vl/modeling_qwen3_vl_text.py, Pixtral: pixtral/modeling_pixtral.py, both `from
-...encoder_utils import scatter_by_index_put`), so it is traced into the
-context-encoding graphs; their input shapes do not change.
+qwen3_vl/modeling_qwen3_vl_text.py, Pixtral: pixtral/modeling_pixtral.py, Llama 4:
+llama4/modeling_llama4_text.py, each `from ...encoder_utils import
+scatter_by_index_put`), so it is traced into the context-encoding graphs; their input
+shapes do not change.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpat
 
 NAME = "vision-scatter-scratch-row"
 FUNCTION = "scatter_by_index_put"
-ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration"})
+ARCHITECTURES = frozenset(
+    {
+        "Qwen3VLForConditionalGeneration",
+        "LlavaForConditionalGeneration",
+        "Llama4ForConditionalGeneration",
+    }
+)
 
 
 def _text_modules(modules: NxDIModules) -> list[ModuleType]:

@@ -78,7 +78,7 @@ from neuron_plugin.core.inputs import (
 from neuron_plugin.core.prompt_logprobs import prompt_targets
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.core.vision import VISION_ENCODING, ImageInputs, VisionGeometry
+from neuron_plugin.core.vision import LLAMA4_VISION, VISION_ENCODING, ImageInputs, VisionGeometry
 
 TOLERANCE = 1e-5
 # Integer outputs decided by comparing floats (a sampled token, the prompt logprobs'
@@ -300,18 +300,24 @@ def drive_every_graph(backend: NxDBackend, errors: list[str], seed: int = 0) -> 
         )
 
     vision = backend.hf_config.get("vision_config") or {}
-    # Pixtral's rotary table covers image_size / patch_size patches a side
-    side = vision["image_size"] // vision["patch_size"] if vision.get("model_type") == "pixtral" else 0
+    tower = vision.get("model_type")
+    # Pixtral's rotary table covers image_size / patch_size patches a side; Llama 4's
+    # images are tiles of that many a side
+    side = vision["image_size"] // vision["patch_size"] if tower in ("pixtral", LLAMA4_VISION) else 0
 
     def encode(spec: GraphSpec) -> None:
-        """An image that fills vision bucket spec.shape (patches: 2 rows, or as many
-        rows of the widest side as it takes where the tower has one)."""
+        """An image that fills vision bucket spec.shape: patches in 2 rows, or as many
+        rows of the widest side as it takes where the tower has one, or whole tiles."""
         if geometry is None:
             raise ValueError(f"a vision graph {spec.shape} for a model without vision_config")
         patches = spec.shape[0]
-        columns = min(patches // 2, side) if side else patches // 2
         pixels = rng.standard_normal((patches, geometry.patch_dim)).astype(np.float32)
-        backend.encode_image(ImageInputs(pixels, np.array([1, patches // columns, columns])))
+        if tower == LLAMA4_VISION:
+            grid = (patches // (side * side), side, side)
+        else:
+            columns = min(patches // 2, side) if side else patches // 2
+            grid = (1, patches // columns, columns)
+        backend.encode_image(ImageInputs(pixels, np.array(grid)))
 
     def prefill(spec: GraphSpec) -> None:
         new, cached = context_encoding_need(settings, spec.shape)

@@ -18,10 +18,11 @@ finding on each NxDI release listed (NEURON_TEST_NXDI_PYTHONS, see tests/e2e/con
 - on NxDI 0.8 the shipped forward raises NameError (tensor_capture_hook) on every call;
 - the shipped to_cpu cannot load the checkpoint at TP 1 (CPU mode only).
 
-A failure of a "differs" or "raises" test means NxDI fixed it: lift the refusal
-(neuron_plugin/models/table.py, its Refused rows) for that release and add what the
-plugin then needs (patches for what is still wrong, an image-to-text driver), with these
-tests turned into parity tests. Without an NxDI interpreter these tests skip."""
+These measure NxDI as shipped, without the plugin's patches; the nxd backend serves
+Llama 4 with patches llama4-rope-temperature, vision-scatter-scratch-row and (0.8)
+i2t-capture-hook, and its own CPU loader (test_nxdi_llama4_served.py). A failure of a
+"differs" or "raises" test means NxDI fixed it: the patch's probe then finds nothing to
+fix; check that it does (tests/plugin/test_llama4_rope_patch.py). Without an NxDI interpreter these tests skip."""
 
 from __future__ import annotations
 

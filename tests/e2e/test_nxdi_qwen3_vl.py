@@ -3,7 +3,8 @@ its CPU mode, driven by the plugin's NxDBackend and its host-side image path
 (nxdi_image_to_text_probe.py: serving.images.Images, NxDBackend.encode_image, forward),
 against transformers' Qwen3VLForConditionalGeneration (this environment's, float32) on
 the tiny checkpoint of scripts/build_tiny_model.py, with synthetic pixel_values in the
-processor's layout [patches, 3 * 2 * 16 * 16]. Greedy tokens and every step's logits:
+processor's layout [patches, 3 * 2 * 16 * 16]. Greedy tokens and every step's logits
+(nxdi_image_to_text.py's cases):
 - a text-only prompt;
 - one image (64 patches: the 64-patch vision bucket exactly);
 - two images of different sizes (the second, 96 patches, padded into the 256 bucket);
@@ -19,54 +20,27 @@ package index: without an interpreter these tests skip."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.e2e.support import corpus_token_ids
+from tests.e2e.nxdi_image_to_text import (
+    CASES,
+    assert_equal_to_transformers,
+    build_cases,
+    greedy,
+    nxd_settings,
+    run_probe,
+)
 
 pytestmark = [pytest.mark.nxdi]
 
 ARCH = "Qwen3VLForConditionalGeneration"
-STEPS = 6  # decode steps after the prefill's token
-MAX_MODEL_LEN = 256
-BUCKETS = {
-    "context_encoding_buckets": [128, 256],
-    "token_generation_buckets": [256],
-    "max_batch_buckets": 1,
-}
 VISION_BUCKETS = [64, 256]
 GRIDS = {"small": (1, 8, 8), "wide": (1, 8, 12)}  # 64 and 96 patches: 16 and 24 tokens
 PATCH_DIM = 3 * 2 * 16 * 16
-# Logits of NxDI's float32 CPU mode against transformers' (measured up to ~1e-5).
-TOLERANCE = 1e-4
-PROBE = Path(__file__).with_name("nxdi_image_to_text_probe.py")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _settings(**changes) -> dict:
-    from neuron_plugin.core.settings import EngineLimits, resolve_settings
-    from neuron_plugin.core.vision import VisionLimits
-
-    limits = EngineLimits(
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=2,
-        block_size=None,
-        enable_prefix_caching=False,
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=MAX_MODEL_LEN,
-        dtype="float32",
-        tp_degree=1,
-        vision=VisionLimits(16, 256, 4),
-        **changes,
-    )
-    override = {"on_cpu": True, **BUCKETS, "vision_buckets": VISION_BUCKETS}
-    return resolve_settings(limits, override, backend="nxd", architecture=ARCH).to_dict()
 
 
 @pytest.fixture(scope="module")
@@ -81,120 +55,52 @@ def hf_model(model_dir):
     return Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _image_run(config, grid) -> list[int]:
-    tokens = int(np.prod(grid)) // 4
-    return (
-        [config.vision_start_token_id]
-        + [config.image_token_id] * tokens
-        + [config.vision_end_token_id]
-    )
-
-
 @pytest.fixture(scope="module")
 def cases(model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]:
-    """Each case's rows: the prompt and its images (placeholder offset, grid, pixels)."""
+    """An image: <|vision_start|>, an <|image_pad|> per merged 2 x 2 patches,
+    <|vision_end|>; its pixels and grid in the plan."""
     folder = tmp_path_factory.mktemp("qwen3-vl-pixels")
     rng = np.random.default_rng(0)
+    config = hf_model.config
     pixels = {}
     for name, grid in GRIDS.items():
         path = folder / f"{name}.npy"
         np.save(path, rng.standard_normal((int(np.prod(grid)), PATCH_DIM)).astype(np.float32))
         pixels[name] = str(path)
-    config = hf_model.config
 
-    def row(parts: list) -> dict:
-        prompt: list[int] = []
-        images = []
-        for part in parts:
-            if isinstance(part, str):
-                run = _image_run(config, GRIDS[part])
-                images.append(
-                    {"offset": len(prompt) + 1, "grid": list(GRIDS[part]), "pixels": pixels[part]}
-                )
-                prompt += run
-            else:
-                prompt += part
-        return {"prompt": prompt, "images": images}
+    def placed(name: str, start: int) -> tuple[list[int], dict]:
+        tokens = [config.image_token_id] * (int(np.prod(GRIDS[name])) // 4)
+        run = [config.vision_start_token_id, *tokens, config.vision_end_token_id]
+        return run, {"offset": start + 1, "grid": list(GRIDS[name]), "pixels": pixels[name]}
 
-    text = corpus_token_ids(model_dir, 20, offset=11)
-    before = corpus_token_ids(model_dir, 30, offset=40)
-    after = corpus_token_ids(model_dir, 12, offset=200)
-    full_tail = 128 - len(before) - len(_image_run(config, GRIDS["small"]))
-    return {
-        "text_only": [row([text])],
-        "one_image": [row([before, "small", after])],
-        "two_images": [row([before, "small", after, "wide", text[:5]])],
-        "full_bucket": [row([before, "small", corpus_token_ids(model_dir, full_tail, offset=300)])],
-        "batch2": [row([before, "small", after]), row([text])],
-        "batch2_device_sampling": [row([before, "small", after]), row([text])],
-    }
+    return build_cases(model_dir, placed)
 
 
 @pytest.fixture(scope="module")
 def probed(nxdi_python, model_dir, cases, tmp_path_factory):
-    out = tmp_path_factory.mktemp("nxdi-qwen3-vl")
-    plan = {"model": str(model_dir), "steps": STEPS, "settings": _settings(), "cases": cases}
-    (out / "plan.json").write_text(json.dumps(plan))
-    env = {
-        **os.environ,
-        "NXD_CPU_MODE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [nxdi_python, str(PROBE), str(out / "plan.json"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
+    settings = nxd_settings(ARCH, (16, 256, 4), VISION_BUCKETS)
+    return run_probe(
+        nxdi_python, model_dir, settings, cases, tmp_path_factory.mktemp("nxdi-qwen3-vl")
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), out
 
 
 def _expected(hf_model, row: dict) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and each step's logits [STEPS + 1, vocab]."""
-    ids = torch.tensor([row["prompt"]])
-    kwargs = {}
+    images = {}
     if row["images"]:
-        kwargs = {
+        ids = torch.tensor([row["prompt"]])
+        images = {
             "pixel_values": torch.cat(
                 [torch.from_numpy(np.load(i["pixels"])) for i in row["images"]]
             ),
             "image_grid_thw": torch.tensor([i["grid"] for i in row["images"]]),
             "mm_token_type_ids": (ids == hf_model.config.image_token_id).int(),
         }
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=ids,
-            **kwargs,
-            max_new_tokens=STEPS + 1,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    return tokens, torch.stack([step[0] for step in out.logits])
+    return greedy(hf_model, row["prompt"], **images)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["text_only", "one_image", "two_images", "full_bucket", "batch2", "batch2_device_sampling"],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_and_logits_equal_transformers(probed, hf_model, cases, case):
-    report, out = probed
-    assert "refused" not in report, report.get("refused")
-    logits = np.load(out / f"{case}.npy", allow_pickle=False)
-    for index, row in enumerate(cases[case]):
-        tokens, expected = _expected(hf_model, row)
-        assert report[case][index] == tokens, f"{case} row {index}"
-        if case.endswith("device_sampling"):  # tokens only
-            continue
-        gap = float((torch.from_numpy(logits[index]) - expected).abs().max())
-        assert gap < TOLERANCE, f"{case} row {index}: logits off by {gap}"
-
-
-def test_full_bucket_case_fills_its_bucket(cases):
-    assert len(cases["full_bucket"][0]["prompt"]) == BUCKETS["context_encoding_buckets"][0]
+    assert_equal_to_transformers(probed, cases[case], case, lambda row: _expected(hf_model, row))
 
 
 def test_a_padding_call_runs_each_vision_bucket_and_answers_no_rows(probed, hf_model):

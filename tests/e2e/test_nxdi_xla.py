@@ -19,7 +19,7 @@ computes what the eager forward computes.
 Models: every architecture of the table (neuron_plugin/models/table.py) the nxd backend
 maps, on its first tiny checkpoint (the same ones test_nxdi_architectures.py serves);
 one the table refuses on a release is skipped with the table's reason, a layout the
-backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL, Pixtral) runs
+backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL, Pixtral, Llama 4) runs
 its VISION_CASES: its text graphs take image inputs (the patched image merge traced with
 served positions and embeddings) and its vision encoder's graphs are replayed too. A class of the plugin's own (a
 `PluginClass` row) comes in with its row; a model folder outside the table is one entry
@@ -139,6 +139,8 @@ def vision_cases(
 VISION_CASES: dict[str | None, dict[str, XlaCase]] = {
     None: vision_cases((16, 256, 4), [64, 256], [128]),
     "LlavaForConditionalGeneration": vision_cases((1, 64, 1), [16, 64], [32]),
+    # Llama 4's tiny tiles: 16 patches each (4 embeddings)
+    "Llama4ForConditionalGeneration": vision_cases((16, 80, 16), [16, 80], [48]),
 }
 
 
@@ -233,11 +235,13 @@ def table_models() -> list[XlaModel]:
     # gpt-oss: the CPU mode refuses prefill buckets shorter than its 128-token window
     # (nxd families/llama.py short_bucket_problems), and it decodes at one length only
     # (families/gpt_oss.py)
+    # gpt-oss and Llama 4 decode at one length only (families/gpt_oss.py, llama4.py)
     overrides = {
         "GptOssForCausalLM": {
             "context_encoding_buckets": [128],
             "token_generation_buckets": [MAX_MODEL_LEN],
-        }
+        },
+        "Llama4ForConditionalGeneration": {"token_generation_buckets": [MAX_MODEL_LEN]},
     }
     tolerances = dict.fromkeys(
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), GEMMA4_TOLERANCE

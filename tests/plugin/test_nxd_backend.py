@@ -224,13 +224,11 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
      "serve it with VLLM_NEURON_BACKEND=reference"),
     ("MllamaForConditionalGeneration", "supported until vLLM 0.10.2",
      "the reference backend does not serve it either"),
-    ("Llama4ForConditionalGeneration", "ignores attn_temperature_tuning",
-     "serve it with VLLM_NEURON_BACKEND=reference"),
 ])
 def test_vision_language_architectures_are_refused_by_name(release, architecture, why, fix):
     """NxDI lists them (MODEL_TYPES qwen2_vl ... with an image-encoding application);
     the nxd backend refuses each before any work with what real NxDI showed
-    (test_nxdi_vision.py, test_nxdi_llama4.py), and explain-config
+    (test_nxdi_vision.py), and explain-config
     (describe_architecture) says the same."""
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 

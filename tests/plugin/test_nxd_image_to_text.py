@@ -90,17 +90,27 @@ def test_every_refusal_is_named_at_once():
 def test_vision_config_has_one_graph_per_vision_bucket():
     chosen = settings()
     kwargs = image_to_text.vision_neuron_config_kwargs(
-        chosen, {"tp_degree": 1, "torch_dtype": "float32", "on_cpu": True, "batch_size": 2})
+        chosen, {"tp_degree": 1, "torch_dtype": "float32", "on_cpu": True, "batch_size": 2}, {})
     assert kwargs == {"tp_degree": 1, "torch_dtype": "float32", "on_cpu": True,
                       "batch_size": 1, "seq_len": 256, "enable_bucketing": True,
                       "buckets": [64, 256], "fused_qkv": True}
     with pytest.raises(NeuronConfigError, match="vision_buckets"):
         image_to_text.vision_neuron_config_kwargs(
-            dataclasses.replace(chosen, vision_buckets=()), {})
+            dataclasses.replace(chosen, vision_buckets=()), {}, {})
+
+
+def test_llama4_vision_buckets_count_tiles_for_nxdi():
+    """Llama4VisionModelWrapper buckets by tiles (chunks) per call; the plugin's vision
+    buckets count patches, (56 / 14)**2 = 16 a tile for the tiny checkpoint."""
+    chosen = dataclasses.replace(
+        settings(), architecture="Llama4ForConditionalGeneration", vision_buckets=(48, 80))
+    config = {"vision_config": {"image_size": 56, "patch_size": 14}}
+    kwargs = image_to_text.vision_neuron_config_kwargs(chosen, {}, config)
+    assert kwargs["buckets"] == [3, 5] and kwargs["seq_len"] == 5
 
 
 def test_vision_buckets_must_fit_the_longest_context_encoding():
-    config = {"vision_config": {"spatial_merge_size": 2}}
+    config = {"vision_config": {"spatial_merge_size": 2}, "text_config": {"hidden_size": 8}}
     image_to_text.check_vision_fits(settings(), config)  # 256 patches: 64 tokens
     too_large = dataclasses.replace(settings(), vision_buckets=(64, 2048))
     with pytest.raises(NeuronConfigError, match="at most 1024 patches"):

@@ -311,6 +311,7 @@ class NxDBackend(InlineCalls):
             neuron_config_kwargs(self.settings),
             self._config_loader(),
             str(self.model_dir),
+            self.hf_config,
         )
         image_to_text.run_wrappers_on_the_host(model)
         return model

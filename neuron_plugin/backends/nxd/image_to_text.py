@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from neuron_plugin.backends.nxd import pixtral_vision, qwen3_vl_vision
-from neuron_plugin.backends.nxd.families import NxDFamily, Text
+from neuron_plugin.backends.nxd import llama4_vision, pixtral_vision, qwen3_vl_vision
+from neuron_plugin.backends.nxd.families import NxDFamily, Problems, Text
 from neuron_plugin.backends.nxd.support import EQUAL, QUANTIZED, REFUSED, Support, by_release
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.core.vision import ImageInputs
+from neuron_plugin.core.vision import ImageInputs, VisionGeometry
 from neuron_plugin.patches import i2t_capture_hook, vision_scatter
 
 # An architecture's image encoding: (vision wrapper, image, vision bucket) -> embeddings
@@ -40,11 +40,19 @@ Encoder = Callable[[Any, ImageInputs, int], np.ndarray]
 ENCODERS: dict[str, Encoder] = {
     "Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode,
     "LlavaForConditionalGeneration": pixtral_vision.encode,
+    "Llama4ForConditionalGeneration": llama4_vision.encode,
 }
 # The vision NeuronConfig keys an architecture's NxDI weights need: Qwen3-VL's converter
 # always writes the vision attention's fused qkv (qwen3_vl/modeling_qwen3_vl_vision.py
 # convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`).
 VISION_KEYS: dict[str, dict[str, Any]] = {"Qwen3VLForConditionalGeneration": {"fused_qkv": True}}
+# Patches per unit of NxDI's vision buckets where they are not patches (the plugin's
+# unit): Llama 4 buckets its vision encoder by tiles (Llama4VisionModelWrapper).
+BUCKET_UNITS: dict[str, Callable[[Mapping[str, Any]], int]] = {
+    "Llama4ForConditionalGeneration": lambda vision: llama4_vision.patches_per_tile(
+        int(vision["image_size"]), int(vision["patch_size"])
+    ),
+}
 
 
 def is_image_to_text(model_cls: Any, base_module: Any) -> bool:
@@ -126,8 +134,8 @@ def check_vision_fits(settings: NeuronSettings, hf_config: Mapping[str, Any]) ->
     image that fills it could never be in a prompt (a graph compiled for nothing), and
     NxDI's Qwen3VLInferenceConfig asserts it (vision seq_len // spatial_merge_size**2 <=
     text max_context_length), an AssertionError otherwise."""
-    vision = hf_config.get("vision_config") or {}
-    merge = int(vision.get("spatial_merge_size", 1))
+    geometry = VisionGeometry.from_hf_config(dict(hf_config))
+    merge = geometry.spatial_merge_size if geometry else 1
     largest = max(settings.vision_buckets, default=0)
     if largest // (merge * merge) > settings.max_context_length:
         raise NeuronConfigError(
@@ -141,18 +149,21 @@ def check_vision_fits(settings: NeuronSettings, hf_config: Mapping[str, Any]) ->
 
 
 def vision_neuron_config_kwargs(
-    settings: NeuronSettings, text_kwargs: dict[str, Any]
+    settings: NeuronSettings, text_kwargs: dict[str, Any], hf_config: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The vision encoder's NeuronConfig: one graph per plugin vision bucket (patches
-    per image; Qwen3VLInferenceConfig buckets the vision encoder on its sequence length
-    in patches), one image per call, the text model's TP degree, dtype and CPU mode."""
+    """The vision encoder's NeuronConfig: one graph per plugin vision bucket (in NxDI's
+    unit for the architecture, `BUCKET_UNITS`: patches per image for Qwen3-VL's and
+    Pixtral's, which bucket on their sequence length in patches), one image per call,
+    the text model's TP degree, dtype and CPU mode."""
     if not settings.vision_buckets:
         raise NeuronConfigError(
             f"{settings.architecture} on the nxd backend needs vision buckets "
             f"(settings.vision_buckets is empty); set override_neuron_config "
             f"vision_buckets, e.g. [256, 1024] (patches per image)."
         )
-    buckets = sorted(settings.vision_buckets)
+    unit = BUCKET_UNITS.get(settings.architecture)
+    per = unit(hf_config["vision_config"]) if unit else 1
+    buckets = sorted(b // per for b in settings.vision_buckets)
     shared = ("tp_degree", "torch_dtype", "on_cpu")
     return {
         **{key: text_kwargs[key] for key in shared if key in text_kwargs},
@@ -170,13 +181,14 @@ def new_image_to_text(
     text_kwargs: dict[str, Any],
     load_config: Callable[..., Any],
     model_dir: str,
+    hf_config: Mapping[str, Any],
 ) -> Any:
     """NxDI's image-to-text application for the settings, every wrapper run eagerly
     on the host side (see the module docstring)."""
     refuse_unsupported(settings)
     neuron_config_cls = model_cls.get_neuron_config_cls()
     text = neuron_config_cls(**text_kwargs)
-    vision = neuron_config_cls(**vision_neuron_config_kwargs(settings, text_kwargs))
+    vision = neuron_config_cls(**vision_neuron_config_kwargs(settings, text_kwargs, hf_config))
     config = model_cls.get_config_cls()(text, vision, load_config=load_config)
     return model_cls(model_dir, config)
 
@@ -204,11 +216,18 @@ def encoder_for(architecture: str) -> Encoder:
 PATCHES = (vision_scatter.NAME, i2t_capture_hook.NAME)
 
 
-def family(model: str, config_class: str, images: str) -> NxDFamily:
+def family(
+    model: str,
+    config_class: str,
+    images: str,
+    patches: tuple[str, ...] = (),
+    more_problems: Problems | None = None,
+) -> NxDFamily:
     """The nxd family of a model NxDI serves as an image-to-text application (its
     families/ module's FAMILY): equal to transformers in the contiguous layout with
     `images`, on 0.8 and 0.9; the block layout refused (NxDI's `config_class` raises),
-    and so are LoRA and speculation (`refuse_unsupported`)."""
+    and so are LoRA and speculation (`refuse_unsupported`). `patches`: the model's own
+    patches beside PATCHES, each needed too; `more_problems`: what else it refuses."""
     no_blocks = Support(
         REFUSED, f"NxDI's {model} takes the contiguous KV layout only ({config_class} raises)"
     )
@@ -221,23 +240,26 @@ def family(model: str, config_class: str, images: str) -> NxDFamily:
         "lora": Support(REFUSED, "NxDI's image-to-text forward passes no adapter ids"),
         "quantization": QUANTIZED,
     }
+    needed = (*PATCHES, *patches)
 
     def problems(
         settings: NeuronSettings,
-        hf_config: Mapping[str, object],
+        hf_config: Mapping[str, Any],
         text: Text,
         release: str,
         patch_status: Mapping[str, str],
     ) -> list[str]:
-        disabled = [p for p in PATCHES if patch_status.get(p) == "disabled"]
-        if not disabled:
-            return []
-        return [
-            f"{settings.architecture} on {release} without the plugin's patches "
-            f"{', '.join(disabled)} (VLLM_NEURON_DISABLE_PATCHES): NxDI's image merge "
-            f"would overwrite a full context bucket's last token, and NxDI 0.8's "
-            f"image-to-text forward raises NameError; remove them from "
-            f"VLLM_NEURON_DISABLE_PATCHES."
-        ]
+        found = []
+        if more_problems is not None:
+            found = more_problems(settings, hf_config, text, release, patch_status)
+        disabled = [p for p in needed if patch_status.get(p) == "disabled"]
+        if disabled:
+            found.append(
+                f"{settings.architecture} on {release} without the plugin's patches "
+                f"{', '.join(disabled)} (VLLM_NEURON_DISABLE_PATCHES): what they fix "
+                f"(docs/serving/nxdi-patches.md) would come out wrong or raise; remove "
+                f"them from VLLM_NEURON_DISABLE_PATCHES."
+            )
+        return found
 
     return NxDFamily(support=by_release(table, table), problems=problems)

@@ -130,8 +130,13 @@ def _image_to_text_module() -> ModuleType | None:
 
 
 # NxDI's image-to-text text models (under neuronx_distributed_inference.models), each
-# shipped from 0.8: the vision-scatter patch replaces the merge function they look up.
-VISION_TEXT_MODULES = ("qwen3_vl.modeling_qwen3_vl_text", "pixtral.modeling_pixtral")
+# shipped from 0.8: the vision-scatter patch replaces the merge function they look up,
+# llama4-rope-temperature Llama 4's rotary embedding.
+VISION_TEXT_MODULES = (
+    "qwen3_vl.modeling_qwen3_vl_text",
+    "pixtral.modeling_pixtral",
+    "llama4.modeling_llama4_text",
+)
 
 
 def _vision_text_modules() -> tuple[ModuleType, ...]:
