@@ -24,6 +24,7 @@ from neuron_plugin.patches import (
     i2t_capture_hook,
     prefix_lens,
     prefix_prefill_mask,
+    qwen2_vl_mrope,
     sampler_top_p,
     vision_scatter,
 )
@@ -42,6 +43,7 @@ PATCHES: tuple[Patch, ...] = (
     *gemma3.PATCHES,
     i2t_capture_hook.PATCH,
     vision_scatter.PATCH,
+    qwen2_vl_mrope.PATCH,
 )
 
 __all__ = [

@@ -27,6 +27,8 @@ class NxDIModules:
     image_to_text_model_base: ModuleType | None = None
     # neuronx_distributed_inference.models.qwen3_vl.modeling_qwen3_vl_text (None before 0.8)
     qwen3_vl_text: ModuleType | None = None
+    # neuronx_distributed_inference.models.qwen2_vl.modeling_qwen2_vl_text (None: not shipped)
+    qwen2_vl_text: ModuleType | None = None
 
 
 @dataclass(frozen=True)

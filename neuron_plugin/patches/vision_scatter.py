@@ -14,7 +14,8 @@ free to take the padding, so the fix scatters into the target with one scratch r
 appended and drops that row: the plugin pads positions with L (backends/nxd
 /vision_arguments.py), and NxDI's own L - 1 padding behaves as before. The replacement
 is the module global each text model looks up (Qwen3-VL:
-qwen3_vl/modeling_qwen3_vl_text.py, `from ...encoder_utils import
+qwen3_vl/modeling_qwen3_vl_text.py, Qwen2-VL and Qwen2.5-VL:
+qwen2_vl/modeling_qwen2_vl_text.py, each `from ...encoder_utils import
 scatter_by_index_put`), so it is traced into the context-encoding graphs; their input
 shapes do not change.
 """
@@ -30,11 +31,21 @@ from neuron_plugin.patches.base import NxDIModules, Patch, replace_method, unpat
 
 NAME = "vision-scatter-scratch-row"
 FUNCTION = "scatter_by_index_put"
-ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration"})
+ARCHITECTURES = frozenset(
+    {
+        "Qwen3VLForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+    }
+)
 
 
 def _text_modules(modules: NxDIModules) -> list[ModuleType]:
-    return [m for m in (modules.qwen3_vl_text,) if m is not None and hasattr(m, FUNCTION)]
+    return [
+        m
+        for m in (modules.qwen3_vl_text, modules.qwen2_vl_text)
+        if m is not None and hasattr(m, FUNCTION)
+    ]
 
 
 def _writes_past_the_target(scatter: Callable) -> bool:

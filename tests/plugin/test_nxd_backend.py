@@ -220,7 +220,7 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
 
 
 @pytest.mark.parametrize(("architecture", "why", "fix"), [
-    ("Qwen2VLForConditionalGeneration", "instead of Qwen2-VL's M-RoPE",
+    ("Qwen2_5_VLForConditionalGeneration", "no Qwen2.5-VL vision tower",
      "serve it with VLLM_NEURON_BACKEND=reference"),
     ("LlavaForConditionalGeneration", "does not implement it (to_cpu)",
      "serve it with VLLM_NEURON_BACKEND=reference"),
@@ -232,7 +232,7 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
 def test_vision_language_architectures_are_refused_by_name(release, architecture, why, fix):
     """NxDI lists them (MODEL_TYPES qwen2_vl ... with an image-encoding application);
     the nxd backend refuses each before any work with what real NxDI showed
-    (test_nxdi_vision.py, test_nxdi_llama4.py), and explain-config
+    (test_nxdi_llama4.py) or read in its source, and explain-config
     (describe_architecture) says the same."""
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 

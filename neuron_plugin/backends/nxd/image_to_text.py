@@ -27,18 +27,28 @@ from typing import Any
 
 import numpy as np
 
-from neuron_plugin.backends.nxd import qwen3_vl_vision
+from neuron_plugin.backends.nxd import qwen2_vl_vision, qwen3_vl_vision
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.vision import ImageInputs
 
 # An architecture's image encoding: (vision wrapper, image, vision bucket) -> embeddings
 # [tokens, width] in the plugin's layout (core.vision.VisionGeometry.embedding_width).
 Encoder = Callable[[Any, ImageInputs, int], np.ndarray]
-ENCODERS: dict[str, Encoder] = {"Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode}
-# The vision NeuronConfig keys an architecture's NxDI weights need: Qwen3-VL's converter
-# always writes the vision attention's fused qkv (qwen3_vl/modeling_qwen3_vl_vision.py
-# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`).
-VISION_KEYS: dict[str, dict[str, Any]] = {"Qwen3VLForConditionalGeneration": {"fused_qkv": True}}
+ENCODERS: dict[str, Encoder] = {
+    "Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode,
+    "Qwen2VLForConditionalGeneration": qwen2_vl_vision.encode,
+}
+# The vision NeuronConfig keys an architecture's NxDI weights need: the Qwen3-VL and
+# Qwen2-VL converters always write the vision attention's fused qkv
+# (modeling_qwen3_vl_vision.py / modeling_qwen2_vl_vision.py
+# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`). Qwen2-VL's
+# encoder of the plugin's own passes its attention a mask, which NxDI's flash-attention
+# kernel would take for a causal one (attention_base.py perform_prefill, chosen by
+# default from 4096 patches on): the kernel is off.
+VISION_KEYS: dict[str, dict[str, Any]] = {
+    "Qwen3VLForConditionalGeneration": {"fused_qkv": True},
+    "Qwen2VLForConditionalGeneration": {"fused_qkv": True, "attn_kernel_enabled": False},
+}
 
 
 def is_image_to_text(model_cls: Any, base_module: Any) -> bool:

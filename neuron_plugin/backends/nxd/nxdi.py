@@ -86,6 +86,7 @@ def import_nxdi() -> NxDI:
             _gemma3_module(),
             _image_to_text_module(),
             _qwen3_vl_text_module(),
+            _qwen2_vl_text_module(),
         )
     )
     patched = tuple(o.name for o in outcomes if o.status in ("applied", "already applied"))
@@ -137,3 +138,14 @@ def _qwen3_vl_text_module() -> ModuleType | None:
     except ImportError:
         return None
     return modeling_qwen3_vl_text
+
+
+def _qwen2_vl_text_module() -> ModuleType | None:
+    """NxDI's Qwen2-VL text model (models/qwen2_vl/modeling_qwen2_vl_text.py, shipped
+    from 0.8), None where the release has none: the qwen2-vl-mrope patch fixes its rotary
+    embedding and text wrapper, the vision-scatter patch its merge function."""
+    try:
+        from neuronx_distributed_inference.models.qwen2_vl import modeling_qwen2_vl_text
+    except ImportError:
+        return None
+    return modeling_qwen2_vl_text

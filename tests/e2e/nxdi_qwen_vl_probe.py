@@ -1,10 +1,10 @@
-"""Run under an interpreter with NxD Inference (its CPU mode): Qwen3-VL's tiny checkpoint
+"""Run under an interpreter with NxD Inference (its CPU mode): a Qwen-VL tiny checkpoint
 through the plugin's NxDBackend and its host-side image path (serving.images.Images:
 encoder runs through NxDBackend.encode_image, placeholders, M-RoPE positions, decode
-deltas), in the cases test_nxdi_qwen3_vl.py compares with transformers; prints one JSON
+deltas), in the cases test_nxdi_qwen_vl.py compares with transformers; prints one JSON
 object.
 
-    python nxdi_qwen3_vl_probe.py PLAN_JSON OUT_DIR
+    python nxdi_qwen_vl_probe.py PLAN_JSON OUT_DIR
 
 PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]}}, a
 row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]}

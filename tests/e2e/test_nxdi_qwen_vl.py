@@ -1,14 +1,18 @@
-"""Qwen3-VL on the nxd backend: NxDI's image-to-text application on real NxD Inference in
-its CPU mode, driven by the plugin's NxDBackend and its host-side image path
-(nxdi_qwen3_vl_probe.py: serving.images.Images, NxDBackend.encode_image, forward),
-against transformers' Qwen3VLForConditionalGeneration (this environment's, float32) on
-the tiny checkpoint of scripts/build_tiny_model.py, with synthetic pixel_values in the
-processor's layout [patches, 3 * 2 * 16 * 16]. Greedy tokens and every step's logits:
+"""Qwen3-VL and Qwen2-VL on the nxd backend: NxDI's image-to-text applications on real NxD
+Inference in its CPU mode (Qwen3-VL's as NxDI ships it; Qwen2-VL's with the plugin's own
+vision encoder, backends/nxd/families/qwen2_vl), driven by the plugin's NxDBackend and
+its host-side image path (nxdi_qwen_vl_probe.py: serving.images.Images,
+NxDBackend.encode_image, forward), against transformers' model of the architecture
+(this environment's, float32) on each tiny checkpoint of scripts/build_tiny_model.py
+(MODELS), with synthetic pixel_values in the processor's layout [patches, 3 * 2 * patch
+* patch]. Greedy tokens and every step's logits:
 - a text-only prompt;
 - one image (64 patches: the 64-patch vision bucket exactly);
 - two images of different sizes (the second, 96 patches, padded into the 256 bucket);
 - a prompt with an image that fills its 128-token context bucket exactly (patch
   vision-scatter-scratch-row: NxDI's padding would overwrite its last token);
+  (Qwen2-VL: every image case needs patch qwen2-vl-mrope, NxDI rotating image tokens
+  by 1-D positions without it);
 - batch 2 decoding together, one row with an image (its M-RoPE positions shifted by the
   image's delta) and one without; and the same with NxDI's on-device sampler (`run`,
   greedy: tokens only).
@@ -32,7 +36,11 @@ from tests.e2e.support import corpus_token_ids
 
 pytestmark = [pytest.mark.nxdi]
 
-ARCH = "Qwen3VLForConditionalGeneration"
+# tiny checkpoint -> (architecture, transformers class, pixel values per patch)
+MODELS = {
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", 3 * 2 * 16 * 16),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", 3 * 2 * 14 * 14),
+}
 STEPS = 6  # decode steps after the prefill's token
 MAX_MODEL_LEN = 256
 BUCKETS = {
@@ -42,14 +50,13 @@ BUCKETS = {
 }
 VISION_BUCKETS = [64, 256]
 GRIDS = {"small": (1, 8, 8), "wide": (1, 8, 12)}  # 64 and 96 patches: 16 and 24 tokens
-PATCH_DIM = 3 * 2 * 16 * 16
 # Logits of NxDI's float32 CPU mode against transformers' (measured up to ~1e-5).
 TOLERANCE = 1e-4
-PROBE = Path(__file__).with_name("nxdi_qwen3_vl_probe.py")
+PROBE = Path(__file__).with_name("nxdi_qwen_vl_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _settings(**changes) -> dict:
+def _settings(architecture: str) -> dict:
     from neuron_plugin.core.settings import EngineLimits, resolve_settings
     from neuron_plugin.core.vision import VisionLimits
 
@@ -63,22 +70,27 @@ def _settings(**changes) -> dict:
         dtype="float32",
         tp_degree=1,
         vision=VisionLimits(16, 256, 4),
-        **changes,
     )
     override = {"on_cpu": True, **BUCKETS, "vision_buckets": VISION_BUCKETS}
-    return resolve_settings(limits, override, backend="nxd", architecture=ARCH).to_dict()
+    return resolve_settings(limits, override, backend="nxd", architecture=architecture).to_dict()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model) -> Path:
-    return tiny_model("qwen3_vl")
+def model_dir(tiny_model, model) -> Path:
+    return tiny_model(model)
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import Qwen3VLForConditionalGeneration
+def hf_model(model_dir, model):
+    import transformers
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cls = getattr(transformers, MODELS[model][0])
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _image_run(config, grid) -> list[int]:
@@ -91,14 +103,15 @@ def _image_run(config, grid) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cases(model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]:
+def cases(model, model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]:
     """Each case's rows: the prompt and its images (placeholder offset, grid, pixels)."""
-    folder = tmp_path_factory.mktemp("qwen3-vl-pixels")
+    folder = tmp_path_factory.mktemp(f"{model}-pixels")
     rng = np.random.default_rng(0)
     pixels = {}
     for name, grid in GRIDS.items():
         path = folder / f"{name}.npy"
-        np.save(path, rng.standard_normal((int(np.prod(grid)), PATCH_DIM)).astype(np.float32))
+        values = rng.standard_normal((int(np.prod(grid)), MODELS[model][1]))
+        np.save(path, values.astype(np.float32))
         pixels[name] = str(path)
     config = hf_model.config
 
@@ -131,9 +144,10 @@ def cases(model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def probed(nxdi_python, model_dir, cases, tmp_path_factory):
-    out = tmp_path_factory.mktemp("nxdi-qwen3-vl")
-    plan = {"model": str(model_dir), "steps": STEPS, "settings": _settings(), "cases": cases}
+def probed(nxdi_python, model, model_dir, cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"nxdi-{model}")
+    settings = _settings(MODELS[model][0])
+    plan = {"model": str(model_dir), "steps": STEPS, "settings": settings, "cases": cases}
     (out / "plan.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
@@ -199,15 +213,18 @@ def test_full_bucket_case_fills_its_bucket(cases):
 
 def test_a_padding_call_runs_each_vision_bucket_and_answers_no_rows(probed, hf_model):
     """Warm-up runs every vision graph with a padding image (core.vision.padding_image):
-    no rows, each as wide as an embedding and its DeepStack levels."""
+    no rows, each as wide as an embedding and its DeepStack levels (Qwen3-VL)."""
     report, _ = probed
-    levels = len(hf_model.config.vision_config.deepstack_visual_indexes)
+    levels = len(getattr(hf_model.config.vision_config, "deepstack_visual_indexes", ()))
     width = hf_model.config.text_config.hidden_size * (1 + levels)
     assert report["padding"] == {str(b): [0, width] for b in VISION_BUCKETS}
 
 
-def test_the_scatter_patch_is_in_effect(probed):
+def test_the_patches_are_in_effect(probed, model):
     """The full-bucket case passes because of patch vision-scatter-scratch-row, which the
-    probe finds in both releases' Qwen3-VL text model (and i2t-capture-hook on 0.8)."""
+    probe finds in both releases' text models (and i2t-capture-hook on 0.8), the image
+    cases of Qwen2-VL because of qwen2-vl-mrope."""
     report, _ = probed
     assert "vision-scatter-scratch-row" in report["patches"]
+    if model == "qwen2_vl":
+        assert "qwen2-vl-mrope" in report["patches"]
