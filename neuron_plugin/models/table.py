@@ -120,10 +120,10 @@ _QWEN3_5_MOE_NXD = Refused(
 _QWEN2_VL_NXD = PluginClass(
     "neuron_plugin.backends.nxd.families.qwen2_vl.modeling:NeuronQwen2VLForImageToText"
 )
-_NO_QWEN2_5_TOWER = (
-    "NxDI has no Qwen2.5-VL vision tower in any release (window attention, RMSNorm, a "
-    "gated MLP; utils/constants.py MODEL_TYPES), and the plugin's own vision encoder on "
-    "NxDI serves Qwen2-VL's tower only"
+# NxDI has no Qwen2.5-VL vision tower in any release: the same application with a tower of
+# the plugin's own (window attention, RMSNorm, gated MLP), measured equal on both
+_QWEN2_5_VL_NXD = PluginClass(
+    "neuron_plugin.backends.nxd.families.qwen2_vl.modeling:NeuronQwen25VLForImageToText"
 )
 
 ROWS: tuple[ModelRow, ...] = (
@@ -259,9 +259,12 @@ ROWS: tuple[ModelRow, ...] = (
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen2.5-VL",
         "qwen2_vl",
-        _every_release(Refused(_NO_QWEN2_5_TOWER)),
+        _every_release(_QWEN2_5_VL_NXD),
         vision=True,
         tiny=("qwen2_5_vl",),
+        note="NxDI's Qwen2-VL image-to-text application with the plugin's own Qwen2.5-VL "
+        "vision tower (contiguous layout, no prefix caching, chunked prefill, speculation "
+        "or LoRA)",
     ),
     ModelRow(
         "Qwen3VLForConditionalGeneration",

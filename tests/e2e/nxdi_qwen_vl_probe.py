@@ -6,14 +6,16 @@ object.
 
     python nxdi_qwen_vl_probe.py PLAN_JSON OUT_DIR
 
-PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]}}, a
-row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]}
+PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]},
+"images": {name: {"grid": [t, h, w], "pixels": npy}}}, a row {"prompt": [...],
+"images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]}
 (settings resolved by the test: this side has no vLLM). Each case prefills its rows one
 by one (row i in sequence slot i), then decodes them together N steps with logits
 (`forward`; a case named *device_sampling: NxDI's greedy on-device sampler, `run`). The
 report: {case: tokens per row, "padding": the answer's shape of a padding call per vision
 bucket}; OUT_DIR/CASE.npy holds the logits (float32 [rows, N + 1,
-vocab]; a device-sampling case: its tokens). A refusal gives {"refused": message}.
+vocab]; a device-sampling case: its tokens), OUT_DIR/embeddings-NAME.npy each plan
+image's embeddings from NxDBackend.encode_image. A refusal gives {"refused": message}.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.core.vision import padding_image
+from neuron_plugin.core.vision import ImageInputs, padding_image
 from neuron_plugin.serving.images import Images
 
 
@@ -131,6 +133,9 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
             for bucket in settings.vision_buckets
         },
     }
+    for name, image in plan.get("images", {}).items():
+        inputs = ImageInputs(np.load(image["pixels"]), np.asarray(image["grid"], dtype=np.int64))
+        np.save(out / f"embeddings-{name}.npy", backend.encode_image(inputs))
     for name, rows in plan["cases"].items():
         tokens, logits = run_case(backend, images, name, rows, plan["steps"], merge)
         np.save(out / f"{name}.npy", logits)

@@ -1,21 +1,23 @@
-"""Qwen3-VL and Qwen2-VL on the nxd backend: NxDI's image-to-text applications on real NxD
-Inference in its CPU mode (Qwen3-VL's as NxDI ships it; Qwen2-VL's with the plugin's own
-vision encoder, backends/nxd/families/qwen2_vl), driven by the plugin's NxDBackend and
+"""Qwen3-VL, Qwen2-VL and Qwen2.5-VL on the nxd backend: NxDI's image-to-text applications
+on real NxD Inference in its CPU mode (Qwen3-VL's as NxDI ships it; Qwen2-VL's with the
+plugin's own vision encoder, Qwen2.5-VL on it with the plugin's own tower,
+backends/nxd/families/qwen2_vl), driven by the plugin's NxDBackend and
 its host-side image path (nxdi_qwen_vl_probe.py: serving.images.Images,
 NxDBackend.encode_image, forward), against transformers' model of the architecture
 (this environment's, float32) on each tiny checkpoint of scripts/build_tiny_model.py
 (MODELS), with synthetic pixel_values in the processor's layout [patches, 3 * 2 * patch
-* patch]. Greedy tokens and every step's logits:
+* patch]. Each image's embeddings from the vision encoder alone against transformers'
+image features, then greedy tokens and every step's logits:
 - a text-only prompt;
 - one image (64 patches: the 64-patch vision bucket exactly);
 - two images of different sizes (the second, 96 patches, padded into the 256 bucket);
 - a prompt with an image that fills its 128-token context bucket exactly (patch
   vision-scatter-scratch-row: NxDI's padding would overwrite its last token);
-  (Qwen2-VL: every image case needs patch qwen2-vl-mrope, NxDI rotating image tokens
-  by 1-D positions without it);
 - batch 2 decoding together, one row with an image (its M-RoPE positions shifted by the
   image's delta) and one without; and the same with NxDI's on-device sampler (`run`,
   greedy: tokens only).
+The Qwen2-VL family's image cases need patch qwen2-vl-mrope (NxDI's text model rotates
+image tokens by 1-D positions without it).
 (What the backend refuses for it is checked without NxDI:
 tests/plugin/test_nxd_image_to_text.py.) Each case runs once per NxDI release listed
 (NEURON_TEST_NXDI_PYTHONS, see tests/e2e/conftest.py). NxD Inference is not on the
@@ -40,6 +42,7 @@ pytestmark = [pytest.mark.nxdi]
 MODELS = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", 3 * 2 * 16 * 16),
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", 3 * 2 * 14 * 14),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", 3 * 2 * 14 * 14),
 }
 STEPS = 6  # decode steps after the prefill's token
 MAX_MODEL_LEN = 256
@@ -103,16 +106,22 @@ def _image_run(config, grid) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cases(model, model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]:
-    """Each case's rows: the prompt and its images (placeholder offset, grid, pixels)."""
+def pixels(model, tmp_path_factory) -> dict[str, str]:
+    """Each grid's synthetic pixel_values, saved: grid name -> .npy path."""
     folder = tmp_path_factory.mktemp(f"{model}-pixels")
     rng = np.random.default_rng(0)
-    pixels = {}
+    found = {}
     for name, grid in GRIDS.items():
         path = folder / f"{name}.npy"
         values = rng.standard_normal((int(np.prod(grid)), MODELS[model][1]))
         np.save(path, values.astype(np.float32))
-        pixels[name] = str(path)
+        found[name] = str(path)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cases(model_dir, hf_model, pixels) -> dict[str, list[dict]]:
+    """Each case's rows: the prompt and its images (placeholder offset, grid, pixels)."""
     config = hf_model.config
 
     def row(parts: list) -> dict:
@@ -144,10 +153,17 @@ def cases(model, model_dir, hf_model, tmp_path_factory) -> dict[str, list[dict]]
 
 
 @pytest.fixture(scope="module")
-def probed(nxdi_python, model, model_dir, cases, tmp_path_factory):
+def probed(nxdi_python, model, model_dir, cases, pixels, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"nxdi-{model}")
     settings = _settings(MODELS[model][0])
-    plan = {"model": str(model_dir), "steps": STEPS, "settings": settings, "cases": cases}
+    images = {name: {"grid": list(GRIDS[name]), "pixels": pixels[name]} for name in GRIDS}
+    plan = {
+        "model": str(model_dir),
+        "steps": STEPS,
+        "settings": settings,
+        "cases": cases,
+        "images": images,
+    }
     (out / "plan.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
@@ -205,6 +221,27 @@ def test_greedy_tokens_and_logits_equal_transformers(probed, hf_model, cases, ca
             continue
         gap = float((torch.from_numpy(logits[index]) - expected).abs().max())
         assert gap < TOLERANCE, f"{case} row {index}: logits off by {gap}"
+
+
+@pytest.mark.parametrize("image", sorted(GRIDS))
+def test_the_vision_encoder_gives_transformers_image_embeddings(probed, hf_model, pixels, image):
+    """Each image through NxDBackend.encode_image (its vision bucket: 64 patches exactly,
+    96 padded into 256) against transformers' image features (get_image_features: the
+    merger's output per image; Qwen3-VL's DeepStack levels are checked through the
+    logits): the encoder alone, where the logits blur a defect (measured: Qwen2.5-VL's
+    tower without its windows put the logits 1.2e-4 off, its embeddings 1.7e-3)."""
+    _, out = probed
+    got = np.load(out / f"embeddings-{image}.npy")
+    hidden = hf_model.config.text_config.hidden_size
+    grid = torch.tensor([GRIDS[image]])
+    with torch.no_grad():
+        features = hf_model.model.get_image_features(
+            torch.from_numpy(np.load(pixels[image])), grid
+        )
+    expected = features.pooler_output[0]
+    assert got.shape == (expected.shape[0], got.shape[1]) and got.shape[1] >= hidden
+    gap = float((torch.from_numpy(got[:, :hidden]) - expected).abs().max())
+    assert gap < TOLERANCE, f"{image}: embeddings off by {gap}"
 
 
 def test_full_bucket_case_fills_its_bucket(cases):

@@ -220,8 +220,6 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
 
 
 @pytest.mark.parametrize(("architecture", "why", "fix"), [
-    ("Qwen2_5_VLForConditionalGeneration", "no Qwen2.5-VL vision tower",
-     "serve it with VLLM_NEURON_BACKEND=reference"),
     ("LlavaForConditionalGeneration", "does not implement it (to_cpu)",
      "serve it with VLLM_NEURON_BACKEND=reference"),
     ("MllamaForConditionalGeneration", "supported until vLLM 0.10.2",

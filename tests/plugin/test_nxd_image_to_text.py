@@ -29,6 +29,7 @@ from neuron_plugin.patches import NxDIModules, i2t_capture_hook, qwen2_vl_mrope,
 
 ARCH = "Qwen3VLForConditionalGeneration"
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
                       enable_prefix_caching=False, enable_chunked_prefill=False,
                       max_num_batched_tokens=256, dtype="float32", tp_degree=1,
@@ -117,8 +118,9 @@ def test_a_vision_model_decodes_with_logits_in_every_graph():
 def test_an_architecture_without_an_encoder_is_refused():
     assert image_to_text.encoder_for(ARCH) is qwen3_vl_vision.encode
     assert image_to_text.encoder_for(QWEN2_VL) is qwen2_vl_vision.encode
+    assert image_to_text.encoder_for(QWEN2_5_VL) is qwen2_vl_vision.encode
     with pytest.raises(NeuronConfigError, match="VLLM_NEURON_BACKEND=reference"):
-        image_to_text.encoder_for("Qwen2_5_VLForConditionalGeneration")
+        image_to_text.encoder_for("LlavaForConditionalGeneration")
 
 
 @pytest.mark.parametrize("release", nxdi_releases.CHECKED, ids=lambda r: r.release)
@@ -133,26 +135,31 @@ def test_qwen3_vl_is_served_on_every_checked_release(release, tiny_model):
     assert len(disabled) == 1 and "VLLM_NEURON_DISABLE_PATCHES" in disabled[0]
 
 
+@pytest.mark.parametrize(("architecture", "tiny", "cls"), [
+    (QWEN2_VL, "qwen2_vl", "NeuronQwen2VLForImageToText"),
+    (QWEN2_5_VL, "qwen2_5_vl", "NeuronQwen25VLForImageToText"),
+])
 @pytest.mark.parametrize("release", nxdi_releases.CHECKED, ids=lambda r: r.release)
-def test_qwen2_vl_is_served_by_the_plugins_class_on_every_checked_release(release, tiny_model):
-    assert describe_architecture(QWEN2_VL, [], release).endswith(
-        "families.qwen2_vl.modeling:NeuronQwen2VLForImageToText")
-    table = compat.support(QWEN2_VL, release)
+def test_the_qwen2_vl_family_is_served_by_the_plugins_classes(release, architecture, tiny,
+                                                                cls, tiny_model):
+    assert describe_architecture(architecture, [], release).endswith(
+        f"families.qwen2_vl.modeling:{cls}")
+    table = compat.support(architecture, release)
     assert table["contiguous"].startswith("equal") and table["block"].startswith("refused")
-    chosen = settings(architecture=QWEN2_VL)
-    config = json.loads((tiny_model("qwen2_vl") / "config.json").read_text())
+    chosen = settings(architecture=architecture)
+    config = json.loads((tiny_model(tiny) / "config.json").read_text())
     assert compat.problems(chosen, config, release.release, {}) == []
     disabled = compat.problems(chosen, config, release.release,
                                {qwen2_vl_mrope.NAME: "disabled"})
     assert len(disabled) == 1 and "qwen2-vl-mrope" in disabled[0]
     assert "M-RoPE" in disabled[0] and "VLLM_NEURON_DISABLE_PATCHES" in disabled[0]
-    with pytest.raises(NeuronConfigError, match=r"Qwen2\.5-VL vision tower"):
-        describe_architecture("Qwen2_5_VLForConditionalGeneration", [], release)
 
 
-def test_qwen2_vl_vision_encoder_settings_keep_the_masked_attention_off_the_kernel():
+@pytest.mark.parametrize("architecture", [QWEN2_VL, QWEN2_5_VL])
+def test_qwen2_vl_vision_encoder_settings_keep_the_masked_attention_off_the_kernel(
+        architecture):
     kwargs = image_to_text.vision_neuron_config_kwargs(
-        settings(architecture=QWEN2_VL), {"tp_degree": 2, "torch_dtype": torch.float32})
+        settings(architecture=architecture), {"tp_degree": 2, "torch_dtype": torch.float32})
     assert kwargs["buckets"] == [64, 256] and kwargs["seq_len"] == 256
     assert kwargs["fused_qkv"] is True and kwargs["attn_kernel_enabled"] is False
 
@@ -165,11 +172,11 @@ class VisionWrapper:
     Qwen2VLInferenceConfig holds it): a module answering each merge group's first
     patch's first value, and what it was called with."""
 
-    def __init__(self) -> None:
+    def __init__(self, **window_size: int) -> None:
         neuron_config = types.SimpleNamespace(torch_dtype=torch.float32)
         self.config = types.SimpleNamespace(vision_config=types.SimpleNamespace(
             in_channels=3, temporal_patch_size=2, patch_size=2, spatial_merge_size=2,
-            neuron_config=neuron_config))
+            neuron_config=neuron_config, **window_size))
         self.calls: list[tuple[torch.Tensor, ...]] = []
 
     def _forward(self, pixels, rotary_ids, groups):
@@ -191,8 +198,21 @@ def test_qwen2_vl_graph_inputs_pad_an_image_to_its_bucket():
     assert rotary_ids[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1],
                                        [0, 2], [0, 3], [1, 2], [1, 3]]
     assert groups[0].tolist() == [0] * 8 + [-1] * 8  # one frame, then padding
+    assert torch.equal(groups[1], groups[0])  # Qwen2-VL: no windows
     assert rows.shape == (2, 3) and rows.dtype == np.float32
     assert rows[:, 0].tolist() == [pixels[0, 0], pixels[4, 0]]
+
+
+def test_qwen2_5_vl_graph_inputs_give_each_patch_its_window():
+    """window_size 4 pixels with 2-pixel patches and 2 x 2 merges: one merge group a side
+    (transformers' vit_merger_window_size 4 // 2 // 2), so a 2 x 4 grid has two windows of
+    four patches each."""
+    wrapper = VisionWrapper(window_size=4)
+    pixels = np.ones((8, 24), dtype=np.float32)
+    qwen2_vl_vision.encode(wrapper, ImageInputs(pixels, np.array([1, 2, 4])), 8)
+    _, _, groups = wrapper.calls[0]
+    assert groups[0].tolist() == [0] * 8
+    assert groups[1].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_a_padding_image_runs_its_bucket_and_answers_no_rows():

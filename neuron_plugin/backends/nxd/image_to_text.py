@@ -37,17 +37,20 @@ Encoder = Callable[[Any, ImageInputs, int], np.ndarray]
 ENCODERS: dict[str, Encoder] = {
     "Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode,
     "Qwen2VLForConditionalGeneration": qwen2_vl_vision.encode,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_vl_vision.encode,
 }
 # The vision NeuronConfig keys an architecture's NxDI weights need: the Qwen3-VL and
-# Qwen2-VL converters always write the vision attention's fused qkv
+# Qwen2-VL converters (Qwen2.5-VL's too) always write the vision attention's fused qkv
 # (modeling_qwen3_vl_vision.py / modeling_qwen2_vl_vision.py
-# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`). Qwen2-VL's
-# encoder of the plugin's own passes its attention a mask, which NxDI's flash-attention
-# kernel would take for a causal one (attention_base.py perform_prefill, chosen by
-# default from 4096 patches on): the kernel is off.
+# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`). The Qwen2-VL
+# family's encoders of the plugin's own pass their attention a mask, which NxDI's
+# flash-attention kernel would take for a causal one (attention_base.py perform_prefill,
+# chosen by default from 4096 patches on): the kernel is off.
+_QWEN2_VL_VISION = {"fused_qkv": True, "attn_kernel_enabled": False}
 VISION_KEYS: dict[str, dict[str, Any]] = {
     "Qwen3VLForConditionalGeneration": {"fused_qkv": True},
-    "Qwen2VLForConditionalGeneration": {"fused_qkv": True, "attn_kernel_enabled": False},
+    "Qwen2VLForConditionalGeneration": _QWEN2_VL_VISION,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_VISION,
 }
 
 

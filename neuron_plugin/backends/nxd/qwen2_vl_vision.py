@@ -1,10 +1,11 @@
-"""Qwen2-VL's vision encoder on the nxd backend: one image through the graph of its plugin
-vision bucket of the plugin's own encoder (families/qwen2_vl/modeling.py
-NeuronQwen2VLAnyGridVision), with the grid-dependent inputs the host computes as the
-reference backend's vision graph takes them (backends/reference/patch_layout.py
-patch_inputs): the patches padded with zero rows, each patch's (row, column) for the
-2-D rotary, its frame and window (-1: padding). The answer is the plugin's embedding
-layout (core.vision): [patches / merge**2, text hidden] float32.
+"""The Qwen2-VL and Qwen2.5-VL vision encoders on the nxd backend: one image through the
+graph of its plugin vision bucket of the plugin's own encoder (families/qwen2_vl/
+modeling.py), with the grid-dependent inputs the host computes as the reference
+backend's vision graph takes them (backends/reference/patch_layout.py patch_inputs): the
+patches padded with zero rows, each patch's (row, column) for the 2-D rotary, its frame
+and its window (Qwen2.5-VL: `window_size` pixels a side, in merge groups as transformers'
+vit_merger_window_size; Qwen2-VL: its frame again), -1 for padding. The answer is the
+plugin's embedding layout (core.vision): [patches / merge**2, text hidden] float32.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def graph_inputs(wrapper: Any, image: ImageInputs, bucket: int) -> tuple[torch.T
     patches = image.patches
     if patches:
         pixels[:patches] = torch.from_numpy(np.asarray(image.pixel_values, dtype=np.float32))
-    rotary_ids, groups = patch_inputs(
-        np.asarray(image.grid_thw), int(vision.spatial_merge_size), bucket
-    )
+    merge = int(vision.spatial_merge_size)
+    window = int(getattr(vision, "window_size", 0)) // merge // int(vision.patch_size)
+    rotary_ids, groups = patch_inputs(np.asarray(image.grid_thw), merge, bucket, window)
     return (
         pixels,
         torch.from_numpy(rotary_ids.astype(np.int32)),
