@@ -114,11 +114,16 @@ _QWEN3_5_MOE_NXD = Refused(
     "NxDI has no Qwen3.5 in any release, and the plugin's own class serves only the dense "
     "model (its MoE block is not built yet)"
 )
-_NO_MROPE = (
-    "measured on NxDI 0.8 and 0.9, its text model rotates image tokens by their 1-D "
-    "position instead of Qwen2-VL's M-RoPE (NeuronQwen2VLRotaryEmbedding), so prompts "
-    "with an image differ from transformers; a prompt that fills its context bucket comes "
-    "out wrong; and on 0.8 every forward raises TypeError (tensor_capture_hook)"
+# NxDI's Qwen2-VL application (text model with patch qwen2-vl-mrope) around a vision
+# encoder of the plugin's own that takes any grid (backends/nxd/families/qwen2_vl),
+# measured equal on both releases
+_QWEN2_VL_NXD = PluginClass(
+    "neuron_plugin.backends.nxd.families.qwen2_vl.modeling:NeuronQwen2VLForImageToText"
+)
+# NxDI has no Qwen2.5-VL vision tower in any release: the same application with a tower of
+# the plugin's own (window attention, RMSNorm, gated MLP), measured equal on both
+_QWEN2_5_VL_NXD = PluginClass(
+    "neuron_plugin.backends.nxd.families.qwen2_vl.modeling:NeuronQwen25VLForImageToText"
 )
 
 ROWS: tuple[ModelRow, ...] = (
@@ -244,17 +249,22 @@ ROWS: tuple[ModelRow, ...] = (
         "Qwen2VLForConditionalGeneration",
         "Qwen2-VL",
         "qwen2_vl",
-        _every_release(Refused(_NO_MROPE)),
+        _every_release(_QWEN2_VL_NXD),
         vision=True,
         tiny=("qwen2_vl", "qwen2_vl_tf5"),
+        note="NxDI's image-to-text application with the plugin's own vision encoder "
+        "(contiguous layout, no prefix caching, chunked prefill, speculation or LoRA)",
     ),
     ModelRow(
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen2.5-VL",
         "qwen2_vl",
-        _every_release(Refused(_NO_MROPE)),
+        _every_release(_QWEN2_5_VL_NXD),
         vision=True,
         tiny=("qwen2_5_vl",),
+        note="NxDI's Qwen2-VL image-to-text application with the plugin's own Qwen2.5-VL "
+        "vision tower (contiguous layout, no prefix caching, chunked prefill, speculation "
+        "or LoRA)",
     ),
     ModelRow(
         "Qwen3VLForConditionalGeneration",

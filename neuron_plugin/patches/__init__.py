@@ -25,6 +25,7 @@ from neuron_plugin.patches import (
     llama4_rope,
     prefix_lens,
     prefix_prefill_mask,
+    qwen2_vl_mrope,
     sampler_top_p,
     vision_scatter,
 )
@@ -44,6 +45,7 @@ PATCHES: tuple[Patch, ...] = (
     i2t_capture_hook.PATCH,
     vision_scatter.PATCH,
     llama4_rope.PATCH,
+    qwen2_vl_mrope.PATCH,
 )
 
 __all__ = [

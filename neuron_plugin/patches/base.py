@@ -26,7 +26,8 @@ class NxDIModules:
     # neuronx_distributed_inference.models.image_to_text_model_base (None: not shipped)
     image_to_text_model_base: ModuleType | None = None
     # The image-to-text text models the release ships (backends.nxd.nxdi
-    # VISION_TEXT_MODULES: Qwen3-VL's, Pixtral's), which look up the embedding merge
+    # VISION_TEXT_MODULES), whose merge function (and Qwen2-VL's and Llama 4's
+    # rotary embeddings) the patches replace
     vision_text: tuple[ModuleType, ...] = ()
 
 

@@ -14,7 +14,8 @@ free to take the padding, so the fix scatters into the target with one scratch r
 appended and drops that row: the plugin pads positions with L (backends/nxd
 /vision_arguments.py), and NxDI's own L - 1 padding behaves as before. The replacement
 is the module global each text model looks up (Qwen3-VL:
-qwen3_vl/modeling_qwen3_vl_text.py, Pixtral: pixtral/modeling_pixtral.py, Llama 4:
+qwen3_vl/modeling_qwen3_vl_text.py, Qwen2-VL and Qwen2.5-VL:
+qwen2_vl/modeling_qwen2_vl_text.py, Pixtral: pixtral/modeling_pixtral.py, Llama 4:
 llama4/modeling_llama4_text.py, each `from ...encoder_utils import
 scatter_by_index_put`), so it is traced into the context-encoding graphs; their input
 shapes do not change.
@@ -36,6 +37,8 @@ ARCHITECTURES = frozenset(
         "Qwen3VLForConditionalGeneration",
         "LlavaForConditionalGeneration",
         "Llama4ForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
     }
 )
 

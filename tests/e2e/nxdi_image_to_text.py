@@ -1,4 +1,4 @@
-"""What the image-to-text tests on real NxDI share (test_nxdi_qwen3_vl.py,
+"""What the image-to-text tests on real NxDI share (test_nxdi_qwen_vl.py,
 test_nxdi_pixtral.py, test_nxdi_llama4_served.py): the backend's settings, one run of
 nxdi_image_to_text_probe.py per release over a model's cases, transformers' greedy
 answer, and the comparison of the two. Each case is a list of rows (prompt and images);
@@ -56,10 +56,22 @@ def nxd_settings(
 
 
 def run_probe(
-    nxdi_python: str, model_dir: Path, settings: dict, cases: dict, out: Path
+    nxdi_python: str,
+    model_dir: Path,
+    settings: dict,
+    cases: dict,
+    out: Path,
+    images: dict | None = None,
 ) -> tuple[dict[str, Any], Path]:
-    """The probe's report (and its folder, the logits per case) for `cases`."""
-    plan = {"model": str(model_dir), "steps": STEPS, "settings": settings, "cases": cases}
+    """The probe's report (and its folder: the logits per case, the embeddings of each
+    of `images` encoded alone) for `cases`."""
+    plan = {
+        "model": str(model_dir),
+        "steps": STEPS,
+        "settings": settings,
+        "cases": cases,
+        "images": images or {},
+    }
     (out / "plan.json").write_text(json.dumps(plan))
     env = {
         **os.environ,

@@ -1,21 +1,23 @@
 """Run under an interpreter with NxD Inference (its CPU mode): a vision-language tiny
-checkpoint (Qwen3-VL's, Pixtral's)
+checkpoint (Qwen3-VL's, Qwen2-VL's, Qwen2.5-VL's, Pixtral's, Llama 4's)
 through the plugin's NxDBackend and its host-side image path (serving.images.Images:
 encoder runs through NxDBackend.encode_image, placeholders, M-RoPE positions, decode
-deltas), in the cases test_nxdi_qwen3_vl.py and test_nxdi_pixtral.py compare with transformers; prints one JSON
-object.
+deltas), in the cases the image-to-text tests compare with transformers (tests/e2e
+/nxdi_image_to_text.py); prints one JSON object.
 
     python nxdi_image_to_text_probe.py PLAN_JSON OUT_DIR
 
-PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]}}, a
-row {"prompt": [...], "images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]} (a
-Pixtral image: "is_embed" [...] instead of "grid", pixels [C, H, W])
+PLAN: {"model": dir, "settings": SETTINGS, "steps": N, "cases": {name: [row, ...]},
+"images": {name: {"grid": [t, h, w], "pixels": npy}} (optional)}, a row {"prompt": [...],
+"images": [{"offset": o, "grid": [t, h, w], "pixels": npy}]} (a Pixtral or Llama 4
+image: "is_embed" [...] instead of "grid", pixels [C, H, W] or its tiles)
 (settings resolved by the test: this side has no vLLM). Each case prefills its rows one
 by one (row i in sequence slot i), then decodes them together N steps with logits
 (`forward`; a case named *device_sampling: NxDI's greedy on-device sampler, `run`). The
 report: {case: tokens per row, "padding": the answer's shape of a padding call per vision
 bucket}; OUT_DIR/CASE.npy holds the logits (float32 [rows, N + 1,
-vocab]; a device-sampling case: its tokens). A refusal gives {"refused": message}.
+vocab]; a device-sampling case: its tokens), OUT_DIR/embeddings-NAME.npy each plan
+image's embeddings from NxDBackend.encode_image. A refusal gives {"refused": message}.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from neuron_plugin.core.checkpoint import read_hf_config
 from neuron_plugin.core.inputs import context_encoding_inputs, token_generation_inputs
 from neuron_plugin.core.sampling import SamplingInputs
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
-from neuron_plugin.core.vision import padding_image
+from neuron_plugin.core.vision import ImageInputs, padding_image
 from neuron_plugin.serving.images import Images
 
 
@@ -143,6 +145,9 @@ def main(plan: dict[str, Any], out: Path) -> dict[str, Any]:
             for bucket in settings.vision_buckets
         },
     }
+    for name, image in plan.get("images", {}).items():
+        inputs = ImageInputs(np.load(image["pixels"]), np.asarray(image["grid"], dtype=np.int64))
+        np.save(out / f"embeddings-{name}.npy", backend.encode_image(inputs))
     for name, rows in plan["cases"].items():
         tokens, logits = run_case(backend, images, name, rows, plan["steps"], merge)
         np.save(out / f"{name}.npy", logits)

@@ -144,6 +144,9 @@ def flat(outputs: Any) -> list:
     return [leaf for output in outputs for leaf in flat(output)]
 
 
+VISION_ENCODER = "vision_encoder_model"  # NxDI's model_wrapper.VISION_ENCODER_MODEL_TAG
+
+
 def submodels(backend: NxDBackend) -> list[Any]:
     """Every wrapper whose graphs the backend compiles: the application's `models` and,
     for an image-to-text application, its vision encoder's."""
@@ -152,9 +155,9 @@ def submodels(backend: NxDBackend) -> list[Any]:
 
 def buckets_of(wrapper: Any) -> list:
     """A wrapper's buckets: a vision encoder's are its vision config's (its wrapper's
-    neuron_config is the application's text copy)."""
-    vision = getattr(wrapper, "vision_config", None)
-    return list((vision or wrapper.config).neuron_config.buckets)
+    config is the application's, whose neuron_config is the text one)."""
+    config = wrapper.config.vision_config if wrapper.tag == VISION_ENCODER else wrapper.config
+    return list(config.neuron_config.buckets)
 
 
 def rebuild_on_device(module: torch.nn.Module, device: Any) -> None:

@@ -4,7 +4,9 @@ release, tests/plugin/test_patches.py), and the fixes whose code runs outside a 
 work on NxDI's own code: a context as long as a bucket takes that bucket, and the
 on-device nucleus is vLLM's (vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p, the
 oracle); a Qwen3-VL image-padding position past the target lands in the scratch row;
-NxDI 0.8's image-to-text forward finds its tensor_capture_hook. prefix-prefill-mask and
+NxDI 0.8's image-to-text forward finds its tensor_capture_hook; Qwen2-VL's rotary
+embedding gives each M-RoPE section its own position row, and its text wrapper traces
+them. prefix-prefill-mask and
 cpu-captured-offset are proven through the backend
 (test_nxdi_architectures.py: every prefix-cache hit; every CPU forward on 0.8), the
 gemma3 patches by Gemma3 on each release (0.8's module, which it ships unlisted, has
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGITS = [math.log(p) for p in (0.35, 0.25, 0.2, 0.12, 0.05, 0.03)]
 TOP_PS = [0.5, 0.7, 0.8, 0.9, 0.95]
 EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask",
-                 "sampler-top-p", "vision-scatter-scratch-row"}
+                 "sampler-top-p", "vision-scatter-scratch-row", "qwen2-vl-mrope"}
 GEMMA3 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
 GEMMA3_0_8 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-scale",
               "gemma3-cpu-norm"}
@@ -61,6 +63,9 @@ def test_patches_on_real_nxdi(nxdi_python):
     # the padding entry lands in the scratch row, position 1 keeps its zeros
     assert report["scattered"] == [[[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]]
     assert report["capture_hook_resolves"]
+    # section i rotated by position row i: the angles of row i's positions
+    assert report["mrope_sections_equal_one_row_each"] == [True, True, True]
+    assert report["traced_rotary_shapes"] == [[3, 1, 4], [3, 1, 8], [3, 2, 1]]
     logits = torch.tensor(LOGITS)
     for top_p, nucleus in zip(TOP_PS, report["nuclei"], strict=True):
         expected = torch.softmax(apply_top_k_top_p(logits[None, :].clone(), None,

@@ -1,5 +1,7 @@
-"""Why the nxd backend refuses the Qwen2-VL family: NxDI's own NeuronQwen2VLForCausalLM
-on real NxD Inference in its CPU mode (nxdi_vision_probe.py), against transformers'
+"""What NxDI's own Qwen2-VL gets wrong as shipped, the evidence for the plugin's patches
+and its own vision encoder (backends/nxd/families/qwen2_vl; served, equal to
+transformers: test_nxdi_qwen_vl.py): NxDI's NeuronQwen2VLForCausalLM, without the
+plugin, on real NxD Inference in its CPU mode (nxdi_vision_probe.py), against transformers'
 Qwen2VLForConditionalGeneration (this environment's, float32) on the tiny checkpoint
 of scripts/build_tiny_model.py, with synthetic pixel_values in the processor's layout
 [patches, 3 * 2 * 14 * 14] (no processor: transformers 5 builds Qwen2-VL's only with
@@ -18,10 +20,9 @@ torchvision). Each test pins one finding on each NxDI release listed
 The image is 640x320 after resizing: NxDI 0.8's fixed size (its vision buckets are
 images per call at one image size), given to 0.9 as default_image_width/height.
 
-A failure of a "differs" or "raises" test means NxDI fixed it: lift the refusal
-(neuron_plugin/models/table.py, its Refused rows) for that release, and add
-what the plugin then needs to drive the model (the patch for what is still wrong, the
-vision-encoder driver), with these tests turned into parity tests.
+A failure of a "differs" or "raises" test means NxDI fixed it: the patch's probe
+(neuron_plugin/patches: qwen2-vl-mrope, vision-scatter-scratch-row, i2t-capture-hook)
+then finds no defect on that release, which test_nxdi_patches.py pins.
 NxD Inference is not on the package index: without an interpreter these tests skip."""
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ computes what the eager forward computes.
 Models: every architecture of the table (neuron_plugin/models/table.py) the nxd backend
 maps, on its first tiny checkpoint (the same ones test_nxdi_architectures.py serves);
 one the table refuses on a release is skipped with the table's reason, a layout the
-backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL, Pixtral, Llama 4) runs
-its VISION_CASES: its text graphs take image inputs (the patched image merge traced with
+backend refuses (compat.py) with its message. A vision-language model (Qwen3-VL, Qwen2-VL,
+Qwen2.5-VL, Pixtral, Llama 4) runs its VISION_CASES: its text graphs take image inputs
+(the patched image merge traced with
 served positions and embeddings) and its vision encoder's graphs are replayed too. A class of the plugin's own (a
 `PluginClass` row) comes in with its row; a model folder outside the table is one entry
 of EXTRA_MODELS. Each model runs one probe process per NxDI release

@@ -219,27 +219,21 @@ def test_unsupported_architecture_names_the_entry_point_group(release):
     assert "VLLM_NEURON_BACKEND=reference" in str(info.value)
 
 
-@pytest.mark.parametrize(("architecture", "why", "fix"), [
-    ("Qwen2VLForConditionalGeneration", "instead of Qwen2-VL's M-RoPE",
-     "serve it with VLLM_NEURON_BACKEND=reference"),
-    ("MllamaForConditionalGeneration", "supported until vLLM 0.10.2",
-     "the reference backend does not serve it either"),
-])
-def test_vision_language_architectures_are_refused_by_name(release, architecture, why, fix):
-    """NxDI lists them (MODEL_TYPES qwen2_vl ... with an image-encoding application);
-    the nxd backend refuses each before any work with what real NxDI showed
-    (test_nxdi_vision.py), and explain-config
-    (describe_architecture) says the same."""
+def test_llama_vision_is_refused_by_name(release):
+    """NxDI lists mllama (MODEL_TYPES, with an image-encoding application), but vLLM
+    serves it no more: the nxd backend refuses it before any work with vLLM's registry
+    entry, and explain-config (describe_architecture) says the same."""
     from neuronx_distributed_inference.utils.constants import MODEL_TYPES
 
+    architecture = "MllamaForConditionalGeneration"
     for call in (lambda: resolve_model_class(architecture, MODEL_TYPES, []),
                  lambda: describe_architecture(architecture, [], NXDI_0_9)):
         with pytest.raises(NeuronConfigError) as info:
             call()
         message = str(info.value)
         assert f"{architecture!r} is a vision-language model" in message
-        assert why in message
-        assert fix in message
+        assert "supported until vLLM 0.10.2" in message
+        assert "the reference backend does not serve it either" in message
 
 
 def test_entry_point_registered_contrib_model(release, monkeypatch, tmp_path):

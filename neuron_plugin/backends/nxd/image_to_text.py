@@ -27,8 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from neuron_plugin.backends.nxd import llama4_vision, pixtral_vision, qwen3_vl_vision
-from neuron_plugin.backends.nxd.families import NxDFamily, Problems, Text
+from neuron_plugin.backends.nxd import (
+    llama4_vision,
+    pixtral_vision,
+    qwen2_vl_vision,
+    qwen3_vl_vision,
+)
+from neuron_plugin.backends.nxd.families import NxDFamily, Problems, missing_patches
 from neuron_plugin.backends.nxd.support import EQUAL, QUANTIZED, REFUSED, Support, by_release
 from neuron_plugin.core.settings import NeuronConfigError, NeuronSettings
 from neuron_plugin.core.vision import ImageInputs, VisionGeometry
@@ -39,13 +44,24 @@ from neuron_plugin.patches import i2t_capture_hook, vision_scatter
 Encoder = Callable[[Any, ImageInputs, int], np.ndarray]
 ENCODERS: dict[str, Encoder] = {
     "Qwen3VLForConditionalGeneration": qwen3_vl_vision.encode,
+    "Qwen2VLForConditionalGeneration": qwen2_vl_vision.encode,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_vl_vision.encode,
     "LlavaForConditionalGeneration": pixtral_vision.encode,
     "Llama4ForConditionalGeneration": llama4_vision.encode,
 }
-# The vision NeuronConfig keys an architecture's NxDI weights need: Qwen3-VL's converter
-# always writes the vision attention's fused qkv (qwen3_vl/modeling_qwen3_vl_vision.py
-# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`).
-VISION_KEYS: dict[str, dict[str, Any]] = {"Qwen3VLForConditionalGeneration": {"fused_qkv": True}}
+# The vision NeuronConfig keys an architecture's NxDI weights need: the Qwen3-VL and
+# Qwen2-VL converters (Qwen2.5-VL's too) always write the vision attention's fused qkv
+# (modeling_qwen3_vl_vision.py / modeling_qwen2_vl_vision.py
+# convert_hf_to_neuron_state_dict: `.attn.qkv.` -> `.attn.qkv_proj.Wqkv.`). The Qwen2-VL
+# family's encoders of the plugin's own pass their attention a mask, which NxDI's
+# flash-attention kernel would take for a causal one (attention_base.py perform_prefill,
+# chosen by default from 4096 patches on): the kernel is off.
+_QWEN2_VL_VISION = {"fused_qkv": True, "attn_kernel_enabled": False}
+VISION_KEYS: dict[str, dict[str, Any]] = {
+    "Qwen3VLForConditionalGeneration": {"fused_qkv": True},
+    "Qwen2VLForConditionalGeneration": _QWEN2_VL_VISION,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_VISION,
+}
 # Patches per unit of NxDI's vision buckets where they are not patches (the plugin's
 # unit): Llama 4 buckets its vision encoder by tiles (Llama4VisionModelWrapper).
 BUCKET_UNITS: dict[str, Callable[[Mapping[str, Any]], int]] = {
@@ -214,52 +230,49 @@ def encoder_for(architecture: str) -> Encoder:
 # image positions with vision-scatter-scratch-row's scratch row, and NxDI 0.8's forward
 # raises NameError without i2t-capture-hook.
 PATCHES = (vision_scatter.NAME, i2t_capture_hook.NAME)
+WITHOUT_PATCHES = (
+    "NxDI's image merge would overwrite a full context bucket's last token, and NxDI 0.8's "
+    "image-to-text forward raises NameError"
+)
 
 
 def family(
     model: str,
-    config_class: str,
+    no_blocks: str,
     images: str,
     patches: tuple[str, ...] = (),
+    without: str = "",
     more_problems: Problems | None = None,
 ) -> NxDFamily:
     """The nxd family of a model NxDI serves as an image-to-text application (its
     families/ module's FAMILY): equal to transformers in the contiguous layout with
-    `images`, on 0.8 and 0.9; the block layout refused (NxDI's `config_class` raises),
-    and so are LoRA and speculation (`refuse_unsupported`). `patches`: the model's own
-    patches beside PATCHES, each needed too; `more_problems`: what else it refuses."""
-    no_blocks = Support(
-        REFUSED, f"NxDI's {model} takes the contiguous KV layout only ({config_class} raises)"
-    )
+    `images`, on 0.8 and 0.9; the block layout refused (`no_blocks`: why), and so are
+    LoRA and speculation (`refuse_unsupported`). `patches`: the model's own patches
+    beside PATCHES, each needed too (`without`: what goes wrong without them);
+    `more_problems`: what else it refuses."""
+    refused = Support(REFUSED, f"NxDI's {model} takes the contiguous KV layout only ({no_blocks})")
     table = {
         "contiguous": Support(EQUAL, f"text and images ({images})"),
-        "block": no_blocks,
-        "prefix_hit": no_blocks,
+        "block": refused,
+        "prefix_hit": refused,
         "on_device_sampling": Support(EQUAL),
         "speculation": Support(REFUSED, "NxDI's image-to-text application has no speculation"),
         "lora": Support(REFUSED, "NxDI's image-to-text forward passes no adapter ids"),
         "quantization": QUANTIZED,
     }
-    needed = (*PATCHES, *patches)
+    consequence = f"{without}; {WITHOUT_PATCHES}" if without else WITHOUT_PATCHES
+    missing = missing_patches((*patches, *PATCHES), consequence)
 
     def problems(
         settings: NeuronSettings,
         hf_config: Mapping[str, Any],
-        text: Text,
+        text: Mapping[str, Any],
         release: str,
         patch_status: Mapping[str, str],
     ) -> list[str]:
-        found = []
+        found = missing(settings, hf_config, text, release, patch_status)
         if more_problems is not None:
-            found = more_problems(settings, hf_config, text, release, patch_status)
-        disabled = [p for p in needed if patch_status.get(p) == "disabled"]
-        if disabled:
-            found.append(
-                f"{settings.architecture} on {release} without the plugin's patches "
-                f"{', '.join(disabled)} (VLLM_NEURON_DISABLE_PATCHES): what they fix "
-                f"(docs/serving/nxdi-patches.md) would come out wrong or raise; remove "
-                f"them from VLLM_NEURON_DISABLE_PATCHES."
-            )
+            found += more_problems(settings, hf_config, text, release, patch_status)
         return found
 
     return NxDFamily(support=by_release(table, table), problems=problems)

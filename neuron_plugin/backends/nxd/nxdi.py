@@ -131,9 +131,11 @@ def _image_to_text_module() -> ModuleType | None:
 
 # NxDI's image-to-text text models (under neuronx_distributed_inference.models), each
 # shipped from 0.8: the vision-scatter patch replaces the merge function they look up,
-# llama4-rope-temperature Llama 4's rotary embedding.
+# qwen2-vl-mrope Qwen2-VL's rotary embedding and text wrapper, llama4-rope-temperature
+# Llama 4's rotary embedding.
 VISION_TEXT_MODULES = (
     "qwen3_vl.modeling_qwen3_vl_text",
+    "qwen2_vl.modeling_qwen2_vl_text",
     "pixtral.modeling_pixtral",
     "llama4.modeling_llama4_text",
 )

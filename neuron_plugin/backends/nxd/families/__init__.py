@@ -60,3 +60,26 @@ class NxDFamily:
 def family(module: ModuleType) -> NxDFamily:
     found: NxDFamily = module.FAMILY
     return found
+
+
+def missing_patches(patches: tuple[str, ...], consequence: str) -> Problems:
+    """The refusal of a family NxDI cannot serve without the plugin's `patches`: one
+    switched off (VLLM_NEURON_DISABLE_PATCHES) would bring `consequence`."""
+
+    def problems(
+        settings: NeuronSettings,
+        hf_config: Mapping[str, Any],
+        text: Text,
+        release: str,
+        patch_status: Mapping[str, str],
+    ) -> list[str]:
+        disabled = [p for p in patches if patch_status.get(p) == "disabled"]
+        if not disabled:
+            return []
+        return [
+            f"{settings.architecture} on {release} without the plugin's patches "
+            f"{', '.join(disabled)} (VLLM_NEURON_DISABLE_PATCHES): {consequence}; remove "
+            f"them from VLLM_NEURON_DISABLE_PATCHES."
+        ]
+
+    return problems

@@ -54,8 +54,9 @@ def problems(
 
 FAMILY = image_to_text.family(
     "Llama 4",
-    "Llama4InferenceConfig",
+    "Llama4InferenceConfig raises",
     "one or more per prompt, in tiles",
     patches=(llama4_rope.NAME,),
+    without="NxDI's Llama 4 would ignore the checkpoint's RoPE scaling and temperature tuning",
     more_problems=problems,
 )

@@ -9,5 +9,5 @@ from __future__ import annotations
 from neuron_plugin.backends.nxd import image_to_text
 
 FAMILY = image_to_text.family(
-    "Pixtral", "PixtralInferenceConfig", "one or more per prompt, up to image_size a side"
+    "Pixtral", "PixtralInferenceConfig raises", "one or more per prompt, up to image_size a side"
 )

@@ -1,5 +1,6 @@
 """The gated MLP, down(act(gate(x)) * up(x)), on NxD's column/row parallel layers: the
-dense MLP of the plugin's own NxDI classes (families/gemma4, families/qwen3_5)."""
+dense MLP of the plugin's own NxDI classes (families/gemma4, families/qwen3_5), and
+Qwen2.5-VL's vision MLP (families/qwen2_vl, with biases)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ class GatedMLP(nn.Module):
         hidden: int,
         width: int,
         act: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool = False,
     ):
         super().__init__()
         dtype, group = config.neuron_config.torch_dtype, get_tp_group(config)
-        common = {"bias": False, "dtype": dtype, "pad": True, "tensor_model_parallel_group": group}
+        common = {"bias": bias, "dtype": dtype, "pad": True, "tensor_model_parallel_group": group}
         self.gate_proj = ColumnParallelLinear(hidden, width, gather_output=False, **common)
         self.up_proj = ColumnParallelLinear(hidden, width, gather_output=False, **common)
         self.down_proj = RowParallelLinear(width, hidden, input_is_parallel=True, **common)
