@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGITS = [math.log(p) for p in (0.35, 0.25, 0.2, 0.12, 0.05, 0.03)]
 TOP_PS = [0.5, 0.7, 0.8, 0.9, 0.95]
 EVERY_RELEASE = {"adapter-prefix-lens", "cte-exact-bucket", "prefix-prefill-mask",
-                 "sampler-top-p", "vision-scatter-scratch-row", "qwen2-vl-mrope"}
+                 "sampler-top-p", "vision-scatter-scratch-row", "qwen2-vl-mrope",
+                 "llama4-rope-temperature"}
 GEMMA3 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-norms"}
 GEMMA3_0_8 = {"gemma3-config", "gemma3-rope", "gemma3-window", "gemma3-scale",
               "gemma3-cpu-norm"}
