@@ -23,7 +23,8 @@ LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
 MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
           "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
-          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"]
+          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+          "Qwen3_5MoeForConditionalGeneration"]
 APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
@@ -89,7 +90,7 @@ def test_what_differs_between_checked_releases():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
                                   "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
                                   "mistral_wide", "mistral_small", "gemma4", "gemma4_moe",
-                                  "gemma4_mm", "qwen3_5", "qwen3_5_mm"])
+                                  "gemma4_mm", "qwen3_5", "qwen3_5_moe", "qwen3_5_mm"])
 def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch)) == []
 
@@ -431,20 +432,18 @@ def test_host_sampling_is_refused_where_nxdi_masks_real_tokens(tiny_model):
 
 
 # -- Qwen3.5: the plugin's own class (dense text) -------------------------------------------
-def test_qwen3_5_dense_is_the_plugins_own_class_on_both_releases_moe_is_refused():
-    from neuron_plugin.models.table import TABLE, PluginClass, Refused
+def test_qwen3_5_is_the_plugins_own_class_on_both_releases():
+    from neuron_plugin.models.table import TABLE, PluginClass
 
     for release in nxdi_releases.CHECKED:
-        for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
             assert TABLE[name].nxd[release.release] == PluginClass(qwen3_5.CLASS)
             table = compat.support(name, release)
             assert all(table[f].startswith(support.EQUAL) for f in
                        ("contiguous", "on_device_sampling"))
             assert all(table[f].startswith("refused: ") for f in
                        ("block", "prefix_hit", "speculation", "lora", "quantization"))
-        for name in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
-            source = TABLE[name].nxd[release.release]
-            assert isinstance(source, Refused) and "only the dense model" in source.reason
 
 
 @pytest.mark.parametrize("limits, wanted", [
@@ -468,7 +467,6 @@ def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, t
 
 
 @pytest.mark.parametrize("changes, wanted", [
-    ({"num_experts": 4}, "it has MoE layers (num_experts)"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"layer_types": ["linear_attention", "sliding_attention"] * 3},
      "layer_types ['sliding_attention'] are not Qwen3.5's"),

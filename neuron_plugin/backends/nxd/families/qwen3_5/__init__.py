@@ -1,6 +1,7 @@
-"""Qwen3.5 (dense text) on the nxd backend: a class of the plugin's own on NxDI's base
-classes (`modeling.NeuronQwen35ForCausalLM`; NxDI has no Qwen3.5 in any release) for
-Qwen3_5ForCausalLM. This module imports no NxDI (compat reads it in vLLM's environment):
+"""Qwen3.5 (text, dense and MoE) on the nxd backend: a class of the plugin's own on NxDI's
+base classes (`modeling.NeuronQwen35ForCausalLM`; NxDI has no Qwen3.5 in any release) for
+Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and the language model of their multimodal
+checkpoints. This module imports no NxDI (compat reads it in vLLM's environment):
 what the class serves per release and feature, what it refuses before anything compiles,
 and the config attribute the backend sets for it (`adjustments`: max_model_len, the
 position of the decode pad rows that must leave the state as it is).
@@ -63,7 +64,6 @@ UNSUPPORTED_DEGREES: Mapping[str, str] = {
     "ep_degree": "expert parallelism",
     "pp_degree": "pipeline parallelism",
 }
-_CONFIG_KEYS = ("num_experts", "mlp_only_layers")  # an MoE config: the class is dense
 
 
 def config_problems(text: Text) -> list[str]:
@@ -74,8 +74,6 @@ def config_problems(text: Text) -> list[str]:
     unknown = sorted(set(layer_types(text)) - {LINEAR_ATTENTION, FULL_ATTENTION})
     if unknown:
         found.append(f"layer_types {unknown} are not Qwen3.5's")
-    if any(text.get(key) for key in _CONFIG_KEYS):
-        found.append("it has MoE layers (num_experts); the class has only the dense MLP")
     if text.get("attention_bias"):
         found.append("attention_bias=true; the class's attention projections have no bias")
     return found

@@ -1,9 +1,10 @@
-"""Qwen3.5's dense text model as a class of the plugin's own on NxD Inference's base
-classes: `NeuronQwen35ForCausalLM` (NeuronBaseForCausalLM), its `NeuronQwen35TextModel`
+"""Qwen3.5's text model, dense and MoE, as a class of the plugin's own on NxD Inference's
+base classes: `NeuronQwen35ForCausalLM` (NeuronBaseForCausalLM), its `NeuronQwen35TextModel`
 (NeuronBaseModel: NxDI's forward, sampler, KV cache manager and buckets), the gated
 attention on `NeuronAttentionBase` (NxDI's GQA projections) and the gated DeltaNet layers
 on plain torch. Written from transformers 5.19's `modeling_qwen3_5.py` (Qwen3_5Attention,
-Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm, Qwen3_5DecoderLayer); the same on NxDI 0.8
+Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm, Qwen3_5DecoderLayer) and `modeling_qwen3_5_moe.py`
+(Qwen3_5MoeSparseMoeBlock); the same on NxDI 0.8
 (cd3abf3, NxD 0.17) and 0.9 (ef2731e, NxD 0.18), whose attention paths it does not take
 (it overrides `get_model_output` and the attention's forward). The config is read from
 config.json: the SDK's transformers 4.57 has no Qwen3.5.
@@ -30,6 +31,9 @@ Design:
   on the first partial_rotary_factor of each head (text-only M-RoPE is 1-D RoPE); scores
   scaled by head_dim^-0.5 with one float32 softmax over [cached; active] keys
   (`own_classes.attention.attend`); the output times sigmoid(gate) before o_proj.
+- MoE: softmax routing in float32, top-k renormalised, every expert on every token
+  weighted by its routing (`own_classes.parallel_mlp.EveryExpert`, as Gemma 4's), plus
+  the shared expert scaled by sigmoid(shared_expert_gate).
 - The DeltaNet projections and state are whole on each core; tensor parallelism is
   refused (`families.qwen3_5.problems`), as are the block layout, NxDI's kernels,
   speculation, LoRA and quantization.
@@ -78,7 +82,11 @@ from neuron_plugin.backends.nxd.own_classes.config_loader import (
     json_config_loader,
     language_model_tensors,
 )
-from neuron_plugin.backends.nxd.own_classes.parallel_mlp import GatedMLP
+from neuron_plugin.backends.nxd.own_classes.parallel_mlp import (
+    EveryExpert,
+    GatedMLP,
+    dense_routing,
+)
 from neuron_plugin.core.recurrent_state import StateGeometry, state_geometry
 
 _TEXT = "qwen3_5_text"  # the InferenceConfig attribute holding config.json's text keys
@@ -276,9 +284,38 @@ class NeuronQwen35GatedDeltaNet(nn.Module):
         return self.out_proj(normed), new_conv, new_recurrent
 
 
+class Qwen35SparseMoe(nn.Module):
+    """Qwen3_5MoeSparseMoeBlock: softmax routing over every expert (`gate`), top-k
+    renormalised, the experts as `EveryExpert`, plus the shared expert scaled by
+    sigmoid(shared_expert_gate)."""
+
+    def __init__(self, config: InferenceConfig):
+        super().__init__()
+        text = getattr(config, _TEXT)
+        dtype, hidden = config.neuron_config.torch_dtype, config.hidden_size
+        self.experts_count = int(text["num_experts"])
+        self.top_k = int(text["num_experts_per_tok"])
+        inner = int(text["moe_intermediate_size"])
+        shared = int(text.get("shared_expert_intermediate_size") or inner)
+        self.gate = nn.Linear(hidden, self.experts_count, bias=False, dtype=dtype)
+        self.experts = EveryExpert(config, self.experts_count, hidden, inner, functional.silu)
+        self.shared_expert = GatedMLP(config, hidden, shared, functional.silu)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = functional.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        routing = dense_routing(chosen, top / top.sum(dim=-1, keepdim=True), self.experts_count)
+        routed = self.experts(flat, routing)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(x.shape)
+
+
 class NeuronQwen35DecoderLayer(nn.Module):
     """Qwen3_5DecoderLayer: a DeltaNet (`linear_attn`) or gated attention (`self_attn`)
-    token mixer, then the dense MLP, each after a (1 + w) RMS norm, each residual."""
+    token mixer, then the dense MLP or the MoE block, each after a (1 + w) RMS norm, each
+    residual."""
 
     linear_attn: NeuronQwen35GatedDeltaNet
     self_attn: NeuronQwen35Attention
@@ -292,7 +329,13 @@ class NeuronQwen35DecoderLayer(nn.Module):
             self.linear_attn = NeuronQwen35GatedDeltaNet(config, geometry)
         else:
             self.self_attn = NeuronQwen35Attention(config)
-        self.mlp = GatedMLP(config, config.hidden_size, config.intermediate_size, functional.silu)
+        self.mlp: nn.Module
+        if getattr(config, _TEXT).get("num_experts"):
+            self.mlp = Qwen35SparseMoe(config)
+        else:
+            self.mlp = GatedMLP(
+                config, config.hidden_size, config.intermediate_size, functional.silu
+            )
         self.input_layernorm = Qwen35RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = Qwen35RMSNorm(config.hidden_size, eps, dtype)
 
@@ -538,7 +581,6 @@ class Qwen35InferenceConfig(InferenceConfig):
         return [
             _TEXT,
             "hidden_size",
-            "intermediate_size",
             "num_attention_heads",
             "num_hidden_layers",
             "num_key_value_heads",
@@ -550,10 +592,20 @@ class Qwen35InferenceConfig(InferenceConfig):
         return NeuronConfig
 
 
+def _stack_experts(state_dict: dict[str, torch.Tensor], prefix: str, experts: int) -> None:
+    """An MoE layer's per-expert projections (`{prefix}{e}.gate_proj.weight` [inner,
+    hidden], ...) as `EveryExpert`'s stacked weights: gate and up [experts, hidden,
+    inner], down [experts, inner, hidden]."""
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stacked = [state_dict.pop(f"{prefix}{e}.{name}.weight").t() for e in range(experts)]
+        state_dict[f"{prefix}{name}.weight"] = torch.stack(stacked).contiguous()
+
+
 class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
-    """Qwen3.5's dense text model on NxDI (see the module docstring): Qwen3_5ForCausalLM's
-    checkpoint (`model.*`) or the language model of Qwen3_5ForConditionalGeneration
-    (`model.language_model.*`, its vision tower and MTP layers left out)."""
+    """Qwen3.5's text model on NxDI (see the module docstring): Qwen3_5ForCausalLM's or
+    Qwen3_5MoeForCausalLM's checkpoint (`model.*`) or the language model of their
+    multimodal checkpoints (`model.language_model.*`, the vision tower and MTP layers
+    left out)."""
 
     _model_cls = NeuronQwen35TextModel
 
@@ -595,7 +647,7 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
     ) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (NxDI took "model." off) as this model names them:
         the language model's alone, each attention layer's q_proj rows ([query | gate]
-        per head) split into q_proj and gate_proj."""
+        per head) split into q_proj and gate_proj, an MoE layer's experts stacked."""
         state_dict = language_model_tensors(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
         tp = config.neuron_config.tp_degree
@@ -607,6 +659,8 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
             state_dict[attn + "gate_proj.weight"] = both[:, 1].reshape(heads * head_dim, -1).clone()
             state_dict[attn + "rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
         text = getattr(config, _TEXT)
+        for i in range(config.num_hidden_layers) if text.get("num_experts") else ():
+            _stack_experts(state_dict, f"layers.{i}.mlp.experts.", int(text["num_experts"]))
         if text.get("tie_word_embeddings") or "lm_head.weight" not in state_dict:
             state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
         state_dict["rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
