@@ -148,7 +148,7 @@ def expect_equal(probed, layout: str, case: str, rows: list[str]) -> None:
             assert gap < TOLERANCE, f"{arch} {layout} {case} row {row}: logits off by {gap}"
 
 
-def _refused(probed, layout: str) -> bool:
+def refused_as_expected(probed, layout: str) -> bool:
     """Whether the backend refused `layout` (as REFUSED expects: with those words)."""
     arch, _, report, _, _, release = probed
     wanted = REFUSED.get((arch, layout))
@@ -161,7 +161,7 @@ def _refused(probed, layout: str) -> bool:
 
 
 def test_contiguous_layout_equals_transformers_or_is_refused(probed):
-    if _refused(probed, "contiguous"):
+    if refused_as_expected(probed, "contiguous"):
         return
     expect_equal(probed, "contiguous", "batch1", ["a"])
     expect_equal(probed, "contiguous", "batch2", ["a", "b"])
@@ -203,7 +203,7 @@ def test_state_model_keeps_its_recurrent_state_float32_through_casts(probed):
 
 
 def test_block_layout_equals_transformers_or_is_refused(probed):
-    if _refused(probed, "block"):
+    if refused_as_expected(probed, "block"):
         return
     expect_equal(probed, "block", "batch1", ["a"])
     expect_equal(probed, "block", "batch2", ["a", "b"])
@@ -213,7 +213,7 @@ def test_prefix_cache_hit_reads_the_cached_prefix(probed):
     """A prefill over 128 cached tokens gives transformers' tokens; with another prompt's
     KV in those blocks its logits are far from them (the hit reads the cache: a local
     layer's window may not reach the cached part, the global layers do)."""
-    if not _refused(probed, "block"):
+    if not refused_as_expected(probed, "block"):
         expect_prefix_hit(probed)
 
 
@@ -229,5 +229,5 @@ def expect_prefix_hit(probed) -> None:
 
 def test_on_device_sampling_equals_transformers(probed):
     for layout in ("contiguous", "block"):
-        if not _refused(probed, layout):
+        if not refused_as_expected(probed, layout):
             expect_equal(probed, layout, "device_sampling", ["a", "b"])

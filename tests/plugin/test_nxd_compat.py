@@ -431,7 +431,7 @@ def test_host_sampling_is_refused_where_nxdi_masks_real_tokens(tiny_model):
     assert problems({**config, "vocab_size": 976}, override=host, tp_degree=2) == []
 
 
-# -- Qwen3.5: the plugin's own class (dense text) -------------------------------------------
+# -- Qwen3.5: the plugin's own class (text, dense and MoE) ------------------------------------
 def test_qwen3_5_is_the_plugins_own_class_on_both_releases():
     from neuron_plugin.models.table import TABLE, PluginClass
 
@@ -451,7 +451,8 @@ def test_qwen3_5_is_the_plugins_own_class_on_both_releases():
      ["in the block KV layout (", "serve it without --enable-prefix-caching"]),
     ({"enable_chunked_prefill": True, "block_size": 32, "max_num_batched_tokens": 64},
      ["in the block KV layout (", "--enable-chunked-prefill"]),
-    ({"tp_degree": 2}, ["with --tensor-parallel-size 2", "serve it with --tensor-parallel-size 1"]),
+    ({"tp_degree": 4}, ["with --tensor-parallel-size 4: 4 does not divide num_key_value_heads=2, "
+                        "linear_num_key_heads=2", "a --tensor-parallel-size that divides them"]),
 ])
 def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, tiny_model):
     from neuron_plugin.core.recurrent_state import state_geometry
@@ -464,6 +465,24 @@ def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, t
     assert len(found) == 1, found
     assert "Qwen3_5ForCausalLM on NxDI 0.8.0+cd3abf3 (the plugin's own Qwen3.5 class)" in found[0]
     assert all(w in found[0] for w in wanted), found[0]
+
+
+def test_qwen3_5_state_of_one_core_is_its_share_of_the_heads(tiny_model):
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    whole = state_geometry(config_of(tiny_model, "qwen3_5"))
+    share = whole.sharded(2)
+    assert (share.key_heads, share.value_heads) == (1, 2)
+    assert share.conv_shape == (whole.conv_dim // 2, 3)
+    assert share.recurrent_shape == (2, 32, 32)
+    assert 2 * share.layer_bytes("float32") == whole.layer_bytes("float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_at_a_tensor_parallel_size_dividing_its_heads_is_served(arch, tiny_model):
+    """Each core takes an equal share of the tiny models' 4 query, 2 KV and 2 DeltaNet key
+    heads (tests/e2e/test_nxdi_tensor_parallel.py runs them at TP 2)."""
+    assert problems(config_of(tiny_model, arch), tp_degree=2) == []
 
 
 @pytest.mark.parametrize("changes, wanted", [

@@ -65,6 +65,10 @@ UNSUPPORTED_DEGREES: Mapping[str, str] = {
     "pp_degree": "pipeline parallelism",
 }
 
+# the head counts each core takes an equal share of (the DeltaNet's value heads are a
+# multiple of its key heads)
+_SPLIT_HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads")
+
 
 def config_problems(text: Text) -> list[str]:
     """What of config.json the class does not compute."""
@@ -96,12 +100,14 @@ def problems(
             f"and takes no state blocks; serve it without --enable-prefix-caching and "
             f"--enable-chunked-prefill, or {reference}."
         )
-    if settings.tp_degree > 1:
+    tp = settings.tp_degree
+    undivided = {key: text.get(key) for key in _SPLIT_HEADS if int(text.get(key) or 1) % tp}
+    if undivided:
         found.append(
-            f"{name} with --tensor-parallel-size {settings.tp_degree}: its DeltaNet layers "
-            f"hold every head and the whole state on each core (their q/k/v and convolution "
-            f"channels are not split per rank); serve it with --tensor-parallel-size 1, or "
-            f"{reference}."
+            f"{name} with --tensor-parallel-size {tp}: {tp} does not divide "
+            f"{', '.join(f'{k}={v}' for k, v in undivided.items())} (each core holds an "
+            f"equal share of the attention and DeltaNet heads); serve it with a "
+            f"--tensor-parallel-size that divides them, or {reference}."
         )
     return found + refusals.problems(name, settings, UNSUPPORTED_KEYS, UNSUPPORTED_DEGREES)
 
