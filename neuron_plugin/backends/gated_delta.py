@@ -65,6 +65,29 @@ def recurrent_rule(
     return out.unsqueeze(2).transpose(1, 2).contiguous().to(dtype), state
 
 
+def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I - lower)^-1 for strictly lower triangular [..., n, n] `lower` (n a power of
+    two) by recursive block inversion: with the inverses A' and D' of the two diagonal
+    halves of a block known, the block's inverse is [[A', 0], [D' B A', D']] (B its
+    lower-left part of `lower`). Each of the log2(n) levels updates every block at once
+    with two matmuls, and every intermediate is a block of the exact inverse, so rounding
+    stays at float32's level. The power series (I + N)(I + N^2)(I + N^4)... computes the
+    same inverse in matmuls too, but its factors grow like binomial coefficients where
+    keys repeat within a chunk (a repeated token: N close to beta times a lower triangle
+    of ones) and float32 loses every digit of the result (tests/plugin/test_gated_delta.py's
+    repeated-token cases: outputs off by 1e6 to 1e27 where transformers' stay below 0.3)."""
+    size = lower.shape[-1]
+    index = torch.arange(size, device=lower.device)
+    inverse = torch.eye(size, dtype=lower.dtype, device=lower.device)
+    width = 1
+    while width < size:
+        halves = index[:, None] // width == index[None, :] // width
+        pairs = index[:, None] // (2 * width) == index[None, :] // (2 * width)
+        inverse = inverse + inverse @ torch.where(pairs & ~halves, lower, 0.0) @ inverse
+        width *= 2
+    return inverse
+
+
 def solve_free_chunked_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,10 +100,9 @@ def solve_free_chunked_rule(
     matmuls only: (output [b, tokens, heads, value dim] in v's dtype, final state).
 
     Per chunk the rule needs (I - N)^-1 X for the strictly lower triangular
-    N = -tril((k beta) k^T exp(cum_i - cum_j), -1); N is nilpotent (N^CHUNK = 0), so the
-    inverse is the product (I + N)(I + N^2)(I + N^4)... of log2(CHUNK) factors, applied
-    by repeated squaring. The within-chunk cumulative decay is a matmul with an upper
-    triangle of ones; pairwise decays are exponentiated only where i >= j."""
+    N = -tril((k beta) k^T exp(cum_i - cum_j), -1), computed by `unit_lower_inverse`.
+    The within-chunk cumulative decay is a matmul with an upper triangle of ones;
+    pairwise decays are exponentiated only where i >= j."""
     dtype = v.dtype
     batch, tokens = q.shape[:2]
     q, k, v, g, beta = prepared(q, k, v, g, beta)
@@ -98,11 +120,9 @@ def solve_free_chunked_rule(
     pairwise = torch.where(below, cum[..., :, None] - cum[..., None, :], 0.0).exp() * lower
     k_beta = k * beta[..., None]
     nilpotent = -((k_beta @ k.transpose(-1, -2)) * pairwise).tril(-1)
-    solved = torch.cat((v * beta[..., None], k_beta * cum.exp()[..., None]), dim=-1)
-    power = nilpotent
-    for _ in range(CHUNK.bit_length() - 1):
-        solved = solved + power @ solved
-        power = power @ power
+    solved = unit_lower_inverse(nilpotent) @ torch.cat(
+        (v * beta[..., None], k_beta * cum.exp()[..., None]), dim=-1
+    )
     new_values, k_cumdecay = solved[..., :value_dim], solved[..., value_dim:]
     intra = (q @ k.transpose(-1, -2)) * pairwise
     q_decayed = q * cum.exp()[..., None]

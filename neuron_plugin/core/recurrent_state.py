@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from neuron_plugin.core.checkpoint import text_config
@@ -78,6 +78,15 @@ class StateGeometry:
         """Every state layer's state of one sequence on one of `tp_degree` cores (the
         heads, and with them the state, split across them as vLLM splits them)."""
         return math.ceil(len(self.layers) * self.layer_bytes(dtype) / tp_degree)
+
+    def sharded(self, tp_degree: int) -> StateGeometry:
+        """What one of `tp_degree` cores holds, each a share of the key and of the value
+        heads (tp_degree divides both) with their channels and state."""
+        return replace(
+            self,
+            key_heads=self.key_heads // tp_degree,
+            value_heads=self.value_heads // tp_degree,
+        )
 
     def groups(self) -> int:
         """The state groups vLLM's hybrid KV cache manager makes of these layers beside

@@ -105,14 +105,10 @@ _GEMMA4_NXD = PluginClass(
     "neuron_plugin.backends.nxd.families.gemma4.modeling:NeuronGemma4ForCausalLM"
 )
 # NxDI has no Qwen3.5 in any release (utils/constants.py MODEL_TYPES, 0.8 and 0.9): the
-# plugin's own class for the dense text model, measured equal on both
-# (backends/nxd/families/qwen3_5); the MoE model is not built yet.
+# plugin's own class for the text model, dense and MoE, measured equal on both
+# (backends/nxd/families/qwen3_5).
 _QWEN3_5_NXD = PluginClass(
     "neuron_plugin.backends.nxd.families.qwen3_5.modeling:NeuronQwen35ForCausalLM"
-)
-_QWEN3_5_MOE_NXD = Refused(
-    "NxDI has no Qwen3.5 in any release, and the plugin's own class serves only the dense "
-    "model (its MoE block is not built yet)"
 )
 # NxDI's Qwen2-VL application (text model with patch qwen2-vl-mrope) around a vision
 # encoder of the plugin's own that takes any grid (backends/nxd/families/qwen2_vl),
@@ -226,7 +222,7 @@ ROWS: tuple[ModelRow, ...] = (
         "Qwen3_5MoeForCausalLM",
         "Qwen3.5-MoE",
         "qwen3_5",
-        _every_release(_QWEN3_5_MOE_NXD),
+        _every_release(_QWEN3_5_NXD),
         tiny=("qwen3_5_moe",),
         note="gated DeltaNet layers beside gated attention",
     ),
@@ -242,7 +238,7 @@ ROWS: tuple[ModelRow, ...] = (
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3.5-MoE (multimodal checkpoint)",
         "qwen3_5",
-        _every_release(_QWEN3_5_MOE_NXD),
+        _every_release(_QWEN3_5_NXD),
         note="its text model, served with --language-model-only",
     ),
     ModelRow(

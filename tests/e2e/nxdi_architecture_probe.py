@@ -5,7 +5,8 @@ test_nxdi_architectures.py compares with transformers; prints one JSON object.
     python nxdi_architecture_probe.py PLAN_JSON OUT_DIR
 
 PLAN: {"model": dir, "steps": N, "layouts": {"contiguous": SETTINGS, "block": SETTINGS},
-"prompts": {"a": [...], "b": [...], "c": [...], "d": [...]}, "prefix": tokens cached}
+"prompts": {"a": [...], "b": [...], "c": [...], "d": [...], "r": [...] with "staggered"},
+"prefix": tokens cached}
 (settings resolved by the test: this side has no vLLM). Per layout:
 - batch1: prompt a prefilled, then N greedy decode steps (logits: `forward`);
 - batch2: prompts a and b prefilled, then decoded together;
@@ -21,6 +22,7 @@ layout
   alone, b prefilled (slot 1), a decoded alone again (slot 1, b's live state, is then a
   pad row), then both together, each row until it has N + 1 tokens;
 - long: c (past two 64-token DeltaNet chunks, in the 256 bucket) prefilled and decoded;
+- repeated: r (one token repeated across two chunks) prefilled and decoded;
 - cast_dtypes: the dtype of every cache entry (`past_key_values`) once the cache manager
   is cast to bfloat16 as NxDI casts a model (to_cpu's .bfloat16(), load_module's .to()),
   after the other cases.
@@ -191,6 +193,7 @@ def run_layout(
     if plan.get("staggered") and not settings.is_block_layout:
         cases["staggered"] = staggered_case(driver, prompts["a"], prompts["b"], steps)
         cases["long"] = driver.generate([prompts["c"]], steps)
+        cases["repeated"] = driver.generate([prompts["r"]], steps)
     if settings.is_block_layout:
         prefix, c, d = plan["prefix"], prompts["c"], prompts["d"]
         cases["prefix_hit"] = prefix_case(driver, c[: prefix + 1], c, prefix, steps)

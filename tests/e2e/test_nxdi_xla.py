@@ -55,6 +55,14 @@ TOLERANCE = 1e-5
 # layer's KV cache (tiny gemma4, a (128, 32) prefix prefill with served values); its
 # greedy tokens and logits equal transformers' (test_nxdi_architectures.py).
 GEMMA4_TOLERANCE = 5e-5
+# Qwen3.5-MoE: each of its six layers adds a routed and a shared expert to the residual
+# stream, and float32 rounding reaches 1.24e-5 at the last attention layer's K (tiny
+# qwen3_5_moe, the served call of the 128 prefill, 0.8 and 0.9 alike). Both sides are
+# float32 rounding of the same sums: against transformers in float64 on that call the
+# eager forward is off by 8.2e-6 and the XLA one by 7.6e-6 (transformers' own float32 by
+# 4e-5); no routing flips (the top-k gaps are 3.2e-4 and larger, equal on both sides
+# within 2e-6).
+QWEN3_5_MOE_TOLERANCE = 3e-5
 MAX_MODEL_LEN = 160
 
 
@@ -244,9 +252,10 @@ def table_models() -> list[XlaModel]:
         },
         "Llama4ForConditionalGeneration": {"token_generation_buckets": [MAX_MODEL_LEN]},
     }
-    tolerances = dict.fromkeys(
-        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), GEMMA4_TOLERANCE
-    )
+    tolerances = {
+        **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), GEMMA4_TOLERANCE),
+        "Qwen3_5MoeForCausalLM": QWEN3_5_MOE_TOLERANCE,
+    }
     found = []
     for row in ROWS:
         if not row.tiny or all(isinstance(s, Refused) for s in row.nxd.values()):

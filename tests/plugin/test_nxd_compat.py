@@ -23,7 +23,8 @@ LIMITS = EngineLimits(max_model_len=256, max_num_seqs=2, block_size=None,
 MAPPED = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
           "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
-          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"]
+          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+          "Qwen3_5MoeForConditionalGeneration"]
 APPLIED = dict.fromkeys([*gemma3.PATCHES, "prefix-prefill-mask"], "applied")
 
 
@@ -89,7 +90,7 @@ def test_what_differs_between_checked_releases():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen2", "qwen3",
                                   "qwen3_moe_hub", "dbrx", "gemma3", "gemma3_nxdi",
                                   "mistral_wide", "mistral_small", "gemma4", "gemma4_moe",
-                                  "gemma4_mm", "qwen3_5", "qwen3_5_mm"])
+                                  "gemma4_mm", "qwen3_5", "qwen3_5_moe", "qwen3_5_mm"])
 def test_tiny_checkpoints_pass_in_the_contiguous_layout(arch, tiny_model):
     assert problems(config_of(tiny_model, arch)) == []
 
@@ -430,21 +431,19 @@ def test_host_sampling_is_refused_where_nxdi_masks_real_tokens(tiny_model):
     assert problems({**config, "vocab_size": 976}, override=host, tp_degree=2) == []
 
 
-# -- Qwen3.5: the plugin's own class (dense text) -------------------------------------------
-def test_qwen3_5_dense_is_the_plugins_own_class_on_both_releases_moe_is_refused():
-    from neuron_plugin.models.table import TABLE, PluginClass, Refused
+# -- Qwen3.5: the plugin's own class (text, dense and MoE) ------------------------------------
+def test_qwen3_5_is_the_plugins_own_class_on_both_releases():
+    from neuron_plugin.models.table import TABLE, PluginClass
 
     for release in nxdi_releases.CHECKED:
-        for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
             assert TABLE[name].nxd[release.release] == PluginClass(qwen3_5.CLASS)
             table = compat.support(name, release)
             assert all(table[f].startswith(support.EQUAL) for f in
                        ("contiguous", "on_device_sampling"))
             assert all(table[f].startswith("refused: ") for f in
                        ("block", "prefix_hit", "speculation", "lora", "quantization"))
-        for name in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
-            source = TABLE[name].nxd[release.release]
-            assert isinstance(source, Refused) and "only the dense model" in source.reason
 
 
 @pytest.mark.parametrize("limits, wanted", [
@@ -452,7 +451,8 @@ def test_qwen3_5_dense_is_the_plugins_own_class_on_both_releases_moe_is_refused(
      ["in the block KV layout (", "serve it without --enable-prefix-caching"]),
     ({"enable_chunked_prefill": True, "block_size": 32, "max_num_batched_tokens": 64},
      ["in the block KV layout (", "--enable-chunked-prefill"]),
-    ({"tp_degree": 2}, ["with --tensor-parallel-size 2", "serve it with --tensor-parallel-size 1"]),
+    ({"tp_degree": 4}, ["with --tensor-parallel-size 4: 4 does not divide num_key_value_heads=2, "
+                        "linear_num_key_heads=2", "a --tensor-parallel-size that divides them"]),
 ])
 def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, tiny_model):
     from neuron_plugin.core.recurrent_state import state_geometry
@@ -467,8 +467,25 @@ def test_qwen3_5_settings_the_class_does_not_serve_are_refused(limits, wanted, t
     assert all(w in found[0] for w in wanted), found[0]
 
 
+def test_qwen3_5_state_of_one_core_is_its_share_of_the_heads(tiny_model):
+    from neuron_plugin.core.recurrent_state import state_geometry
+
+    whole = state_geometry(config_of(tiny_model, "qwen3_5"))
+    share = whole.sharded(2)
+    assert (share.key_heads, share.value_heads) == (1, 2)
+    assert share.conv_shape == (whole.conv_dim // 2, 3)
+    assert share.recurrent_shape == (2, 32, 32)
+    assert 2 * share.layer_bytes("float32") == whole.layer_bytes("float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_at_a_tensor_parallel_size_dividing_its_heads_is_served(arch, tiny_model):
+    """Each core takes an equal share of the tiny models' 4 query, 2 KV and 2 DeltaNet key
+    heads (tests/e2e/test_nxdi_tensor_parallel.py runs them at TP 2)."""
+    assert problems(config_of(tiny_model, arch), tp_degree=2) == []
+
+
 @pytest.mark.parametrize("changes, wanted", [
-    ({"num_experts": 4}, "it has MoE layers (num_experts)"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"layer_types": ["linear_attention", "sliding_attention"] * 3},
      "layer_types ['sliding_attention'] are not Qwen3.5's"),

@@ -76,10 +76,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from neuronx_distributed.modules.moe.moe_parallel_layers import (
-    ExpertFusedColumnParallelLinear,
-    ExpertFusedRowParallelLinear,
-)
 from neuronx_distributed.parallel_layers.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -114,7 +110,11 @@ from neuron_plugin.backends.nxd.own_classes.config_loader import (
     json_config_loader,
     language_model_tensors,
 )
-from neuron_plugin.backends.nxd.own_classes.parallel_mlp import GatedMLP
+from neuron_plugin.backends.nxd.own_classes.parallel_mlp import (
+    EveryExpert,
+    GatedMLP,
+    dense_routing,
+)
 from neuron_plugin.core.gemma4 import (
     FULL,
     SLIDING,
@@ -280,32 +280,7 @@ class Gemma4Router(nn.Module):
         probs = functional.softmax(scores, dim=-1, dtype=torch.float32)
         top, chosen = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen].float()
-        experts = torch.arange(probs.shape[-1], device=tokens.device)
-        picked = (chosen[..., None] == experts).to(torch.float32)  # [tokens, k, experts]
-        return (picked * top[..., None]).sum(dim=1)
-
-
-class Gemma4Experts(nn.Module):
-    """Gemma4TextExperts as NxD's expert-fused parallel layers: every expert on every
-    token, each output weighted by its routing and summed in the hidden dtype."""
-
-    def __init__(self, config: InferenceConfig, layout: Gemma4Layout):
-        super().__init__()
-        dtype, group = config.neuron_config.torch_dtype, get_tp_group(config)
-        experts, hidden = layout.num_experts, layout.hidden_size
-        inner = layout.moe_intermediate_size
-        common = {"dtype": dtype, "tensor_model_parallel_group": group}
-        self.gate_proj = ExpertFusedColumnParallelLinear(experts, hidden, inner, **common)
-        self.up_proj = ExpertFusedColumnParallelLinear(experts, hidden, inner, **common)
-        self.down_proj = ExpertFusedRowParallelLinear(experts, inner, hidden, **common)
-        self.act = activation(layout.activation)
-
-    def forward(self, tokens: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-        """tokens [n, hidden], routing [n, experts] -> [n, hidden]."""
-        x = tokens[None]
-        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # [E, n, hidden]
-        weighted = (out * routing.t()[..., None]).to(tokens.dtype)
-        return weighted.sum(dim=0)
+        return dense_routing(chosen, top, probs.shape[-1])
 
 
 class NeuronGemma4DecoderLayer(nn.Module):
@@ -328,7 +303,13 @@ class NeuronGemma4DecoderLayer(nn.Module):
         self.moe = layout.num_experts > 0
         if self.moe:
             self.router = Gemma4Router(layout, dtype)
-            self.experts = Gemma4Experts(config, layout)
+            self.experts = EveryExpert(
+                config,
+                layout.num_experts,
+                hidden,
+                layout.moe_intermediate_size,
+                activation(layout.activation),
+            )
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
             self.pre_feedforward_layernorm_2 = norm()

@@ -1,6 +1,7 @@
-"""Qwen3.5 (dense text) on the nxd backend: a class of the plugin's own on NxDI's base
-classes (`modeling.NeuronQwen35ForCausalLM`; NxDI has no Qwen3.5 in any release) for
-Qwen3_5ForCausalLM. This module imports no NxDI (compat reads it in vLLM's environment):
+"""Qwen3.5 (text, dense and MoE) on the nxd backend: a class of the plugin's own on NxDI's
+base classes (`modeling.NeuronQwen35ForCausalLM`; NxDI has no Qwen3.5 in any release) for
+Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and the language model of their multimodal
+checkpoints. This module imports no NxDI (compat reads it in vLLM's environment):
 what the class serves per release and feature, what it refuses before anything compiles,
 and the config attribute the backend sets for it (`adjustments`: max_model_len, the
 position of the decode pad rows that must leave the state as it is).
@@ -63,7 +64,10 @@ UNSUPPORTED_DEGREES: Mapping[str, str] = {
     "ep_degree": "expert parallelism",
     "pp_degree": "pipeline parallelism",
 }
-_CONFIG_KEYS = ("num_experts", "mlp_only_layers")  # an MoE config: the class is dense
+
+# the head counts each core takes an equal share of (the DeltaNet's value heads are a
+# multiple of its key heads)
+_SPLIT_HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads")
 
 
 def config_problems(text: Text) -> list[str]:
@@ -74,8 +78,6 @@ def config_problems(text: Text) -> list[str]:
     unknown = sorted(set(layer_types(text)) - {LINEAR_ATTENTION, FULL_ATTENTION})
     if unknown:
         found.append(f"layer_types {unknown} are not Qwen3.5's")
-    if any(text.get(key) for key in _CONFIG_KEYS):
-        found.append("it has MoE layers (num_experts); the class has only the dense MLP")
     if text.get("attention_bias"):
         found.append("attention_bias=true; the class's attention projections have no bias")
     return found
@@ -98,12 +100,14 @@ def problems(
             f"and takes no state blocks; serve it without --enable-prefix-caching and "
             f"--enable-chunked-prefill, or {reference}."
         )
-    if settings.tp_degree > 1:
+    tp = settings.tp_degree
+    undivided = {key: text.get(key) for key in _SPLIT_HEADS if int(text.get(key) or 1) % tp}
+    if undivided:
         found.append(
-            f"{name} with --tensor-parallel-size {settings.tp_degree}: its DeltaNet layers "
-            f"hold every head and the whole state on each core (their q/k/v and convolution "
-            f"channels are not split per rank); serve it with --tensor-parallel-size 1, or "
-            f"{reference}."
+            f"{name} with --tensor-parallel-size {tp}: {tp} does not divide "
+            f"{', '.join(f'{k}={v}' for k, v in undivided.items())} (each core holds an "
+            f"equal share of the attention and DeltaNet heads); serve it with a "
+            f"--tensor-parallel-size that divides them, or {reference}."
         )
     return found + refusals.problems(name, settings, UNSUPPORTED_KEYS, UNSUPPORTED_DEGREES)
 

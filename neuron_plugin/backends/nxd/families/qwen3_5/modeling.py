@@ -1,9 +1,10 @@
-"""Qwen3.5's dense text model as a class of the plugin's own on NxD Inference's base
-classes: `NeuronQwen35ForCausalLM` (NeuronBaseForCausalLM), its `NeuronQwen35TextModel`
+"""Qwen3.5's text model, dense and MoE, as a class of the plugin's own on NxD Inference's
+base classes: `NeuronQwen35ForCausalLM` (NeuronBaseForCausalLM), its `NeuronQwen35TextModel`
 (NeuronBaseModel: NxDI's forward, sampler, KV cache manager and buckets), the gated
 attention on `NeuronAttentionBase` (NxDI's GQA projections) and the gated DeltaNet layers
 on plain torch. Written from transformers 5.19's `modeling_qwen3_5.py` (Qwen3_5Attention,
-Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm, Qwen3_5DecoderLayer); the same on NxDI 0.8
+Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm, Qwen3_5DecoderLayer) and `modeling_qwen3_5_moe.py`
+(Qwen3_5MoeSparseMoeBlock); the same on NxDI 0.8
 (cd3abf3, NxD 0.17) and 0.9 (ef2731e, NxD 0.18), whose attention paths it does not take
 (it overrides `get_model_output` and the attention's forward). The config is read from
 config.json: the SDK's transformers 4.57 has no Qwen3.5.
@@ -30,9 +31,16 @@ Design:
   on the first partial_rotary_factor of each head (text-only M-RoPE is 1-D RoPE); scores
   scaled by head_dim^-0.5 with one float32 softmax over [cached; active] keys
   (`own_classes.attention.attend`); the output times sigmoid(gate) before o_proj.
-- The DeltaNet projections and state are whole on each core; tensor parallelism is
-  refused (`families.qwen3_5.problems`), as are the block layout, NxDI's kernels,
-  speculation, LoRA and quantization.
+- MoE: softmax routing in float32, top-k renormalised, every expert on every token
+  weighted by its routing (`own_classes.parallel_mlp.EveryExpert`, as Gemma 4's), plus
+  the shared expert scaled by sigmoid(shared_expert_gate).
+- Tensor parallelism: each core holds a share of the DeltaNet heads (its key heads and
+  the value heads reading them) with their channels and state: the input projections
+  column-parallel, `out_proj` row-parallel, the convolution weight, A_log and dt_bias split
+  by rows (`own_classes.sharded_rows`), in_proj_qkv's and the convolution's [q | k | v]
+  rows regrouped at conversion into one [q | k | v] block per rank. The block layout,
+  NxDI's kernels, speculation, LoRA and quantization are refused
+  (`families.qwen3_5.problems`).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import torch
 from neuronx_distributed.parallel_layers.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
+    RowParallelLinear,
 )
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
 from neuronx_distributed_inference.models.model_base import (
@@ -78,7 +87,12 @@ from neuron_plugin.backends.nxd.own_classes.config_loader import (
     json_config_loader,
     language_model_tensors,
 )
-from neuron_plugin.backends.nxd.own_classes.parallel_mlp import GatedMLP
+from neuron_plugin.backends.nxd.own_classes.parallel_mlp import (
+    EveryExpert,
+    GatedMLP,
+    dense_routing,
+)
+from neuron_plugin.backends.nxd.own_classes.sharded_rows import ShardedRows
 from neuron_plugin.core.recurrent_state import StateGeometry, state_geometry
 
 _TEXT = "qwen3_5_text"  # the InferenceConfig attribute holding config.json's text keys
@@ -95,6 +109,17 @@ def geometry_of(config: InferenceConfig) -> StateGeometry:
     found = state_geometry(getattr(config, _TEXT))
     assert found is not None, "config_loader checked it"
     return found
+
+
+def rank_blocks(rows: torch.Tensor, geometry: StateGeometry, tp_degree: int) -> torch.Tensor:
+    """A DeltaNet layer's [q | k | v] channel rows (in_proj_qkv's, the convolution's) as
+    one [q | k | v] block per rank, so that rank r's contiguous share holds the q and k of
+    its key heads and the v of its value heads (value head h reads key head h // (value
+    heads / key heads): a rank's value heads read its own key heads)."""
+    keys = geometry.key_heads * geometry.key_dim
+    sections = torch.split(rows, [keys, keys, rows.shape[0] - 2 * keys])
+    shares = [section.chunk(tp_degree) for section in sections]
+    return torch.cat([share[rank] for rank in range(tp_degree) for share in shares])
 
 
 def rope_frequencies(text: Mapping[str, Any], head_dim: int) -> list[float]:
@@ -197,28 +222,31 @@ class GatedRMSNorm(nn.Module):
 
 class NeuronQwen35GatedDeltaNet(nn.Module):
     """Qwen3_5GatedDeltaNet over one call's tokens from a state (see the module
-    docstring); its parameters are named as the checkpoint names them."""
+    docstring), on this core's share of the heads (`geometry`: the share); its parameters
+    are named as the checkpoint names them (A_log and dt_bias with `.weight`)."""
 
     def __init__(self, config: InferenceConfig, geometry: StateGeometry):
         super().__init__()
-        dtype = config.neuron_config.torch_dtype
+        dtype, tp = config.neuron_config.torch_dtype, config.neuron_config.tp_degree
         hidden = config.hidden_size
         eps = float(getattr(config, _TEXT).get("rms_norm_eps", 1e-6))
         self.geometry = geometry
-        channels = geometry.conv_dim
-        values = geometry.value_heads * geometry.value_dim
-        self.in_proj_qkv = nn.Linear(hidden, channels, bias=False, dtype=dtype)
-        self.in_proj_z = nn.Linear(hidden, values, bias=False, dtype=dtype)
-        self.in_proj_b = nn.Linear(hidden, geometry.value_heads, bias=False, dtype=dtype)
-        self.in_proj_a = nn.Linear(hidden, geometry.value_heads, bias=False, dtype=dtype)
-        kernel = geometry.conv_kernel
-        self.conv1d = nn.Conv1d(
-            channels, channels, kernel, groups=channels, bias=False, dtype=dtype
-        )  # only its weight [channels, 1, kernel] is used: `_convolve`
-        self.A_log = nn.Parameter(torch.zeros(geometry.value_heads, dtype=dtype))
-        self.dt_bias = nn.Parameter(torch.ones(geometry.value_heads, dtype=dtype))
+        channels = geometry.conv_dim * tp
+        heads = geometry.value_heads * tp
+        group = get_tp_group(config)
+        common = {"bias": False, "dtype": dtype, "tensor_model_parallel_group": group}
+        column = {**common, "gather_output": False}
+        self.in_proj_qkv = ColumnParallelLinear(hidden, channels, **column)
+        self.in_proj_z = ColumnParallelLinear(hidden, heads * geometry.value_dim, **column)
+        self.in_proj_b = ColumnParallelLinear(hidden, heads, **column)
+        self.in_proj_a = ColumnParallelLinear(hidden, heads, **column)
+        self.conv1d = ShardedRows(channels, (1, geometry.conv_kernel), dtype, tp)
+        self.A_log = ShardedRows(heads, (), dtype, tp)
+        self.dt_bias = ShardedRows(heads, (), dtype, tp)
         self.norm = GatedRMSNorm(geometry.value_dim, eps, dtype)
-        self.out_proj = nn.Linear(values, hidden, bias=False, dtype=dtype)
+        self.out_proj = RowParallelLinear(
+            heads * geometry.value_dim, hidden, input_is_parallel=True, **common
+        )
 
     def _convolve(
         self, mixed: torch.Tensor, conv_state: torch.Tensor, lengths: torch.Tensor
@@ -258,8 +286,8 @@ class NeuronQwen35GatedDeltaNet(nn.Module):
         k = k.reshape(batch, tokens, g_.key_heads, g_.key_dim)
         v = v.reshape(batch, tokens, g_.value_heads, g_.value_dim)
         beta = self.in_proj_b(hidden).sigmoid()
-        decay = functional.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
-        g = -self.A_log.float().exp() * decay
+        decay = functional.softplus(self.in_proj_a(hidden).float() + self.dt_bias.weight)
+        g = -self.A_log.weight.float().exp() * decay
         # padding tokens neither write (beta 0) nor decay (g 0) the state
         mask = real[..., None]
         beta, g = torch.where(mask, beta, 0.0), torch.where(mask, g, 0.0)
@@ -276,9 +304,38 @@ class NeuronQwen35GatedDeltaNet(nn.Module):
         return self.out_proj(normed), new_conv, new_recurrent
 
 
+class Qwen35SparseMoe(nn.Module):
+    """Qwen3_5MoeSparseMoeBlock: softmax routing over every expert (`gate`), top-k
+    renormalised, the experts as `EveryExpert`, plus the shared expert scaled by
+    sigmoid(shared_expert_gate)."""
+
+    def __init__(self, config: InferenceConfig):
+        super().__init__()
+        text = getattr(config, _TEXT)
+        dtype, hidden = config.neuron_config.torch_dtype, config.hidden_size
+        self.experts_count = int(text["num_experts"])
+        self.top_k = int(text["num_experts_per_tok"])
+        inner = int(text["moe_intermediate_size"])
+        shared = int(text.get("shared_expert_intermediate_size") or inner)
+        self.gate = nn.Linear(hidden, self.experts_count, bias=False, dtype=dtype)
+        self.experts = EveryExpert(config, self.experts_count, hidden, inner, functional.silu)
+        self.shared_expert = GatedMLP(config, hidden, shared, functional.silu)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = functional.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        routing = dense_routing(chosen, top / top.sum(dim=-1, keepdim=True), self.experts_count)
+        routed = self.experts(flat, routing)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(x.shape)
+
+
 class NeuronQwen35DecoderLayer(nn.Module):
     """Qwen3_5DecoderLayer: a DeltaNet (`linear_attn`) or gated attention (`self_attn`)
-    token mixer, then the dense MLP, each after a (1 + w) RMS norm, each residual."""
+    token mixer, then the dense MLP or the MoE block, each after a (1 + w) RMS norm, each
+    residual."""
 
     linear_attn: NeuronQwen35GatedDeltaNet
     self_attn: NeuronQwen35Attention
@@ -292,7 +349,13 @@ class NeuronQwen35DecoderLayer(nn.Module):
             self.linear_attn = NeuronQwen35GatedDeltaNet(config, geometry)
         else:
             self.self_attn = NeuronQwen35Attention(config)
-        self.mlp = GatedMLP(config, config.hidden_size, config.intermediate_size, functional.silu)
+        self.mlp: nn.Module
+        if getattr(config, _TEXT).get("num_experts"):
+            self.mlp = Qwen35SparseMoe(config)
+        else:
+            self.mlp = GatedMLP(
+                config, config.hidden_size, config.intermediate_size, functional.silu
+            )
         self.input_layernorm = Qwen35RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = Qwen35RMSNorm(config.hidden_size, eps, dtype)
 
@@ -382,7 +445,7 @@ class NeuronQwen35TextModel(NeuronBaseModel):
         self.num_key_value_heads = config.num_key_value_heads
         self.max_batch_size = config.neuron_config.max_batch_size
         self.buckets = config.neuron_config.buckets
-        self.geometry = geometry_of(config)
+        self.geometry = geometry_of(config).sharded(self.tp_degree)  # this core's share
         # a decode row here is a pad row (see the module docstring); without the
         # backend's adjustment, NxDI's longest sequence
         self.pad_position = (
@@ -538,7 +601,6 @@ class Qwen35InferenceConfig(InferenceConfig):
         return [
             _TEXT,
             "hidden_size",
-            "intermediate_size",
             "num_attention_heads",
             "num_hidden_layers",
             "num_key_value_heads",
@@ -550,10 +612,20 @@ class Qwen35InferenceConfig(InferenceConfig):
         return NeuronConfig
 
 
+def _stack_experts(state_dict: dict[str, torch.Tensor], prefix: str, experts: int) -> None:
+    """An MoE layer's per-expert projections (`{prefix}{e}.gate_proj.weight` [inner,
+    hidden], ...) as `EveryExpert`'s stacked weights: gate and up [experts, hidden,
+    inner], down [experts, inner, hidden]."""
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stacked = [state_dict.pop(f"{prefix}{e}.{name}.weight").t() for e in range(experts)]
+        state_dict[f"{prefix}{name}.weight"] = torch.stack(stacked).contiguous()
+
+
 class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
-    """Qwen3.5's dense text model on NxDI (see the module docstring): Qwen3_5ForCausalLM's
-    checkpoint (`model.*`) or the language model of Qwen3_5ForConditionalGeneration
-    (`model.language_model.*`, its vision tower and MTP layers left out)."""
+    """Qwen3.5's text model on NxDI (see the module docstring): Qwen3_5ForCausalLM's or
+    Qwen3_5MoeForCausalLM's checkpoint (`model.*`) or the language model of their
+    multimodal checkpoints (`model.language_model.*`, the vision tower and MTP layers
+    left out)."""
 
     _model_cls = NeuronQwen35TextModel
 
@@ -581,8 +653,6 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
         taken = refusals.taken(neuron_config, UNSUPPORTED_KEYS, UNSUPPORTED_DEGREES)
         if neuron_config.is_block_kv_layout:
             taken.append("is_block_kv_layout")
-        if neuron_config.tp_degree > 1:
-            taken.append("tp_degree")
         if taken:
             raise ValueError(
                 f"NeuronQwen35ForCausalLM does not implement NeuronConfig {taken} "
@@ -595,18 +665,28 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):
     ) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (NxDI took "model." off) as this model names them:
         the language model's alone, each attention layer's q_proj rows ([query | gate]
-        per head) split into q_proj and gate_proj."""
+        per head) split into q_proj and gate_proj, each DeltaNet layer's [q | k | v]
+        channels regrouped per rank (`rank_blocks`), an MoE layer's experts stacked."""
         state_dict = language_model_tensors(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
         tp = config.neuron_config.tp_degree
         heads, head_dim = config.num_attention_heads, config.head_dim
-        for i in geometry_of(config).attention_layers:
+        geometry = geometry_of(config)
+        for i in geometry.attention_layers:
             attn = f"layers.{i}.self_attn."
             both = state_dict.pop(attn + "q_proj.weight").view(heads, 2, head_dim, -1)
             state_dict[attn + "q_proj.weight"] = both[:, 0].reshape(heads * head_dim, -1).clone()
             state_dict[attn + "gate_proj.weight"] = both[:, 1].reshape(heads * head_dim, -1).clone()
             state_dict[attn + "rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
+        for i in geometry.layers:
+            deltanet = f"layers.{i}.linear_attn."
+            for name in ("in_proj_qkv.weight", "conv1d.weight"):
+                state_dict[deltanet + name] = rank_blocks(state_dict[deltanet + name], geometry, tp)
+            for name in ("A_log", "dt_bias"):
+                state_dict[f"{deltanet}{name}.weight"] = state_dict.pop(deltanet + name)
         text = getattr(config, _TEXT)
+        for i in range(config.num_hidden_layers) if text.get("num_experts") else ():
+            _stack_experts(state_dict, f"layers.{i}.mlp.experts.", int(text["num_experts"]))
         if text.get("tie_word_embeddings") or "lm_head.weight" not in state_dict:
             state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
         state_dict["rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
