@@ -218,6 +218,32 @@ def test_gpt_oss_decodes_at_one_length_only(tiny_model):
     assert problems(config, override={"token_generation_buckets": [64, 256]})[0].count("[64]")
 
 
+# -- Llama 4 ------------------------------------------------------------------------------
+def test_llama4_decodes_at_one_length_with_llama3_rope_only(tiny_model):
+    """Found by the XLA test on NxDI 0.8 and 0.9: with chunked attention NxDI's Llama 4
+    hands its global layers their whole KV cache whatever the bucket, so a shorter
+    decode bucket fails; and patch llama4-rope-temperature computes llama3 scaling only."""
+    config = config_of(tiny_model, "llama4")
+    patches = {**APPLIED, **dict.fromkeys(
+        ["llama4-rope-temperature", "vision-scatter-scratch-row"], "applied")}
+    assert problems(config, override=ONE_DECODE_LENGTH, patches=patches) == []
+    found = problems(config, override={"token_generation_buckets": [64, 256]},
+                     patches=patches)
+    assert len(found) == 1, found
+    assert "token_generation_buckets [64] are shorter than the largest, 256" in found[0]
+    assert "global (NoPE) layers" in found[0]
+    assert '"token_generation_buckets": [256]' in found[0]
+    text = {**config["text_config"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    found = problems({**config, "text_config": text}, override=ONE_DECODE_LENGTH,
+                     patches=patches)
+    assert len(found) == 1 and "rope_scaling" in found[0] and "llama3 way only" in found[0]
+    assert "VLLM_NEURON_BACKEND=reference" in found[0]
+    disabled = {**patches, "llama4-rope-temperature": "disabled"}
+    found = problems(config, override=ONE_DECODE_LENGTH, patches=disabled)
+    assert len(found) == 1 and "llama4-rope-temperature" in found[0]
+    assert "remove them from VLLM_NEURON_DISABLE_PATCHES" in found[0]
+
+
 @pytest.mark.parametrize("changes, wanted", [
     ({"quantization_config": None}, "experts are not MXFP4"),
     ({"initial_context_length": None}, "initial_context_length=None"),

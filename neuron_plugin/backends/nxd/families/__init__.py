@@ -62,6 +62,23 @@ def family(module: ModuleType) -> NxDFamily:
     return found
 
 
+def one_decode_length(settings: NeuronSettings, name: str, why: str) -> list[str]:
+    """The refusal of token-generation buckets shorter than the largest, for a model whose
+    NxDI cache manager hands some layers their whole cache whatever the bucket (`why`:
+    which and where), so a shorter bucket's decode fails: "The size of tensor a (64)
+    must match the size of tensor b (160)" (tests/e2e/test_nxdi_xla.py, 0.8 and 0.9)."""
+    lengths = settings.token_generation_buckets
+    shorter = [n for n in lengths if n < lengths[-1]]
+    if not shorter:
+        return []
+    return [
+        f"{name}: token_generation_buckets {shorter} are shorter than the largest, "
+        f"{lengths[-1]}: {why}, so the graph of a shorter bucket fails to trace (the "
+        f"compile on a device; every decode there in the CPU mode); decode at one length: "
+        f'override_neuron_config {{"token_generation_buckets": [{lengths[-1]}]}}.'
+    ]
+
+
 def missing_patches(patches: tuple[str, ...], consequence: str) -> Problems:
     """The refusal of a family NxDI cannot serve without the plugin's `patches`: one
     switched off (VLLM_NEURON_DISABLE_PATCHES) would bring `consequence`."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from neuron_plugin.backends.nxd.families import NxDFamily, Text, layers
+from neuron_plugin.backends.nxd.families import NxDFamily, Text, layers, one_decode_length
 from neuron_plugin.backends.nxd.families.llama import short_bucket_problems
 from neuron_plugin.backends.nxd.support import (
     COMMON,
@@ -80,31 +80,19 @@ def problems(
                 f"{name}: {key}={text[key]!r}, which NxDI hard-codes as {value} "
                 f"(modeling_gpt_oss.py); serve this checkpoint on the reference backend."
             )
-    found += _decode_length_problems(settings, name)
+    found += one_decode_length(settings, name, _WHOLE_CACHE)
     # its even layers take NxDI's windowed attention whatever max_model_len
     return found + short_bucket_problems(settings, window, name)
 
 
-def _decode_length_problems(settings: NeuronSettings, name: str) -> list[str]:
-    """NxDI's gpt-oss cache manager reads a full-attention layer's KV cache over its whole
-    length (max_length, the largest token-generation bucket) whatever the bucket
-    (gpt_oss_kv_cache_manager.py get_kv_by_layer_id: `seq_len = self.v_shapes[idx][2]`,
-    ef2731e lines 168-169, cd3abf3 174-175), while the decode's attention mask has the
-    bucket's width, so a shorter bucket's graph fails to trace (compute_for_token_gen:
-    "The size of tensor a (64) must match the size of tensor b (160)"): measured by
-    tests/e2e/test_nxdi_xla.py on torch-xla's device and in the CPU mode, 0.8 and 0.9."""
-    lengths = settings.token_generation_buckets
-    shorter = [n for n in lengths if n < lengths[-1]]
-    if not shorter:
-        return []
-    return [
-        f"{name}: token_generation_buckets {shorter} are shorter than the largest, "
-        f"{lengths[-1]}: NxDI's gpt-oss reads each full-attention layer's KV cache over its "
-        f"whole length whatever the bucket (GptOssKVCacheManager.get_kv_by_layer_id), so "
-        f"the graph of a shorter bucket fails to trace (the compile on a device; every "
-        f"decode there in the CPU mode); decode at one length: override_neuron_config "
-        f'{{"token_generation_buckets": [{lengths[-1]}]}}.'
-    ]
+# measured on torch-xla's device and in the CPU mode: the decode's mask has the bucket's
+# width (compute_for_token_gen), the cache read (gpt_oss_kv_cache_manager.py
+# get_kv_by_layer_id: `seq_len = self.v_shapes[idx][2]`, ef2731e lines 168-169, cd3abf3
+# 174-175) the largest bucket's
+_WHOLE_CACHE = (
+    "NxDI's gpt-oss reads each full-attention layer's KV cache over its whole length "
+    "whatever the bucket (GptOssKVCacheManager.get_kv_by_layer_id)"
+)
 
 
 def windows(text: Text, max_model_len: int) -> tuple[int | None, ...]:

@@ -11,9 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuron_plugin.backends.nxd import image_to_text
-from neuron_plugin.backends.nxd.families import Text
+from neuron_plugin.backends.nxd.families import Text, one_decode_length
 from neuron_plugin.core.settings import NeuronSettings
 from neuron_plugin.patches import llama4_rope
+
+# measured in the XLA replay on 0.8 and 0.9, the eager forward too: with chunked
+# attention (model_base.py get_model_output: KVCacheManager.get_cache with the chunk size
+# and the per-layer sizes of get_layer_to_kv_cache_size_mapping_for_mixed_attn)
+_WHOLE_CACHE = (
+    "NxDI's Llama 4 hands its global (NoPE) layers their whole KV cache whatever the bucket"
+)
 
 
 def problems(
@@ -24,12 +31,7 @@ def problems(
     patch_status: Mapping[str, str],
 ) -> list[str]:
     """The RoPE the patch computes is llama3 scaling, so a checkpoint scaling another
-    way is refused; so are decode buckets shorter than the longest (measured in the XLA
-    replay on 0.8 and 0.9, the eager forward too: "The size of tensor a (64) must match
-    the size of tensor b (160)"): with chunked attention the KV cache manager hands the
-    global (NoPE) layers their whole cache whatever the bucket
-    (model_base.py get_model_output: KVCacheManager.get_cache with the chunk size and the
-    per-layer sizes of get_layer_to_kv_cache_size_mapping_for_mixed_attn)."""
+    way is refused; so are decode buckets shorter than the longest (`_WHOLE_CACHE`)."""
     found = []
     rope = text.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type"))
@@ -39,17 +41,7 @@ def problems(
             f"4's scaled RoPE the llama3 way only (patch llama4-rope-temperature); serve it "
             f"with VLLM_NEURON_BACKEND=reference."
         )
-    lengths = settings.token_generation_buckets
-    shorter = [n for n in lengths if n < lengths[-1]]
-    if shorter:
-        found.append(
-            f"{settings.architecture}: token_generation_buckets {shorter} are shorter than "
-            f"the largest, {lengths[-1]}: NxDI's Llama 4 hands its global layers their whole "
-            f"KV cache whatever the bucket, so a shorter bucket's decode fails (size "
-            f"mismatch); decode at one length: override_neuron_config "
-            f'{{"token_generation_buckets": [{lengths[-1]}]}}.'
-        )
-    return found
+    return found + one_decode_length(settings, settings.architecture, _WHOLE_CACHE)
 
 
 FAMILY = image_to_text.family(
