@@ -1,20 +1,27 @@
 """Load test against plain vLLM: `vllm bench serve` (vLLM's own load client) at several
 concurrencies against `vllm serve MODEL --device neuron` and against plain vLLM's own
-platform (the same venv with VLLM_PLUGINS set to load no plugin), one server after the
-other, on the same checkpoint and flags, streamed completions.
+platform (the same venv with VLLM_PLUGINS set to load no plugin), on the same checkpoint
+and flags, streamed completions. The servers run side by side and each level is measured
+against one after the other (the idle one waits), so the drift of this shared machine
+falls between runs seconds apart, not minutes.
 
 Per side and concurrency: output tokens/s, inter-token latency (ITL) and time to first
 token percentiles, failed requests; for the plugin the padded share of its decode work
 read from its own telemetry (`neuron:bucket_real_rows_total` against
 `neuron:bucket_rows_total` of the token-generation buckets, and
-`neuron:padded_tokens_total`), and the decode batch buckets used. With `--busy`, the
-same levels run again with one busy process per core beside the server (the same for
-both sides).
+`neuron:padded_tokens_total`), the decode batch buckets used, and its backend calls and
+their seconds per phase (`neuron:forward_seconds`). With `--busy`, the same levels run
+again with one busy process per core beside the servers (the same for both sides). With
+`--tune`, the plugin's run records every request's shape (`VLLM_NEURON_TRACE`),
+`neuron-buckets tune --phase both --pair batch` learns context lengths and decode
+(batch, length) buckets from it, and a second round measures the plugin on those buckets
+(`override_neuron_config.bucket_set`) against plain vLLM again: the tuning loop a user
+runs, measured with the same client.
 
 The servers get no OMP_NUM_THREADS from this script's environment: each runs with its
 own thread defaults (`--omp-num-threads N` gives both N). Writes OUT.json and OUT.md.
 
-    python scripts/bench_load.py --out bench-results/load
+    python scripts/bench_load.py --busy --tune --out bench-results/load
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +55,14 @@ METRICS = (
     "median_tpot_ms",
     "median_ttft_ms",
     "p90_ttft_ms",
+    "duration",
 )
 
 
 def decode_counters(url: str) -> dict[str, Any]:
-    """The plugin's decode rows (real and all), padded tokens and the rows of each
-    token-generation bucket, from its /metrics."""
+    """The plugin's decode rows (real and all), padded tokens, the rows of each
+    token-generation bucket and its backend calls and their seconds per phase
+    (`neuron:forward_seconds`), from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
@@ -61,6 +73,10 @@ def decode_counters(url: str) -> dict[str, Any]:
             labels = sample.labels
             if sample.name == "neuron:padded_tokens_total":
                 found["padded_tokens"] += sample.value
+            for suffix, key in (("_sum", "seconds"), ("_count", "calls")):
+                if sample.name == "neuron:forward_seconds" + suffix:
+                    name = f"{labels.get('phase', '?')}_{key}"
+                    found[name] = found.get(name, 0.0) + sample.value
             if labels.get("phase") != "token_generation":
                 continue
             if sample.name == "neuron:bucket_rows_total":
@@ -80,12 +96,19 @@ def padding(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         for bucket, rows_after in after["buckets"].items()
         if rows_after - before["buckets"].get(bucket, 0.0) > 0
     }
+    calls = {}
+    for phase in ("context_encoding", "token_generation"):
+        count = after.get(f"{phase}_calls", 0.0) - before.get(f"{phase}_calls", 0.0)
+        seconds = after.get(f"{phase}_seconds", 0.0) - before.get(f"{phase}_seconds", 0.0)
+        calls[f"{phase}_calls"] = count
+        calls[f"{phase}_seconds"] = round(seconds, 3)
     return {
         "decode_rows": rows,
         "decode_real_rows": real,
         "padded_row_share": round(1 - real / rows, 4) if rows else None,
         "padded_tokens": after["padded_tokens"] - before["padded_tokens"],
         "decode_buckets": sorted(used, key=lambda b: -used[b])[:3],
+        **calls,
     }
 
 
@@ -111,6 +134,20 @@ def run_client(args: argparse.Namespace, url: str, concurrency: int, prompts: in
 def busy_processes(count: int) -> list[subprocess.Popen]:
     """One pure-Python spinning process per core: the same load beside either server."""
     return [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(count)]
+
+
+def tune(args: argparse.Namespace, trace: Path) -> Path:
+    """The bucket set `neuron-buckets tune` learns from the plugin run's trace: both
+    phases' lengths and the decode batch sizes, as docs/configuration/buckets.md says."""
+    tuned = args.out.with_name(f"{args.out.name}-tuned-buckets.yaml")
+    cli = str(Path(sys.executable).with_name("neuron-buckets"))
+    subprocess.run(
+        [cli, "tune", str(trace), "--phase", "both", "--pair", "batch",
+         "--max-num-seqs", str(args.max_num_seqs), "--max", str(args.max_model_len),
+         "--output", str(tuned)],
+        check=True,
+    )  # fmt: skip
+    return tuned
 
 
 def server_command(args: argparse.Namespace, side: str, port: int) -> list[str]:
@@ -146,45 +183,39 @@ def server_env(args: argparse.Namespace, side: str) -> dict[str, str]:
     return env
 
 
-def bench_side(args: argparse.Namespace, side: str, cores: int) -> list[dict[str, Any]]:
+@dataclass
+class Served:
+    """A running server the levels are measured against: its row name, side, URL."""
+
+    label: str
+    side: str
+    url: str
+
+
+@contextmanager
+def serving(
+    args: argparse.Namespace,
+    side: str,
+    label: str,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Served]:
+    """`side`'s server (its command plus `extra` arguments and `env`), started, warmed
+    up and, on leaving, stopped; its log beside the results."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = args.out.with_name(f"{args.out.name}-{side}.server.log")
-    rows = []
+    log = args.out.with_name(f"{args.out.name}-{label}.server.log")
     with log.open("w") as server_log:
         server = subprocess.Popen(
-            server_command(args, side, port),
+            server_command(args, side, port) + (extra or []),
             stdout=server_log,
             stderr=subprocess.STDOUT,
-            env=server_env(args, side),
+            env={**server_env(args, side), **(env or {})},
         )
         try:
             wait_healthy(url, server, args.startup_timeout)
-            run_client(args, url, 4, 8, f"{args.out.name}-{side}-warmup.json")
-            for condition in ("quiet", "busy") if args.busy else ("quiet",):
-                spinning = busy_processes(cores) if condition == "busy" else []
-                try:
-                    for level in args.concurrency:
-                        prompts = max(args.min_prompts, args.rounds * level)
-                        before = decode_counters(url) if side == "plugin" else None
-                        name = f"{args.out.name}-{side}-{condition}-c{level}.json"
-                        result = run_client(args, url, level, prompts, name)
-                        row = {
-                            "side": side,
-                            "condition": condition,
-                            "concurrency": level,
-                            "prompts": prompts,
-                            **{k: result.get(k) for k in METRICS},
-                        }
-                        if before is not None:
-                            time.sleep(1.0)  # engines publish their counters every 0.5 s
-                            row.update(padding(before, decode_counters(url)))
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                finally:
-                    for proc in spinning:
-                        proc.kill()
-                        proc.wait()
+            run_client(args, url, 4, 8, f"{args.out.name}-{label}-warmup.json")
+            yield Served(label, side, url)
         finally:
             server.terminate()
             try:
@@ -192,16 +223,55 @@ def bench_side(args: argparse.Namespace, side: str, cores: int) -> list[dict[str
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+
+
+def measure(
+    args: argparse.Namespace, servers: list[Served], cores: int, round_: int
+) -> list[dict[str, Any]]:
+    """Every condition and level against each server in turn, the servers' runs of one
+    level back to back: the machine's drift between the sides' runs of a level is then
+    seconds, not the minutes a whole side takes (servers idle while another is
+    measured)."""
+    rows = []
+    for condition in ("quiet", "busy") if args.busy else ("quiet",):
+        spinning = busy_processes(cores) if condition == "busy" else []
+        try:
+            for level in args.concurrency:
+                prompts = max(args.min_prompts, args.rounds * level)
+                for served in servers:
+                    plugin = served.side == "plugin"
+                    before = decode_counters(served.url) if plugin else None
+                    name = f"{args.out.name}-{served.label}-r{round_}-{condition}-c{level}.json"
+                    result = run_client(args, served.url, level, prompts, name)
+                    row = {
+                        "side": served.label,
+                        "round": round_,
+                        "condition": condition,
+                        "concurrency": level,
+                        "prompts": prompts,
+                        **{k: result.get(k) for k in METRICS},
+                    }
+                    if before is not None:
+                        time.sleep(1.0)  # engines publish their counters every 0.5 s
+                        row.update(padding(before, decode_counters(served.url)))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            for proc in spinning:
+                proc.kill()
+                proc.wait()
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> list[list[str]]:
-    plain = {(r["condition"], r["concurrency"]): r for r in rows if r["side"] == "plain"}
+    """A row per run, each plugin run beside plain vLLM's run of the same round."""
+    key = ("round", "condition", "concurrency")
+    plain = {tuple(r[k] for k in key): r for r in rows if r["side"] == "plain"}
     out = []
     for r in rows:
-        base = plain.get((r["condition"], r["concurrency"]))
+        base = plain.get(tuple(r[k] for k in key))
         ratio = itl = "-"
-        if r["side"] == "plugin" and base:
+        if r["side"].startswith("plugin") and base:
             if base["output_throughput"]:
                 ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}"
             if base["median_itl_ms"]:
@@ -209,6 +279,7 @@ def table(rows: list[dict[str, Any]]) -> list[list[str]]:
         share = r.get("padded_row_share")
         out.append(
             [
+                str(r["round"]),
                 r["condition"],
                 str(r["concurrency"]),
                 r["side"],
@@ -241,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--busy", action="store_true", help="then again with one busy process per core"
     )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="then the plugin again on buckets tuned from its own run's trace",
+    )
     parser.add_argument("--omp-num-threads", type=int, help="OMP_NUM_THREADS for both servers")
     parser.add_argument("--plain-kv-bytes", type=int, default=256 << 20)
     parser.add_argument("--startup-timeout", type=float, default=600)
@@ -257,11 +333,31 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0))
     load_before = os.getloadavg()[0]
-    rows = []
-    for side in args.sides.split(","):
+    sides = args.sides.split(",")
+    for side in sides:
         if side not in SIDES:
             parser.error(f"--sides: {side!r} is not one of {', '.join(SIDES)}")
-        rows += bench_side(args, side, cores)
+    if args.tune and "plugin" not in sides:
+        parser.error("--tune tunes on the plugin's run: keep plugin in --sides")
+    trace = args.out.with_name(f"{args.out.name}-trace.jsonl")
+    trace.unlink(missing_ok=True)
+    recording = {"VLLM_NEURON_TRACE": str(trace)} if args.tune else {}
+    with ExitStack() as plain_stack:
+        plain = (
+            [plain_stack.enter_context(serving(args, "plain", "plain"))] if "plain" in sides else []
+        )
+        with ExitStack() as stack:
+            plugin = (
+                [stack.enter_context(serving(args, "plugin", "plugin", env=recording))]
+                if "plugin" in sides
+                else []
+            )
+            rows = measure(args, plugin + plain, cores, 1)
+        if args.tune:
+            config = {"override_neuron_config": {"bucket_set": str(tune(args, trace))}}
+            extra = ["--additional-config", json.dumps(config)]
+            with serving(args, "plugin", "plugin-tuned", extra) as tuned:
+                rows += measure(args, [tuned, *plain], cores, 2)
     meta = run_meta(
         "bench_load.py",
         argv,
@@ -276,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         meta,
         {"rows": rows},
         [
+            "round",
             "condition",
             "concurrency",
             "server",

@@ -68,14 +68,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def nxdi_python(request) -> str:
+def nxdi_python(request, tmp_path_factory) -> str:
     """An interpreter where NxD Inference and this plugin import (one per release, see
-    nxdi_interpreters); the `-m nxdi` tests skip without one."""
+    nxdi_interpreters); the `-m nxdi` tests skip without one. The processes started
+    after it get a TMPDIR under pytest's own folders, which pytest prunes: the NxDI
+    probes compile into `tempfile.mkdtemp()` folders, one per case, that were left in
+    /tmp (hundreds over a few runs)."""
     import subprocess
 
     python = request.param
     if not python:
         pytest.skip(f"{NXDI_PYTHONS} is not set: no interpreter with NxD Inference")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("nxdi-tmp"))
     probe = subprocess.run(
         [python, "-c", "import neuronx_distributed_inference.models.model_base, "
                        "neuron_plugin.backends.nxd.backend"],
