@@ -1,6 +1,6 @@
 """What the serving benchmarks share: a free loopback port, waiting for a server's
-/health, and one `vllm bench serve` run (vLLM's own load client) whose saved result is
-returned."""
+/health, one `vllm bench serve` run (vLLM's own load client) whose saved result is
+returned, and one `neuron-buckets tune` run on a recorded trace."""
 
 from __future__ import annotations
 
@@ -65,3 +65,16 @@ def bench_serve(
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return dict(json.loads(result.read_text()))
+
+
+def buckets_tune(trace: Path, output: Path, *options: str) -> dict[str, Any]:
+    """`neuron-buckets tune TRACE *options --output OUTPUT` (the CLI a user runs on a
+    recorded trace): the bucket set written to `output`, its summary returned (--json)."""
+    cli = str(Path(sys.executable).with_name("neuron-buckets"))
+    result = subprocess.run(
+        [cli, "tune", str(trace), *options, "--json", "--output", str(output)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return dict(json.loads(result.stdout))

@@ -3,7 +3,9 @@ concurrencies against `vllm serve MODEL --device neuron` and against plain vLLM'
 platform (the same venv with VLLM_PLUGINS set to load no plugin), on the same checkpoint
 and flags, streamed completions. The servers run side by side and each level is measured
 against one after the other (the idle one waits), so the drift of this shared machine
-falls between runs seconds apart, not minutes.
+falls between runs seconds apart, not minutes; each level runs `--repeat` times (3),
+the side that goes first alternating, and the table gives the medians and the median
+and range of the per-repeat ratios (every run is in the JSON).
 
 Per side and concurrency: output tokens/s, inter-token latency (ITL) and time to first
 token percentiles, failed requests; for the plugin the padded share of its decode work
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_client import bench_serve, free_port, wait_healthy  # noqa: E402
+from bench_client import bench_serve, buckets_tune, free_port, wait_healthy  # noqa: E402
 from bench_report import run_meta, write_results  # noqa: E402
 
 SIDES = ("plugin", "plain")
@@ -140,12 +143,9 @@ def tune(args: argparse.Namespace, trace: Path) -> Path:
     """The bucket set `neuron-buckets tune` learns from the plugin run's trace: both
     phases' lengths and the decode batch sizes, as docs/configuration/buckets.md says."""
     tuned = args.out.with_name(f"{args.out.name}-tuned-buckets.yaml")
-    cli = str(Path(sys.executable).with_name("neuron-buckets"))
-    subprocess.run(
-        [cli, "tune", str(trace), "--phase", "both", "--pair", "batch",
-         "--max-num-seqs", str(args.max_num_seqs), "--max", str(args.max_model_len),
-         "--output", str(tuned)],
-        check=True,
+    buckets_tune(
+        trace, tuned, "--phase", "both", "--pair", "batch",
+        "--max-num-seqs", str(args.max_num_seqs), "--max", str(args.max_model_len),
     )  # fmt: skip
     return tuned
 
@@ -228,34 +228,23 @@ def serving(
 def measure(
     args: argparse.Namespace, servers: list[Served], cores: int, round_: int
 ) -> list[dict[str, Any]]:
-    """Every condition and level against each server in turn, the servers' runs of one
-    level back to back: the machine's drift between the sides' runs of a level is then
-    seconds, not the minutes a whole side takes (servers idle while another is
-    measured)."""
+    """Every condition and level against each server in turn, `--repeat` times, the
+    servers' runs of one level back to back (the first server of a repeat alternates):
+    the machine's drift between the sides' runs of a level is then seconds, not the
+    minutes a whole side takes (servers idle while another is measured), and neither
+    side always runs first."""
     rows = []
     for condition in ("quiet", "busy") if args.busy else ("quiet",):
         spinning = busy_processes(cores) if condition == "busy" else []
         try:
             for level in args.concurrency:
                 prompts = max(args.min_prompts, args.rounds * level)
-                for served in servers:
-                    plugin = served.side == "plugin"
-                    before = decode_counters(served.url) if plugin else None
-                    name = f"{args.out.name}-{served.label}-r{round_}-{condition}-c{level}.json"
-                    result = run_client(args, served.url, level, prompts, name)
-                    row = {
-                        "side": served.label,
-                        "round": round_,
-                        "condition": condition,
-                        "concurrency": level,
-                        "prompts": prompts,
-                        **{k: result.get(k) for k in METRICS},
-                    }
-                    if before is not None:
-                        time.sleep(1.0)  # engines publish their counters every 0.5 s
-                        row.update(padding(before, decode_counters(served.url)))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                for repeat in range(1, args.repeat + 1):
+                    for served in servers if repeat % 2 else servers[::-1]:
+                        where = (round_, condition, level, repeat)
+                        row = measure_level(args, served, where, prompts)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
         finally:
             for proc in spinning:
                 proc.kill()
@@ -263,37 +252,108 @@ def measure(
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """A row per run, each plugin run beside plain vLLM's run of the same round."""
-    key = ("round", "condition", "concurrency")
-    plain = {tuple(r[k] for k in key): r for r in rows if r["side"] == "plain"}
-    out = []
+def measure_level(
+    args: argparse.Namespace, served: Served, where: tuple[int, str, int, int], prompts: int
+) -> dict[str, Any]:
+    """One client run against `served` at (round, condition, concurrency, repeat): its
+    metrics and, for the plugin, what its telemetry counted during the run."""
+    round_, condition, level, repeat = where
+    name = f"{args.out.name}-{served.label}-r{round_}-{condition}-c{level}-{repeat}.json"
+    before = decode_counters(served.url) if served.side == "plugin" else None
+    result = run_client(args, served.url, level, prompts, name)
+    row = {
+        "side": served.label,
+        "round": round_,
+        "condition": condition,
+        "concurrency": level,
+        "repeat": repeat,
+        "prompts": prompts,
+        **{k: result.get(k) for k in METRICS},
+    }
+    if before is not None:
+        time.sleep(1.0)  # engines publish their counters every 0.5 s
+        row.update(padding(before, decode_counters(served.url)))
+    return row
+
+
+KEY = ("round", "condition", "concurrency")
+
+
+def paired(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each plugin run with plain vLLM's run of the same round, level and repeat."""
+    plain = {tuple(r[k] for k in (*KEY, "repeat")): r for r in rows if r["side"] == "plain"}
+    pairs = []
     for r in rows:
-        base = plain.get(tuple(r[k] for k in key))
-        ratio = itl = "-"
-        if r["side"].startswith("plugin") and base:
-            if base["output_throughput"]:
-                ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}"
-            if base["median_itl_ms"]:
-                itl = f"{r['median_itl_ms'] / base['median_itl_ms']:.2f}"
-        share = r.get("padded_row_share")
+        base = plain.get(tuple(r[k] for k in (*KEY, "repeat")))
+        if r["side"].startswith("plugin") and base is not None:
+            pairs.append((r, base))
+    return pairs
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per plugin server, round, condition and level: the medians of its runs and of
+    plain vLLM's, and the median (and range) of the per-repeat ratios: a ratio of two
+    runs seconds apart, the figure this shared machine's drift disturbs least."""
+    groups: dict[tuple, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for plugin, plain in paired(rows):
+        groups.setdefault((plugin["side"], *(plugin[k] for k in KEY)), []).append((plugin, plain))
+    out = []
+    for (side, round_, condition, level), pairs in groups.items():
+        ratios = [
+            p["output_throughput"] / b["output_throughput"]
+            for p, b in pairs
+            if b["output_throughput"]
+        ]
+        itl = [p["median_itl_ms"] / b["median_itl_ms"] for p, b in pairs if b["median_itl_ms"]]
+        share = [p["padded_row_share"] for p, _ in pairs if p.get("padded_row_share") is not None]
         out.append(
-            [
-                str(r["round"]),
-                r["condition"],
-                str(r["concurrency"]),
-                r["side"],
-                f"{r['output_throughput']:.1f}",
-                f"{r['median_itl_ms']:.2f} / {r['p90_itl_ms']:.2f}",
-                f"{r['median_ttft_ms']:.1f}",
-                str(r["failed"]),
-                ratio,
-                itl,
-                "-" if share is None else f"{100 * share:.1f}%",
-                ", ".join(r.get("decode_buckets", [])) or "-",
-            ]
+            {
+                "side": side,
+                "round": round_,
+                "condition": condition,
+                "concurrency": level,
+                "repeats": len(pairs),
+                "plugin_tok_s": statistics.median(p["output_throughput"] for p, _ in pairs),
+                "plain_tok_s": statistics.median(b["output_throughput"] for _, b in pairs),
+                "plugin_itl_ms": statistics.median(p["median_itl_ms"] for p, _ in pairs),
+                "plain_itl_ms": statistics.median(b["median_itl_ms"] for _, b in pairs),
+                "tok_s_ratio": statistics.median(ratios) if ratios else None,
+                "tok_s_ratio_range": [min(ratios), max(ratios)] if ratios else None,
+                "itl_ratio": statistics.median(itl) if itl else None,
+                "itl_ratio_range": [min(itl), max(itl)] if itl else None,
+                "failed": sum(p["failed"] + b["failed"] for p, b in pairs),
+                "padded_row_share": statistics.median(share) if share else None,
+                "decode_buckets": pairs[0][0].get("decode_buckets", []),
+            }
         )
     return out
+
+
+def table(groups: list[dict[str, Any]]) -> list[list[str]]:
+    """The summary as Markdown rows."""
+
+    def ratio(value: float | None, span: list[float] | None) -> str:
+        if value is None or span is None:
+            return "-"
+        return f"{value:.2f} ({span[0]:.2f}-{span[1]:.2f})"
+
+    return [
+        [
+            str(g["round"]),
+            g["condition"],
+            str(g["concurrency"]),
+            g["side"],
+            str(g["repeats"]),
+            f"{g['plugin_tok_s']:.1f} / {g['plain_tok_s']:.1f}",
+            ratio(g["tok_s_ratio"], g["tok_s_ratio_range"]),
+            f"{g['plugin_itl_ms']:.2f} / {g['plain_itl_ms']:.2f}",
+            ratio(g["itl_ratio"], g["itl_ratio_range"]),
+            str(g["failed"]),
+            "-" if g["padded_row_share"] is None else f"{100 * g['padded_row_share']:.1f}%",
+            ", ".join(g["decode_buckets"]) or "-",
+        ]
+        for g in groups
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32]
     )
     parser.add_argument("--rounds", type=int, default=4, help="prompts = rounds x concurrency")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs of each level per side (medians reported)"
+    )
     parser.add_argument("--min-prompts", type=int, default=16)
     parser.add_argument("--sides", default=",".join(SIDES), help="plugin,plain")
     parser.add_argument(
@@ -367,25 +430,26 @@ def main(argv: list[str] | None = None) -> int:
         load_average_at_start=load_before,
         cores=cores,
     )
+    groups = summary(rows)
     write_results(
         args.out,
         meta,
-        {"rows": rows},
+        {"summary": groups, "rows": rows},
         [
             "round",
             "condition",
             "concurrency",
             "server",
-            "output tok/s",
-            "ITL p50 / p90 ms",
-            "TTFT p50 ms",
+            "repeats",
+            "output tok/s, plugin / plain (medians)",
+            "tok/s vs plain (median, range)",
+            "ITL p50 ms, plugin / plain (medians)",
+            "ITL p50 vs plain (median, range)",
             "failed",
-            "tok/s vs plain",
-            "ITL p50 vs plain",
             "padded decode rows",
             "decode buckets (most rows)",
         ],
-        table(rows),
+        table(groups),
     )
     return 0
 

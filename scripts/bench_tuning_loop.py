@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("VLLM_NEURON_BACKEND", "reference")
 
+from bench_client import buckets_tune  # noqa: E402
 from bench_matrix import DEFAULT_TRACE, corpus_ids, prompt, trace_lengths  # noqa: E402
 from bench_report import run_meta, write_results  # noqa: E402
 
@@ -87,30 +87,6 @@ def serve(
     return totals
 
 
-def tune(trace: Path, phase: str, max_len: int, k: int, out: Path) -> dict:
-    cli = str(Path(sys.executable).with_name("neuron-buckets"))
-    result = subprocess.run(
-        [
-            cli,
-            "tune",
-            str(trace),
-            "--phase",
-            phase,
-            "--max",
-            str(max_len),
-            "--max-buckets",
-            str(k),
-            "--json",
-            "--output",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(result.stdout)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
@@ -140,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     before = serve(args.model, prompts, max_tokens, {}, args.max_model_len, args.max_num_seqs)
     del os.environ["VLLM_NEURON_TRACE"]
 
-    context = tune(
-        trace, "context", args.max_model_len, args.max_buckets, args.out / "context.yaml"
-    )
-    decode = tune(trace, "decode", args.max_model_len, args.max_buckets, args.out / "decode.yaml")
+    limits = ("--max", str(args.max_model_len), "--max-buckets", str(args.max_buckets))
+    context = buckets_tune(trace, args.out / "context.yaml", "--phase", "context", *limits)
+    decode = buckets_tune(trace, args.out / "decode.yaml", "--phase", "decode", *limits)
     tuned = args.out / "tuned-buckets.yaml"
     dump_bucket_set(
         tuned,

@@ -433,15 +433,18 @@ def _native_metrics() -> _NativeMetrics:
 
 
 class NeuronMetricsCollector:
-    """Prometheus collector over the engines' snapshot files (runs in the /metrics process)."""
+    """Prometheus collector over the engines' snapshot files (runs in the /metrics
+    process), in every telemetry directory it is given: each configuration started in
+    the process has its own."""
 
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
+    def __init__(self, *directories: str | Path):
+        self.directories = [Path(d) for d in directories]
 
     def _snapshots(self) -> list[dict[str, Any]]:
         """Snapshots of engines still running (a crashed engine's file is ignored)."""
         found = []
-        for path in sorted(self.directory.glob("engine-*.json")):
+        paths = (p for d in self.directories for p in sorted(d.glob("engine-*.json")))
+        for path in paths:
             if not _alive(int(path.stem.removeprefix("engine-"))):
                 continue
             try:
@@ -521,23 +524,31 @@ def _cumulative(hist: Histogram) -> list[tuple[str, int]]:
     return out
 
 
-_registered_dirs: set[str] = set()
+@functools.cache
+def _process_collector() -> NeuronMetricsCollector:
+    """The process's one collector on Prometheus's default registry: a second one would
+    expose the same series names, which prometheus_client refuses (an offline user who
+    starts one `LLM` after another in a process registers each configuration)."""
+    from prometheus_client import REGISTRY
+
+    collector = NeuronMetricsCollector()
+    REGISTRY.register(collector)
+    return collector
 
 
 def register_collector(vllm_config: Any) -> Path | None:
     """Expose this configuration's engine counters on Prometheus's default registry
-    (once per telemetry directory); None when the Neuron platform did not resolve it,
-    or in the multiprocess mode, where the engines export themselves (module docstring).
-    Serving frontends get it from `NeuronStatLogger`; an offline `LLM` user calls it."""
+    (its telemetry directory joins the process's collector); None when the Neuron
+    platform did not resolve it, or in the multiprocess mode, where the engines export
+    themselves (module docstring). Serving frontends get it from `NeuronStatLogger`; an
+    offline `LLM` user calls it."""
     additional = vllm_config.additional_config or {}
     directory = additional.get(TELEMETRY_DIR_KEY)
     if SETTINGS_KEY not in additional or not directory or multiprocess_mode():
         return None
-    if directory not in _registered_dirs:
-        from prometheus_client import REGISTRY
-
-        REGISTRY.register(NeuronMetricsCollector(directory))
-        _registered_dirs.add(directory)
+    collector = _process_collector()
+    if Path(directory) not in collector.directories:
+        collector.directories.append(Path(directory))
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return Path(directory)
 

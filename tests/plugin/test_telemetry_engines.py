@@ -1,8 +1,9 @@
 """Telemetry of several engines behind one API server: each engine process publishes a
 snapshot, the collector labels every series with model_name and engine, and a finished
 engine's snapshot leaves /metrics; and an engine forked after prometheus_client was
-imported still writes its multiprocess files. (Several API servers, where the engines
-write those files, run end to end in tests/e2e/test_data_parallel.py.)"""
+imported still writes its multiprocess files; configurations started one after another
+in a process share its one collector. (Several API servers, where the engines write
+those files, run end to end in tests/e2e/test_data_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -121,3 +122,53 @@ def test_an_engine_forked_after_prometheus_was_imported_writes_the_shared_files(
         registry, path=str(tmp_path)))
     assert values[("neuron:bucket_calls_total", "1")] == 1
     assert values[("neuron:real_tokens_total", "1")] == 10
+
+
+def test_configurations_started_one_after_another_share_the_process_collector(tmp_path):
+    """An offline user who starts a second `LLM` in the process registers its
+    configuration too: both engines' series reach the default registry (a collector per
+    configuration would expose the same names twice, which prometheus_client refuses),
+    and each leaves it with its engine."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from neuron_plugin.serving.telemetry import StepTelemetry, register_collector
+    from neuron_plugin.serving.vllm_settings import SETTINGS_KEY, TELEMETRY_DIR_KEY
+
+    def calls() -> dict[str, float]:
+        text = generate_latest(REGISTRY).decode()
+        return {
+            s.labels["engine"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "neuron:bucket_calls_total" and s.labels["model_name"] == "two-llms"
+        }
+
+    engines = []
+    for engine in range(2):
+        directory = tmp_path / f"llm-{engine}"
+        config = SimpleNamespace(
+            additional_config={SETTINGS_KEY: {}, TELEMETRY_DIR_KEY: str(directory)}
+        )
+        assert register_collector(config) == directory
+        assert register_collector(config) == directory  # again: nothing more registered
+        telemetry = StepTelemetry(directory, model_name="two-llms", engine=engine)
+        for _ in range(engine + 1):
+            telemetry.on_backend_call(ForwardInputs(
+                phase=CONTEXT_ENCODING, bucket=(32,), input_ids=np.zeros((1, 32), dtype=np.int64),
+                position_ids=np.zeros((1, 32), dtype=np.int64),
+                seq_ids=np.zeros(1, dtype=np.int64), slot_mapping=None, block_table=None,
+                full_context_lens=np.array([10]), computed_context_lens=np.array([0]),
+                num_real=1), forward_s=0.001, host_s=0.0001)
+        telemetry.publish()
+        engines.append(telemetry)
+    try:
+        assert calls() == {"0": 1, "1": 2}
+        engines.pop(0).close()  # the first LLM shut down
+        assert calls() == {"1": 2}
+    finally:
+        for telemetry in engines:
+            telemetry.close()
+    assert calls() == {}
