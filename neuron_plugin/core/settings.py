@@ -146,8 +146,11 @@ def resolve_max_num_seqs(
     limits: EngineLimits, override: Mapping[str, Any], backend: str, budget: SequenceBudget | None
 ) -> tuple[int, str]:
     """(sequence slots, why). A value the user chose is kept; vLLM's GPU-sized default
-    becomes vllm-neuron's `batch_size` if given, else NEURON_DEFAULT_MAX_NUM_SEQS, fewer
-    where the nxd backend's device memory holds fewer full-length sequences."""
+    becomes vllm-neuron's `batch_size` if given, else the largest decode batch bucket
+    (`token_generation_batches`, as given or from a bucket set) if given, else
+    NEURON_DEFAULT_MAX_NUM_SEQS, fewer where the nxd backend's device memory holds fewer
+    full-length sequences. (An explicit `max_num_seqs=128` in `LLM(...)` reads as vLLM's
+    default: the batch buckets then say how many sequences the user means.)"""
     if not limits.max_num_seqs_is_default:
         return limits.max_num_seqs, MAX_NUM_SEQS_CHOSEN
     for key in ("batch_size", "tkg_batch_size"):
@@ -156,6 +159,13 @@ def resolve_max_num_seqs(
             return given, (
                 f"override_neuron_config.{key}={given}, with --max-num-seqs left at vLLM's default"
             )
+    batches = override.get("token_generation_batches")
+    if isinstance(batches, list) and batches and all(_positive_int(b) for b in batches):
+        top = max(batches)
+        return top, (
+            f"override_neuron_config.token_generation_batches tops out at {top}, with "
+            f"--max-num-seqs left at vLLM's default"
+        )
     seqs = min(limits.max_num_seqs, NEURON_DEFAULT_MAX_NUM_SEQS)
     reason = (
         f"vLLM's default of {limits.max_num_seqs} is sized for GPUs; on Neuron every "
@@ -174,6 +184,12 @@ def resolve_max_num_seqs(
             f"another value"
         )
     return seqs, reason
+
+
+def _positive_int(value: object) -> bool:
+    """An int above 0, not a bool (a malformed list is left to the grid's own check,
+    which names the key and the fix)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def one_batch_reason(

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 
+from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.memory import GIB, SequenceBudget, sequence_budget
 from neuron_plugin.core.settings import (
     MAX_NUM_SEQS_CHOSEN,
@@ -45,6 +47,29 @@ def test_vllm_neurons_batch_size_key_sets_the_slots():
                                 architecture="LlamaForCausalLM")
     assert settings.max_num_seqs == 6 and settings.num_blocks == 7
     assert "tkg_batch_size=6" in settings.max_num_seqs_reason
+
+
+def test_the_largest_decode_batch_bucket_sets_the_slots_left_at_the_default():
+    """`LLM(max_num_seqs=128, ...)` reads as vLLM's default; batch buckets up to 128 say
+    what the user means (they were refused as above 32 before)."""
+    override = {"token_generation_batches": [1, 4, 32, 128]}
+    seqs, reason = resolve_max_num_seqs(LIMITS, override, "nxd", None)
+    assert seqs == 128
+    assert "token_generation_batches tops out at 128" in reason
+    settings = resolve_settings(LIMITS, override, backend="reference",
+                                architecture="LlamaForCausalLM")
+    assert settings.max_num_seqs == 128
+    assert settings.token_generation_batches == (1, 4, 32, 128)
+    assert resolve_max_num_seqs(LIMITS, {"token_generation_batches": [1, 8]}, "nxd", None)[0] == 8
+    # batch_size first, as vllm-neuron's key; a value the user chose is kept
+    both = {"batch_size": 16, "token_generation_batches": [1, 16]}
+    assert resolve_max_num_seqs(LIMITS, both, "nxd", None)[0] == 16
+    chosen = dataclasses.replace(LIMITS, max_num_seqs_is_default=False, max_num_seqs=64)
+    assert resolve_max_num_seqs(chosen, override, "nxd", None) == (64, MAX_NUM_SEQS_CHOSEN)
+    # a malformed list is the grid's to refuse, by name
+    with pytest.raises(NeuronConfigError, match="token_generation_batches"):
+        resolve_settings(LIMITS, {"token_generation_batches": [1, True]}, backend="reference",
+                         architecture="LlamaForCausalLM")
 
 
 def test_device_memory_lowers_the_default_to_what_fits():
