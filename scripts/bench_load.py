@@ -110,7 +110,7 @@ def padding(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "decode_real_rows": real,
         "padded_row_share": round(1 - real / rows, 4) if rows else None,
         "padded_tokens": after["padded_tokens"] - before["padded_tokens"],
-        "decode_buckets": sorted(used, key=lambda b: -used[b])[:3],
+        "decode_bucket_rows": used,
         **calls,
     }
 
@@ -323,10 +323,19 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "itl_ratio_range": [min(itl), max(itl)] if itl else None,
                 "failed": sum(p["failed"] + b["failed"] for p, b in pairs),
                 "padded_row_share": statistics.median(share) if share else None,
-                "decode_buckets": pairs[0][0].get("decode_buckets", []),
+                "decode_buckets": most_rows([p.get("decode_bucket_rows", {}) for p, _ in pairs]),
             }
         )
     return out
+
+
+def most_rows(runs: list[dict[str, float]]) -> list[str]:
+    """The three decode buckets that ran the most rows over `runs` (rows per bucket)."""
+    rows: dict[str, float] = {}
+    for run in runs:
+        for bucket, count in run.items():
+            rows[bucket] = rows.get(bucket, 0.0) + count
+    return sorted(rows, key=lambda b: -rows[b])[:3]
 
 
 def table(groups: list[dict[str, Any]]) -> list[list[str]]:

@@ -36,13 +36,21 @@ def default_batches(max_num_seqs: int, limit: int = DEFAULT_MAX_BATCH_BUCKETS) -
     return [sizes[i] for i in picks]
 
 
+def largest_batch_bucket(override: Mapping[str, Any]) -> int | None:
+    """The largest of the user's `token_generation_batches`, validated as every grid is
+    (a malformed list is refused naming the key); None when not given."""
+    if "token_generation_batches" not in override:
+        return None
+    return _grid(override, "token_generation_batches", [], maximum=None)[-1]
+
+
 def _grid(
     override: Mapping[str, Any],
     key: str,
     default: list[int],
     *,
-    maximum: int,
-    limit_name: str,
+    maximum: int | None,
+    limit_name: str = "the maximum",
     covers: int | None = None,
     why: str = "",
     align: int | None = None,

@@ -20,7 +20,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from neuron_plugin import BACKENDS
-from neuron_plugin.core.bucket_grids import BATCH_LIMIT_KEY, LOGITS_KEY, logits_note, resolve_grids
+from neuron_plugin.core.bucket_grids import (
+    BATCH_LIMIT_KEY,
+    LOGITS_KEY,
+    largest_batch_bucket,
+    logits_note,
+    resolve_grids,
+)
 from neuron_plugin.core.errors import NeuronConfigError
 from neuron_plugin.core.instances import core_slices
 from neuron_plugin.core.kv_layout import (
@@ -159,9 +165,8 @@ def resolve_max_num_seqs(
             return given, (
                 f"override_neuron_config.{key}={given}, with --max-num-seqs left at vLLM's default"
             )
-    batches = override.get("token_generation_batches")
-    if isinstance(batches, list) and batches and all(_positive_int(b) for b in batches):
-        top = max(batches)
+    top = largest_batch_bucket(override)
+    if top is not None:
         return top, (
             f"override_neuron_config.token_generation_batches tops out at {top}, with "
             f"--max-num-seqs left at vLLM's default"
@@ -184,12 +189,6 @@ def resolve_max_num_seqs(
             f"another value"
         )
     return seqs, reason
-
-
-def _positive_int(value: object) -> bool:
-    """An int above 0, not a bool (a malformed list is left to the grid's own check,
-    which names the key and the fix)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def one_batch_reason(

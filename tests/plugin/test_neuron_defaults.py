@@ -66,7 +66,7 @@ def test_the_largest_decode_batch_bucket_sets_the_slots_left_at_the_default():
     assert resolve_max_num_seqs(LIMITS, both, "nxd", None)[0] == 16
     chosen = dataclasses.replace(LIMITS, max_num_seqs_is_default=False, max_num_seqs=64)
     assert resolve_max_num_seqs(chosen, override, "nxd", None) == (64, MAX_NUM_SEQS_CHOSEN)
-    # a malformed list is the grid's to refuse, by name
+    # a malformed list is refused by the grid check, naming the key
     with pytest.raises(NeuronConfigError, match="token_generation_batches"):
         resolve_settings(LIMITS, {"token_generation_batches": [1, True]}, backend="reference",
                          architecture="LlamaForCausalLM")
